@@ -1,0 +1,24 @@
+"""Shared fixtures. Ray is started once per test session and stopped at the end."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_DIR = os.path.join(os.path.dirname(REPO_ROOT), "shared")
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One local Ray for the whole test session, with more logical CPUs than cores so that
+    four single-CPU partition owners fit on a two-core machine."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()

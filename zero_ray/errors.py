@@ -1,0 +1,53 @@
+"""Domain exceptions. Every error names the offending value and, where there is one, the fix."""
+
+from __future__ import annotations
+
+
+class ZeroRayError(Exception):
+    """Base class of every error zero_ray raises on purpose."""
+
+
+class ConfigError(ZeroRayError, ValueError):
+    """A configuration value is out of range or inconsistent with another."""
+
+
+class ResourceError(ZeroRayError):
+    """The cluster cannot host what the configuration asks for."""
+
+
+class ModelError(ZeroRayError):
+    """The user's model or loss function cannot be trained as given."""
+
+
+class OwnerError(ZeroRayError):
+    """A partition owner failed; carries the rank and the remote traceback."""
+
+    def __init__(self, message: str, *, rank: int | None = None, remote_traceback: str = "") -> None:
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        text = message if not remote_traceback else f"{message}\n\nRemote traceback:\n{remote_traceback}"
+        super().__init__(text)
+
+
+class OwnerLostError(OwnerError):
+    """A partition owner died or stopped answering."""
+
+
+class CollectiveError(ZeroRayError):
+    """A collective operation failed (a peer died, the group was aborted)."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A collective operation did not complete within its timeout."""
+
+
+class CheckpointError(ZeroRayError):
+    """A checkpoint is missing, incomplete, corrupt or does not match the model."""
+
+
+class ControlError(ZeroRayError):
+    """A control-plane (gRPC) call failed."""
+
+
+class AuthError(ControlError):
+    """A control-plane call was refused for its credentials."""
