@@ -1,0 +1,114 @@
+"""`zero-ray estimate`, through zero_ray.cli.main and `python -m zero_ray.cli`."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+from zero_ray.cli import main
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr of `zero-ray estimate ARGV`; argparse errors exit via
+    SystemExit, run-time ones return 2, and both count as the status here."""
+    try:
+        status = main(["estimate", *argv])
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def _stage_rows(out: str) -> dict[int, list[str]]:
+    """Stage number -> cells of its row, for a single-block output."""
+    rows = {}
+    for line in out.splitlines():
+        match = re.match(r"([0-3]) \S+\s", line)
+        if match:
+            rows[int(match[1])] = line.split()
+    return rows
+
+
+def test_table1_row_for_7_5b_on_64(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = _run(capsys, "--params", "7.5e9", "--world-size", "64")
+    assert status == 0 and err == ""
+    rows = _stage_rows(out)
+    assert sorted(rows) == [0, 1, 2, 3]
+    # Table 1 / the worked example: 120, 31.4, 16.6, 1.88 GB.
+    for stage, gb in {0: "120.00", 1: "31.41", 2: "16.64", 3: "1.88"}.items():
+        assert gb in rows[stage], (stage, rows[stage])
+    for stage, reduction in {0: "1.00x", 1: "3.82x", 2: "7.21x", 3: "64.00x"}.items():
+        assert reduction in rows[stage]
+    # GiB column: 120e9 / 2**30.
+    assert "111.76" in rows[0]
+    # Communication: volume 2Ψ / 3Ψ and the ring's (63/64) share of it.
+    assert "1.969" in " ".join(rows[0]) and "2.953" in " ".join(rows[3])
+    assert "(1.969 Psi)" in out and "(2.953 Psi)" in out
+    assert "K = 12" in out and "mixed precision" in out
+
+
+def test_one_block_per_world_size(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _run(capsys, "--params", "1e12", "--world-size", "4", "1024")
+    assert status == 0
+    assert "Nd = 4" in out and "Nd = 1024" in out
+    block4, block1024 = out.split("Nd = 1024")
+    # Table 1, 1T: Nd=4 -> 7000 / 5500 / 4000; Nd=1024 stage 3 -> 15.6.
+    for gb in ("7000.00", "5500.00", "4000.00"):
+        assert gb in block4
+    assert "15.62" in block1024 or "15.63" in block1024
+
+
+def test_device_memory_adds_largest_model_table2(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _run(capsys, "--params", "7.5e9", "--world-size", "64",
+                          "--device-memory-gb", "32")
+    assert status == 0
+    rows = _stage_rows(out)
+    for stage, largest in {0: "2.00B", 1: "7.64B", 2: "14.42B", 3: "128.00B"}.items():
+        assert rows[stage][-1] == largest
+
+
+def test_fp32_sgd_without_momentum(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _run(capsys, "--params", "1000", "--world-size", "4", "--precision", "fp32",
+                          "--optimizer", "sgd", "--no-momentum")
+    assert status == 0
+    assert "K = 0" in out and "8 B per parameter" in out
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--params", "abc", "--world-size", "4"], "'abc'"),
+    (["--params", "-1", "--world-size", "4"], "'-1'"),
+    (["--params", "0", "--world-size", "4"], "'0'"),
+    (["--params", "10.5", "--world-size", "4"], "'10.5'"),
+    (["--params", "nan", "--world-size", "4"], "'nan'"),
+    (["--params", "1e9", "--world-size", "0"], "'0'"),
+    (["--params", "1e9", "--world-size", "4", "x"], "'x'"),
+    (["--params", "1e9", "--world-size", "4", "--precision", "bf16"], "'bf16'"),
+    (["--params", "1e9", "--world-size", "4", "--optimizer", "lamb"], "'lamb'"),
+    (["--params", "1e9", "--world-size", "4", "--device-memory-gb", "-3"], "'-3'"),
+    (["--params", "1e9", "--world-size", "4", "--no-momentum"], "'adamw'"),
+    (["--world-size", "4"], "--params"),
+])
+def test_bad_input_exits_2_with_message(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                        needle: str) -> None:
+    status, out, err = _run(capsys, *argv)
+    assert status == 2
+    assert out == ""
+    assert "error:" in err and needle in err, err
+    assert "Traceback" not in err
+
+
+def test_python_dash_m() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "zero_ray.cli", "estimate", "--params", "7.5e9", "--world-size", "64"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "31.41" in result.stdout
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "zero_ray.cli", "estimate", "--params", "7.5e9", "--world-size", "-2"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "'-2'" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,204 @@
+"""`zero-ray estimate`: the paper's per-device model-state memory and communication, per stage.
+
+Pure arithmetic from `zero_ray.core.memory`; it starts no Ray and touches no device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from zero_ray.core.memory import (
+    STAGES,
+    communication_elements,
+    communication_volume_multiple,
+    largest_trainable_params,
+    model_state_bytes,
+    optimizer_bytes_per_param,
+)
+from zero_ray.errors import ConfigError
+
+_GB = 1e9  # the paper's GB (Table 1 and 2 use 1e9 bytes)
+_GIB = float(2**30)  # what nvidia-smi and torch.cuda report
+
+# Element sizes per precision: fp16 working copies in mixed precision, fp32 otherwise.
+_PRECISION_BYTES: dict[str, tuple[int, int]] = {"mixed": (2, 2), "fp32": (4, 4)}
+
+# What the optimizer state is made of, for the accounting line (the paper asks every report to say
+# which accounting it uses).
+_OPTIMIZER_STATE: dict[tuple[str, str, bool], str] = {
+    ("adamw", "mixed", True): "fp32 master + momentum + variance",
+    ("adamw", "fp32", True): "momentum + variance (the parameter is the master copy)",
+    ("sgd", "mixed", True): "fp32 master + momentum",
+    ("sgd", "mixed", False): "fp32 master",
+    ("sgd", "fp32", True): "momentum (the parameter is the master copy)",
+    ("sgd", "fp32", False): "none",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Accounting:
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    description: str
+
+
+def _param_count(text: str) -> int:
+    """--params: a whole, positive number of parameters, written as 7.5e9 or 7500000000."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (write e.g. 7.5e9)") from None
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 1")
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of parameters")
+    # Integers above 2**53 written as plain digits would lose precision through float.
+    return int(text) if text.strip().lstrip("+").isdigit() else int(value)
+
+
+def _world_size(text: str) -> int:
+    """--world-size: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def _device_gb(text: str) -> float:
+    """--device-memory-gb: a positive, finite number of GB (1e9 bytes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    """Add the `estimate` subcommand to the `zero-ray` parser."""
+    parser = subparsers.add_parser(
+        "estimate",
+        help="per-device model-state memory and communication for ZeRO stages 0-3",
+        description="Per-device model-state memory (parameters, gradients, optimizer states) and "
+                    "per-step communication for ZeRO stages 0-3, from the paper's formulas. "
+                    "Activations and buffers are not included.",
+    )
+    parser.add_argument("--params", type=_param_count, required=True, metavar="PSI",
+                        help="number of model parameters, e.g. 7.5e9")
+    parser.add_argument("--world-size", type=_world_size, nargs="+", required=True, metavar="N",
+                        help="data-parallel degree(s); one block is printed per value")
+    parser.add_argument("--precision", choices=sorted(_PRECISION_BYTES), default="mixed",
+                        help="mixed: fp16 params/grads + fp32 optimizer; fp32: everything fp32 "
+                             "(default: %(default)s)")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                        help="optimizer whose state is counted (default: %(default)s)")
+    parser.add_argument("--no-momentum", dest="momentum", action="store_false",
+                        help="SGD without momentum (no momentum buffer)")
+    parser.add_argument("--device-memory-gb", type=_device_gb, default=None, metavar="GB",
+                        help="device memory in GB (1e9 bytes); also print the largest model whose "
+                             "model states fit, per stage")
+    parser.set_defaults(func=run)
+
+
+def _accounting(*, optimizer: str, precision: str, momentum: bool) -> _Accounting:
+    param_bytes, grad_bytes = _PRECISION_BYTES[precision]
+    k = optimizer_bytes_per_param(optimizer, mixed_precision=precision == "mixed", momentum=momentum)
+    state = _OPTIMIZER_STATE[(optimizer, precision, momentum)]
+    kind = "fp16" if precision == "mixed" else "fp32"
+    description = (f"{precision} precision {optimizer}: {param_bytes} B {kind} params + "
+                   f"{grad_bytes} B {kind} grads + K = {k} B optimizer state ({state}) "
+                   f"= {param_bytes + grad_bytes + k} B per parameter")
+    return _Accounting(param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=k,
+                       description=description)
+
+
+def _human_count(value: float) -> str:
+    """7.5e9 -> "7.50B": two decimals in the largest unit (K, M, B, T) the value reaches."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{suffix}"
+    return f"{value:.0f}"
+
+
+def _print_block(out: TextIO, *, num_params: int, world_size: int, acct: _Accounting,
+                 device_gb: float | None) -> None:
+    print(f"Psi = {num_params} parameters ({_human_count(num_params)}), Nd = {world_size}", file=out)
+    headers = ["stage", "partitioned", "GB/device", "GiB/device", "vs stage 0",
+               "comm volume", "sent/device/step"]
+    if device_gb is not None:
+        headers.append(f"max Psi @ {device_gb:g} GB")
+
+    baseline = model_state_bytes(stage=0, num_params=num_params, world_size=world_size,
+                                 param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes,
+                                 optimizer_bytes=acct.optimizer_bytes).total
+    rows: list[list[str]] = []
+    for stage, spec in STAGES.items():
+        total = model_state_bytes(stage=stage, num_params=num_params, world_size=world_size,
+                                  param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes,
+                                  optimizer_bytes=acct.optimizer_bytes).total
+        sent = communication_elements(stage=stage, num_params=num_params, world_size=world_size)
+        row = [
+            f"{stage} {spec.name}",
+            "+".join(spec.partitioned) or "nothing",
+            f"{total / _GB:.2f}",
+            f"{total / _GIB:.2f}",
+            # total > 0: --params >= 1 and every accounting has at least 2 B of parameters.
+            f"{baseline / total:.2f}x",
+            f"{communication_volume_multiple(stage)} Psi",
+            f"{sent:.4g} ({sent / num_params:.3f} Psi)",
+        ]
+        if device_gb is not None:
+            largest = largest_trainable_params(
+                stage=stage, world_size=world_size, device_bytes=device_gb * _GB,
+                param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes,
+                optimizer_bytes=acct.optimizer_bytes)
+            row.append(_human_count(largest))
+        rows.append(row)
+
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    # Text columns left-aligned, numbers right-aligned so that decimals line up.
+    left = {0, 1}
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    print(fmt(headers), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for row in rows:
+        print(fmt(row), file=out)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print one table per world size; returns the exit status (2 for an invalid combination)."""
+    if not args.momentum and args.optimizer != "sgd":
+        # Adam has no momentum-free variant with less state; accepting the flag would silently
+        # print the same numbers and mislead.
+        print(f"zero-ray estimate: error: --no-momentum applies only to --optimizer sgd, "
+              f"not {args.optimizer!r} (Adam always keeps both moments)", file=sys.stderr)
+        return 2
+    try:
+        acct = _accounting(optimizer=args.optimizer, precision=args.precision,
+                           momentum=args.momentum)
+        out = sys.stdout
+        print(f"Model states per device (GB = 1e9 bytes, GiB = 2**30 bytes); "
+              f"{acct.description}.", file=out)
+        print("Communication: elements each device sends per step with ring collectives, "
+              "(Nd-1)/Nd of the volume.", file=out)
+        for world_size in args.world_size:
+            print(file=out)
+            _print_block(out, num_params=args.params, world_size=world_size, acct=acct,
+                         device_gb=args.device_memory_gb)
+    except ConfigError as exc:
+        print(f"zero-ray estimate: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,207 @@
+"""Model-state memory and communication accounting for ZeRO stages 0-3.
+
+This module is the paper's arithmetic (Rajbhandari et al., sections 3.1, 5 and 7) and nothing
+else: it imports neither ray nor grpc nor torch, so the CLI, the planner and the tests can use it
+anywhere.
+
+Accounting (the paper's, for mixed-precision Adam): every parameter costs `param_bytes` for the
+working copy, `grad_bytes` for its gradient and `K = optimizer_bytes` for optimizer state. A stage
+either replicates a category on every device or partitions it so that each of the `world_size`
+devices holds one shard of `ceil(num_params / world_size)` elements, which is what a padded flat
+buffer holds. Activations, temporary buffers and fragmentation (ZeRO-R) are not model states and
+are not counted here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from zero_ray.errors import ConfigError
+
+__all__ = [
+    "STAGES",
+    "ModelStateBytes",
+    "StageSpec",
+    "communication_elements",
+    "communication_volume_multiple",
+    "largest_trainable_params",
+    "model_state_bytes",
+    "optimizer_bytes_per_param",
+    "stage_spec",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSpec:
+    """What one ZeRO stage partitions, and how much it communicates.
+
+    `communication_multiple` is the per-step volume in units of Ψ before the ring factor
+    (N - 1) / N: 2 for all-reduce (or reduce-scatter + all-gather), 3 when parameters must also be
+    all-gathered a second time for the backward pass.
+    """
+
+    stage: int
+    name: str
+    partitions_params: bool
+    partitions_grads: bool
+    partitions_optimizer: bool
+    communication_multiple: int
+
+    @property
+    def partitioned(self) -> tuple[str, ...]:
+        """Names of the partitioned categories, in the order params, grads, optimizer."""
+        flags = (("params", self.partitions_params), ("grads", self.partitions_grads),
+                 ("optimizer", self.partitions_optimizer))
+        return tuple(name for name, on in flags if on)
+
+
+# The stages as data: each one adds one partitioned category to the previous one (Table 1 of the
+# paper). Read-only so that no caller can change what "stage 2" means for everyone else.
+STAGES: Mapping[int, StageSpec] = MappingProxyType({
+    0: StageSpec(stage=0, name="DP", partitions_params=False, partitions_grads=False,
+                 partitions_optimizer=False, communication_multiple=2),
+    1: StageSpec(stage=1, name="P_os", partitions_params=False, partitions_grads=False,
+                 partitions_optimizer=True, communication_multiple=2),
+    2: StageSpec(stage=2, name="P_os+g", partitions_params=False, partitions_grads=True,
+                 partitions_optimizer=True, communication_multiple=2),
+    3: StageSpec(stage=3, name="P_os+g+p", partitions_params=True, partitions_grads=True,
+                 partitions_optimizer=True, communication_multiple=3),
+})
+
+# Optimizer bytes per parameter, keyed by (optimizer, mixed_precision, momentum). In mixed
+# precision the optimizer also owns the fp32 master copy (4 bytes); in fp32 the master copy *is*
+# the parameter, already counted in `param_bytes`, so it is not counted twice.
+_OPTIMIZER_BYTES: Mapping[tuple[str, bool, bool], int] = MappingProxyType({
+    # Adam keeps both moments whatever beta1 is (torch allocates exp_avg even with beta1 = 0),
+    # so `momentum` does not change its footprint.
+    ("adamw", True, True): 12, ("adamw", True, False): 12,
+    ("adamw", False, True): 8, ("adamw", False, False): 8,
+    ("sgd", True, True): 8, ("sgd", True, False): 4,
+    ("sgd", False, True): 4, ("sgd", False, False): 0,
+})
+# Accepted spellings; "adam" and "adamw" hold the same state (weight decay is stateless).
+_OPTIMIZER_ALIASES: Mapping[str, str] = MappingProxyType({"adam": "adamw", "adamw": "adamw",
+                                                          "sgd": "sgd"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelStateBytes:
+    """Model-state bytes held by one device, by category."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        """Parameters + gradients + optimizer state, in bytes."""
+        return self.params + self.grads + self.optimizer
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> int:
+    # bool is an int subclass; `stage=True` is a caller bug, not stage 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+    if value < minimum:
+        raise ConfigError(f"{name}={value!r} must be >= {minimum}")
+    return value
+
+
+def stage_spec(stage: int) -> StageSpec:
+    """The `StageSpec` of `stage`; raises `ConfigError` for anything but 0, 1, 2 or 3."""
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
+        raise ConfigError(f"{stage=} is outside 0..3 (the ZeRO stages are 0, 1, 2 and 3)")
+    return STAGES[stage]
+
+
+def optimizer_bytes_per_param(optimizer: str, *, mixed_precision: bool, momentum: bool = True) -> int:
+    """K in the paper: optimizer-state bytes per parameter.
+
+    "adamw"/"adam": 12 in mixed precision (fp32 master + two fp32 moments), 8 in fp32 (two
+    moments; the parameter is its own master copy). "sgd": 8 / 4 with momentum, 4 / 0 without.
+    `momentum` only affects SGD. The name is case-insensitive; anything else raises `ConfigError`.
+    """
+    key = optimizer.strip().lower() if isinstance(optimizer, str) else None
+    canonical = _OPTIMIZER_ALIASES.get(key) if key is not None else None
+    if canonical is None:
+        raise ConfigError(f"optimizer={optimizer!r} is not supported; "
+                          f"accepted: {', '.join(sorted(_OPTIMIZER_ALIASES))}")
+    return _OPTIMIZER_BYTES[(canonical, bool(mixed_precision), bool(momentum))]
+
+
+def model_state_bytes(*, stage: int, num_params: int, world_size: int, param_bytes: int = 2,
+                      grad_bytes: int = 2, optimizer_bytes: int = 12) -> ModelStateBytes:
+    """Model-state bytes on ONE of `world_size` data-parallel devices at ZeRO `stage`.
+
+    A replicated category holds all `num_params` elements; a partitioned one holds
+    `ceil(num_params / world_size)` (the padded shard), so the result is the paper's formula
+    exactly when `num_params` is a multiple of `world_size` and slightly above it otherwise.
+    The defaults are the paper's mixed-precision Adam (2 + 2 + 12 bytes per parameter).
+    """
+    spec = stage_spec(stage)
+    _check_int("num_params", num_params, minimum=0)
+    _check_int("world_size", world_size, minimum=1)
+    _check_int("param_bytes", param_bytes, minimum=0)
+    _check_int("grad_bytes", grad_bytes, minimum=0)
+    _check_int("optimizer_bytes", optimizer_bytes, minimum=0)
+
+    shard = -(-num_params // world_size)  # integer ceil: floats lose exactness above 2**53
+
+    def elements(partitioned: bool) -> int:
+        return shard if partitioned else num_params
+
+    return ModelStateBytes(
+        params=elements(spec.partitions_params) * param_bytes,
+        grads=elements(spec.partitions_grads) * grad_bytes,
+        optimizer=elements(spec.partitions_optimizer) * optimizer_bytes,
+    )
+
+
+def communication_volume_multiple(stage: int) -> int:
+    """Per-step communication volume of `stage` in units of Ψ, before the ring factor: 2 or 3."""
+    return stage_spec(stage).communication_multiple
+
+
+def communication_elements(*, stage: int, num_params: int, world_size: int) -> float:
+    """Elements each device sends per training step with ring collectives.
+
+    Stages 0-2 move 2Ψ (reduce-scatter of gradients + all-gather of parameters, which is what an
+    all-reduce is), stage 3 moves 3Ψ (parameters are all-gathered in forward and again in
+    backward); a ring sends (N - 1) / N of that volume from each device, so one device sends 0.
+    """
+    multiple = communication_volume_multiple(stage)
+    _check_int("num_params", num_params, minimum=0)
+    _check_int("world_size", world_size, minimum=1)
+    return (world_size - 1) / world_size * multiple * num_params
+
+
+def largest_trainable_params(*, stage: int, world_size: int, device_bytes: float, param_bytes: int = 2,
+                             grad_bytes: int = 2, optimizer_bytes: int = 12) -> float:
+    """The Ψ whose model states exactly fill `device_bytes` per device at `stage`.
+
+    Uses the continuous formula (no shard padding), as the paper's Table 2 does: with 32 GB and
+    64 devices it gives 2B, 7.6B, 14.4B and 128B for stages 0-3. Memory for activations and
+    buffers is not subtracted; pass a smaller `device_bytes` to leave room for them.
+    """
+    spec = stage_spec(stage)
+    _check_int("world_size", world_size, minimum=1)
+    _check_int("param_bytes", param_bytes, minimum=0)
+    _check_int("grad_bytes", grad_bytes, minimum=0)
+    _check_int("optimizer_bytes", optimizer_bytes, minimum=0)
+    if isinstance(device_bytes, bool) or not isinstance(device_bytes, (int, float)) \
+            or not math.isfinite(device_bytes) or device_bytes < 0:
+        raise ConfigError(f"{device_bytes=} must be a finite number of bytes >= 0")
+
+    def per_param(nbytes: int, partitioned: bool) -> float:
+        return nbytes / world_size if partitioned else float(nbytes)
+
+    bytes_per_param = (per_param(param_bytes, spec.partitions_params)
+                       + per_param(grad_bytes, spec.partitions_grads)
+                       + per_param(optimizer_bytes, spec.partitions_optimizer))
+    if bytes_per_param == 0:
+        raise ConfigError("param_bytes, grad_bytes and optimizer_bytes are all 0: "
+                          "a parameter that costs nothing has no largest model")
+    return device_bytes / bytes_per_param
