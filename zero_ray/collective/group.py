@@ -1,0 +1,91 @@
+"""The collectives ZeRO needs, as a protocol, with counters of the bytes each rank sends.
+
+Every operation works in place on a flat buffer whose length is a multiple of the world size,
+split into ``world_size`` equal chunks; chunk ``r`` belongs to rank ``r``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Protocol
+
+import torch
+
+
+class ByteCounters:
+    """Bytes this rank has sent, by collective, since the last ``reset()``."""
+
+    def __init__(self) -> None:
+        self._sent: Counter[str] = Counter()
+
+    def add(self, op: str, nbytes: int) -> None:
+        self._sent[op] += nbytes
+
+    def reset(self) -> None:
+        self._sent.clear()
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self._sent)
+
+
+class Collective(Protocol):
+    """A process group of ``world_size`` ranks as the partition owner uses it."""
+
+    rank: int
+    world_size: int
+    counters: ByteCounters
+
+    def reduce_scatter_(self, buf: torch.Tensor) -> torch.Tensor:
+        """Sum ``buf`` across ranks into this rank's chunk (in place); return that chunk.
+        The other chunks of ``buf`` are left holding partial sums."""
+        ...
+
+    def all_gather_(self, buf: torch.Tensor) -> None:
+        """Fill every chunk of ``buf`` from its owner; this rank's chunk is the input."""
+        ...
+
+    def all_reduce_(self, buf: torch.Tensor) -> None:
+        """Sum ``buf`` across ranks, in place, with identical bits on every rank."""
+        ...
+
+    def all_reduce_values(self, values: list[float]) -> list[float]:
+        """Sum a few control scalars (norms, overflow flags) across ranks."""
+        ...
+
+    def barrier(self) -> None: ...
+
+    def destroy(self) -> None: ...
+
+
+def chunks(buf: torch.Tensor, world_size: int) -> tuple[torch.Tensor, ...]:
+    """The ``world_size`` equal chunks of a flat buffer (views)."""
+    if buf.dim() != 1 or buf.numel() % world_size:
+        raise ValueError(f"flat buffer of {buf.numel()} elements does not split into {world_size=} chunks")
+    return buf.chunk(world_size)
+
+
+class SoloGroup:
+    """World size 1: every collective is the identity and sends nothing."""
+
+    def __init__(self) -> None:
+        self.rank = 0
+        self.world_size = 1
+        self.counters = ByteCounters()
+
+    def reduce_scatter_(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf
+
+    def all_gather_(self, buf: torch.Tensor) -> None:
+        return None
+
+    def all_reduce_(self, buf: torch.Tensor) -> None:
+        return None
+
+    def all_reduce_values(self, values: list[float]) -> list[float]:
+        return list(values)
+
+    def barrier(self) -> None:
+        return None
+
+    def destroy(self) -> None:
+        return None
