@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from zero_ray import memory
+from zero_ray.config import ZeroConfig
+from zero_ray.core.optim import SGD, AdamW
+from zero_ray.core.precision import LossScaleConfig
+from zero_ray.core.schedule import Constant, WarmupCosine
+from zero_ray.driver.trainer import ZeroTrainer
 from zero_ray.errors import (
     CheckpointError,
     CollectiveError,
@@ -17,6 +23,14 @@ from zero_ray.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "SGD",
+    "AdamW",
+    "Constant",
+    "LossScaleConfig",
+    "WarmupCosine",
+    "ZeroConfig",
+    "ZeroTrainer",
+    "memory",
     "CheckpointError",
     "CollectiveError",
     "CollectiveTimeout",

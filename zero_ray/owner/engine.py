@@ -1,0 +1,189 @@
+"""OwnerEngine: one rank's training step (no Ray here; the actor wraps it).
+
+A step: split this rank's piece of the global batch into micro-batches; forward and backward
+each with its loss weighted by ``samples / global_samples`` (so the sum over all ranks and
+micro-batches is exactly the global-mean gradient, uneven splits included); let the reducer
+combine gradients; unscale and check for overflow, clip by the global norm, update this rank's
+slice, and all-gather updated parameters when the plan says so.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zero_ray.collective.group import Collective
+from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes, to_device
+from zero_ray.core.layout import FlatLayout
+from zero_ray.core.optim import Optimizer
+from zero_ray.core.precision import LossScaleConfig, LossScaler
+from zero_ray.core.stages import StagePlan
+from zero_ray.errors import ConfigError, ModelError
+from zero_ray.owner.reducer import GradReducer, make_reducer
+from zero_ray.owner.shard import ShardState
+
+ModelFn = Callable[[], torch.nn.Module]
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """What every rank needs to build the same model state."""
+
+    model_fn: ModelFn
+    loss_fn: LossFn
+    optimizer: Optimizer
+    plan: StagePlan
+    compute_dtype: torch.dtype
+    device: str
+    seed: int
+    bucket_bytes: int
+    grad_accum_steps: int
+    max_grad_norm: float | None
+    loss_scale: LossScaleConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """One rank's share of a step's metrics."""
+
+    rank: int
+    loss_sum: float  # sum over this rank's samples of the per-sample mean loss
+    samples: int
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+    compute_seconds: float
+    step_seconds: float
+    bytes_sent: dict[str, int]
+
+
+def build_module(spec: EngineSpec) -> torch.nn.Module:
+    """``torch.manual_seed(seed); model_fn()``, as the single-process reference builds it."""
+    torch.manual_seed(spec.seed)
+    module = spec.model_fn()
+    if not isinstance(module, torch.nn.Module):
+        raise ModelError(f"model_fn must return a torch.nn.Module; it returned {type(module).__name__}")
+    bad = [(n, p.dtype) for n, p in module.named_parameters() if not p.dtype.is_floating_point]
+    if bad:
+        raise ModelError(f"parameters must be floating point to be trained; found {bad}")
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise ModelError(f"parameters with requires_grad=False are not supported yet: {frozen}; "
+                         "remove them from the module or make them buffers")
+    if not any(True for _ in module.parameters()):
+        raise ModelError("model_fn returned a module without parameters")
+    return module
+
+
+def param_specs(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in module.named_parameters()]
+
+
+class OwnerEngine:
+    """One rank's module, shard state, reducer and step."""
+
+    def __init__(self, spec: EngineSpec, *, rank: int, group: Collective) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.world_size = group.world_size
+        self.group = group
+        self.device = torch.device(spec.device)
+        module = build_module(spec)
+        element = torch.finfo(spec.compute_dtype).bits // 8
+        self.layout = FlatLayout.by_size(param_specs(module), world_size=self.world_size,
+                                         bucket_numel=max(1, spec.bucket_bytes // element))
+        module.to(self.device)
+        for buf in module.buffers():
+            if buf.is_floating_point():
+                buf.data = buf.data.to(spec.compute_dtype)
+        self.module = module
+        self.shard = ShardState.bind(module, layout=self.layout, plan=spec.plan, rank=rank,
+                                     compute_dtype=spec.compute_dtype, device=self.device, optimizer=spec.optimizer)
+        self.reducer: GradReducer = make_reducer(self.shard, group)
+        self.scaler = LossScaler(config=spec.loss_scale, enabled=spec.compute_dtype == torch.float16)
+        self.steps_done = 0
+        self.last_bytes: dict[str, int] = {}
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self, piece: Batch, *, lr: float, global_samples: int) -> StepResult:
+        start = time.perf_counter()
+        self.group.counters.reset()
+        spec = self.spec
+        samples = batch_size(piece)
+        sizes = split_sizes(samples, spec.grad_accum_steps)
+        if min(sizes) == 0:
+            raise ConfigError(f"this rank's {samples} samples cannot fill {spec.grad_accum_steps=} micro-batches; "
+                              "use a global batch of at least world_size * grad_accum_steps")
+        scale = self.scaler.scale
+        loss_sum = 0.0
+        compute = 0.0
+        self.module.train()
+        for i, micro in enumerate(split_batch(piece, sizes)):
+            t0 = time.perf_counter()
+            self.reducer.begin_micro_batch()
+            loss = spec.loss_fn(self.module, to_device(micro, self.device, spec.compute_dtype))
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise ModelError(f"loss_fn must return a scalar tensor (the mean loss over the batch); got {shape}")
+            weight = sizes[i] / global_samples
+            (loss.reshape(()).float() * (weight * scale)).backward()
+            compute += time.perf_counter() - t0
+            self.reducer.end_micro_batch(last=i == len(sizes) - 1)
+            loss_sum += float(loss.detach().float()) * sizes[i]
+        norm, skipped = self._update(lr=lr, inv_scale=1.0 / scale)
+        self.shard.zero_grads()
+        self.last_bytes = self.group.counters.snapshot()
+        return StepResult(rank=self.rank, loss_sum=loss_sum, samples=samples, grad_norm=norm, skipped=skipped,
+                          loss_scale=scale, compute_seconds=compute, step_seconds=time.perf_counter() - start,
+                          bytes_sent=self.last_bytes)
+
+    def _update(self, *, lr: float, inv_scale: float) -> tuple[float, bool]:
+        spec, shard = self.spec, self.shard
+        fp32 = spec.compute_dtype == torch.float32
+        grads: list[torch.Tensor] = []
+        for b in shard.buckets:
+            g = shard.update_grad(b)
+            g = g if fp32 else g.float()
+            if inv_scale != 1.0:
+                g.mul_(inv_scale)
+            grads.append(g)
+        # Each rank's update slice is either the whole buffer (replicated optimizer: every rank
+        # already has the full reduced gradient) or its shard (the squares are summed across ranks).
+        sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
+        if not shard.plan.updates_whole_buffer:
+            sq = self.group.all_reduce_values([sq])[0]
+        norm = math.sqrt(sq) if math.isfinite(sq) else math.inf
+        if self.scaler.update(found_inf=not math.isfinite(norm)):
+            return norm, True
+        if spec.max_grad_norm is not None:
+            coef = min(1.0, spec.max_grad_norm / (norm + 1e-6))
+            for g in grads:
+                g.mul_(coef)
+        self.steps_done += 1
+        for b, g in zip(shard.buckets, grads):
+            spec.optimizer.update(b.master, g, b.state, step=self.steps_done, lr=lr, decay=b.decay)
+            if not b.master_is_view:
+                b.params[b.update_start:b.update_end].copy_(b.master)
+            if shard.plan.gather_after_update:
+                self.group.all_gather_(b.params)
+        return norm, False
+
+    # -- reports ----------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, int]:
+        report = {"rank": self.rank, **self.shard.memory_report()}
+        report["staging_peak"] = self.reducer.peak_staging_bytes()
+        report["numel"] = self.layout.numel
+        report["padded_numel"] = self.layout.padded_numel
+        return report
+
+    def comm_report(self) -> dict[str, int]:
+        return {"rank": self.rank, **self.last_bytes, "total": sum(self.last_bytes.values())}
+
+    def master_fragments(self) -> dict[str, tuple[int, int, torch.Tensor]]:
+        return self.shard.master_fragments()
