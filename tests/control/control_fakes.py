@@ -1,0 +1,172 @@
+"""Fake handlers and helpers for the control-plane tests (no Ray needed)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from zero_ray.control._generated import common_pb2
+from zero_ray.control.auth import PROTOCOL_VERSION, Credentials
+from zero_ray.control.client import ClientConfig, CoordinatorClient, OwnerClient
+from zero_ray.control.handlers import (
+    CheckpointResult,
+    Heartbeat,
+    JobStatus,
+    LoadResult,
+    MetricsEvent,
+    OwnerStats,
+    RankStatus,
+    ResizeResult,
+    SaveResult,
+    StepArgs,
+    StepResult,
+)
+from zero_ray.control.server import ControlServer, ServerConfig
+
+# Every wait in these tests is bounded by this, so a bug fails a test instead of hanging it.
+WAIT_S = 10.0
+LOOPBACK = "127.0.0.1"
+# batch_ref is opaque: arbitrary bytes, NULs and all, must arrive unchanged.
+ARGS = StepArgs(step=7, lr=3e-4, batch_ref=b"\x80\x05opaque-object-ref\x00\xff", global_samples=256, generation=2)
+
+
+class FakeOwner:
+    """An OwnerHandler recording its calls; ``step`` can be made to block."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.steps: list[StepArgs] = []
+        self.aborts: list[tuple[str, int]] = []
+        self.block_steps = False
+        self.step_entered = threading.Event()
+        self.release_step = threading.Event()
+        self.beats = 0
+        # When set, heartbeats after the first wait on this (to simulate a hung owner).
+        self.hang_heartbeats: threading.Event | None = None
+        self.fail_with: BaseException | None = None
+
+    def step(self, args: StepArgs) -> StepResult:
+        self.calls.append("step")
+        self.steps.append(args)
+        if self.fail_with is not None:
+            raise self.fail_with
+        if self.block_steps:
+            self.step_entered.set()
+            if not self.release_step.wait(WAIT_S):
+                raise TimeoutError("the test never released the step")
+        return StepResult(loss_sum=2.5, samples=args.global_samples // 2, grad_norm=0.75, skipped=False,
+                          loss_scale=65536.0, compute_seconds=0.125, rank=1,
+                          bytes_sent={"reduce_scatter": 1 << 33, "all_gather": 7})
+
+    def save(self, path: str, step: int) -> SaveResult:
+        self.calls.append("save")
+        return SaveResult(path=f"{path}/rank-1", step=step, bytes_written=1234)
+
+    def load(self, path: str, step: int) -> LoadResult:
+        self.calls.append("load")
+        if not path:
+            raise FileNotFoundError("no checkpoint at ''")
+        return LoadResult(step=step, bytes_read=4321)
+
+    def abort(self, reason: str, generation: int) -> bool:
+        self.calls.append("abort")
+        self.aborts.append((reason, generation))
+        return self.block_steps
+
+    def heartbeat(self) -> Heartbeat:
+        self.beats += 1
+        if self.hang_heartbeats is not None and self.beats > 1:
+            self.hang_heartbeats.wait(WAIT_S)
+        return Heartbeat(rank=1, step=self.beats, state="running", timestamp=1700000000.0 + self.beats,
+                         rss_bytes=1 << 30)
+
+    def stats(self) -> OwnerStats:
+        self.calls.append("stats")
+        return OwnerStats(step=9, rank=1, world_size=4, stage=3, memory_bytes={"params": 100, "optimizer": 800},
+                          bytes_sent={"all_gather": 5})
+
+
+STATUS = JobStatus(
+    world_size=2, stage=2, step=1200, last_loss=2.3412, state="running",
+    ranks=(
+        RankStatus(rank=0, node="10.0.0.5", healthy=True, state="running", last_heartbeat=1700000000.0,
+                   memory={"params": 3 << 30, "grads": 1 << 30}),
+        RankStatus(rank=1, node="10.0.0.6", healthy=False, state="lost", last_heartbeat=0.0, memory={}),
+    ),
+)
+
+
+class FakeCoordinator:
+    """A CoordinatorHandler recording its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.world_size = 2
+        self.metric_steps = 3
+
+    def status(self) -> JobStatus:
+        self.calls.append(("status", None))
+        return STATUS
+
+    def checkpoint(self, path: str | None) -> CheckpointResult:
+        self.calls.append(("checkpoint", path))
+        return CheckpointResult(path=path or "/ckpt/default/step-1200", step=1200)
+
+    def stop(self, reason: str) -> str:
+        self.calls.append(("stop", reason))
+        return "stopping"
+
+    def resize(self, world_size: int) -> ResizeResult:
+        self.calls.append(("resize", world_size))
+        previous, self.world_size = self.world_size, world_size
+        return ResizeResult(previous_world_size=previous, world_size=world_size)
+
+    def metrics(self, cancelled: threading.Event) -> Iterator[MetricsEvent]:
+        self.calls.append(("metrics", None))
+        for step in range(1, self.metric_steps + 1):
+            if cancelled.is_set():
+                return
+            yield MetricsEvent(step=step, loss=1.0 / step, step_seconds=0.5, tokens_per_second=1000.0 * step,
+                               values={"lr": 1e-4})
+
+
+@dataclass
+class Served:
+    """A started server, its fake handler and a connected client."""
+
+    server: ControlServer
+    handler: Any  # FakeOwner or FakeCoordinator
+    client: OwnerClient | CoordinatorClient
+    credentials: Credentials
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def client_config(self, **overrides: object) -> ClientConfig:
+        values: dict[str, object] = {"address": self.address, "credentials": self.credentials, "timeout_s": WAIT_S}
+        values.update(overrides)
+        return ClientConfig(**values)  # type: ignore[arg-type]
+
+
+def server_config(credentials: Credentials, **overrides: object) -> ServerConfig:
+    values: dict[str, object] = {"host": LOOPBACK, "credentials": credentials, "threads": 4, "max_streams": 2,
+                                 "grace_s": 0.0}
+    values.update(overrides)
+    return ServerConfig(**values)  # type: ignore[arg-type]
+
+
+def raw_channel(address: str) -> grpc.Channel:
+    """A plain channel, for calls that bypass the typed clients' header and token."""
+    return grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+
+
+def header(credentials: Credentials, *, job_id: str | None = None,
+           protocol_version: int = PROTOCOL_VERSION) -> common_pb2.RequestHeader:
+    """A RequestHeader as a well-behaved client sends it, or with one field wrong."""
+    return common_pb2.RequestHeader(job_id=credentials.job_id if job_id is None else job_id,
+                                    protocol_version=protocol_version)

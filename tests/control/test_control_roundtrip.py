@@ -1,0 +1,104 @@
+"""Every method of both services round-trips plain values over real gRPC on loopback."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from control_fakes import ARGS, STATUS, WAIT_S, Served, header, raw_channel
+
+from zero_ray.control._generated import coordinator_pb2, coordinator_pb2_grpc
+from zero_ray.control.auth import bearer_metadata
+from zero_ray.control.handlers import (
+    CheckpointResult,
+    Heartbeat,
+    LoadResult,
+    OwnerStats,
+    ResizeResult,
+    SaveResult,
+    StepArgs,
+    StepResult,
+)
+from zero_ray.errors import CheckpointError, ConfigError, ControlError, OwnerError
+
+
+def test_status_round_trip(coordinator: Served) -> None:
+    assert coordinator.client.status() == STATUS
+    assert coordinator.handler.calls == [("status", None)]
+
+
+def test_coordinator_actions(coordinator: Served) -> None:
+    client, handler = coordinator.client, coordinator.handler
+    assert client.checkpoint() == CheckpointResult(path="/ckpt/default/step-1200", step=1200)
+    assert client.checkpoint("/ckpt/now") == CheckpointResult(path="/ckpt/now", step=1200)
+    assert client.stop("maintenance") == "stopping"
+    assert client.resize(4) == ResizeResult(previous_world_size=2, world_size=4)
+    # An empty proto string reaches the handler as None: "use the configured directory".
+    assert handler.calls == [("checkpoint", None), ("checkpoint", "/ckpt/now"), ("stop", "maintenance"),
+                             ("resize", 4)]
+
+
+def test_metrics_stream_ends_with_training(coordinator: Served) -> None:
+    with coordinator.client.metrics(timeout_s=10.0) as events:
+        steps = [event.step for event in events]
+    assert steps == [1, 2, 3]
+
+
+def test_step_round_trip(owner: Served) -> None:
+    result = owner.client.step(ARGS, timeout_s=5.0)
+    assert result == StepResult(loss_sum=2.5, samples=128, grad_norm=0.75, skipped=False, loss_scale=65536.0,
+                                compute_seconds=0.125, rank=1,
+                                bytes_sent={"reduce_scatter": 1 << 33, "all_gather": 7})
+    assert owner.handler.steps == [ARGS]  # batch_ref bytes arrive untouched
+
+
+def test_owner_state_calls(owner: Served) -> None:
+    client = owner.client
+    assert client.save("/ckpt/s", 7) == SaveResult(path="/ckpt/s/rank-1", step=7, bytes_written=1234)
+    assert client.load("/ckpt/s", 7) == LoadResult(step=7, bytes_read=4321)
+    assert client.stats() == OwnerStats(step=9, rank=1, world_size=4, stage=3,
+                                        memory_bytes={"params": 100, "optimizer": 800}, bytes_sent={"all_gather": 5})
+    assert client.abort("peer lost", 2) is False
+    assert owner.handler.aborts == [("peer lost", 2)]
+
+
+def test_heartbeat_stream_delivers_heartbeats(owner: Served) -> None:
+    with owner.client.heartbeats(0.02) as beats:
+        received = [next(beats) for _ in range(3)]
+    assert [beat.step for beat in received] == [1, 2, 3]
+    assert received[0] == Heartbeat(rank=1, step=1, state="running", timestamp=1700000001.0, rss_bytes=1 << 30)
+
+
+@pytest.mark.parametrize(("raised", "code"), [
+    (ConfigError("lr=-1 must be > 0"), grpc.StatusCode.INVALID_ARGUMENT),
+    (OwnerError("rank 3 died", rank=3), grpc.StatusCode.ABORTED),
+    (CheckpointError("shard 2 is missing"), grpc.StatusCode.FAILED_PRECONDITION),
+    (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
+])
+def test_handler_exceptions_become_status_codes(owner: Served, raised: Exception, code: grpc.StatusCode) -> None:
+    owner.handler.fail_with = raised
+    with pytest.raises(ControlError) as info:
+        owner.client.step(ARGS)
+    assert info.value.__cause__.code() is code
+    message = str(info.value)
+    assert "PartitionOwner.Step" in message and type(raised).__name__ in message and str(raised) in message
+
+
+def test_missing_checkpoint_is_not_found(owner: Served) -> None:
+    with pytest.raises(ControlError, match="NOT_FOUND.*FileNotFoundError"):
+        owner.client.load("", 3)
+
+
+def test_invalid_arguments_are_refused_before_the_handler(coordinator: Served) -> None:
+    with pytest.raises(ConfigError, match="lr=nan"):
+        StepArgs(step=1, lr=float("nan"), batch_ref=b"", global_samples=1, generation=0)
+    with pytest.raises(ConfigError, match="world_size=0"):
+        coordinator.client.resize(0)
+    # The server checks as well, for clients that skip the local check.
+    with raw_channel(coordinator.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        request = coordinator_pb2.ResizeRequest(header=header(coordinator.credentials), world_size=0)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Resize(request, timeout=WAIT_S, metadata=bearer_metadata(coordinator.credentials.token))
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "world_size=0" in info.value.details()
+    assert coordinator.handler.calls == []

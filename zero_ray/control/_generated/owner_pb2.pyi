@@ -1,0 +1,163 @@
+from zero_ray.control._generated import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StepRequest(_message.Message):
+    __slots__ = ("header", "step", "lr", "batch_ref", "global_samples", "generation")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    BATCH_REF_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    step: int
+    lr: float
+    batch_ref: bytes
+    global_samples: int
+    generation: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., step: _Optional[int] = ..., lr: _Optional[float] = ..., batch_ref: _Optional[bytes] = ..., global_samples: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("loss_sum", "samples", "grad_norm", "skipped", "loss_scale", "compute_seconds", "bytes_sent", "rank")
+    class BytesSentEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    loss_sum: float
+    samples: int
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+    compute_seconds: float
+    bytes_sent: _containers.ScalarMap[str, int]
+    rank: int
+    def __init__(self, loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class SaveRequest(_message.Message):
+    __slots__ = ("header", "path", "step")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    path: str
+    step: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., path: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class SaveReply(_message.Message):
+    __slots__ = ("path", "step", "bytes_written")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    step: int
+    bytes_written: int
+    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("header", "path", "step")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    path: str
+    step: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., path: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class LoadReply(_message.Message):
+    __slots__ = ("step", "bytes_read")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    bytes_read: int
+    def __init__(self, step: _Optional[int] = ..., bytes_read: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("header", "reason", "generation")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    reason: str
+    generation: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class AbortReply(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ("header", "interval_ms")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    interval_ms: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., interval_ms: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("rank", "step", "state", "timestamp", "rss_bytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    step: int
+    state: str
+    timestamp: float
+    rss_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[str] = ..., timestamp: _Optional[float] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("memory_bytes", "bytes_sent", "step", "rank", "world_size", "stage")
+    class MemoryBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class BytesSentEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    memory_bytes: _containers.ScalarMap[str, int]
+    bytes_sent: _containers.ScalarMap[str, int]
+    step: int
+    rank: int
+    world_size: int
+    stage: int
+    def __init__(self, memory_bytes: _Optional[_Mapping[str, int]] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,225 @@
+"""What the control servers dispatch to, in plain Python.
+
+A handler is any object with the methods of :class:`OwnerHandler` or
+:class:`CoordinatorHandler`; it takes and returns the frozen dataclasses below
+and never sees protobuf or gRPC. The servicers in :mod:`zero_ray.control.server`
+translate in both directions, and the clients in :mod:`zero_ray.control.client`
+return the same dataclasses, so both ends of a call share one vocabulary.
+
+Threading: methods are called on the server's thread pool, several at a time
+(``abort`` arrives while ``step`` is still running, ``heartbeat`` every interval
+throughout), so they must be thread-safe, and every method but ``step``,
+``save``, ``load`` and ``checkpoint`` should return promptly.
+
+Errors: raise, and the caller gets a gRPC status carrying
+``"<ExceptionType>: <message>"``:
+
+======================================  ======================
+raised by the handler                   status code
+======================================  ======================
+``ValueError`` (incl. ``ConfigError``)  ``INVALID_ARGUMENT``
+``FileNotFoundError``                   ``NOT_FOUND``
+``CollectiveError``, ``OwnerError``     ``ABORTED`` (retry the step at a higher level)
+``TimeoutError``                        ``DEADLINE_EXCEEDED``
+``NotImplementedError``                 ``UNIMPLEMENTED``
+any other ``ZeroRayError``              ``FAILED_PRECONDITION``
+anything else                           ``INTERNAL`` (and logged with its traceback)
+======================================  ======================
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from zero_ray.errors import ConfigError
+
+
+def _non_negative(**values: int) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ConfigError(f"{name}={value} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepArgs:
+    """One training step, as the driver asks an owner to run it."""
+
+    step: int
+    lr: float
+    # A serialized Ray ObjectRef naming this owner's micro-batches; opaque to the control layer.
+    batch_ref: bytes
+    global_samples: int
+    # The driver's restart/resize generation; ``abort`` names the one it cancels.
+    generation: int
+
+    def __post_init__(self) -> None:
+        _non_negative(step=self.step, global_samples=self.global_samples, generation=self.generation)
+        if not math.isfinite(self.lr):
+            raise ConfigError(f"lr={self.lr} must be finite")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """An owner's share of a finished (or skipped) step."""
+
+    loss_sum: float
+    samples: int
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+    compute_seconds: float
+    rank: int
+    bytes_sent: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveResult:
+    """Where an owner wrote its shard."""
+
+    path: str
+    step: int
+    bytes_written: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadResult:
+    """What an owner restored; a failed load raises instead."""
+
+    step: int
+    bytes_read: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat:
+    """An owner's liveness sample. ``timestamp`` is Unix time on the owner's clock."""
+
+    rank: int
+    step: int
+    state: str
+    timestamp: float
+    rss_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnerStats:
+    """An owner's memory (bytes per kind of state) and traffic counters."""
+
+    step: int
+    rank: int
+    world_size: int
+    stage: int
+    memory_bytes: Mapping[str, int] = field(default_factory=dict)
+    bytes_sent: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankStatus:
+    """The driver's view of one rank. ``last_heartbeat`` is Unix time, 0.0 if none yet."""
+
+    rank: int
+    node: str
+    healthy: bool
+    state: str
+    last_heartbeat: float = 0.0
+    memory: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobStatus:
+    """The driver's view of the whole job."""
+
+    world_size: int
+    stage: int
+    step: int
+    last_loss: float
+    state: str
+    ranks: tuple[RankStatus, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointResult:
+    """A checkpoint the driver wrote on request."""
+
+    path: str
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResizeResult:
+    """A resize the driver accepted."""
+
+    previous_world_size: int
+    world_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsEvent:
+    """One finished step's metrics. ``values`` holds any further named scalars."""
+
+    step: int
+    loss: float
+    step_seconds: float
+    tokens_per_second: float
+    values: Mapping[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class OwnerHandler(Protocol):
+    """Served as ``zero_ray.v1.PartitionOwner`` by one partition owner."""
+
+    def step(self, args: StepArgs) -> StepResult:
+        """Run one step. May block for as long as the driver's deadline allows."""
+        ...
+
+    def save(self, path: str, step: int) -> SaveResult:
+        """Write this owner's shard of the state at ``step`` under ``path``."""
+        ...
+
+    def load(self, path: str, step: int) -> LoadResult:
+        """Restore this owner's shard of the state at ``step`` from ``path``."""
+        ...
+
+    def abort(self, reason: str, generation: int) -> bool:
+        """Make a ``step`` of ``generation`` that is running (or about to) give up
+        promptly; return whether there was one. Called while ``step`` blocks."""
+        ...
+
+    def heartbeat(self) -> Heartbeat:
+        """A liveness sample; called once per interval of every open Health stream."""
+        ...
+
+    def stats(self) -> OwnerStats:
+        """Memory and traffic counters."""
+        ...
+
+
+@runtime_checkable
+class CoordinatorHandler(Protocol):
+    """Served as ``zero_ray.v1.Coordinator`` by the driver."""
+
+    def status(self) -> JobStatus:
+        """The job's current state."""
+        ...
+
+    def checkpoint(self, path: str | None) -> CheckpointResult:
+        """Write a checkpoint now (under ``path``, or the configured directory when
+        None) and return once it is complete."""
+        ...
+
+    def stop(self, reason: str) -> str:
+        """Stop training after the current step; return the job's state afterwards."""
+        ...
+
+    def resize(self, world_size: int) -> ResizeResult:
+        """Continue training with ``world_size`` owners."""
+        ...
+
+    def metrics(self, cancelled: threading.Event) -> Iterator[MetricsEvent]:
+        """Yield one event per step as steps finish; returning ends the stream.
+        ``cancelled`` is set when the caller goes away or the server stops: wait on
+        it (``cancelled.wait(timeout)``) rather than sleeping, and return once set."""
+        ...
