@@ -131,3 +131,18 @@ class SGD:
                 buf.mul_(self.momentum).add_(grad, alpha=1 - self.dampening)
             grad = grad.add(buf, alpha=self.momentum) if self.nesterov else buf
         param.add_(grad, alpha=-lr)
+
+
+def torch_optimizer(config: AdamW | SGD, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer that ``config`` reproduces, with the same weight-decay
+    groups: the single-process reference and the PyTorch baselines use it."""
+    decay = [p for n, p in named_parameters if takes_weight_decay(n, tuple(p.shape), config.no_decay)]
+    rest = [p for n, p in named_parameters if not takes_weight_decay(n, tuple(p.shape), config.no_decay)]
+    groups = [g for g in ({"params": decay, "weight_decay": config.weight_decay},
+                          {"params": rest, "weight_decay": 0.0}) if g["params"]]
+    if isinstance(config, AdamW):
+        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+    if isinstance(config, SGD):
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, dampening=config.dampening,
+                               nesterov=config.nesterov)
+    raise ConfigError(f"no torch optimizer for {config!r}")

@@ -1,0 +1,103 @@
+"""Ring collectives on real Ray actors over gloo: results, bytes sent, timeouts."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import ray
+import torch
+
+from zero_ray.collective.ray_group import destroy_group, form_group
+from zero_ray.errors import CollectiveTimeout
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+@ray.remote(num_cpus=1)
+class Rank:
+    def __init__(self, rank: int, world_size: int, name: str, timeout_s: float) -> None:
+        self.rank, self.world_size, self.name, self.timeout_s = rank, world_size, name, timeout_s
+
+    def join(self) -> None:
+        self.group = form_group(backend="gloo", group_name=self.name, rank=self.rank,
+                                world_size=self.world_size, timeout_s=self.timeout_s)
+
+    def run(self, op: str, numel: int, dtype: str) -> tuple[torch.Tensor, dict[str, int]]:
+        torch.manual_seed(self.rank)
+        buf = torch.randn(numel).to(getattr(torch, dtype))
+        self.group.counters.reset()
+        if op == "reduce_scatter":
+            out = self.group.reduce_scatter_(buf).clone()
+        elif op == "all_gather":
+            out = buf.clone()
+            out.chunk(self.world_size)[self.rank].fill_(float(self.rank + 1))
+            self.group.all_gather_(out)
+        else:
+            out = buf.clone()
+            self.group.all_reduce_(out)
+        return out, self.group.counters.snapshot()
+
+    def values(self, values: list[float]) -> list[float]:
+        return self.group.all_reduce_values(values)
+
+    def lonely_reduce_scatter(self) -> str:
+        try:
+            self.group.reduce_scatter_(torch.zeros(8))
+        except CollectiveTimeout as err:
+            return str(err)
+        return "completed"
+
+    def leave(self) -> None:
+        destroy_group(self.name)
+
+
+def _group(n: int, timeout_s: float = 30.0) -> list:
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    ranks = [Rank.remote(r, n, name, timeout_s) for r in range(n)]
+    ray.get([a.join.remote() for a in ranks], timeout=120)
+    return ranks
+
+
+def _stop(ranks: list) -> None:
+    for a in ranks:
+        ray.kill(a)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_reduce_scatter_all_gather_all_reduce_are_exact_and_send_n_minus_1_over_n(n: int) -> None:
+    ranks = _group(n)
+    try:
+        numel = 12 * 1024
+        inputs = []
+        for r in range(n):
+            torch.manual_seed(r)
+            inputs.append(torch.randn(numel))
+        total = torch.stack(inputs).sum(0)
+        chunk = numel // n
+        for r, (out, sent) in enumerate(ray.get([a.run.remote("reduce_scatter", numel, "float32") for a in ranks])):
+            torch.testing.assert_close(out, total.chunk(n)[r], rtol=1e-6, atol=1e-6)
+            assert sent == {"reduce_scatter": (n - 1) * chunk * 4}
+        for out, sent in ray.get([a.run.remote("all_gather", numel, "float32") for a in ranks]):
+            assert [float(c[0]) for c in out.chunk(n)] == [float(r + 1) for r in range(n)]
+            assert sent == {"all_gather": (n - 1) * chunk * 4}
+        results = ray.get([a.run.remote("all_reduce", numel, "float32") for a in ranks])
+        for out, sent in results:
+            assert torch.equal(out, results[0][0])  # identical bits on every rank
+            torch.testing.assert_close(out, total, rtol=1e-5, atol=1e-5)
+            assert sent == {"all_reduce": 2 * (n - 1) * chunk * 4}
+        # bf16 moves half the bytes
+        for _, sent in ray.get([a.run.remote("reduce_scatter", numel, "bfloat16") for a in ranks]):
+            assert sent == {"reduce_scatter": (n - 1) * chunk * 2}
+        assert ray.get([a.values.remote([1.0, float(i)]) for i, a in enumerate(ranks)])[0] == [n, sum(range(n))]
+    finally:
+        _stop(ranks)
+
+
+def test_a_collective_whose_peer_never_comes_times_out_with_a_domain_error() -> None:
+    ranks = _group(2, timeout_s=1.5)
+    try:
+        message = ray.get(ranks[0].lonely_reduce_scatter.remote(), timeout=60)
+        assert "timed out after 1.5s" in message and "rank 0 of 2" in message
+    finally:
+        _stop(ranks)

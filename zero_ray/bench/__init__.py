@@ -1,0 +1,1 @@
+"""Baselines and benchmarks: the same training run in plain PyTorch systems for comparison."""

@@ -1,0 +1,120 @@
+"""Reference runs in plain PyTorch: one process, and DDP over Ray actors on gloo.
+
+Both see the same data as a ZeroTrainer: the global batch split along dim 0 as evenly as
+possible. DDP averages gradients over ranks, so with uneven splits each rank's loss is
+weighted by ``world_size * samples / global_samples`` to make DDP's average the global mean.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes
+from zero_ray.core.optim import SGD, AdamW, torch_optimizer
+
+ModelFn = Callable[[], torch.nn.Module]
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+def single_process(model_fn: ModelFn, loss_fn: LossFn, optimizer: AdamW | SGD, batches: Sequence[Batch], *,
+                   seed: int = 0, max_grad_norm: float | None = None,
+                   lr_schedule: Callable[[int], float] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Train ``torch.manual_seed(seed); model_fn()`` with ``torch.optim`` on whole batches;
+    return the final parameters and the per-step losses."""
+    torch.manual_seed(seed)
+    module = model_fn()
+    opt = torch_optimizer(optimizer, list(module.named_parameters()))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule) if lr_schedule else None
+    losses = []
+    for batch in batches:
+        opt.zero_grad()
+        loss = loss_fn(module, batch)
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), max_grad_norm)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        losses.append(float(loss))
+    return {n: p.detach().clone() for n, p in module.named_parameters()}, losses
+
+
+class DDPWorker:
+    """One rank of PyTorch DistributedDataParallel on the gloo group Ray forms."""
+
+    def __init__(self, *, rank: int, world_size: int, group_name: str, model_fn: ModelFn, loss_fn: LossFn,
+                 optimizer: AdamW | SGD, seed: int, max_grad_norm: float | None, threads: int = 1) -> None:
+        torch.set_num_threads(threads)
+        self.rank, self.world_size, self.group_name = rank, world_size, group_name
+        self._model_fn, self._loss_fn, self._optimizer = model_fn, loss_fn, optimizer
+        self._seed, self._max_grad_norm = seed, max_grad_norm
+
+    def setup(self) -> None:
+        import ray.util.collective as col
+        from torch.nn.parallel import DistributedDataParallel
+
+        col.init_collective_group(self.world_size, self.rank, backend="gloo", group_name=self.group_name)
+        pg = col.collective.get_group_handle(self.group_name)._pg
+        torch.manual_seed(self._seed)
+        self.module = DistributedDataParallel(self._model_fn(), process_group=pg)
+        self.opt = torch_optimizer(self._optimizer, list(self.module.module.named_parameters()))
+
+    def step(self, piece: Batch, global_samples: int) -> tuple[float, float]:
+        start = time.perf_counter()
+        self.opt.zero_grad()
+        n = batch_size(piece)
+        loss = self._loss_fn(self.module, piece)
+        (loss * (self.world_size * n / global_samples)).backward()
+        if self._max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self._max_grad_norm)
+        self.opt.step()
+        return float(loss) * n, time.perf_counter() - start
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.module.module.named_parameters()}
+
+    def close(self) -> None:
+        import ray.util.collective as col
+
+        col.destroy_collective_group(self.group_name)
+
+
+class DDPRun:
+    """``world_size`` DDPWorker actors trained on the same global batches as a ZeroTrainer."""
+
+    def __init__(self, model_fn: ModelFn, loss_fn: LossFn, optimizer: AdamW | SGD, *, world_size: int,
+                 seed: int = 0, max_grad_norm: float | None = None, num_cpus: float = 1.0,
+                 timeout_s: float = 300.0) -> None:
+        import uuid
+
+        name = f"ddp-{uuid.uuid4().hex[:8]}"
+        cls = ray.remote(num_cpus=num_cpus)(DDPWorker)
+        self.workers = [cls.remote(rank=r, world_size=world_size, group_name=name, model_fn=model_fn, loss_fn=loss_fn,
+                                   optimizer=optimizer, seed=seed, max_grad_norm=max_grad_norm,
+                                   threads=max(1, int(num_cpus))) for r in range(world_size)]
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        ray.get([w.setup.remote() for w in self.workers], timeout=timeout_s)
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        n = batch_size(batch)
+        pieces = split_batch(batch, split_sizes(n, self.world_size))
+        out = ray.get([w.step.remote(p, n) for w, p in zip(self.workers, pieces)], timeout=self.timeout_s)
+        return {"loss": sum(o[0] for o in out) / n, "step_seconds": max(o[1] for o in out)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return ray.get(self.workers[0].state_dict.remote(), timeout=self.timeout_s)
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([w.close.remote() for w in self.workers], timeout=10)
+        except Exception:  # a broken group may not close; the actors are killed anyway
+            pass
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
