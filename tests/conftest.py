@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +17,14 @@ def ray_session() -> Iterator[None]:
     """One local Ray for the whole test session, with more logical CPUs than cores so that
     four single-CPU partition owners fit on a two-core machine."""
     import ray
+    from ray import cloudpickle
 
+    # Functions and classes defined in test modules travel to the actors by value: the actors'
+    # interpreters cannot import test modules by name.
+    tests_dir = os.path.join(REPO_ROOT, "tests")
+    for module in list(sys.modules.values()):
+        if (getattr(module, "__file__", None) or "").startswith(tests_dir):
+            cloudpickle.register_pickle_by_value(module)
     if not ray.is_initialized():
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})

@@ -134,12 +134,15 @@ class ShardState:
     # -- accounting -------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
         """Model-state bytes by category, measured from the tensors held; padding apart."""
-        report = {"params": 0, "grads": 0, "optimizer": 0, "optimizer_master": 0, "optimizer_moments": 0, "padding": 0}
+        report = {"params": 0, "grads": 0, "optimizer": 0, "optimizer_master": 0, "optimizer_moments": 0,
+                  "padding": 0, "padding_params": 0, "padding_grads": 0, "padding_optimizer": 0}
 
         def count(category: str, tensor: torch.Tensor, real: int) -> None:
             size = tensor.element_size()
             report[category] += real * size
-            report["padding"] += (tensor.numel() - real) * size
+            pad = (tensor.numel() - real) * size
+            report["padding"] += pad
+            report["padding_" + category.split("_")[0]] += pad
 
         for b in self.buckets:
             count("params", b.params, b.spec.numel)

@@ -1,0 +1,62 @@
+"""Measured model-state bytes and bytes sent equal the paper's formulas, to the byte."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import zero_ray as zr
+from zero_ray.core.memory import model_state_bytes, optimizer_bytes_per_param
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+
+def _model() -> torch.nn.Module:
+    from zero_ray.models import mlp
+
+    return mlp(23, 3)  # 3 * (23*23 + 23) = 1656 parameters: padding at world size 5 is not zero
+
+
+def _loss(module: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return module(batch).pow(2).mean()
+
+
+CASES = [(stage, n, dtype) for stage in (0, 1, 2) for n in (2, 3) for dtype in ("float32", "bfloat16")]
+
+
+@pytest.mark.parametrize(("stage", "world_size", "dtype"), CASES)
+def test_model_state_bytes_and_communication_match_the_paper(stage: int, world_size: int, dtype: str) -> None:
+    trainer = zr.ZeroTrainer(_model, _loss, optimizer=zr.AdamW(lr=1e-3),
+                             config=zr.ZeroConfig(stage=stage, world_size=world_size, dtype=dtype, bucket_bytes=2048))
+    try:
+        trainer.step(torch.randn(world_size * 3, 23))
+        memory, comm = trainer.memory_report(), trainer.comm_report()
+    finally:
+        trainer.shutdown()
+    mixed = dtype != "float32"
+    element = 2 if mixed else 4
+    k = optimizer_bytes_per_param("adamw", mixed_precision=mixed)
+    padded = memory[0]["padded_numel"]
+    assert memory[0]["numel"] == 1656
+    expected = model_state_bytes(stage=stage, num_params=padded, world_size=world_size, param_bytes=element,
+                                 grad_bytes=element, optimizer_bytes=k)
+    for rank in memory:
+        # everything held, padding included, is the formula over the padded buffers
+        assert rank["params"] + rank["padding_params"] == expected.params
+        assert rank["grads"] + rank["padding_grads"] == expected.grads
+        assert rank["optimizer"] + rank["padding_optimizer"] == expected.optimizer
+        assert rank["total"] == expected.total == rank["held_storage_bytes"]
+    # without padding, the sharded categories add up to exactly Psi across ranks
+    real = model_state_bytes(stage=stage, num_params=1656, world_size=1, param_bytes=element, grad_bytes=element,
+                             optimizer_bytes=k)
+    if stage >= 1:
+        assert sum(r["optimizer"] for r in memory) == real.optimizer
+    if stage >= 2:
+        assert sum(r["grads"] for r in memory) == real.grads
+    for rank in comm:
+        model_state = rank["total"] - rank.get("scalars", 0)
+        assert model_state == 2 * (world_size - 1) * padded // world_size * element
+        assert rank.get("scalars", 0) <= 64  # the global gradient norm, a few bytes
