@@ -1,0 +1,164 @@
+"""The main job: a small GPT trained on the Python standard library's own source files.
+
+Every machine with Python has that corpus, so the job needs no downloads. Bytes are tokens
+(vocabulary 256). Used by ``zero-ray train`` and ``examples/train_gpt.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import glob
+import logging
+import os
+import sysconfig
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from zero_ray.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def stdlib_corpus(max_bytes: int = 4 * 2**20) -> torch.Tensor:
+    """Up to ``max_bytes`` of the standard library's ``*.py`` files, in sorted path order, as a
+    uint8 tensor (deterministic for a given Python installation)."""
+    root = sysconfig.get_paths()["stdlib"]
+    chunks: list[bytes] = []
+    total = 0
+    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
+        with open(path, "rb") as fh:
+            data = fh.read()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not chunks:
+        raise ConfigError(f"no Python sources found under {root!r} to train on")
+    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSampler:
+    """Random windows of ``block_size + 1`` tokens; the same seed gives the same batches."""
+
+    corpus: torch.Tensor
+    block_size: int
+    batch_size: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.corpus.numel() <= self.block_size + 1:
+            raise ConfigError(f"corpus of {self.corpus.numel()} tokens is too short for block_size={self.block_size}")
+
+    def batch(self, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, self.corpus.numel() - self.block_size - 1, (self.batch_size,), generator=g)
+        offsets = torch.arange(self.block_size + 1)
+        return self.corpus[starts[:, None] + offsets].long()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The main job's options (defaults: stage 2, 2 actors, CPU unless the cluster has GPUs)."""
+    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=32, help="global batch (sequences)")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--grad-accum-steps", type=int, default=1)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corpus-bytes", type=int, default=4 * 2**20)
+    parser.add_argument("--address", default=None, help="Ray address; default: a running cluster, else a local one")
+    parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+
+
+def memory_table(reports: Sequence[dict[str, int]], *, stage: int, dtype: str) -> str:
+    """Per-actor model-state bytes (measured) beside the paper's formula for the stage."""
+    from zero_ray.core.memory import model_state_bytes, optimizer_bytes_per_param
+
+    mixed = dtype not in ("float32", "fp32")
+    element = 2 if mixed else 4
+    k = optimizer_bytes_per_param("adamw", mixed_precision=mixed)
+    n = len(reports)
+    formula = model_state_bytes(stage=stage, num_params=reports[0]["padded_numel"], world_size=n, param_bytes=element,
+                                grad_bytes=element, optimizer_bytes=k).total
+
+    def mib(v: int) -> str:
+        return f"{v / 2**20:9.3f}"
+
+    lines = [f"Model-state memory per actor (MiB; measured from the tensors held; {dtype}, AdamW K={k})",
+             "rank     params      grads  optimizer    padding      total    formula",
+             "----  ---------  ---------  ---------  ---------  ---------  ---------"]
+    for r in reports:
+        lines.append(f"{r['rank']:>4}  {mib(r['params'])}  {mib(r['grads'])}  {mib(r['optimizer'])}  "
+                     f"{mib(r['padding'])}  {mib(r['total'])}  {mib(formula)}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train the GPT and print progress, final loss and the memory table."""
+    import ray
+
+    import zero_ray as zr
+    from zero_ray.models import GPT, GPTConfig, lm_loss
+
+    if not ray.is_initialized():
+        ray.init(address=args.address, log_to_driver=False) if args.address else ray.init(log_to_driver=False)
+    gpt = GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                    n_embd=args.n_embd)
+    sampler = BatchSampler(corpus=stdlib_corpus(args.corpus_bytes), block_size=args.block_size,
+                           batch_size=args.batch_size, seed=args.seed)
+    config = zr.ZeroConfig(stage=args.stage, world_size=args.world_size, dtype=args.dtype, device=args.device,
+                           grad_accum_steps=args.grad_accum_steps, max_grad_norm=args.max_grad_norm, seed=args.seed,
+                           lr_schedule=zr.WarmupCosine(warmup_steps=max(1, args.steps // 20), total_steps=args.steps,
+                                                       min_ratio=0.1))
+    trainer = zr.ZeroTrainer(functools.partial(GPT, gpt), lm_loss, optimizer=zr.AdamW(lr=args.lr, weight_decay=0.1),
+                             config=config)
+    print(f"zero_ray: stage {args.stage}, {trainer.world_size} actors on {trainer.device}, "
+          f"{trainer.num_params / 1e6:.2f}M parameters, global batch {args.batch_size} x {args.block_size} tokens")
+    tokens_per_step = args.batch_size * args.block_size
+    try:
+        bar = None if args.no_progress else _progress(args.steps)
+        first = last = None
+        start = time.perf_counter()
+        for step in range(args.steps):
+            metrics = trainer.step(sampler.batch(step))
+            first = metrics["loss"] if first is None else first
+            last = metrics["loss"]
+            rate = tokens_per_step * (step + 1) / (time.perf_counter() - start)
+            if bar is not None:
+                bar.set_postfix(loss=f"{last:.3f}", tok_s=f"{rate:,.0f}")
+                bar.update(1)
+            elif step % 20 == 0 or step == args.steps - 1:
+                print(f"step {step + 1:>5}/{args.steps}  loss {last:.4f}  {rate:,.0f} tokens/s", flush=True)
+        if bar is not None:
+            bar.close()
+        elapsed = time.perf_counter() - start
+        print(f"loss {first:.4f} -> {last:.4f} in {args.steps} steps, {elapsed:.1f}s "
+              f"({tokens_per_step * args.steps / elapsed:,.0f} tokens/s)")
+        print(memory_table(trainer.memory_report(), stage=args.stage, dtype=args.dtype))
+    finally:
+        trainer.shutdown()
+    return 0
+
+
+def _progress(total: int):  # type: ignore[no-untyped-def]
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
