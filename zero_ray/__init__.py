@@ -19,6 +19,7 @@ from zero_ray.errors import (
     ResourceError,
     ZeroRayError,
 )
+from zero_ray.submit import submit
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "WarmupCosine",
     "ZeroConfig",
     "ZeroTrainer",
+    "submit",
     "memory",
     "CheckpointError",
     "CollectiveError",

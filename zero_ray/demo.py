@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus-bytes", type=int, default=4 * 2**20)
     parser.add_argument("--address", default=None, help="Ray address; default: a running cluster, else a local one")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="where checkpoints go (a mounted volume on KubeRay); sharded checkpoints are not "
+                             "written yet, so this is accepted and reported")
 
 
 def memory_table(reports: Sequence[dict[str, int]], *, stage: int, dtype: str) -> str:
@@ -126,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
                              config=config)
     print(f"zero_ray: stage {args.stage}, {trainer.world_size} actors on {trainer.device}, "
           f"{trainer.num_params / 1e6:.2f}M parameters, global batch {args.batch_size} x {args.block_size} tokens")
+    if args.checkpoint_dir:
+        print(f"note: --checkpoint-dir={args.checkpoint_dir!r} given, but this version writes no checkpoints yet")
     tokens_per_step = args.batch_size * args.block_size
     try:
         bar = None if args.no_progress else _progress(args.steps)

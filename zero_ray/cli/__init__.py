@@ -11,6 +11,9 @@ from collections.abc import Sequence
 # One module per subcommand (or family of subcommands); add new ones here.
 _COMMAND_MODULES: tuple[str, ...] = (
     "zero_ray.cli.estimate",
+    "zero_ray.cli.train",
+    "zero_ray.cli.control",
+    "zero_ray.cli.submit",
 )
 
 
