@@ -17,6 +17,7 @@ from zero_ray.errors import (
     OwnerError,
     OwnerLostError,
     ResourceError,
+    StopRequested,
     ZeroRayError,
 )
 from zero_ray.submit import submit
@@ -41,6 +42,7 @@ __all__ = [
     "OwnerError",
     "OwnerLostError",
     "ResourceError",
+    "StopRequested",
     "ZeroRayError",
     "__version__",
 ]

@@ -37,6 +37,10 @@ class ZeroConfig:
         thread count.
     placement_strategy: Ray placement-group strategy for the owners.
     loss_scale: dynamic loss scaling settings (float16 only).
+    health_interval_s / health_timeout_s: owners send heartbeats every interval over gRPC; one
+        silent for the timeout (a frozen process) or whose stream breaks (a dead one) is lost.
+    max_failures: step failures on live owners survived (abort, re-form the group, continue).
+    control_token_dir: where the control token file is written (default: a private temp dir).
     """
 
     stage: int = 2
@@ -55,6 +59,10 @@ class ZeroConfig:
     num_cpus_per_owner: float = 1.0
     placement_strategy: str = "PACK"
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 10.0
+    max_failures: int = 3
+    control_token_dir: str | None = None
 
     def __post_init__(self) -> None:
         stage_plan(self.stage)  # raises ConfigError naming the stage
@@ -75,7 +83,13 @@ class ZeroConfig:
             raise ConfigError(f"bucket_bytes={self.bucket_bytes} is too small; use at least 1024 (default 25 MiB)")
         if self.lr_schedule is not None and not callable(self.lr_schedule):
             raise ConfigError(f"lr_schedule={self.lr_schedule!r} must be callable: step -> lr multiplier")
-        for name in ("collective_timeout_s", "step_timeout_s", "init_timeout_s"):
+        if self.max_failures < 0:
+            raise ConfigError(f"max_failures={self.max_failures!r} must be >= 0")
+        if not self.health_interval_s < self.health_timeout_s:
+            raise ConfigError(f"health_interval_s={self.health_interval_s!r} must be below "
+                              f"health_timeout_s={self.health_timeout_s!r}")
+        for name in ("collective_timeout_s", "step_timeout_s", "init_timeout_s", "health_interval_s",
+                     "health_timeout_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name}={value!r} must be a finite number of seconds > 0")

@@ -51,3 +51,7 @@ class ControlError(ZeroRayError):
 
 class AuthError(ControlError):
     """A control-plane call was refused for its credentials."""
+
+
+class StopRequested(ZeroRayError):
+    """An operator asked the run to stop (``zero-ray stop``); no further steps are taken."""

@@ -56,6 +56,10 @@ class Collective(Protocol):
 
     def destroy(self) -> None: ...
 
+    def abort(self) -> None:
+        """Tear down from another thread so that peers blocked on this rank fail promptly."""
+        ...
+
 
 def chunks(buf: torch.Tensor, world_size: int) -> tuple[torch.Tensor, ...]:
     """The ``world_size`` equal chunks of a flat buffer (views)."""
@@ -88,4 +92,7 @@ class SoloGroup:
         return None
 
     def destroy(self) -> None:
+        return None
+
+    def abort(self) -> None:
         return None

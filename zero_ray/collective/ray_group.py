@@ -14,6 +14,7 @@ are rings already.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 
 import torch
@@ -109,7 +110,16 @@ class RingGroup:
         self.all_reduce_values([0.0])
 
     def destroy(self) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        """Tear the group down and drop every reference to it, so its sockets close: peers
+        blocked waiting on this rank then fail at once (measured: destroying the group while a
+        reference survives leaves them blocked until their timeout)."""
         destroy_group(self.group_name)
+        self._pg = None
+        self._scratch = None
+        gc.collect()
 
 
 class NcclGroup:
@@ -158,6 +168,9 @@ class NcclGroup:
 
     def destroy(self) -> None:
         self._col.destroy_collective_group(self.group_name)
+
+    def abort(self) -> None:
+        self.destroy()
 
 
 def form_group(*, backend: str, group_name: str, rank: int, world_size: int, timeout_s: float) -> Collective:

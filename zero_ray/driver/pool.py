@@ -8,18 +8,26 @@ actor becomes OwnerLostError naming its rank and node. Every wait is bounded.
 from __future__ import annotations
 
 import logging
+import re
 import time
-import uuid
 from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from zero_ray.errors import OwnerError, OwnerLostError, ResourceError, ZeroRayError
-from zero_ray.owner.actor import RemotePartitionOwner
+from zero_ray.control.auth import Credentials
+from zero_ray.control.client import ClientConfig, OwnerClient
+from zero_ray.control.handlers import OwnerStats, StepArgs, StepResult
+from zero_ray.driver.health import HealthMonitor
+
+from zero_ray import errors
+from zero_ray.errors import ControlError, OwnerError, OwnerLostError, ResourceError, ZeroRayError
+from zero_ray.owner.actor import OwnerOptions, RemotePartitionOwner
 from zero_ray.owner.engine import EngineSpec
 
 log = logging.getLogger(__name__)
@@ -36,6 +44,8 @@ class PoolSpec:
     placement_strategy: str
     collective_timeout_s: float
     init_timeout_s: float
+    health_interval_s: float
+    health_timeout_s: float
 
 
 def check_resources(*, world_size: int, use_gpu: bool, num_cpus_per_owner: float) -> None:
@@ -70,15 +80,38 @@ def _remote_error(err: Exception, rank: int, method: str, nodes: Sequence[dict[s
     return OwnerError(f"{where} failed in {method}: {err!r}", rank=rank)
 
 
-class OwnerPool:
-    """The actors, in rank order, and bounded calls to all of them."""
+def _step_error(err: ControlError, where: str, rank: int) -> ZeroRayError:
+    """Rebuild the owner's domain error from the gRPC status ("Step: TypeName: message")."""
+    cause = err.__cause__
+    details = cause.details() if isinstance(cause, grpc.Call) else ""
+    match = re.match(r"^[\w.]+: (\w+): (.*)$", details or "", flags=re.S)
+    if match:
+        cls = getattr(errors, match.group(1), None)
+        message = f"{where} failed in step: {match.group(2)}"
+        if isinstance(cls, type) and issubclass(cls, ZeroRayError) and not issubclass(cls, OwnerError):
+            try:
+                return cls(message)
+            except TypeError:
+                pass
+        return OwnerError(message, rank=rank)
+    return OwnerError(f"{where} failed in step: {err}", rank=rank)
 
-    def __init__(self, spec: PoolSpec, engine: EngineSpec) -> None:
+
+class OwnerPool:
+    """The actors in rank order, their control clients and health, and bounded calls to them."""
+
+    def __init__(self, spec: PoolSpec, engine: EngineSpec, *, credentials: Credentials) -> None:
         self.spec = spec
-        self.run_id = uuid.uuid4().hex[:12]
+        self.run_id = credentials.job_id
+        self.credentials = credentials
         self.generation = 0
         self.actors: list[ray.actor.ActorHandle] = []
         self.nodes: list[dict[str, Any]] = []
+        self.clients: list[OwnerClient] = []
+        self.health: HealthMonitor | None = None
+        self._pg: Any = None
+        # Steps may block for their whole deadline; aborts and stats must never queue behind them.
+        self._executor = ThreadPoolExecutor(max_workers=3 * spec.world_size + 2, thread_name_prefix="zero_ray-rpc")
         check_resources(world_size=spec.world_size, use_gpu=spec.use_gpu, num_cpus_per_owner=spec.num_cpus_per_owner)
         bundle = {"GPU": 1.0, "CPU": 1.0} if spec.use_gpu else {"CPU": spec.num_cpus_per_owner}
         self._pg = placement_group([dict(bundle) for _ in range(spec.world_size)], strategy=spec.placement_strategy)
@@ -86,30 +119,38 @@ class OwnerPool:
             ray.get(self._pg.ready(), timeout=spec.init_timeout_s)
         except ray.exceptions.GetTimeoutError as err:
             remove_placement_group(self._pg)
+            self._pg = None
             raise ResourceError(f"could not reserve {spec.world_size} x {bundle} within {spec.init_timeout_s:g}s "
                                 f"(available now: {ray.available_resources()}); free resources or lower world_size") from err
-        group_name = f"zero_ray-{self.run_id}-g{self.generation}"
+        options = OwnerOptions(backend=spec.backend, group_prefix=f"zero_ray-{self.run_id}",
+                               collective_timeout_s=spec.collective_timeout_s, threads=max(1, int(spec.num_cpus_per_owner)),
+                               credentials=credentials, control_host=None, local_cluster=_cluster_is_local())
         for rank in range(spec.world_size):
-            options: dict[str, Any] = {
-                "num_cpus": 1.0 if spec.use_gpu else spec.num_cpus_per_owner,
-                "num_gpus": 1.0 if spec.use_gpu else 0.0,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-                "max_concurrency": 4,  # reports and consolidation may be served beside a step
-                "name": f"{group_name}-rank{rank}",
-            }
-            self.actors.append(RemotePartitionOwner.options(**options).remote(
-                rank=rank, world_size=spec.world_size, spec=engine, backend=spec.backend, group_name=group_name,
-                collective_timeout_s=spec.collective_timeout_s, threads=max(1, int(spec.num_cpus_per_owner))))
+            self.actors.append(RemotePartitionOwner.options(
+                num_cpus=1.0 if spec.use_gpu else spec.num_cpus_per_owner,
+                num_gpus=1.0 if spec.use_gpu else 0.0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+                max_concurrency=4,  # reports, re-forming and consolidation beside a step
+                name=f"zero_ray-{self.run_id}-rank{rank}",
+            ).remote(rank=rank, world_size=spec.world_size, spec=engine, options=options))
         try:
             self.nodes = self.call("node", timeout_s=spec.init_timeout_s)
+            self.clients = [OwnerClient(ClientConfig(address=n["control_address"], credentials=credentials,
+                                                     timeout_s=spec.init_timeout_s)) for n in self.nodes]
+            self.health = HealthMonitor(self.clients, interval_s=spec.health_interval_s, timeout_s=spec.health_timeout_s)
             self.info = self.call("setup", timeout_s=spec.init_timeout_s)
         except BaseException:
             self.shutdown()
             raise
 
+    def where(self, rank: int) -> str:
+        node = self.nodes[rank] if rank < len(self.nodes) else {}
+        return f"rank {rank}" + (f" on node {node.get('ip')} (pid {node.get('pid')})" if node else "")
+
+    # -- Ray calls (lifecycle, reports) -----------------------------------------------------------
     def call(self, method: str, *args: Any, timeout_s: float, per_rank: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
-        """Call ``method`` on every owner; return results in rank order. The first failure is
-        raised at once (the other ranks may be blocked on the failed one)."""
+        """Call ``method`` on every owner through Ray; return results in rank order. The first
+        failure is raised at once (the other ranks may be blocked on the failed one)."""
         refs = [getattr(a, method).remote(*(per_rank[r] if per_rank else args)) for r, a in enumerate(self.actors)]
         rank_of = {ref: r for r, ref in enumerate(refs)}
         results: dict[int, Any] = {}
@@ -120,25 +161,97 @@ class OwnerPool:
             if remaining <= 0:
                 ranks = sorted(rank_of[r] for r in pending)
                 raise OwnerLostError(f"ranks {ranks} did not finish {method} within {timeout_s:g}s", rank=ranks[0])
-            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, 0.5))
             for ref in ready:
                 rank = rank_of[ref]
                 try:
                     results[rank] = ray.get(ref)
                 except Exception as err:
                     raise _remote_error(err, rank, method, self.nodes) from err
+            self._raise_if_lost(method)
         return [results[r] for r in range(len(refs))]
+
+    def _raise_if_lost(self, method: str) -> None:
+        lost = self.health.lost() if self.health is not None else {}
+        if lost:
+            rank = min(lost)
+            raise OwnerLostError(f"partition owner {self.where(rank)} stopped answering during {method}: {lost[rank]}",
+                                 rank=rank)
+
+    # -- gRPC calls (the per-step loop) -----------------------------------------------------------
+    def step(self, args: Sequence[StepArgs], *, timeout_s: float) -> list[StepResult]:
+        """Run one step on every owner over gRPC, each call with a deadline. The first failure
+        (an owner's error, a lost owner, the deadline) is raised at once."""
+        futures = {self._executor.submit(c.step, a, timeout_s=timeout_s): r
+                   for r, (c, a) in enumerate(zip(self.clients, args))}
+        results: dict[int, StepResult] = {}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
+            for fut in done:
+                rank = futures[fut]
+                try:
+                    results[rank] = fut.result()
+                except ControlError as err:
+                    raise _step_error(err, self.where(rank), rank) from err
+            self._raise_if_lost("step")
+        return [results[r] for r in range(len(args))]
+
+    def abort(self, reason: str) -> None:
+        """Abort the current generation's collectives on every owner that still answers."""
+        lost = self.health.lost() if self.health is not None else {}
+        calls = [self._executor.submit(c.abort, reason, self.generation, timeout_s=5.0)
+                 for r, c in enumerate(self.clients) if r not in lost]
+        wait(calls, timeout=10.0)
+
+    def reform(self) -> bool:
+        """Re-form the collective group as the next generation; returns whether every rank's
+        model state is intact (no rank had begun its update)."""
+        self.generation += 1
+        consistent = self.call("reform", self.generation, timeout_s=self.spec.init_timeout_s)
+        return all(consistent)
+
+    def stats(self, *, timeout_s: float) -> list[OwnerStats | None]:
+        futures = [self._executor.submit(c.stats, timeout_s=timeout_s) for c in self.clients]
+        out: list[OwnerStats | None] = []
+        for fut in futures:
+            try:
+                out.append(fut.result(timeout=timeout_s + 1))
+            except Exception:  # a status query must not fail because one owner is busy or gone
+                out.append(None)
+        return out
+
+    def kill(self, ranks: Sequence[int]) -> None:
+        for rank in ranks:
+            ray.kill(self.actors[rank], no_restart=True)
 
     def shutdown(self) -> None:
         """Stop the owners and release their placement group."""
-        if self.actors:
+        if self.health is not None:
+            self.health.close()
+        lost = self.health.lost() if self.health is not None else {}
+        live = [a for r, a in enumerate(self.actors) if r not in lost]
+        if live:
             try:
-                ray.get([a.close.remote() for a in self.actors], timeout=10)
+                ray.get([a.close.remote() for a in live], timeout=10)
             except Exception:  # owners stuck in a collective cannot close; they are killed next
                 log.debug("owners did not close cleanly", exc_info=True)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
+        for client in self.clients:
+            client.close()
+        self.clients = []
+        self._executor.shutdown(wait=False, cancel_futures=True)
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
+
+
+def _cluster_is_local() -> bool:
+    """Every node of the cluster is this machine: the control plane can stay on loopback."""
+    try:
+        here = ray.util.get_node_ip_address()
+        return all(n.get("NodeManagerAddress") == here for n in ray.nodes() if n.get("Alive"))
+    except Exception:
+        return False

@@ -4,30 +4,45 @@ among them through Ray's object store, and combines their replies into a step's 
 from __future__ import annotations
 
 import enum
-import math
 import logging
+import math
+import os
+import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import ray
 import torch
+from ray import cloudpickle
 
 from zero_ray.config import ZeroConfig
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes
 from zero_ray.core.optim import AdamW, Optimizer
 from zero_ray.core.precision import parse_dtype
 from zero_ray.core.stages import stage_plan
-from zero_ray.driver.pool import OwnerPool, PoolSpec
-from zero_ray.errors import ConfigError, ZeroRayError
-from zero_ray.owner.engine import EngineSpec, LossFn, ModelFn, StepResult
+from zero_ray.control.auth import Credentials, new_token, write_token_file
+from zero_ray.control.handlers import JobStatus, MetricsEvent, RankStatus, StepArgs
+from zero_ray.control.server import ServerConfig, serve_coordinator
+from zero_ray.core.policy import Action, FailurePolicy
+from zero_ray.driver.coordinator import Coordinator
+from zero_ray.driver.pool import OwnerPool, PoolSpec, _cluster_is_local
+from zero_ray.errors import ConfigError, StopRequested, ZeroRayError
+from zero_ray.owner.engine import EngineSpec, LossFn, ModelFn
 
 log = logging.getLogger(__name__)
 
 
 class TrainerState(enum.Enum):
+    """The run's lifecycle, as the controller moves it."""
+
     READY = "ready"
-    FAILED = "failed"  # a step failed part-way: the owners' state is no longer consistent
+    STEPPING = "stepping"
+    RECOVERING = "recovering"  # aborting collectives and re-forming the group after a failure
+    STOPPING = "stopping"  # an operator asked the run to stop; step() refuses new steps
+    FAILED = "failed"  # the owners' state can no longer be trusted
     SHUT_DOWN = "shut_down"
 
 
@@ -36,6 +51,17 @@ def _ensure_ray() -> None:
     # otherwise starts a local one in-process.
     if not ray.is_initialized():
         ray.init()
+
+
+def _unpin(refs: list[ray.ObjectRef]) -> None:
+    """Serializing an ObjectRef out of band (into a gRPC message) pins it for the life of the
+    driver; once the step is over the owners are done with it, so take that pin back."""
+    core_worker = ray._private.worker.global_worker.core_worker
+    for ref in refs:
+        try:
+            core_worker.remove_object_ref_reference(ref)
+        except Exception:  # best effort: a leak of one batch is not worth failing a step for
+            log.debug("could not unpin %s", ref, exc_info=True)
 
 
 def _resolve_device(config: ZeroConfig) -> tuple[str, str]:
@@ -77,17 +103,68 @@ class ZeroTrainer:
                             max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.loss_scale)
         pool = PoolSpec(world_size=cfg.world_size, use_gpu=device == "cuda", num_cpus_per_owner=cfg.num_cpus_per_owner,
                         backend=backend, placement_strategy=cfg.placement_strategy,
-                        collective_timeout_s=cfg.collective_timeout_s, init_timeout_s=cfg.init_timeout_s)
-        self._pool = OwnerPool(pool, engine)
+                        collective_timeout_s=cfg.collective_timeout_s, init_timeout_s=cfg.init_timeout_s,
+                        health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s)
+        self._credentials = Credentials(job_id=uuid.uuid4().hex[:12], token=new_token())
+        self._policy = FailurePolicy(max_failures=cfg.max_failures)
+        self._failures = 0
+        self._lock = threading.Lock()
         self._state = TrainerState.READY
         self.step_count = 0
         self.last_metrics: dict[str, Any] = {}
+        self.stop_reason: str | None = None
+        self._pool = OwnerPool(pool, engine, credentials=self._credentials)
+        self._coordinator = Coordinator(self)
+        host = "127.0.0.1" if _cluster_is_local() else ray.util.get_node_ip_address()
+        self._server = serve_coordinator(self._coordinator, ServerConfig(host=host, credentials=self._credentials))
+        token_dir = cfg.control_token_dir or tempfile.mkdtemp(prefix="zero_ray-")
+        self.control_token_file: str = str(write_token_file(os.path.join(token_dir, f"{self._credentials.job_id}.token"),
+                                                            self._credentials))
         info = self._pool.info[0]
         self.num_params: int = info["numel"]
         log.info("zero_ray: stage %d, %d owners on %s/%s, %d parameters", cfg.stage, cfg.world_size, device, backend,
                  self.num_params)
 
     # -- properties for operators ---------------------------------------------------------------
+    @property
+    def control_address(self) -> str:
+        """``HOST:PORT`` of the driver's Coordinator service (``zero-ray status --address``)."""
+        return self._server.address
+
+    @property
+    def state(self) -> TrainerState:
+        return self._state
+
+    @property
+    def stop_requested(self) -> bool:
+        """An operator asked the run to stop (``zero-ray stop``); the loop should end."""
+        return self.stop_reason is not None
+
+    def request_stop(self, reason: str) -> str:
+        """Ask the run to stop after the step in flight; returns the state afterwards."""
+        with self._lock:
+            self.stop_reason = reason or "stop requested"
+            if self._state in (TrainerState.READY, TrainerState.STEPPING):
+                self._state = TrainerState.STOPPING
+            return self._state.value
+
+    def job_status(self) -> JobStatus:
+        """A snapshot for the Coordinator's Status call (thread-safe)."""
+        health = self._pool.health.snapshot() if self._pool.health else []
+        stats = self._pool.stats(timeout_s=2.0)
+        ranks = []
+        for r, node in enumerate(self._pool.nodes):
+            hr = health[r] if r < len(health) else None
+            st = stats[r] if r < len(stats) else None
+            ranks.append(RankStatus(rank=r, node=f"{node.get('ip')} pid {node.get('pid')}",
+                                    healthy=hr.healthy if hr else False,
+                                    state=(hr.state if hr and hr.healthy else f"lost: {hr.lost_reason}") if hr else "?",
+                                    last_heartbeat=hr.last_beat if hr else 0.0,
+                                    memory=dict(st.memory_bytes) if st else {}))
+        return JobStatus(world_size=self.world_size, stage=self.config.stage, step=self.step_count,
+                         last_loss=float(self.last_metrics.get("loss", float("nan"))), state=self._state.value,
+                         ranks=tuple(ranks))
+
     @property
     def world_size(self) -> int:
         return len(self._pool.actors)
@@ -98,6 +175,8 @@ class ZeroTrainer:
         return list(self._pool.actors)
 
     def _require_ready(self) -> None:
+        if self._state is TrainerState.STOPPING:
+            raise StopRequested(f"the run was asked to stop: {self.stop_reason}")
         if self._state is not TrainerState.READY:
             raise ZeroRayError(f"the trainer is {self._state.value}; create a new ZeroTrainer")
 
@@ -119,12 +198,20 @@ class ZeroTrainer:
         lr = self.optimizer.lr * float(self._schedule(self.step_count))
         start = time.perf_counter()
         pieces = [ray.put(p) for p in split_batch(batch, split_sizes(n, cfg.world_size))]
+        args = [StepArgs(step=self.step_count, lr=lr, batch_ref=cloudpickle.dumps(ref), global_samples=n,
+                         generation=self._pool.generation) for ref in pieces]
+        with self._lock:
+            self._state = TrainerState.STEPPING
         try:
-            results: list[StepResult] = self._pool.call(
-                "step", timeout_s=cfg.step_timeout_s, per_rank=[(ref, lr, n) for ref in pieces])
-        except BaseException:
-            self._state = TrainerState.FAILED
+            results = self._pool.step(args, timeout_s=cfg.step_timeout_s)
+        except ZeroRayError as err:
+            self._recover(err)
             raise
+        finally:
+            _unpin(pieces)
+        with self._lock:
+            if self._state is TrainerState.STEPPING:
+                self._state = TrainerState.READY
         self.step_count += 1
         loss = sum(r.loss_sum for r in results) / n
         metrics = {
@@ -136,28 +223,57 @@ class ZeroTrainer:
             "loss_scale": results[0].loss_scale,
             "samples": n,
             "step_seconds": time.perf_counter() - start,
-            "owner_step_seconds": max(r.step_seconds for r in results),
+            "owner_compute_seconds": max(r.compute_seconds for r in results),
             "bytes_sent": sum(sum(r.bytes_sent.values()) for r in results),
         }
         self.last_metrics = metrics
+        self._coordinator.publish(MetricsEvent(step=self.step_count, loss=loss, step_seconds=metrics["step_seconds"],
+                                               tokens_per_second=0.0, values={"grad_norm": metrics["grad_norm"],
+                                                                               "lr": lr}))
         return metrics
 
+    def _recover(self, err: ZeroRayError) -> None:
+        """Carry out the failure policy's decision after a failed step: abort the survivors'
+        collectives and re-form the group, or mark the run failed."""
+        with self._lock:
+            self._state = TrainerState.RECOVERING
+        self._failures += 1
+        lost = self._pool.health.lost() if self._pool.health else {}
+        decision = self._policy.after_step_failure(lost_ranks=set(lost), failures_so_far=self._failures)
+        log.warning("step %d failed (%s); %s: %s", self.step_count + 1, err, decision.action.value, decision.reason)
+        if lost:
+            self._pool.kill(sorted(lost))  # a frozen process holds its sockets open: end it first
+        self._pool.abort(f"step {self.step_count + 1} failed: {err}")
+        if decision.action is Action.REFORM:
+            try:
+                consistent = self._pool.reform()
+            except ZeroRayError as reform_err:
+                log.error("re-forming the group failed: %s", reform_err)
+                consistent = False
+            decision = self._policy.after_reform(consistent=consistent)
+        with self._lock:
+            self._state = TrainerState.READY if decision.action is Action.REFORM else TrainerState.FAILED
+
     # -- reports and consolidation ------------------------------------------------------------------
+    def _require_alive(self) -> None:
+        if self._state in (TrainerState.FAILED, TrainerState.SHUT_DOWN):
+            raise ZeroRayError(f"the trainer is {self._state.value}")
+
     def memory_report(self) -> list[dict[str, int]]:
         """Per rank, model-state bytes held by category (measured from the tensors)."""
-        self._require_ready()
+        self._require_alive()
         return self._pool.call("memory_report", timeout_s=self.config.init_timeout_s)
 
     def comm_report(self) -> list[dict[str, int]]:
         """Per rank, bytes sent in the last step by collective."""
-        self._require_ready()
+        self._require_alive()
         return self._pool.call("comm_report", timeout_s=self.config.init_timeout_s)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 parameters as ``{name: CPU tensor}``, names and shapes as in
         ``model_fn().named_parameters()``. This is the explicit consolidation: the whole model
         passes through the driver."""
-        self._require_ready()
+        self._require_alive()
         shapes: dict[str, list[int]] = self._pool.info[0]["shapes"]
         out = {name: torch.empty(math.prod(shape), dtype=torch.float32) for name, shape in shapes.items()}
         # Stage 0 owners each hold all of a parameter; sharded owners a range of it.
@@ -167,11 +283,16 @@ class ZeroTrainer:
         return {name: out[name].view(shape) for name, shape in shapes.items()}
 
     def shutdown(self) -> None:
-        """Stop the owners. Idempotent."""
+        """Stop the owners and the control server. Idempotent."""
         if self._state is TrainerState.SHUT_DOWN:
             return
+        self._server.stop(grace_s=0.5)
         self._pool.shutdown()
         self._state = TrainerState.SHUT_DOWN
+        try:
+            os.unlink(self.control_token_file)
+        except OSError:
+            pass
 
     def __enter__(self) -> ZeroTrainer:
         return self

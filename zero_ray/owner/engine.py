@@ -9,6 +9,7 @@ slice, and all-gather updated parameters when the plan says so.
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from collections.abc import Callable
@@ -26,6 +27,14 @@ from zero_ray.core.stages import StagePlan
 from zero_ray.errors import ConfigError, ModelError
 from zero_ray.owner.reducer import GradReducer, make_reducer
 from zero_ray.owner.shard import ShardState
+
+class StepPhase(enum.Enum):
+    """Where a rank is in its step; an interrupted step is safe to discard until UPDATING."""
+
+    IDLE = "idle"
+    COMPUTING = "computing"  # forward, backward and gradient reduction: weights untouched
+    UPDATING = "updating"  # the optimizer is changing weights / gathering updated parameters
+
 
 ModelFn = Callable[[], torch.nn.Module]
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -109,6 +118,7 @@ class OwnerEngine:
         self.scaler = LossScaler(config=spec.loss_scale, enabled=spec.compute_dtype == torch.float16)
         self.steps_done = 0
         self.last_bytes: dict[str, int] = {}
+        self.phase = StepPhase.IDLE
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, piece: Batch, *, lr: float, global_samples: int) -> StepResult:
@@ -121,6 +131,7 @@ class OwnerEngine:
             raise ConfigError(f"this rank's {samples} samples cannot fill {spec.grad_accum_steps=} micro-batches; "
                               "use a global batch of at least world_size * grad_accum_steps")
         scale = self.scaler.scale
+        self.phase = StepPhase.COMPUTING
         loss_sum = 0.0
         compute = 0.0
         self.module.train()
@@ -138,6 +149,7 @@ class OwnerEngine:
             loss_sum += float(loss.detach().float()) * sizes[i]
         norm, skipped = self._update(lr=lr, inv_scale=1.0 / scale)
         self.shard.zero_grads()
+        self.phase = StepPhase.IDLE
         self.last_bytes = self.group.counters.snapshot()
         return StepResult(rank=self.rank, loss_sum=loss_sum, samples=samples, grad_norm=norm, skipped=skipped,
                           loss_scale=scale, compute_seconds=compute, step_seconds=time.perf_counter() - start,
@@ -165,6 +177,7 @@ class OwnerEngine:
             coef = min(1.0, spec.max_grad_norm / (norm + 1e-6))
             for g in grads:
                 g.mul_(coef)
+        self.phase = StepPhase.UPDATING
         self.steps_done += 1
         for b, g in zip(shard.buckets, grads):
             spec.optimizer.update(b.master, g, b.state, step=self.steps_done, lr=lr, decay=b.decay)
@@ -173,6 +186,23 @@ class OwnerEngine:
             if shard.plan.gather_after_update:
                 self.group.all_gather_(b.params)
         return norm, False
+
+    # -- recovery ---------------------------------------------------------------------------------
+    def discard_step(self) -> bool:
+        """Forget an interrupted step. Returns whether the model state is still consistent
+        (the step never reached its update), i.e. whether training may simply continue."""
+        consistent = self.phase is not StepPhase.UPDATING
+        self.shard.zero_grads()
+        self.reducer.close()
+        self.reducer = make_reducer(self.shard, self.group)
+        self.phase = StepPhase.IDLE
+        return consistent
+
+    def rebind(self, group: Collective) -> None:
+        """Use a re-formed group (a new generation) from the next step on."""
+        self.group = group
+        self.reducer.close()
+        self.reducer = make_reducer(self.shard, group)
 
     # -- reports ----------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:

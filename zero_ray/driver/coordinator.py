@@ -1,0 +1,66 @@
+"""Coordinator: the driver's gRPC service for operators (status, stop, metrics).
+
+It reads the trainer's state through a small snapshot interface and never drives training
+itself: ``stop`` only raises a flag the training loop observes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Protocol
+
+from zero_ray.control import handlers as h
+
+
+class RunView(Protocol):
+    """What the coordinator needs to see of a run (ZeroTrainer provides it)."""
+
+    def job_status(self) -> h.JobStatus: ...
+
+    def request_stop(self, reason: str) -> str: ...
+
+
+class Coordinator:
+    """Implements ``zero_ray.control.handlers.CoordinatorHandler`` over a RunView."""
+
+    def __init__(self, run: RunView) -> None:
+        self._run = run
+        self._lock = threading.Lock()
+        self._subscribers: list[queue.Queue[h.MetricsEvent]] = []
+
+    def publish(self, event: h.MetricsEvent) -> None:
+        """Fan one step's metrics out to every open Metrics stream (never blocks training)."""
+        with self._lock:
+            for q in self._subscribers:
+                try:
+                    q.put_nowait(event)
+                except queue.Full:  # a slow reader loses events rather than stalling training
+                    pass
+
+    def status(self) -> h.JobStatus:
+        return self._run.job_status()
+
+    def checkpoint(self, path: str | None) -> h.CheckpointResult:
+        raise NotImplementedError("sharded checkpoints are not implemented in this version")
+
+    def stop(self, reason: str) -> str:
+        return self._run.request_stop(reason)
+
+    def resize(self, world_size: int) -> h.ResizeResult:
+        raise NotImplementedError("live resizing is not implemented in this version")
+
+    def metrics(self, cancelled: threading.Event) -> Iterator[h.MetricsEvent]:
+        q: queue.Queue[h.MetricsEvent] = queue.Queue(maxsize=1024)
+        with self._lock:
+            self._subscribers.append(q)
+        try:
+            while not cancelled.is_set():
+                try:
+                    yield q.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+        finally:
+            with self._lock:
+                self._subscribers.remove(q)

@@ -1,0 +1,93 @@
+"""OwnerControl: the partition owner's side of the gRPC control plane.
+
+The server runs on its own thread pool, so ``abort`` and ``heartbeat`` are served while the
+actor's compute thread is blocked inside a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING
+
+import ray
+from ray import cloudpickle
+
+from zero_ray.control import handlers as h
+from zero_ray.errors import CollectiveError, OwnerError, ZeroRayError
+
+if TYPE_CHECKING:
+    from zero_ray.owner.actor import PartitionOwner
+
+
+def _with_traceback(err: Exception, rank: int) -> Exception:
+    """The same domain error (or an OwnerError) with the remote traceback appended, since only
+    the status message crosses gRPC. The message comes first: long details are cut at the end."""
+    tb = traceback.format_exc()
+    tb = tb if len(tb) <= 2500 else "...\n" + tb[-2500:]
+    text = f"{err}\n\nRemote traceback (rank {rank}):\n{tb}"
+    if isinstance(err, ZeroRayError) and not isinstance(err, OwnerError):
+        try:
+            return type(err)(text)
+        except TypeError:
+            pass
+    return OwnerError(f"{type(err).__name__}: {text}", rank=rank)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc; 0 where unavailable)."""
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class OwnerControl:
+    """Implements ``zero_ray.control.handlers.OwnerHandler`` for one PartitionOwner."""
+
+    def __init__(self, owner: PartitionOwner, *, fetch_timeout_s: float) -> None:
+        self._owner = owner
+        self._fetch_timeout_s = fetch_timeout_s
+        self._lock = threading.Lock()  # one step at a time, whatever the driver sends
+
+    def step(self, args: h.StepArgs) -> h.StepResult:
+        owner = self._owner
+        if args.generation != owner.generation:
+            raise CollectiveError(f"step of generation {args.generation} sent to rank {owner.rank}, "
+                                  f"which is at generation {owner.generation}")
+        with self._lock:
+            try:
+                ref = cloudpickle.loads(args.batch_ref)
+                piece = ray.get(ref, timeout=self._fetch_timeout_s)
+                r = owner.engine.step(piece, lr=args.lr, global_samples=args.global_samples)
+            except Exception as err:
+                raise _with_traceback(err, owner.rank) from err
+        return h.StepResult(loss_sum=r.loss_sum, samples=r.samples, grad_norm=r.grad_norm, skipped=r.skipped,
+                            loss_scale=r.loss_scale, compute_seconds=r.compute_seconds, rank=r.rank,
+                            bytes_sent=dict(r.bytes_sent))
+
+    def save(self, path: str, step: int) -> h.SaveResult:
+        raise NotImplementedError("sharded checkpoints are not implemented in this version")
+
+    def load(self, path: str, step: int) -> h.LoadResult:
+        raise NotImplementedError("sharded checkpoints are not implemented in this version")
+
+    def abort(self, reason: str, generation: int) -> bool:
+        return self._owner.abort(reason=reason, generation=generation)
+
+    def heartbeat(self) -> h.Heartbeat:
+        owner = self._owner
+        engine = owner.engine_or_none
+        return h.Heartbeat(rank=owner.rank, step=engine.steps_done if engine else 0,
+                           state=engine.phase.value if engine else "starting", timestamp=time.time(),
+                           rss_bytes=rss_bytes())
+
+    def stats(self) -> h.OwnerStats:
+        owner = self._owner
+        engine = owner.engine
+        memory = {k: v for k, v in engine.memory_report().items() if k != "rank"}
+        return h.OwnerStats(step=engine.steps_done, rank=owner.rank, world_size=owner.world_size,
+                            stage=engine.spec.plan.stage, memory_bytes=memory, bytes_sent=dict(engine.last_bytes))
