@@ -8,8 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_DIR = os.path.join(os.path.dirname(REPO_ROOT), "shared")
+from tests_paths import REPO_ROOT, SHARED_DIR  # noqa: F401  (shared by test modules)
 
 
 @pytest.fixture(scope="session")

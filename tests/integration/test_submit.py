@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT
+from tests_paths import REPO_ROOT
 
 import zero_ray as zr
 from zero_ray import cli

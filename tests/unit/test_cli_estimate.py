@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from tests_paths import REPO_ROOT
 from zero_ray.cli import main
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO_ROOT, SHARED_DIR
+from tests_paths import REPO_ROOT, SHARED_DIR
 
 jsonschema = pytest.importorskip("jsonschema")
 yaml = pytest.importorskip("yaml")

@@ -9,7 +9,7 @@ from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
 import pytest
 
-from conftest import SHARED_DIR
+from tests_paths import SHARED_DIR
 from zero_ray.core import memory
 from zero_ray.core.memory import (
     STAGES,
