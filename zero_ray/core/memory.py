@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from zero_ray.core.stages import STAGES as _PLANS
+from zero_ray.core.stages import Residency
 from zero_ray.errors import ConfigError
 
 __all__ = [
@@ -58,17 +60,13 @@ class StageSpec:
         return tuple(name for name, on in flags if on)
 
 
-# The stages as data: each one adds one partitioned category to the previous one (Table 1 of the
-# paper). Read-only so that no caller can change what "stage 2" means for everyone else.
+# Derived from the one description of the stages (core/stages.py), never restated here.
 STAGES: Mapping[int, StageSpec] = MappingProxyType({
-    0: StageSpec(stage=0, name="DP", partitions_params=False, partitions_grads=False,
-                 partitions_optimizer=False, communication_multiple=2),
-    1: StageSpec(stage=1, name="P_os", partitions_params=False, partitions_grads=False,
-                 partitions_optimizer=True, communication_multiple=2),
-    2: StageSpec(stage=2, name="P_os+g", partitions_params=False, partitions_grads=True,
-                 partitions_optimizer=True, communication_multiple=2),
-    3: StageSpec(stage=3, name="P_os+g+p", partitions_params=True, partitions_grads=True,
-                 partitions_optimizer=True, communication_multiple=3),
+    n: StageSpec(stage=n, name=plan.name, partitions_params=plan.parameters is Residency.SHARDED,
+                 partitions_grads=plan.gradients is Residency.SHARDED,
+                 partitions_optimizer=plan.optimizer is Residency.SHARDED,
+                 communication_multiple=plan.communication_multiple)
+    for n, plan in _PLANS.items()
 })
 
 # Optimizer bytes per parameter, keyed by (optimizer, mixed_precision, momentum). In mixed

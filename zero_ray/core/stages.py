@@ -59,6 +59,13 @@ class StagePlan:
     def updates_whole_buffer(self) -> bool:
         return self.optimizer is Residency.REPLICATED
 
+    @property
+    def communication_multiple(self) -> int:
+        """Elements sent per step in units of Ψ before the ring factor (N-1)/N: gradients
+        reduced (Ψ) and parameters gathered (Ψ), plus a second gather for backward (Ψ) when
+        parameters are sharded (the paper's section 7)."""
+        return 3 if self.parameters is Residency.SHARDED else 2
+
 
 _R, _S = Residency.REPLICATED, Residency.SHARDED
 
