@@ -14,6 +14,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "zero_ray.cli.train",
     "zero_ray.cli.control",
     "zero_ray.cli.submit",
+    "zero_ray.cli.bench",
 )
 
 

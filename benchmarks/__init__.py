@@ -1,0 +1,1 @@
+"""Benchmarks runnable from a checkout: ``python -m benchmarks.compare``."""

@@ -1,0 +1,50 @@
+"""In-process measurements: bytes held by tensors (views and shards counted once) and peak RSS."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zero_ray.bench.probe import HeldBytes, StateBytes, count_bytes, memory_probe, module_state_bytes
+from zero_ray.errors import ConfigError
+
+
+def test_views_into_one_buffer_are_counted_once() -> None:
+    flat = torch.zeros(100)
+    held = HeldBytes()
+    assert held.add(flat[10:20]) == 40
+    assert held.add(flat[15:30]) == 40  # 5 of its 15 elements were already counted
+    assert held.add(flat) == 320
+    assert held.add(flat[:5]) == 0
+    assert held.add(torch.zeros(3)) == 12  # another storage
+
+
+def test_nested_containers_and_none() -> None:
+    a, b = torch.zeros(4), torch.zeros(2, dtype=torch.float64)
+    assert count_bytes([a, None, {"x": [b, a]}], HeldBytes()) == 16 + 16
+
+
+def test_module_with_tied_weights_and_adam_state() -> None:
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    module = torch.nn.ModuleDict({"emb": emb, "head": head})
+    opt = torch.optim.AdamW(module.parameters())
+    module["head"](module["emb"](torch.tensor([1, 2]))).sum().backward()
+    opt.step()
+    tensors = [v for s in opt.state.values() for v in s.values()]
+    got = module_state_bytes(module, tensors)
+    # 40 parameters once, their gradient once, two moments and a float32 step counter.
+    assert got == StateBytes(params=160, grads=160, optimizer=2 * 160 + 4)
+    assert got.as_dict()["total"] == 160 + 160 + 324
+
+
+def test_state_bytes_validation() -> None:
+    with pytest.raises(ConfigError, match="grads=-1"):
+        StateBytes(params=0, grads=-1, optimizer=0)
+
+
+def test_memory_probe_reads_this_process() -> None:
+    probe = memory_probe()
+    assert probe.peak_rss_bytes > 1 << 20 and probe.lifetime_peak_rss_bytes > 1 << 20
+    assert probe.source in ("VmHWM since reset", "VmHWM (no reset)", "ru_maxrss")
