@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from zero_ray import memory
-from zero_ray.config import ZeroConfig
+from zero_ray.config import ControlTLS, Stage3Config, ZeroConfig
 from zero_ray.core.optim import SGD, AdamW
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.schedule import Constant, WarmupCosine
+from zero_ray.core.units import WrapPolicy
 from zero_ray.driver.trainer import ZeroTrainer
 from zero_ray.errors import (
     CheckpointError,
@@ -28,8 +29,11 @@ __all__ = [
     "SGD",
     "AdamW",
     "Constant",
+    "ControlTLS",
     "LossScaleConfig",
     "WarmupCosine",
+    "Stage3Config",
+    "WrapPolicy",
     "ZeroConfig",
     "ZeroTrainer",
     "submit",

@@ -3,16 +3,112 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from zero_ray.core.precision import LossScaleConfig, parse_dtype
 from zero_ray.core.stages import stage_plan
+from zero_ray.core.units import WrapPolicy
 from zero_ray.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+INIT_MODES = ("full", "low_memory")
+
+
+def _wrap_policy(value: object) -> WrapPolicy:
+    """None, a WrapPolicy, a callable, or a tuple of module classes / class names."""
+    if value is None:
+        return WrapPolicy()
+    if isinstance(value, WrapPolicy):
+        return value
+    if isinstance(value, (tuple, list)):
+        names = []
+        for c in value:
+            if isinstance(c, type):
+                names.append(f"{c.__module__}.{c.__qualname__}")
+            elif isinstance(c, str) and c:
+                names.append(c)
+            else:
+                raise ConfigError(f"wrap_policy entry {c!r} must be a module class or a class name")
+        if not names:
+            raise ConfigError("wrap_policy=() names no module class; pass None for the default policy")
+        return WrapPolicy(classes=tuple(names))
+    if callable(value):
+        return WrapPolicy(fn=value)  # type: ignore[arg-type]
+    raise ConfigError(f"wrap_policy={value!r} must be None, a WrapPolicy, module classes or a callable")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage3Config:
+    """Stage-3 options (stages 0-2 refuse anything but the defaults).
+
+    wrap_policy: which modules are units (gathered together): None for every direct child of
+        the root with at least 2**16 elements, looking through ModuleList/Sequential (each
+        transformer block); a tuple of module classes or class names; a callable
+        ``ModuleInfo -> bool``; or a ``WrapPolicy`` (e.g. ``WrapPolicy(min_numel=0)``). The
+        root is always a unit and holds whatever no other unit claims.
+    prefetch_depth: units whose all-gather is issued ahead of the one computing, in forward and
+        backward order (0: none).
+    persistence_threshold: parameters with fewer elements stay whole on every rank (never
+        gathered; reported as persistent); 0 (default) partitions every parameter.
+    max_live_units: gathered buffers shared by the non-root units, which bounds peak parameter
+        memory; None: unit nesting + prefetch_depth + 1.
+    init: "full" builds ``torch.manual_seed(seed); model_fn()`` on the host, one rank of a node
+        at a time, and keeps the shard; "low_memory" never materialises more than one parameter
+        beyond the shard (see docs/stage3.md for which initialisations it reproduces).
+    init_state_dict: a safetensors file path or a ``{name: tensor}`` dict to take parameter
+        values from (streamed one parameter at a time; a dict travels to every rank whole).
+    """
+
+    wrap_policy: Any = None
+    prefetch_depth: int = 1
+    persistence_threshold: int = 0
+    max_live_units: int | None = None
+    init: str = "full"
+    init_state_dict: str | os.PathLike[str] | Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "wrap_policy", _wrap_policy(self.wrap_policy))
+        for name in ("prefetch_depth", "persistence_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 0")
+        if self.max_live_units is not None and (isinstance(self.max_live_units, bool)
+                                                or not isinstance(self.max_live_units, int)
+                                                or self.max_live_units < 1):
+            raise ConfigError(f"max_live_units={self.max_live_units!r} must be an integer >= 1 or None")
+        if self.init not in INIT_MODES:
+            raise ConfigError(f"init={self.init!r} is not one of {INIT_MODES}")
+        source = self.init_state_dict
+        if source is not None and not isinstance(source, (str, os.PathLike, Mapping)):
+            raise ConfigError(f"init_state_dict={type(source).__name__} must be a safetensors path or a dict")
+        if isinstance(source, (str, os.PathLike)) and not os.path.isfile(source):
+            raise ConfigError(f"init_state_dict={os.fspath(source)!r} is not a file")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlTLS:
+    """TLS for the control plane (every owner's server, the driver's Coordinator, all clients).
+
+    cert/key: a certificate valid for the nodes' addresses (subjectAltName IPs) and its key;
+    ca: the CA that signed it, which every client checks the servers against. mutual: clients
+    present the same certificate and servers require it (mTLS).
+    """
+
+    cert: str
+    key: str
+    ca: str
+    mutual: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("cert", "key", "ca"):
+            path = getattr(self, name)
+            if not os.path.isfile(path):
+                raise ConfigError(f"control TLS {name}={path!r} is not a file")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +137,8 @@ class ZeroConfig:
         silent for the timeout (a frozen process) or whose stream breaks (a dead one) is lost.
     max_failures: step failures on live owners survived (abort, re-form the group, continue).
     control_token_dir: where the control token file is written (default: a private temp dir).
+    control_tls: TLS / mTLS for every control-plane connection (``ControlTLS``), or None.
+    stage3: stage-3 options (units, prefetch, persistence, construction); see ``Stage3Config``.
     """
 
     stage: int = 2
@@ -63,9 +161,15 @@ class ZeroConfig:
     health_timeout_s: float = 10.0
     max_failures: int = 3
     control_token_dir: str | None = None
+    control_tls: ControlTLS | None = None
+    stage3: Stage3Config = field(default_factory=Stage3Config)
 
     def __post_init__(self) -> None:
         stage_plan(self.stage)  # raises ConfigError naming the stage
+        if not isinstance(self.stage3, Stage3Config):
+            raise ConfigError(f"stage3={self.stage3!r} must be a Stage3Config")
+        if self.stage != 3 and self.stage3 != Stage3Config():
+            raise ConfigError(f"stage3 options were given with stage={self.stage}; they apply to stage 3 only")
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ConfigError(f"world_size={self.world_size!r} must be an integer >= 1")
         if self.device not in DEVICES:

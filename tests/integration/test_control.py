@@ -131,3 +131,29 @@ def test_a_frozen_owner_is_reported_within_the_health_timeout() -> None:
         assert info.value.rank == 1
         assert detected < 3.0 + 5.0  # the stall timeout plus a heartbeat interval and scheduling slack
         assert trainer.state.value == "failed"
+
+
+@pytest.fixture(scope="module")
+def loopback_certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 acting as its own CA."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=zero-ray-test",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+    return str(cert), str(key)
+
+
+def test_mutual_tls_on_every_control_connection(loopback_certificate: tuple[str, str]) -> None:
+    cert, key = loopback_certificate
+    tls = zr.ControlTLS(cert=cert, key=key, ca=cert)
+    with zr.ZeroTrainer(MODEL, mse_loss, config=zr.ZeroConfig(stage=2, world_size=2, control_tls=tls)) as trainer:
+        assert trainer.step(_batch(8))["step"] == 1  # owners' servers and the driver's clients speak mTLS
+        args = ["status", "--address", trainer.control_address, "--token-file", trainer.control_token_file]
+        assert cli_main(args + ["--tls-ca", cert, "--tls-cert", cert, "--tls-key", key]) == 0
+        assert cli_main(args) != 0  # plain text is refused

@@ -26,6 +26,7 @@ from zero_ray.control.handlers import OwnerStats, StepArgs, StepResult
 from zero_ray.driver.health import HealthMonitor
 
 from zero_ray import errors
+from zero_ray.config import ControlTLS
 from zero_ray.errors import ControlError, OwnerError, OwnerLostError, ResourceError, ZeroRayError
 from zero_ray.owner.actor import OwnerOptions, RemotePartitionOwner
 from zero_ray.owner.engine import EngineSpec
@@ -46,6 +47,21 @@ class PoolSpec:
     init_timeout_s: float
     health_interval_s: float
     health_timeout_s: float
+    tls: ControlTLS | None = None
+
+    def server_tls(self) -> dict[str, str | None]:
+        """The TLS arguments of a control ServerConfig."""
+        t = self.tls
+        if t is None:
+            return {}
+        return {"tls_cert": t.cert, "tls_key": t.key, "tls_client_ca": t.ca if t.mutual else None}
+
+    def client_tls(self) -> dict[str, str | None]:
+        """The TLS arguments of a control ClientConfig."""
+        t = self.tls
+        if t is None:
+            return {}
+        return {"tls_ca": t.ca, "tls_cert": t.cert if t.mutual else None, "tls_key": t.key if t.mutual else None}
 
 
 def check_resources(*, world_size: int, use_gpu: bool, num_cpus_per_owner: float) -> None:
@@ -124,7 +140,8 @@ class OwnerPool:
                                 f"(available now: {ray.available_resources()}); free resources or lower world_size") from err
         options = OwnerOptions(backend=spec.backend, group_prefix=f"zero_ray-{self.run_id}",
                                collective_timeout_s=spec.collective_timeout_s, threads=max(1, int(spec.num_cpus_per_owner)),
-                               credentials=credentials, control_host=None, local_cluster=_cluster_is_local())
+                               credentials=credentials, control_host=None, local_cluster=_cluster_is_local(),
+                               server_tls=spec.server_tls())
         for rank in range(spec.world_size):
             self.actors.append(RemotePartitionOwner.options(
                 num_cpus=1.0 if spec.use_gpu else spec.num_cpus_per_owner,
@@ -136,7 +153,8 @@ class OwnerPool:
         try:
             self.nodes = self.call("node", timeout_s=spec.init_timeout_s)
             self.clients = [OwnerClient(ClientConfig(address=n["control_address"], credentials=credentials,
-                                                     timeout_s=spec.init_timeout_s)) for n in self.nodes]
+                                                     timeout_s=spec.init_timeout_s, **spec.client_tls()))
+                            for n in self.nodes]
             self.health = HealthMonitor(self.clients, interval_s=spec.health_interval_s, timeout_s=spec.health_timeout_s)
             self.info = self.call("setup", timeout_s=spec.init_timeout_s)
         except BaseException:

@@ -28,6 +28,7 @@ from zero_ray.control.handlers import JobStatus, MetricsEvent, RankStatus, StepA
 from zero_ray.control.server import ServerConfig, serve_coordinator
 from zero_ray.core.policy import Action, FailurePolicy
 from zero_ray.driver.coordinator import Coordinator
+from zero_ray.driver.metrics import RunMetrics
 from zero_ray.driver.pool import OwnerPool, PoolSpec, _cluster_is_local
 from zero_ray.errors import ConfigError, StopRequested, ZeroRayError
 from zero_ray.owner.engine import EngineSpec, LossFn, ModelFn
@@ -100,12 +101,14 @@ class ZeroTrainer:
         engine = EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=self.optimizer, plan=stage_plan(cfg.stage),
                             compute_dtype=parse_dtype(cfg.dtype), device=device, seed=cfg.seed,
                             bucket_bytes=cfg.bucket_bytes, grad_accum_steps=cfg.grad_accum_steps,
-                            max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.loss_scale)
+                            max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.loss_scale, stage3=cfg.stage3)
         pool = PoolSpec(world_size=cfg.world_size, use_gpu=device == "cuda", num_cpus_per_owner=cfg.num_cpus_per_owner,
                         backend=backend, placement_strategy=cfg.placement_strategy,
                         collective_timeout_s=cfg.collective_timeout_s, init_timeout_s=cfg.init_timeout_s,
-                        health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s)
+                        health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s,
+                        tls=cfg.control_tls)
         self._credentials = Credentials(job_id=uuid.uuid4().hex[:12], token=new_token())
+        self._run_metrics = RunMetrics(run_id=self._credentials.job_id)
         self._policy = FailurePolicy(max_failures=cfg.max_failures)
         self._failures = 0
         self._lock = threading.Lock()
@@ -116,7 +119,8 @@ class ZeroTrainer:
         self._pool = OwnerPool(pool, engine, credentials=self._credentials)
         self._coordinator = Coordinator(self)
         host = "127.0.0.1" if _cluster_is_local() else ray.util.get_node_ip_address()
-        self._server = serve_coordinator(self._coordinator, ServerConfig(host=host, credentials=self._credentials))
+        self._server = serve_coordinator(self._coordinator, ServerConfig(host=host, credentials=self._credentials,
+                                                                               **pool.server_tls()))
         token_dir = cfg.control_token_dir or tempfile.mkdtemp(prefix="zero_ray-")
         self.control_token_file: str = str(write_token_file(os.path.join(token_dir, f"{self._credentials.job_id}.token"),
                                                             self._credentials))
@@ -124,12 +128,21 @@ class ZeroTrainer:
         self.num_params: int = info["numel"]
         log.info("zero_ray: stage %d, %d owners on %s/%s, %d parameters", cfg.stage, cfg.world_size, device, backend,
                  self.num_params)
+        try:  # model-state bytes are on the metrics endpoint from the start; best effort
+            self.memory_report()
+        except ZeroRayError as err:
+            log.warning("could not record the start-up memory report: %s", err)
 
     # -- properties for operators ---------------------------------------------------------------
     @property
     def control_address(self) -> str:
         """``HOST:PORT`` of the driver's Coordinator service (``zero-ray status --address``)."""
         return self._server.address
+
+    @property
+    def run_id(self) -> str:
+        """The ``run_id`` tag on this run's Ray metrics (also its control-plane job id)."""
+        return self._credentials.job_id
 
     @property
     def state(self) -> TrainerState:
@@ -227,6 +240,7 @@ class ZeroTrainer:
             "bytes_sent": sum(sum(r.bytes_sent.values()) for r in results),
         }
         self.last_metrics = metrics
+        self._run_metrics.record_step(metrics, results)
         self._coordinator.publish(MetricsEvent(step=self.step_count, loss=loss, step_seconds=metrics["step_seconds"],
                                                tokens_per_second=0.0, values={"grad_norm": metrics["grad_norm"],
                                                                                "lr": lr}))
@@ -262,7 +276,9 @@ class ZeroTrainer:
     def memory_report(self) -> list[dict[str, int]]:
         """Per rank, model-state bytes held by category (measured from the tensors)."""
         self._require_alive()
-        return self._pool.call("memory_report", timeout_s=self.config.init_timeout_s)
+        reports = self._pool.call("memory_report", timeout_s=self.config.init_timeout_s)
+        self._run_metrics.record_memory(reports)
+        return reports
 
     def comm_report(self) -> list[dict[str, int]]:
         """Per rank, bytes sent in the last step by collective."""

@@ -39,6 +39,7 @@ class OwnerOptions:
     credentials: Credentials
     control_host: str | None  # None: this node's IP from Ray (loopback when the cluster is local)
     local_cluster: bool
+    server_tls: dict[str, str | None]  # ServerConfig's tls_cert / tls_key / tls_client_ca
 
 
 class PartitionOwner:
@@ -56,7 +57,7 @@ class PartitionOwner:
         host = options.control_host or ("127.0.0.1" if options.local_cluster else ray.util.get_node_ip_address())
         self._server: ControlServer = serve_owner(
             OwnerControl(self, fetch_timeout_s=options.collective_timeout_s),
-            ServerConfig(host=host, credentials=options.credentials))
+            ServerConfig(host=host, credentials=options.credentials, **options.server_tls))
 
     def node(self) -> dict[str, Any]:
         """Where this owner runs: Ray node id, host, IP, process id and control address."""

@@ -2,9 +2,14 @@
 
 A step: split this rank's piece of the global batch into micro-batches; forward and backward
 each with its loss weighted by ``samples / global_samples`` (so the sum over all ranks and
-micro-batches is exactly the global-mean gradient, uneven splits included); let the reducer
+micro-batches is exactly the global-mean gradient, uneven splits included); let the model state
 combine gradients; unscale and check for overflow, clip by the global norm, update this rank's
 slice, and all-gather updated parameters when the plan says so.
+
+What a rank holds, and so how gradients are combined and parameters reach the module, is a
+``ModelState``: ``ReplicatedParams`` (stages 0-2, every rank holds all parameters) or
+``PartitionedParams`` (stage 3, ``zero_ray.owner.units``), chosen in ``make_model_state`` from
+the plan's parameter residency and nowhere else.
 """
 
 from __future__ import annotations
@@ -13,8 +18,8 @@ import enum
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -23,10 +28,12 @@ from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes, 
 from zero_ray.core.layout import FlatLayout
 from zero_ray.core.optim import Optimizer
 from zero_ray.core.precision import LossScaleConfig, LossScaler
-from zero_ray.core.stages import StagePlan
+from zero_ray.config import Stage3Config
+from zero_ray.core.stages import Residency, StagePlan
 from zero_ray.errors import ConfigError, ModelError
 from zero_ray.owner.reducer import GradReducer, make_reducer
 from zero_ray.owner.shard import ShardState
+
 
 class StepPhase(enum.Enum):
     """Where a rank is in its step; an interrupted step is safe to discard until UPDATING."""
@@ -55,6 +62,7 @@ class EngineSpec:
     grad_accum_steps: int
     max_grad_norm: float | None
     loss_scale: LossScaleConfig
+    stage3: Stage3Config = field(default_factory=Stage3Config)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +83,11 @@ class StepResult:
 def build_module(spec: EngineSpec) -> torch.nn.Module:
     """``torch.manual_seed(seed); model_fn()``, as the single-process reference builds it."""
     torch.manual_seed(spec.seed)
-    module = spec.model_fn()
+    return check_module(spec.model_fn())
+
+
+def check_module(module: object) -> torch.nn.Module:
+    """``module`` if zero_ray can train it (a module with floating-point trainable parameters)."""
     if not isinstance(module, torch.nn.Module):
         raise ModelError(f"model_fn must return a torch.nn.Module; it returned {type(module).__name__}")
     bad = [(n, p.dtype) for n, p in module.named_parameters() if not p.dtype.is_floating_point]
@@ -94,8 +106,108 @@ def param_specs(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str
     return [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in module.named_parameters()]
 
 
+def cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point buffers (norm statistics, masks) take the compute dtype."""
+    for buf in module.buffers():
+        if buf.is_floating_point():
+            buf.data = buf.data.to(dtype)
+
+
+class ModelState(Protocol):
+    """A rank's model state as the step drives it: its module, where gradients go, and the
+    update of its slice. ``update_grads`` and ``apply_update`` pair up: one reduced gradient
+    (compute dtype, over this rank's update slice) per optimizer slice, in the same order."""
+
+    layout: FlatLayout
+    module: torch.nn.Module
+
+    def begin_micro_batch(self) -> None: ...
+
+    def end_micro_batch(self, *, last: bool) -> None: ...
+
+    def update_grads(self) -> list[torch.Tensor]: ...
+
+    def apply_update(self, grads: list[torch.Tensor], *, step: int, lr: float) -> None: ...
+
+    def zero_grads(self) -> None: ...
+
+    def discard(self) -> None: ...
+
+    def rebind(self, group: Collective) -> None: ...
+
+    def memory_report(self) -> dict[str, int]: ...
+
+    def master_fragments(self) -> dict[str, tuple[int, int, torch.Tensor]]: ...
+
+
+class ReplicatedParams:
+    """Stages 0-2: every rank holds every parameter in flat buckets (``ShardState``); a
+    ``GradReducer`` combines gradients; updated slices are all-gathered when the plan says so."""
+
+    def __init__(self, spec: EngineSpec, *, rank: int, group: Collective, device: torch.device) -> None:
+        self.spec = spec
+        self.group = group
+        module = build_module(spec)
+        element = torch.finfo(spec.compute_dtype).bits // 8
+        self.layout = FlatLayout.by_size(param_specs(module), world_size=group.world_size,
+                                         bucket_numel=max(1, spec.bucket_bytes // element))
+        module.to(device)
+        cast_buffers(module, spec.compute_dtype)
+        self.module = module
+        self.shard = ShardState.bind(module, layout=self.layout, plan=spec.plan, rank=rank,
+                                     compute_dtype=spec.compute_dtype, device=device, optimizer=spec.optimizer)
+        self.reducer: GradReducer = make_reducer(self.shard, group)
+
+    def begin_micro_batch(self) -> None:
+        self.reducer.begin_micro_batch()
+
+    def end_micro_batch(self, *, last: bool) -> None:
+        self.reducer.end_micro_batch(last=last)
+
+    def update_grads(self) -> list[torch.Tensor]:
+        return [self.shard.update_grad(b) for b in self.shard.buckets]
+
+    def apply_update(self, grads: list[torch.Tensor], *, step: int, lr: float) -> None:
+        shard = self.shard
+        for b, g in zip(shard.buckets, grads):
+            self.spec.optimizer.update(b.master, g, b.state, step=step, lr=lr, decay=b.decay)
+            if not b.master_is_view:
+                b.params[b.update_start:b.update_end].copy_(b.master)
+            if shard.plan.gather_after_update:
+                self.group.all_gather_(b.params)
+
+    def zero_grads(self) -> None:
+        self.shard.zero_grads()
+
+    def discard(self) -> None:
+        self.shard.zero_grads()
+        self.reducer.close()
+        self.reducer = make_reducer(self.shard, self.group)
+
+    def rebind(self, group: Collective) -> None:
+        self.group = group
+        self.reducer.close()
+        self.reducer = make_reducer(self.shard, group)
+
+    def memory_report(self) -> dict[str, int]:
+        return {**self.shard.memory_report(), "staging_peak": self.reducer.peak_staging_bytes()}
+
+    def master_fragments(self) -> dict[str, tuple[int, int, torch.Tensor]]:
+        return self.shard.master_fragments()
+
+
+def make_model_state(spec: EngineSpec, *, rank: int, group: Collective, device: torch.device) -> ModelState:
+    """The one place a stage's model state is chosen: partitioned parameters (stage 3) gather
+    units on demand; replicated ones live whole on every rank."""
+    if spec.plan.parameters is Residency.SHARDED:
+        from zero_ray.owner.units import PartitionedParams  # it imports this module
+
+        return PartitionedParams(spec, rank=rank, group=group, device=device)
+    return ReplicatedParams(spec, rank=rank, group=group, device=device)
+
+
 class OwnerEngine:
-    """One rank's module, shard state, reducer and step."""
+    """One rank's model state and step."""
 
     def __init__(self, spec: EngineSpec, *, rank: int, group: Collective) -> None:
         self.spec = spec
@@ -103,18 +215,9 @@ class OwnerEngine:
         self.world_size = group.world_size
         self.group = group
         self.device = torch.device(spec.device)
-        module = build_module(spec)
-        element = torch.finfo(spec.compute_dtype).bits // 8
-        self.layout = FlatLayout.by_size(param_specs(module), world_size=self.world_size,
-                                         bucket_numel=max(1, spec.bucket_bytes // element))
-        module.to(self.device)
-        for buf in module.buffers():
-            if buf.is_floating_point():
-                buf.data = buf.data.to(spec.compute_dtype)
-        self.module = module
-        self.shard = ShardState.bind(module, layout=self.layout, plan=spec.plan, rank=rank,
-                                     compute_dtype=spec.compute_dtype, device=self.device, optimizer=spec.optimizer)
-        self.reducer: GradReducer = make_reducer(self.shard, group)
+        self.state: ModelState = make_model_state(spec, rank=rank, group=group, device=self.device)
+        self.layout = self.state.layout
+        self.module = self.state.module
         self.scaler = LossScaler(config=spec.loss_scale, enabled=spec.compute_dtype == torch.float16)
         self.steps_done = 0
         self.last_bytes: dict[str, int] = {}
@@ -137,7 +240,7 @@ class OwnerEngine:
         self.module.train()
         for i, micro in enumerate(split_batch(piece, sizes)):
             t0 = time.perf_counter()
-            self.reducer.begin_micro_batch()
+            self.state.begin_micro_batch()
             loss = spec.loss_fn(self.module, to_device(micro, self.device, spec.compute_dtype))
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -145,10 +248,10 @@ class OwnerEngine:
             weight = sizes[i] / global_samples
             (loss.reshape(()).float() * (weight * scale)).backward()
             compute += time.perf_counter() - t0
-            self.reducer.end_micro_batch(last=i == len(sizes) - 1)
+            self.state.end_micro_batch(last=i == len(sizes) - 1)
             loss_sum += float(loss.detach().float()) * sizes[i]
         norm, skipped = self._update(lr=lr, inv_scale=1.0 / scale)
-        self.shard.zero_grads()
+        self.state.zero_grads()
         self.phase = StepPhase.IDLE
         self.last_bytes = self.group.counters.snapshot()
         return StepResult(rank=self.rank, loss_sum=loss_sum, samples=samples, grad_norm=norm, skipped=skipped,
@@ -156,11 +259,10 @@ class OwnerEngine:
                           bytes_sent=self.last_bytes)
 
     def _update(self, *, lr: float, inv_scale: float) -> tuple[float, bool]:
-        spec, shard = self.spec, self.shard
+        spec = self.spec
         fp32 = spec.compute_dtype == torch.float32
         grads: list[torch.Tensor] = []
-        for b in shard.buckets:
-            g = shard.update_grad(b)
+        for g in self.state.update_grads():
             g = g if fp32 else g.float()
             if inv_scale != 1.0:
                 g.mul_(inv_scale)
@@ -168,7 +270,7 @@ class OwnerEngine:
         # Each rank's update slice is either the whole buffer (replicated optimizer: every rank
         # already has the full reduced gradient) or its shard (the squares are summed across ranks).
         sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
-        if not shard.plan.updates_whole_buffer:
+        if not spec.plan.updates_whole_buffer:
             sq = self.group.all_reduce_values([sq])[0]
         norm = math.sqrt(sq) if math.isfinite(sq) else math.inf
         if self.scaler.update(found_inf=not math.isfinite(norm)):
@@ -179,12 +281,7 @@ class OwnerEngine:
                 g.mul_(coef)
         self.phase = StepPhase.UPDATING
         self.steps_done += 1
-        for b, g in zip(shard.buckets, grads):
-            spec.optimizer.update(b.master, g, b.state, step=self.steps_done, lr=lr, decay=b.decay)
-            if not b.master_is_view:
-                b.params[b.update_start:b.update_end].copy_(b.master)
-            if shard.plan.gather_after_update:
-                self.group.all_gather_(b.params)
+        self.state.apply_update(grads, step=self.steps_done, lr=lr)
         return norm, False
 
     # -- recovery ---------------------------------------------------------------------------------
@@ -192,22 +289,18 @@ class OwnerEngine:
         """Forget an interrupted step. Returns whether the model state is still consistent
         (the step never reached its update), i.e. whether training may simply continue."""
         consistent = self.phase is not StepPhase.UPDATING
-        self.shard.zero_grads()
-        self.reducer.close()
-        self.reducer = make_reducer(self.shard, self.group)
+        self.state.discard()
         self.phase = StepPhase.IDLE
         return consistent
 
     def rebind(self, group: Collective) -> None:
         """Use a re-formed group (a new generation) from the next step on."""
         self.group = group
-        self.reducer.close()
-        self.reducer = make_reducer(self.shard, group)
+        self.state.rebind(group)
 
     # -- reports ----------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
-        report = {"rank": self.rank, **self.shard.memory_report()}
-        report["staging_peak"] = self.reducer.peak_staging_bytes()
+        report = {"rank": self.rank, **self.state.memory_report()}
         report["numel"] = self.layout.numel
         report["padded_numel"] = self.layout.padded_numel
         return report
@@ -216,4 +309,4 @@ class OwnerEngine:
         return {"rank": self.rank, **self.last_bytes, "total": sum(self.last_bytes.values())}
 
     def master_fragments(self) -> dict[str, tuple[int, int, torch.Tensor]]:
-        return self.shard.master_fragments()
+        return self.state.master_fragments()

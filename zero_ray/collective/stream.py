@@ -1,0 +1,122 @@
+"""CommStream: one background thread that owns a group's collectives while compute runs.
+
+The ring collectives in ``ray_group`` block their caller. Stage 3 overlaps them with compute
+(the next unit's all-gather while the current unit runs), so they are submitted here and run
+one at a time, in submission order, on a single thread. Every rank submits the same
+collectives in the same order (the decisions are made on the compute thread from state that
+is identical on every rank), which is all a ring needs. With world size 1 nothing is sent and
+jobs run inline.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import torch
+
+from zero_ray.collective.group import Collective
+
+T = TypeVar("T")
+
+_STOP = object()
+
+
+class CommStream:
+    """A FIFO of collective jobs on one daemon thread (a daemon, so that a job blocked on a dead
+    peer cannot keep the process alive; every collective wait is bounded anyway)."""
+
+    def __init__(self, group: Collective, *, name: str = "zero_ray-comm") -> None:
+        self.group = group
+        self._name = name
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._pending: deque[Future[Any]] = deque()
+        self._thread: threading.Thread | None = None
+        if group.world_size > 1:
+            self._start()
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            fn, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as err:  # delivered to whoever waits on the future
+                future.set_exception(err)
+
+    # -- submission ---------------------------------------------------------------------------------
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Queue ``fn`` after everything submitted before it; returns its future."""
+        future: Future[T] = Future()
+        if self._thread is None:
+            future.set_running_or_notify_cancel()
+            try:
+                future.set_result(fn())
+            except BaseException as err:
+                future.set_exception(err)
+            return future
+        while self._pending and self._pending[0].done():
+            self._pending.popleft()
+        self._pending.append(future)
+        self._jobs.put((fn, future))
+        return future
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """Submit ``fn`` and wait for it."""
+        return self.submit(fn).result()
+
+    def drain(self) -> None:
+        """Wait for every job submitted so far; raise the first failure."""
+        first: BaseException | None = None
+        while self._pending:
+            future = self._pending.popleft()
+            err = future.exception()
+            if err is not None and first is None:
+                first = err
+        if first is not None:
+            raise first
+
+    def drain_quietly(self) -> None:
+        """Wait for every submitted job, ignoring failures (after an aborted step)."""
+        try:
+            self.drain()
+        except BaseException:  # the step that failed has already reported it
+            self._pending.clear()
+
+    # -- collectives by label -------------------------------------------------------------------
+    def all_gather(self, buf: torch.Tensor, *, op: str) -> None:
+        """All-gather ``buf`` in place, counting the bytes under ``op`` (call on the stream)."""
+        if self.group.world_size > 1:
+            self.group.all_gather_(buf, op=op)  # type: ignore[call-arg]
+
+    def reduce_scatter(self, buf: torch.Tensor, *, op: str) -> torch.Tensor:
+        """Reduce-scatter ``buf`` in place; this rank's summed chunk (call on the stream)."""
+        if self.group.world_size == 1:
+            return buf
+        return self.group.reduce_scatter_(buf, op=op)  # type: ignore[call-arg]
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def rebind(self, group: Collective) -> None:
+        """Use ``group`` for jobs from now on (after the old group's jobs have finished)."""
+        self.drain_quietly()
+        self.group = group
+        if group.world_size > 1 and self._thread is None:
+            self._start()
+
+    def close(self) -> None:
+        self.drain_quietly()
+        if self._thread is not None:
+            self._jobs.put(_STOP)
+            self._thread = None

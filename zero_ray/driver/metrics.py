@@ -1,0 +1,119 @@
+"""A run's metrics, exported through Ray's own metrics pipeline (``ray.util.metrics``).
+
+Ray sends what a process records to the metrics agent of its node, which serves it in the
+Prometheus text format at ``http://<node address>:<MetricsExportPort>/metrics`` (the port is in
+``ray.nodes()``; ``ray.init(_metrics_export_port=...)`` or ``ray start --metrics-export-port``
+fixes it). Ray prefixes every name with ``ray_`` and counters also get a ``_total`` suffix, so
+``zero_ray_steps`` is scraped as ``ray_zero_ray_steps_total``. Values reach the endpoint on the
+recorder's next export, every ``metrics_report_interval_ms`` (10 s by default), not at once.
+
+Everything the driver records is tagged ``run_id`` (the trainer's control-plane job id), so runs
+that share a cluster, or a Prometheus, stay apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from zero_ray.control.handlers import StepResult
+
+log = logging.getLogger(__name__)
+
+PREFIX = "zero_ray_"
+
+# The categories of trainer.memory_report() that add up to its "total": the finer ones
+# ("optimizer_master", "padding_grads", ...) are parts of these and would count bytes twice
+# in a sum over the category tag.
+MODEL_STATE_CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "padding")
+
+# Step times on anything from a toy model on a laptop to a large model on a slow network.
+STEP_SECONDS_BOUNDARIES: list[float] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0]
+
+# The names as they are recorded; the endpoint shows them as "ray_" + name (+ "_total").
+STEPS = PREFIX + "steps"
+STEP_SECONDS = PREFIX + "step_seconds"
+LOSS = PREFIX + "loss"
+SAMPLES_PER_SECOND = PREFIX + "samples_per_second"
+BYTES_SENT = PREFIX + "bytes_sent"
+MODEL_STATE_BYTES = PREFIX + "model_state_bytes"
+
+
+def prometheus_name(name: str, *, counter: bool = False) -> str:
+    """The name under which Ray's metrics endpoint serves a metric recorded as ``name``."""
+    return "ray_" + name + ("_total" if counter else "")
+
+
+class RunMetrics:
+    """The driver's metrics for one training run.
+
+    Recording never raises: a metrics pipeline that is missing or misbehaving must not fail a
+    training step, so errors are logged (once) and the step carries on.
+    """
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self._warned = False
+        tags = {"run_id": run_id}
+        self._steps = Counter(STEPS, description="Optimizer steps completed by the run.",
+                              tag_keys=("run_id",)).set_default_tags(tags)
+        self._step_seconds = Histogram(STEP_SECONDS, description="Wall time of a step seen by the driver (s).",
+                                       boundaries=STEP_SECONDS_BOUNDARIES,
+                                       tag_keys=("run_id",)).set_default_tags(tags)
+        self._loss = Gauge(LOSS, description="Mean loss over the last step's global batch, before the update.",
+                           tag_keys=("run_id",)).set_default_tags(tags)
+        self._samples_per_second = Gauge(SAMPLES_PER_SECOND, description="Global samples per second in the last step.",
+                                         tag_keys=("run_id",)).set_default_tags(tags)
+        self._bytes_sent = Gauge(BYTES_SENT, description="Bytes a rank sent over collectives in the last step.",
+                                 tag_keys=("run_id", "rank")).set_default_tags(tags)
+        self._model_state = Gauge(MODEL_STATE_BYTES,
+                                  description="Model-state bytes a rank holds, by category (measured from tensors).",
+                                  tag_keys=("run_id", "rank", "category")).set_default_tags(tags)
+
+    def record_step(self, metrics: Mapping[str, Any], results: Sequence[StepResult]) -> None:
+        """Record one finished step: ``metrics`` as ``ZeroTrainer.step`` returns them, ``results``
+        the owners' replies (for the per-rank traffic)."""
+        try:
+            seconds = float(metrics["step_seconds"])
+            self._steps.inc(1)
+            self._step_seconds.observe(seconds)
+            self._loss.set(float(metrics["loss"]))
+            if seconds > 0:
+                self._samples_per_second.set(float(metrics["samples"]) / seconds)
+            for r in results:
+                self._bytes_sent.set(float(sum(r.bytes_sent.values())), tags={"rank": str(r.rank)})
+        except Exception:
+            self._warn("step")
+
+    def record_memory(self, reports: Sequence[Mapping[str, int]]) -> None:
+        """Record ``trainer.memory_report()``: per rank, bytes by model-state category."""
+        try:
+            for report in reports:
+                rank = str(report["rank"])
+                for category in MODEL_STATE_CATEGORIES:
+                    self._model_state.set(float(report.get(category, 0)), tags={"rank": rank, "category": category})
+        except Exception:
+            self._warn("memory")
+
+    def _warn(self, what: str) -> None:
+        # Once per run: a broken pipeline would otherwise log on every step.
+        if not self._warned:
+            self._warned = True
+            log.warning("run %s: could not record %s metrics; training goes on", self.run_id, what, exc_info=True)
+        else:
+            log.debug("run %s: could not record %s metrics", self.run_id, what, exc_info=True)
+
+
+def metrics_endpoints() -> list[str]:
+    """``http://ADDRESS:PORT/metrics`` of every live node's Ray metrics agent: what Prometheus
+    scrapes (the driver's metrics are on the driver's node). Needs ``ray.init()`` first."""
+    urls = []
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if node.get("Alive") and port:
+            urls.append(f"http://{node['NodeManagerAddress']}:{port}/metrics")
+    return urls
