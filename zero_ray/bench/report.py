@@ -118,7 +118,8 @@ def _lo_bursts(results: BenchResults) -> list[str]:
     hit = [f"{r.model}/{r.system} ({fmt_bytes(r.lo_bytes_per_step)} vs median {fmt_bytes(r.lo_bytes_step_median)})"
            for r in results.runs
            if r.ok and r.lo_bytes_per_step is not None and r.lo_bytes_step_median is not None
-           and r.lo_bytes_per_step > _BURST_FACTOR * max(r.lo_bytes_step_median, 1.0)]
+           and r.lo_bytes_per_step > max(_BURST_FACTOR * r.lo_bytes_step_median,
+                                         r.lo_bytes_step_median + _BACKGROUND_FLOOR)]
     notes = []
     if hit:
         notes.append("lo bytes/step exceeds its per-step median by more than "

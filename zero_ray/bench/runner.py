@@ -14,6 +14,7 @@ import importlib.metadata
 import logging
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -213,12 +214,16 @@ def max_abs_deviation(params: dict[str, torch.Tensor], ref: dict[str, torch.Tens
     return worst
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def describe_error(err: BaseException, limit: int = 400) -> str:
     """One line for the table: the remote cause of a Ray task error, type and message."""
     cause = getattr(err, "cause", None) or err
     text = f"{type(cause).__name__}: {cause}".strip()
     if isinstance(cause, SystemUnavailable):
         text = cause.reason
+    text = _ANSI.sub("", text)  # Ray colours the remote frame names
     first = text.splitlines()[0] if text else type(cause).__name__
     return first if len(first) <= limit else first[: limit - 3] + "..."
 
