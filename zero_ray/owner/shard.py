@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zero_ray.owner.accounting import StateBytes
+
 from zero_ray.core.layout import Bucket, FlatLayout
 from zero_ray.core.optim import Optimizer, takes_weight_decay
 from zero_ray.core.stages import Residency, StagePlan
@@ -134,15 +136,8 @@ class ShardState:
     # -- accounting -------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
         """Model-state bytes by category, measured from the tensors held; padding apart."""
-        report = {"params": 0, "grads": 0, "optimizer": 0, "optimizer_master": 0, "optimizer_moments": 0,
-                  "padding": 0, "padding_params": 0, "padding_grads": 0, "padding_optimizer": 0}
-
-        def count(category: str, tensor: torch.Tensor, real: int) -> None:
-            size = tensor.element_size()
-            report[category] += real * size
-            pad = (tensor.numel() - real) * size
-            report["padding"] += pad
-            report["padding_" + category.split("_")[0]] += pad
+        counter = StateBytes()
+        report, count = counter.report, counter.count
 
         for b in self.buckets:
             count("params", b.params, b.spec.numel)

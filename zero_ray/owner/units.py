@@ -54,6 +54,7 @@ from zero_ray.core.layout import Bucket, FlatLayout
 from zero_ray.core.optim import takes_weight_decay
 from zero_ray.core.units import ModuleInfo, UnitPlan, UnitSpec, plan_units
 from zero_ray.errors import CheckpointError, ConfigError, ModelError
+from zero_ray.owner.accounting import StateBytes
 from zero_ray.owner.engine import EngineSpec, build_module, cast_buffers, check_module, param_specs
 from zero_ray.owner.materialize import InitRecorder, build_recorded
 from zero_ray.owner.shard import _merge
@@ -761,15 +762,8 @@ class PartitionedParams:
     def memory_report(self) -> dict[str, int]:
         """Model-state bytes by category, measured from the tensors held, plus the gathered and
         reduce buffers and the persistent (replicated) parameters, reported apart."""
-        report = {"params": 0, "grads": 0, "optimizer": 0, "optimizer_master": 0, "optimizer_moments": 0,
-                  "padding": 0, "padding_params": 0, "padding_grads": 0, "padding_optimizer": 0}
-
-        def count(category: str, tensor: torch.Tensor, real: int) -> None:
-            size = tensor.element_size()
-            report[category] += real * size
-            pad = (tensor.numel() - real) * size
-            report["padding"] += pad
-            report["padding_" + category.split("_")[0]] += pad
+        counter = StateBytes()
+        report, count = counter.report, counter.count
 
         for u in self.units:
             real = u.bucket.real_in_range(*u.bucket.shard_range(self.rank))
