@@ -114,6 +114,15 @@ def read_token_file(path: str | os.PathLike[str]) -> Credentials:
                           f"(JSON with job_id and token): {err}") from err
 
 
+def read_pem(path: str) -> bytes:
+    """A certificate or key file's bytes, for server and client TLS credentials alike."""
+    try:
+        with open(path, "rb") as src:
+            return src.read()
+    except OSError as err:
+        raise ConfigError(f"cannot read {path!r}: {err.strerror}") from err
+
+
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """Call metadata carrying ``token``; pass it as ``metadata=`` on every call. Metadata
     rather than call credentials, which gRPC only allows on TLS channels."""

@@ -27,7 +27,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from zero_ray.control._generated import common_pb2, coordinator_pb2, coordinator_pb2_grpc, owner_pb2, owner_pb2_grpc
-from zero_ray.control.auth import PROTOCOL_VERSION, Credentials, bearer_metadata
+from zero_ray.control.auth import PROTOCOL_VERSION, Credentials, bearer_metadata, read_pem
 from zero_ray.control.handlers import (
     CheckpointResult,
     Heartbeat,
@@ -100,14 +100,6 @@ class ClientConfig:
             raise ConfigError(f"protocol_version={self.protocol_version} must be >= 1")
 
 
-def _read(path: str) -> bytes:
-    try:
-        with open(path, "rb") as src:
-            return src.read()
-    except OSError as err:
-        raise ConfigError(f"cannot read {path!r}: {err.strerror}") from err
-
-
 def _channel(config: ClientConfig) -> grpc.Channel:
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -120,9 +112,9 @@ def _channel(config: ClientConfig) -> grpc.Channel:
     if config.tls_server_name is not None:
         options.append(("grpc.ssl_target_name_override", config.tls_server_name))
     credentials = grpc.ssl_channel_credentials(
-        root_certificates=_read(config.tls_ca),
-        private_key=_read(config.tls_key) if config.tls_key is not None else None,
-        certificate_chain=_read(config.tls_cert) if config.tls_cert is not None else None,
+        root_certificates=read_pem(config.tls_ca),
+        private_key=read_pem(config.tls_key) if config.tls_key is not None else None,
+        certificate_chain=read_pem(config.tls_cert) if config.tls_cert is not None else None,
     )
     return grpc.secure_channel(config.address, credentials, options=options)
 

@@ -31,7 +31,13 @@ from typing import Any, TypeVar
 import grpc
 
 from zero_ray.control._generated import coordinator_pb2, coordinator_pb2_grpc, owner_pb2, owner_pb2_grpc
-from zero_ray.control.auth import SUPPORTED_PROTOCOL_VERSIONS, Credentials, HeaderInterceptor, TokenInterceptor
+from zero_ray.control.auth import (
+    SUPPORTED_PROTOCOL_VERSIONS,
+    Credentials,
+    HeaderInterceptor,
+    TokenInterceptor,
+    read_pem,
+)
 from zero_ray.control.handlers import (
     CheckpointResult,
     CoordinatorHandler,
@@ -458,18 +464,10 @@ class ControlServer:
         self.stop()
 
 
-def _read(path: str) -> bytes:
-    try:
-        with open(path, "rb") as src:
-            return src.read()
-    except OSError as err:
-        raise ConfigError(f"cannot read {path!r}: {err.strerror}") from err
-
-
 def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
     assert config.tls_cert is not None and config.tls_key is not None  # checked in ServerConfig
-    client_ca = _read(config.tls_client_ca) if config.tls_client_ca is not None else None
-    return grpc.ssl_server_credentials([(_read(config.tls_key), _read(config.tls_cert))],
+    client_ca = read_pem(config.tls_client_ca) if config.tls_client_ca is not None else None
+    return grpc.ssl_server_credentials([(read_pem(config.tls_key), read_pem(config.tls_cert))],
                                        root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
