@@ -62,6 +62,17 @@ class RankContext:
         return self.world_size * samples / global_samples
 
 
+def _weighted_step(ctx: RankContext, module: torch.nn.Module, opt: Any, piece: Batch, global_samples: int) -> float:
+    """One plain-PyTorch optimizer step whose rank-averaged gradient is the global-batch mean;
+    returns loss * samples for this rank."""
+    opt.zero_grad()
+    n = batch_size(piece)
+    loss = ctx.workload.loss_fn(module, piece)
+    (loss * ctx.loss_weight(n, global_samples)).backward()
+    opt.step()
+    return float(loss) * n
+
+
 class Recipe(Protocol):
     """The per-system part of a rank. Constructed with no arguments inside the actor."""
 
@@ -133,12 +144,7 @@ class TorchZeroRecipe:
             optimizer_class=torch.optim.AdamW, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
     def step(self, piece: Batch, global_samples: int) -> float:
-        self.opt.zero_grad()
-        n = batch_size(piece)
-        loss = self.ctx.workload.loss_fn(self.module, piece)
-        (loss * self.ctx.loss_weight(n, global_samples)).backward()
-        self.opt.step()
-        return float(loss) * n
+        return _weighted_step(self.ctx, self.module, self.opt, piece, global_samples)
 
     def state_bytes(self) -> StateBytes:
         # The local optimizer holds state only for this rank's share of the parameters.
@@ -175,12 +181,7 @@ class FSDP2Recipe:
         self.opt = torch_optimizer(ctx.optimizer, list(module.named_parameters()))
 
     def step(self, piece: Batch, global_samples: int) -> float:
-        self.opt.zero_grad()
-        n = batch_size(piece)
-        loss = self.ctx.workload.loss_fn(self.module, piece)
-        (loss * self.ctx.loss_weight(n, global_samples)).backward()
-        self.opt.step()
-        return float(loss) * n
+        return _weighted_step(self.ctx, self.module, self.opt, piece, global_samples)
 
     def state_bytes(self) -> StateBytes:
         return module_state_bytes(self.module, optimizer_state_tensors(self.opt))
