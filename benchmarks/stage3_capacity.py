@@ -11,7 +11,6 @@ shared machine; the paper's formula scales the answer to any other per-actor mem
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import json
 import time
@@ -21,29 +20,13 @@ import torch
 
 import zero_ray as zr
 from zero_ray.config import Stage3Config
+from zero_ray.bench.probe import cap_address_space
 from zero_ray.models import mlp, mse_loss
 
 
-def _vm_size() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
-
-
 def capped_mlp(cap_bytes: int, width: int, depth: int) -> torch.nn.Module:
-    import resource
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-8, 1)  # M_ARENA_MAX: threads started later reserve no arenas of their own
-        libc.mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD: freed tensors give their address space back
-    except OSError:
-        pass
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
-        resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + cap_bytes, hard))
+    """Cap this actor's address space at what it maps now plus ``cap_bytes``, then build."""
+    cap_address_space(cap_bytes)
     return mlp(width, depth)
 
 

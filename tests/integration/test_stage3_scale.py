@@ -4,7 +4,6 @@ stage 3 with four actors and the low-memory construction trains it for several s
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 import zero_ray as zr
 from zero_ray.config import Stage3Config
+from zero_ray.bench.probe import cap_address_space
 from zero_ray.models import mlp, mse_loss
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
@@ -23,27 +23,9 @@ PSI = DEPTH * (WIDTH * WIDTH + WIDTH)
 CAP_BYTES = 340 * 2**20
 
 
-def _vm_size() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
-
-
 def capped_model(cap_bytes: int) -> torch.nn.Module:
     """Cap this actor's address space at what it maps now plus ``cap_bytes``, then build."""
-    import resource
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-8, 1)  # M_ARENA_MAX: threads started later reserve no 64 MB arenas of their own
-        libc.mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD: freed tensors give their address space back
-    except OSError:
-        pass
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
-        resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + cap_bytes, hard))
+    cap_address_space(cap_bytes)
     return mlp(WIDTH, DEPTH)
 
 

@@ -65,6 +65,27 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
+def cap_address_space(extra_bytes: int) -> None:
+    """Cap this process's address space at what it maps now plus ``extra_bytes`` (once: a cap
+    already set is kept), so that building a model too large for the cap fails with a
+    MemoryError instead of using the machine's memory. glibc is told to keep few arenas and to
+    return freed blocks, so the cap measures tensors rather than allocator slack."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-8, 1)  # M_ARENA_MAX: threads started later reserve no 64 MB arenas of their own
+        libc.mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD: freed tensors give their address space back
+    except OSError:
+        pass
+    vm_kib = _status_kib("VmSize")
+    if vm_kib is None:
+        raise RuntimeError("no VmSize in /proc/self/status")
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        resource.setrlimit(resource.RLIMIT_AS, (vm_kib * 1024 + extra_bytes, hard))
+
+
 def _ru_maxrss_bytes() -> int:
     value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
