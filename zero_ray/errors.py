@@ -29,6 +29,19 @@ class OwnerError(ZeroRayError):
         super().__init__(text)
 
 
+def domain_error(cls: object, message: str, *, rank: int | None, fallback: str | None = None,
+                 remote_traceback: str = "") -> ZeroRayError:
+    """Re-raise a remote failure as its own domain type: ``cls(message)`` when ``cls`` is a
+    ZeroRayError subclass built from a message alone; otherwise an OwnerError naming the rank,
+    with ``fallback`` (default ``message``) as its text."""
+    if isinstance(cls, type) and issubclass(cls, ZeroRayError) and not issubclass(cls, OwnerError):
+        try:
+            return cls(message)
+        except TypeError:  # a subclass with a richer constructor: fall back to OwnerError
+            pass
+    return OwnerError(message if fallback is None else fallback, rank=rank, remote_traceback=remote_traceback)
+
+
 class OwnerLostError(OwnerError):
     """A partition owner died or stopped answering."""
 

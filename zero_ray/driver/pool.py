@@ -27,7 +27,7 @@ from zero_ray.driver.health import HealthMonitor
 
 from zero_ray import errors
 from zero_ray.config import ControlTLS
-from zero_ray.errors import ControlError, OwnerError, OwnerLostError, ResourceError, ZeroRayError
+from zero_ray.errors import ControlError, OwnerError, OwnerLostError, ResourceError, ZeroRayError, domain_error
 from zero_ray.owner.actor import OwnerOptions, RemotePartitionOwner
 from zero_ray.owner.engine import EngineSpec
 
@@ -87,12 +87,8 @@ def _remote_error(err: Exception, rank: int, method: str, nodes: Sequence[dict[s
     if isinstance(err, ray.exceptions.RayTaskError):
         cause = err.cause
         tb = str(err)
-        if isinstance(cause, ZeroRayError) and not isinstance(cause, OwnerError):
-            try:
-                return type(cause)(f"{where} failed in {method}: {cause}\n\nRemote traceback:\n{tb}")
-            except TypeError:
-                pass
-        return OwnerError(f"{where} failed in {method}: {cause!r}", rank=rank, remote_traceback=tb)
+        return domain_error(type(cause), f"{where} failed in {method}: {cause}\n\nRemote traceback:\n{tb}", rank=rank,
+                            fallback=f"{where} failed in {method}: {cause!r}", remote_traceback=tb)
     return OwnerError(f"{where} failed in {method}: {err!r}", rank=rank)
 
 
@@ -102,14 +98,8 @@ def _step_error(err: ControlError, where: str, rank: int) -> ZeroRayError:
     details = cause.details() if isinstance(cause, grpc.Call) else ""
     match = re.match(r"^[\w.]+: (\w+): (.*)$", details or "", flags=re.S)
     if match:
-        cls = getattr(errors, match.group(1), None)
-        message = f"{where} failed in step: {match.group(2)}"
-        if isinstance(cls, type) and issubclass(cls, ZeroRayError) and not issubclass(cls, OwnerError):
-            try:
-                return cls(message)
-            except TypeError:
-                pass
-        return OwnerError(message, rank=rank)
+        return domain_error(getattr(errors, match.group(1), None), f"{where} failed in step: {match.group(2)}",
+                            rank=rank)
     return OwnerError(f"{where} failed in step: {err}", rank=rank)
 
 

@@ -16,7 +16,7 @@ import ray
 from ray import cloudpickle
 
 from zero_ray.control import handlers as h
-from zero_ray.errors import CollectiveError, OwnerError, ZeroRayError
+from zero_ray.errors import CollectiveError, domain_error
 
 if TYPE_CHECKING:
     from zero_ray.owner.actor import PartitionOwner
@@ -28,12 +28,7 @@ def _with_traceback(err: Exception, rank: int) -> Exception:
     tb = traceback.format_exc()
     tb = tb if len(tb) <= 2500 else "...\n" + tb[-2500:]
     text = f"{err}\n\nRemote traceback (rank {rank}):\n{tb}"
-    if isinstance(err, ZeroRayError) and not isinstance(err, OwnerError):
-        try:
-            return type(err)(text)
-        except TypeError:
-            pass
-    return OwnerError(f"{type(err).__name__}: {text}", rank=rank)
+    return domain_error(type(err), text, rank=rank, fallback=f"{type(err).__name__}: {text}")
 
 
 def rss_bytes() -> int:
