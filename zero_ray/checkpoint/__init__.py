@@ -1,0 +1,10 @@
+"""Sharded checkpoints: format (manifest + per-rank safetensors), storage, atomic commit,
+ranged verified reads, and the offline tools (inspect, reshard, consolidate).
+
+Knows neither the driver nor the owners; both use it.
+"""
+
+from zero_ray.checkpoint.format import FORMAT_VERSION, Manifest
+from zero_ray.checkpoint.store import CheckpointReader, resolve
+
+__all__ = ["FORMAT_VERSION", "CheckpointReader", "Manifest", "resolve"]

@@ -1,0 +1,263 @@
+"""The checkpoint format: a JSON manifest and one safetensors file per rank.
+
+A checkpoint is a directory::
+
+    step-00000042/
+        manifest.json                        written last: a directory without it is unfinished
+        rank-00000-of-00004.safetensors      rank 0's slices (plus the module's buffers)
+        ...
+
+Each rank file holds 1-D fp32 tensors, one per (kind, parameter fragment): ``master`` weights and
+each optimizer moment (``exp_avg``, ...) over elements ``[start, end)`` of the flattened
+parameter, plus ``rng/torch`` (the rank's RNG state) and, on rank 0, ``buffer`` tensors. Because
+entries are addressed by parameter name and element range, not by the saving run's buckets, any
+layout (stage, world size, bucket size) reads exactly the ranges it needs: that is resharding.
+
+The manifest records every entry's file offset and every file's size, sha256 and the sha256 of
+each ``chunk_bytes`` block, so a reader verifies the blocks it reads without reading the rest.
+
+Pure: neither ray nor grpc nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from zero_ray.errors import CheckpointError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+LATEST_NAME = "latest"
+DEFAULT_CHUNK_BYTES = 4 * 2**20
+
+MASTER = "master"
+BUFFER = "buffer"
+RNG = "rng"
+
+
+def shard_file_name(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entry:
+    """One tensor in a rank file: elements ``[start, end)`` of ``kind`` of ``name``.
+
+    ``offset`` is the file position of its first byte; ``dtype`` a safetensors dtype name;
+    ``shape`` the stored tensor's shape (``(end - start,)`` for parameter fragments).
+    """
+
+    key: str
+    kind: str
+    name: str
+    start: int
+    end: int
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardFile:
+    """One rank's file: its name in the checkpoint directory, size and checksums."""
+
+    rank: int
+    name: str
+    size: int
+    sha256: str
+    chunk_bytes: int
+    chunk_sha256: tuple[str, ...]
+    entries: tuple[Entry, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamRecord:
+    """A parameter of the saved model: ``name`` as in ``named_parameters()``, every name it has in
+    ``state_dict()`` (tied weights have several), shape, dtype, and where the saving layout put it."""
+
+    name: str
+    aliases: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    bucket: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketRecord:
+    """A bucket of the saving layout; rank r owned ``[r * shard_numel, (r + 1) * shard_numel)``."""
+
+    index: int
+    params: tuple[int, ...]
+    numel: int
+    padded_numel: int
+    shard_numel: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """Everything about a checkpoint except the tensors."""
+
+    format_version: int
+    step: int  # trainer steps completed: the data position is step * global batch
+    samples_seen: int
+    optimizer_steps: int  # updates applied (fp16 overflow skips excluded): Adam's bias correction
+    world_size: int
+    stage: int
+    compute_dtype: str
+    seed: int
+    params: tuple[ParamRecord, ...]
+    buckets: tuple[BucketRecord, ...]
+    optimizer: Mapping[str, Any]  # {"type": "AdamW", hyperparameters...}
+    param_groups: Mapping[str, tuple[str, ...]]  # "decay" / "no_decay" -> parameter names
+    moments: tuple[str, ...]  # the optimizer state saved per element
+    loss_scaler: Mapping[str, float]
+    files: tuple[ShardFile, ...]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    _index: dict[tuple[str, str], list[tuple[int, Entry]]] = field(default_factory=dict, compare=False, repr=False)
+
+    # -- serialization ------------------------------------------------------------------------
+    def to_json(self) -> str:
+        data = asdict(self)
+        data.pop("_index")
+        return json.dumps(data, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, *, where: str) -> Manifest:
+        """Parse and check a manifest; ``where`` names the file in errors."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{where} is not valid JSON ({err}); the checkpoint is corrupt") from err
+        version = data.get("format_version") if isinstance(data, dict) else None
+        if version != FORMAT_VERSION:
+            raise CheckpointError(f"{where}: format_version={version!r} is not supported; this zero_ray reads "
+                                  f"format_version={FORMAT_VERSION} (upgrade zero_ray to read newer checkpoints)")
+        try:
+            files = tuple(shard_file_from_data(f) for f in data.pop("files"))
+            params = _param_records(data.pop("params"))
+            buckets = _bucket_records(data.pop("buckets"))
+            groups = {k: tuple(v) for k, v in data.pop("param_groups").items()}
+            return cls(**{**data, "files": files, "params": params, "buckets": buckets, "param_groups": groups,
+                          "moments": tuple(data["moments"])})
+        except (KeyError, TypeError) as err:
+            raise CheckpointError(f"{where} lacks or misnames a field ({err!r}); the checkpoint is corrupt") from err
+
+    # -- queries ------------------------------------------------------------------------------
+    def param(self, name: str) -> ParamRecord:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise CheckpointError(f"the checkpoint has no parameter named {name!r}")
+
+    def entries(self, kind: str, name: str) -> list[tuple[int, Entry]]:
+        """``(file index, entry)`` of ``kind`` of ``name``, sorted by start."""
+        if not self._index:
+            for i, f in enumerate(self.files):
+                for e in f.entries:
+                    self._index.setdefault((e.kind, e.name), []).append((i, e))
+            for v in self._index.values():
+                v.sort(key=lambda ie: ie[1].start)
+        return self._index.get((kind, name), [])
+
+    def entries_of_kind(self, kind: str) -> list[tuple[int, Entry]]:
+        """``(file index, entry)`` of every entry of ``kind``."""
+        return [(i, e) for i, f in enumerate(self.files) for e in f.entries if e.kind == kind]
+
+    def pieces(self, kind: str, name: str, start: int, end: int) -> list[Piece]:
+        """The saved ranges that together cover elements ``[start, end)`` of ``kind`` of ``name``:
+        the read plan for one fragment of a new layout."""
+        out: list[Piece] = []
+        pos = start
+        for i, e in self.entries(kind, name):
+            lo, hi = max(pos, e.start), min(end, e.end)
+            if lo >= hi:
+                continue
+            if lo != pos:
+                break
+            out.append(Piece(file=i, entry=e, start=lo - e.start, end=hi - e.start, dest=lo - start))
+            pos = hi
+            if pos == end:
+                return out
+        if start == end:
+            return out
+        raise CheckpointError(f"the checkpoint lacks {kind} of {name!r} elements [{pos}, {end}) (of [{start}, {end}) "
+                              f"asked for); the manifest is incomplete or the optimizer differs")
+
+
+def _param_records(data: Iterable[Mapping[str, Any]]) -> tuple[ParamRecord, ...]:
+    return tuple(ParamRecord(**{**p, "aliases": tuple(p["aliases"]), "shape": tuple(p["shape"])}) for p in data)
+
+
+def _bucket_records(data: Iterable[Mapping[str, Any]]) -> tuple[BucketRecord, ...]:
+    return tuple(BucketRecord(**{**b, "params": tuple(b["params"])}) for b in data)
+
+
+def shard_file_from_data(data: Mapping[str, Any]) -> ShardFile:
+    """A ``ShardFile`` from its ``dataclasses.asdict`` form (as an owner reports it)."""
+    return ShardFile(**{**data, "chunk_sha256": tuple(data["chunk_sha256"]),
+                        "entries": tuple(Entry(**{**e, "shape": tuple(e["shape"])}) for e in data["entries"])})
+
+
+def build_manifest(*, model: Mapping[str, Any], files: Sequence[ShardFile], step: int, samples_seen: int,
+                   world_size: int, stage: int, compute_dtype: str, seed: int, optimizer: Mapping[str, Any],
+                   extra: Mapping[str, Any] | None = None) -> Manifest:
+    """The manifest of a save: ``model`` is rank 0's description of the layout (parameters,
+    buckets, groups, moments, optimizer steps, loss scaler), ``files`` every rank's record."""
+    return Manifest(
+        format_version=FORMAT_VERSION, step=step, samples_seen=samples_seen,
+        optimizer_steps=int(model["optimizer_steps"]), world_size=world_size, stage=stage,
+        compute_dtype=compute_dtype, seed=seed,
+        params=_param_records(model["params"]), buckets=_bucket_records(model["buckets"]),
+        optimizer=dict(optimizer), param_groups={k: tuple(v) for k, v in model["param_groups"].items()},
+        moments=tuple(model["moments"]), loss_scaler=dict(model["loss_scaler"]),
+        files=tuple(sorted(files, key=lambda f: f.rank)), extra=dict(extra or {}))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Piece:
+    """Read elements ``[start, end)`` of ``entry`` (in ``files[file]``) into ``dest`` onward."""
+
+    file: int
+    entry: Entry
+    start: int
+    end: int
+    dest: int
+
+
+def model_mismatch(manifest: Manifest, specs: Sequence[tuple[str, Sequence[int]]]) -> str | None:
+    """How the model being built (``(name, shape)`` in registration order) differs from the
+    checkpoint's, or None when they agree: names only on one side and shapes that differ."""
+    saved = {p.name: tuple(p.shape) for p in manifest.params}
+    model = {name: tuple(shape) for name, shape in specs}
+    only_saved = sorted(set(saved) - set(model))
+    only_model = sorted(set(model) - set(saved))
+    shapes = [(n, saved[n], model[n]) for n in saved if n in model and saved[n] != model[n]]
+    if not (only_saved or only_model or shapes):
+        return None
+    parts = []
+    if only_saved:
+        parts.append(f"only in the checkpoint: {_clip(only_saved)}")
+    if only_model:
+        parts.append(f"only in the model: {_clip(only_model)}")
+    if shapes:
+        parts.append(f"shapes differ (name, checkpoint, model): {_clip(shapes)}")
+    return "; ".join(parts)
+
+
+def _clip(items: Iterable[Any], limit: int = 20) -> str:
+    items = list(items)
+    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
+    return f"{items[:limit]}{more}"
