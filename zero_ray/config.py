@@ -60,8 +60,6 @@ class Stage3Config:
     init: "full" builds ``torch.manual_seed(seed); model_fn()`` on the host, one rank of a node
         at a time, and keeps the shard; "low_memory" never materialises more than one parameter
         beyond the shard (see docs/stage3.md for which initialisations it reproduces).
-    init_state_dict: a safetensors file path or a ``{name: tensor}`` dict to take parameter
-        values from (streamed one parameter at a time; a dict travels to every rank whole).
     """
 
     wrap_policy: Any = None
@@ -69,7 +67,6 @@ class Stage3Config:
     persistence_threshold: int = 0
     max_live_units: int | None = None
     init: str = "full"
-    init_state_dict: str | os.PathLike[str] | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "wrap_policy", _wrap_policy(self.wrap_policy))
@@ -83,11 +80,28 @@ class Stage3Config:
             raise ConfigError(f"max_live_units={self.max_live_units!r} must be an integer >= 1 or None")
         if self.init not in INIT_MODES:
             raise ConfigError(f"init={self.init!r} is not one of {INIT_MODES}")
-        source = self.init_state_dict
-        if source is not None and not isinstance(source, (str, os.PathLike, Mapping)):
-            raise ConfigError(f"init_state_dict={type(source).__name__} must be a safetensors path or a dict")
-        if isinstance(source, (str, os.PathLike)) and not os.path.isfile(source):
-            raise ConfigError(f"init_state_dict={os.fspath(source)!r} is not a file")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Sharded checkpoints (``ZeroTrainer.save_checkpoint``; format in docs/checkpoints.md).
+
+    dir: the default checkpoint root (``zero-ray checkpoint now`` without a path), or None.
+    keep: committed checkpoints kept per root; older ones are removed after each commit.
+    timeout_s: bound on each wait of a save or a load (a rank's write, a rank's read).
+    """
+
+    dir: str | None = None
+    keep: int = 3
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise ConfigError(f"keep={self.keep!r} must be an integer >= 1 (checkpoints kept per root)")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ConfigError(f"timeout_s={self.timeout_s!r} must be a finite number of seconds > 0")
+        if self.dir is not None and not isinstance(self.dir, (str, os.PathLike)):
+            raise ConfigError(f"dir={self.dir!r} must be a path or None")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +153,10 @@ class ZeroConfig:
     control_token_dir: where the control token file is written (default: a private temp dir).
     control_tls: TLS / mTLS for every control-plane connection (``ControlTLS``), or None.
     stage3: stage-3 options (units, prefetch, persistence, construction); see ``Stage3Config``.
+    init_state_dict: start from these weights instead of ``model_fn()``'s (fine-tuning): a
+        safetensors file (e.g. ``zero-ray checkpoint consolidate``'s output; read a slice at a
+        time at stage 3) or a ``{name: tensor}`` dict (which travels to every rank whole).
+    checkpoint: sharded-checkpoint options; see ``CheckpointConfig``.
     """
 
     stage: int = 2
@@ -163,6 +181,8 @@ class ZeroConfig:
     control_token_dir: str | None = None
     control_tls: ControlTLS | None = None
     stage3: Stage3Config = field(default_factory=Stage3Config)
+    init_state_dict: str | os.PathLike[str] | Mapping[str, Any] | None = None
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         stage_plan(self.stage)  # raises ConfigError naming the stage
@@ -201,3 +221,10 @@ class ZeroConfig:
             raise ConfigError(f"num_cpus_per_owner={self.num_cpus_per_owner!r} must be > 0")
         if self.placement_strategy not in PLACEMENTS:
             raise ConfigError(f"placement_strategy={self.placement_strategy!r} is not one of {PLACEMENTS}")
+        source = self.init_state_dict
+        if source is not None and not isinstance(source, (str, os.PathLike, Mapping)):
+            raise ConfigError(f"init_state_dict={type(source).__name__} must be a safetensors path or a dict")
+        if isinstance(source, (str, os.PathLike)) and not os.path.isfile(source):
+            raise ConfigError(f"init_state_dict={os.fspath(source)!r} is not a file")
+        if not isinstance(self.checkpoint, CheckpointConfig):
+            raise ConfigError(f"checkpoint={self.checkpoint!r} must be a CheckpointConfig")

@@ -21,6 +21,7 @@ from zero_ray.control.handlers import (
     OwnerStats,
     RankStatus,
     ResizeResult,
+    SavePhase,
     SaveResult,
     StepArgs,
     StepResult,
@@ -62,7 +63,7 @@ class FakeOwner:
                           loss_scale=65536.0, compute_seconds=0.125, rank=1,
                           bytes_sent={"reduce_scatter": 1 << 33, "all_gather": 7})
 
-    def save(self, path: str, step: int) -> SaveResult:
+    def save(self, path: str, step: int, phase: SavePhase) -> SaveResult:
         self.calls.append("save")
         return SaveResult(path=f"{path}/rank-1", step=step, bytes_written=1234)
 

@@ -136,5 +136,5 @@ def test_low_memory_and_safetensors_construction_train_like_full(tmp_path) -> No
     path = tmp_path / "gpt.safetensors"
     save_file(start, str(path))
     loaded, _, _, _ = train(GPT_FN, lm_loss, opt, batches, world_size=3, seed=123,
-                            stage3=Stage3Config(wrap_policy=WrapPolicy(min_numel=0), init_state_dict=str(path)))
+                            stage3=Stage3Config(wrap_policy=WrapPolicy(min_numel=0)), init_state_dict=str(path))
     assert max_dev(loaded, full) <= 1e-6

@@ -103,7 +103,7 @@ def test_bad_plans_and_configs_name_their_values() -> None:
     with pytest.raises(ConfigError, match="init='lazy'"):
         Stage3Config(init="lazy")
     with pytest.raises(ConfigError, match="is not a file"):
-        Stage3Config(init_state_dict="/nonexistent/model.safetensors")
+        ZeroConfig(stage=3, init_state_dict="/nonexistent/model.safetensors")
     with pytest.raises(ConfigError, match="stage=2; they apply to stage 3 only"):
         ZeroConfig(stage=2, stage3=Stage3Config(prefetch_depth=2))
 

@@ -110,7 +110,7 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
     def rank_main(rank: int) -> None:
         try:
             group = ThreadGroup(world, rank)
-            if spec.stage3.init == "low_memory" or spec.stage3.init_state_dict is not None:
+            if spec.stage3.init == "low_memory" or spec.init_state_dict is not None:
                 with _BUILD_LOCK:
                     engine = OwnerEngine(spec, rank=rank, group=group)
             else:

@@ -37,6 +37,7 @@ from zero_ray.control.handlers import (
     OwnerStats,
     RankStatus,
     ResizeResult,
+    SavePhase,
     SaveResult,
     StepArgs,
     StepResult,
@@ -289,11 +290,13 @@ class OwnerClient(_Client):
                           skipped=reply.skipped, loss_scale=reply.loss_scale, compute_seconds=reply.compute_seconds,
                           rank=reply.rank, bytes_sent=dict(reply.bytes_sent))
 
-    def save(self, path: str, step: int, *, timeout_s: float | None = None) -> SaveResult:
+    def save(self, path: str, step: int, *, phase: SavePhase = SavePhase.BOTH,
+             timeout_s: float | None = None) -> SaveResult:
         """Have the owner write its shard of the state at ``step`` under ``path``."""
-        reply = self._unary("Save", self._stub.Save,
-                            owner_pb2.SaveRequest(header=self._header(), path=path, step=step), timeout_s)
-        return SaveResult(path=reply.path, step=reply.step, bytes_written=reply.bytes_written)
+        request = owner_pb2.SaveRequest(header=self._header(), path=path, step=step, phase=phase.value)
+        reply = self._unary("Save", self._stub.Save, request, timeout_s)
+        return SaveResult(path=reply.path, step=reply.step, bytes_written=reply.bytes_written,
+                          record_json=reply.record_json)
 
     def load(self, path: str, step: int, *, timeout_s: float | None = None) -> LoadResult:
         """Have the owner restore its shard of the state at ``step`` from ``path``."""

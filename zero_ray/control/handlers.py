@@ -29,6 +29,8 @@ anything else                           ``INTERNAL`` (and logged with its traceb
 
 from __future__ import annotations
 
+import enum
+
 import math
 import threading
 from collections.abc import Iterator, Mapping
@@ -76,6 +78,14 @@ class StepResult:
     bytes_sent: Mapping[str, int] = field(default_factory=dict)
 
 
+class SavePhase(enum.Enum):
+    """The halves of an owner's save (see owner.proto)."""
+
+    BOTH = 0
+    SNAPSHOT = 1
+    AWAIT = 2
+
+
 @dataclass(frozen=True, kw_only=True)
 class SaveResult:
     """Where an owner wrote its shard."""
@@ -83,6 +93,7 @@ class SaveResult:
     path: str
     step: int
     bytes_written: int
+    record_json: str = ""  # set once the file is durable (SavePhase.AWAIT / UNSPECIFIED)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,8 +186,9 @@ class OwnerHandler(Protocol):
         """Run one step. May block for as long as the driver's deadline allows."""
         ...
 
-    def save(self, path: str, step: int) -> SaveResult:
-        """Write this owner's shard of the state at ``step`` under ``path``."""
+    def save(self, path: str, step: int, phase: SavePhase) -> SaveResult:
+        """Write this owner's shard of the state at ``step`` under ``path`` (``phase``: snapshot
+        and write in the background, wait for that write, or both)."""
         ...
 
     def load(self, path: str, step: int) -> LoadResult:

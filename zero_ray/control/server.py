@@ -48,6 +48,7 @@ from zero_ray.control.handlers import (
     OwnerHandler,
     OwnerStats,
     ResizeResult,
+    SavePhase,
     SaveResult,
     StepArgs,
     StepResult,
@@ -282,9 +283,12 @@ class _OwnerServicer(owner_pb2_grpc.PartitionOwnerServicer):
 
     def Save(self, request: owner_pb2.SaveRequest, context: grpc.ServicerContext) -> owner_pb2.SaveReply:
         def build(r: SaveResult) -> owner_pb2.SaveReply:
-            return owner_pb2.SaveReply(path=r.path, step=r.step, bytes_written=r.bytes_written)
+            return owner_pb2.SaveReply(path=r.path, step=r.step, bytes_written=r.bytes_written,
+                                       record_json=r.record_json)
 
-        return _serve(context, "PartitionOwner.Save", lambda: self._handler.save(request.path, request.step), build)
+        method = "PartitionOwner.Save"
+        phase = _serve(context, method, lambda: SavePhase(request.phase), lambda p: p)
+        return _serve(context, method, lambda: self._handler.save(request.path, request.step, phase), build)
 
     def Load(self, request: owner_pb2.LoadRequest, context: grpc.ServicerContext) -> owner_pb2.LoadReply:
         def build(r: LoadResult) -> owner_pb2.LoadReply:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
@@ -146,3 +146,25 @@ def torch_optimizer(config: AdamW | SGD, named_parameters: Sequence[tuple[str, t
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, dampening=config.dampening,
                                nesterov=config.nesterov)
     raise ConfigError(f"no torch optimizer for {config!r}")
+
+
+_OPTIMIZERS: dict[str, type[AdamW] | type[SGD]] = {"AdamW": AdamW, "SGD": SGD}
+
+
+def optimizer_record(config: AdamW | SGD) -> dict[str, object]:
+    """``config`` as plain JSON data (what a checkpoint's manifest stores)."""
+    data: dict[str, object] = {"type": type(config).__name__}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        data[f.name] = list(value) if isinstance(value, tuple) else value
+    return data
+
+
+def optimizer_from_record(data: dict[str, object]) -> AdamW | SGD:
+    """The optimizer config ``optimizer_record`` described."""
+    kind = data.get("type")
+    cls = _OPTIMIZERS.get(str(kind))
+    if cls is None:
+        raise ConfigError(f"optimizer type={kind!r} is not one of {sorted(_OPTIMIZERS)}")
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k != "type"}
+    return cls(**values)  # type: ignore[arg-type]

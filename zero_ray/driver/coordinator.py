@@ -1,4 +1,4 @@
-"""Coordinator: the driver's gRPC service for operators (status, stop, metrics).
+"""Coordinator: the driver's gRPC service for operators (status, checkpoint, stop, metrics).
 
 It reads the trainer's state through a small snapshot interface and never drives training
 itself: ``stop`` only raises a flag the training loop observes.
@@ -20,6 +20,8 @@ class RunView(Protocol):
     def job_status(self) -> h.JobStatus: ...
 
     def request_stop(self, reason: str) -> str: ...
+
+    def checkpoint_now(self, path: str | None) -> tuple[str, int]: ...
 
 
 class Coordinator:
@@ -43,7 +45,8 @@ class Coordinator:
         return self._run.job_status()
 
     def checkpoint(self, path: str | None) -> h.CheckpointResult:
-        raise NotImplementedError("sharded checkpoints are not implemented in this version")
+        directory, step = self._run.checkpoint_now(path or None)
+        return h.CheckpointResult(path=directory, step=step)
 
     def stop(self, reason: str) -> str:
         return self._run.request_stop(reason)

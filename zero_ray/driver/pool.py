@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import ray
@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient
-from zero_ray.control.handlers import OwnerStats, StepArgs, StepResult
+from zero_ray.control.handlers import LoadResult, OwnerStats, SavePhase, SaveResult, StepArgs, StepResult
 from zero_ray.driver.health import HealthMonitor
 
 from zero_ray import errors
@@ -32,6 +32,8 @@ from zero_ray.owner.actor import OwnerOptions, RemotePartitionOwner
 from zero_ray.owner.engine import EngineSpec
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,15 +94,15 @@ def _remote_error(err: Exception, rank: int, method: str, nodes: Sequence[dict[s
     return OwnerError(f"{where} failed in {method}: {err!r}", rank=rank)
 
 
-def _step_error(err: ControlError, where: str, rank: int) -> ZeroRayError:
+def _step_error(err: ControlError, where: str, rank: int, what: str = "step") -> ZeroRayError:
     """Rebuild the owner's domain error from the gRPC status ("Step: TypeName: message")."""
     cause = err.__cause__
     details = cause.details() if isinstance(cause, grpc.Call) else ""
     match = re.match(r"^[\w.]+: (\w+): (.*)$", details or "", flags=re.S)
     if match:
-        return domain_error(getattr(errors, match.group(1), None), f"{where} failed in step: {match.group(2)}",
+        return domain_error(getattr(errors, match.group(1), None), f"{where} failed in {what}: {match.group(2)}",
                             rank=rank)
-    return OwnerError(f"{where} failed in step: {err}", rank=rank)
+    return OwnerError(f"{where} failed in {what}: {err}", rank=rank)
 
 
 class OwnerPool:
@@ -190,9 +192,19 @@ class OwnerPool:
     def step(self, args: Sequence[StepArgs], *, timeout_s: float) -> list[StepResult]:
         """Run one step on every owner over gRPC, each call with a deadline. The first failure
         (an owner's error, a lost owner, the deadline) is raised at once."""
-        futures = {self._executor.submit(c.step, a, timeout_s=timeout_s): r
-                   for r, (c, a) in enumerate(zip(self.clients, args))}
-        results: dict[int, StepResult] = {}
+        return self._on_all("step", lambda c, r: c.step(args[r], timeout_s=timeout_s))
+
+    def save(self, directory: str, step: int, *, phase: SavePhase, timeout_s: float) -> list[SaveResult]:
+        """Every owner's half of a save into ``directory`` (see ``SavePhase``)."""
+        return self._on_all("save", lambda c, r: c.save(directory, step, phase=phase, timeout_s=timeout_s))
+
+    def load(self, path: str, *, timeout_s: float) -> list[LoadResult]:
+        """Every owner restores its partition from the checkpoint at ``path``."""
+        return self._on_all("load", lambda c, r: c.load(path, 0, timeout_s=timeout_s))
+
+    def _on_all(self, what: str, call: Callable[[OwnerClient, int], T]) -> list[T]:
+        futures = {self._executor.submit(call, c, r): r for r, c in enumerate(self.clients)}
+        results: dict[int, T] = {}
         pending = set(futures)
         while pending:
             done, pending = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
@@ -201,9 +213,9 @@ class OwnerPool:
                 try:
                     results[rank] = fut.result()
                 except ControlError as err:
-                    raise _step_error(err, self.where(rank), rank) from err
-            self._raise_if_lost("step")
-        return [results[r] for r in range(len(args))]
+                    raise _step_error(err, self.where(rank), rank, what) from err
+            self._raise_if_lost(what)
+        return [results[r] for r in range(len(futures))]
 
     def abort(self, reason: str) -> None:
         """Abort the current generation's collectives on every owner that still answers."""

@@ -20,13 +20,15 @@ from ray import cloudpickle
 
 from zero_ray.config import ZeroConfig
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes
-from zero_ray.core.optim import AdamW, Optimizer
+from zero_ray.checkpoint.store import CheckpointReader
+from zero_ray.core.optim import AdamW, Optimizer, optimizer_from_record, optimizer_record
 from zero_ray.core.precision import parse_dtype
 from zero_ray.core.stages import stage_plan
 from zero_ray.control.auth import Credentials, new_token, write_token_file
 from zero_ray.control.handlers import JobStatus, MetricsEvent, RankStatus, StepArgs
 from zero_ray.control.server import ServerConfig, serve_coordinator
 from zero_ray.core.policy import Action, FailurePolicy
+from zero_ray.driver.checkpointer import Checkpointer, RunPosition
 from zero_ray.driver.coordinator import Coordinator
 from zero_ray.driver.metrics import RunMetrics
 from zero_ray.driver.pool import OwnerPool, PoolSpec, _cluster_is_local
@@ -101,7 +103,8 @@ class ZeroTrainer:
         engine = EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=self.optimizer, plan=stage_plan(cfg.stage),
                             compute_dtype=parse_dtype(cfg.dtype), device=device, seed=cfg.seed,
                             bucket_bytes=cfg.bucket_bytes, grad_accum_steps=cfg.grad_accum_steps,
-                            max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.loss_scale, stage3=cfg.stage3)
+                            max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.loss_scale, stage3=cfg.stage3,
+                            init_state_dict=cfg.init_state_dict)
         pool = PoolSpec(world_size=cfg.world_size, use_gpu=device == "cuda", num_cpus_per_owner=cfg.num_cpus_per_owner,
                         backend=backend, placement_strategy=cfg.placement_strategy,
                         collective_timeout_s=cfg.collective_timeout_s, init_timeout_s=cfg.init_timeout_s,
@@ -112,11 +115,16 @@ class ZeroTrainer:
         self._policy = FailurePolicy(max_failures=cfg.max_failures)
         self._failures = 0
         self._lock = threading.Lock()
+        # Held for a whole step and for a save's snapshot, so that an operator's checkpoint
+        # (a gRPC thread) lands between steps on every rank alike.
+        self._step_mutex = threading.RLock()
         self._state = TrainerState.READY
         self.step_count = 0
+        self.samples_seen = 0
         self.last_metrics: dict[str, Any] = {}
         self.stop_reason: str | None = None
         self._pool = OwnerPool(pool, engine, credentials=self._credentials)
+        self._checkpointer = Checkpointer(self._pool, keep=cfg.checkpoint.keep, timeout_s=cfg.checkpoint.timeout_s)
         self._coordinator = Coordinator(self)
         host = "127.0.0.1" if _cluster_is_local() else ray.util.get_node_ip_address()
         self._server = serve_coordinator(self._coordinator, ServerConfig(host=host, credentials=self._credentials,
@@ -201,6 +209,10 @@ class ZeroTrainer:
         (before clipping), ``lr``, ``skipped`` (fp16 overflow), ``loss_scale``, ``samples``,
         ``step_seconds``.
         """
+        with self._step_mutex:
+            return self._step(batch)
+
+    def _step(self, batch: Batch) -> dict[str, Any]:
         self._require_ready()
         cfg = self.config
         n = batch_size(batch)
@@ -226,6 +238,7 @@ class ZeroTrainer:
             if self._state is TrainerState.STEPPING:
                 self._state = TrainerState.READY
         self.step_count += 1
+        self.samples_seen += n
         loss = sum(r.loss_sum for r in results) / n
         metrics = {
             "step": self.step_count,
@@ -298,10 +311,81 @@ class ZeroTrainer:
                 out[name][lo:hi] = values
         return {name: out[name].view(shape) for name, shape in shapes.items()}
 
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike[str] | None = None, *, wait: bool = False) -> str:
+        """Save a sharded checkpoint under the root ``path`` (default ``config.checkpoint.dir``)
+        and return its directory (``path/step-NNNNNNNN``).
+
+        Training stalls only while every owner copies its slices to host memory; the files are
+        written in the background and the checkpoint is committed (manifest, rename, ``latest``)
+        once every rank's file is durable. ``wait=True`` (or ``wait_for_checkpoint()``) blocks
+        until then. A crash before the commit leaves the previous checkpoint the latest.
+        """
+        root = path if path is not None else self.config.checkpoint.dir
+        if root is None:
+            raise ConfigError("save_checkpoint() needs a path, or ZeroConfig(checkpoint=CheckpointConfig(dir=...))")
+        return self._save(os.fspath(root), wait=wait)[0]
+
+    def checkpoint_now(self, path: str | None) -> tuple[str, int]:
+        """The Coordinator's Checkpoint call: save after the step in flight; (directory, step)."""
+        root = path or self.config.checkpoint.dir
+        if root is None:
+            raise ConfigError("this job has no checkpoint directory: pass a path (zero-ray checkpoint now PATH) or "
+                              "start it with ZeroConfig(checkpoint=CheckpointConfig(dir=...))")
+        return self._save(os.fspath(root), wait=False)
+
+    def _save(self, root: str, *, wait: bool) -> tuple[str, int]:
+        with self._step_mutex:
+            self._require_ready()
+            cfg = self.config
+            position = RunPosition(step=self.step_count, samples_seen=self.samples_seen, world_size=self.world_size,
+                                   stage=cfg.stage, compute_dtype=cfg.dtype, seed=cfg.seed,
+                                   optimizer=optimizer_record(self.optimizer))
+            target = self._checkpointer.save(root, position)
+        if wait:
+            self.wait_for_checkpoint()
+        return target, position.step
+
+    def wait_for_checkpoint(self, timeout_s: float | None = None) -> str | None:
+        """Block until the save in flight is committed; returns the newest committed directory.
+        Raises CheckpointError if that save was abandoned (the previous one stays latest)."""
+        return self._checkpointer.wait(timeout_s=timeout_s)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike[str], model_fn: ModelFn, loss_fn: LossFn, *,
+                        optimizer: Optimizer | None = None, config: ZeroConfig | None = None) -> ZeroTrainer:
+        """Resume from a checkpoint (a checkpoint directory, or a root whose ``latest`` is used) at
+        any stage and world size: each owner reads only the ranges its new partition needs.
+
+        ``optimizer`` defaults to the checkpoint's (type and hyperparameters); ``config`` to
+        stage and world size as saved. ``step_count`` and ``samples_seen`` continue from the
+        checkpoint: feed the batches from there on to continue as the uninterrupted run.
+        """
+        reader = CheckpointReader(os.fspath(path))  # the manifest only: checked before owners start
+        m = reader.manifest
+        reader.check_files()
+        if config is None:
+            config = ZeroConfig(stage=m.stage, world_size=m.world_size, dtype=m.compute_dtype, seed=m.seed)
+        opt = optimizer if optimizer is not None else optimizer_from_record(dict(m.optimizer))
+        trainer = cls(model_fn, loss_fn, optimizer=opt, config=config)
+        try:
+            trainer._pool.load(reader.path, timeout_s=trainer.config.checkpoint.timeout_s)
+        except BaseException:
+            trainer.shutdown()
+            raise
+        trainer.step_count, trainer.samples_seen = m.step, m.samples_seen
+        log.info("resumed from %s at step %d (saved at stage %d x %d, now stage %d x %d)", reader.path, m.step,
+                 m.stage, m.world_size, trainer.config.stage, trainer.world_size)
+        return trainer
+
     def shutdown(self) -> None:
-        """Stop the owners and the control server. Idempotent."""
+        """Stop the owners and the control server (after a save in flight commits). Idempotent."""
         if self._state is TrainerState.SHUT_DOWN:
             return
+        try:
+            self._checkpointer.wait(raise_error=False)
+        except ZeroRayError as err:
+            log.error("shutting down with a checkpoint still being written: %s", err)
         self._server.stop(grace_s=0.5)
         self._pool.shutdown()
         self._state = TrainerState.SHUT_DOWN

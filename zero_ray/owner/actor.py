@@ -22,6 +22,7 @@ from zero_ray.collective.group import Collective
 from zero_ray.collective.ray_group import destroy_group, form_group
 from zero_ray.control.auth import Credentials
 from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
+from zero_ray.owner.checkpointing import ShardSaver
 from zero_ray.owner.control import OwnerControl
 from zero_ray.owner.engine import EngineSpec, OwnerEngine
 
@@ -40,6 +41,7 @@ class OwnerOptions:
     control_host: str | None  # None: this node's IP from Ray (loopback when the cluster is local)
     local_cluster: bool
     server_tls: dict[str, str | None]  # ServerConfig's tls_cert / tls_key / tls_client_ca
+    save_timeout_s: float = 600.0  # how long a Save may wait for this rank's file to be durable
 
 
 class PartitionOwner:
@@ -53,10 +55,11 @@ class PartitionOwner:
         self._options = options
         self._engine: OwnerEngine | None = None
         self._group: Collective | None = None
+        self.saver = ShardSaver()
         torch.set_num_threads(max(1, options.threads))
         host = options.control_host or ("127.0.0.1" if options.local_cluster else ray.util.get_node_ip_address())
         self._server: ControlServer = serve_owner(
-            OwnerControl(self, fetch_timeout_s=options.collective_timeout_s),
+            OwnerControl(self, fetch_timeout_s=options.collective_timeout_s, save_timeout_s=options.save_timeout_s),
             ServerConfig(host=host, credentials=options.credentials, **options.server_tls))
 
     def node(self) -> dict[str, Any]:
@@ -125,6 +128,7 @@ class PartitionOwner:
     def close(self) -> None:
         """Stop serving and leave the collective group so the process can exit cleanly."""
         self._server.stop(grace_s=0.5)
+        self.saver.close()
         if self._engine is not None and self.world_size > 1:
             destroy_group(self._group_name())
         self._engine = None

@@ -17,6 +17,7 @@ from ray import cloudpickle
 
 from zero_ray.control import handlers as h
 from zero_ray.errors import CollectiveError, domain_error
+from zero_ray.owner.checkpointing import restore, shard_record_json
 
 if TYPE_CHECKING:
     from zero_ray.owner.actor import PartitionOwner
@@ -43,9 +44,10 @@ def rss_bytes() -> int:
 class OwnerControl:
     """Implements ``zero_ray.control.handlers.OwnerHandler`` for one PartitionOwner."""
 
-    def __init__(self, owner: PartitionOwner, *, fetch_timeout_s: float) -> None:
+    def __init__(self, owner: PartitionOwner, *, fetch_timeout_s: float, save_timeout_s: float) -> None:
         self._owner = owner
         self._fetch_timeout_s = fetch_timeout_s
+        self._save_timeout_s = save_timeout_s
         self._lock = threading.Lock()  # one step at a time, whatever the driver sends
 
     def step(self, args: h.StepArgs) -> h.StepResult:
@@ -64,11 +66,29 @@ class OwnerControl:
                             loss_scale=r.loss_scale, compute_seconds=r.compute_seconds, rank=r.rank,
                             bytes_sent=dict(r.bytes_sent))
 
-    def save(self, path: str, step: int) -> h.SaveResult:
-        raise NotImplementedError("sharded checkpoints are not implemented in this version")
+    def save(self, path: str, step: int, phase: h.SavePhase) -> h.SaveResult:
+        owner = self._owner
+        written = 0
+        try:
+            if phase is not h.SavePhase.AWAIT:
+                with self._lock:  # a consistent snapshot: never in the middle of a step
+                    written = owner.saver.start(owner.engine, path)
+            if phase is h.SavePhase.SNAPSHOT:
+                return h.SaveResult(path=path, step=step, bytes_written=written)
+            record, model = owner.saver.wait(path, timeout_s=self._save_timeout_s)
+        except Exception as err:
+            raise _with_traceback(err, owner.rank) from err
+        return h.SaveResult(path=f"{path}/{record.name}", step=step, bytes_written=record.size,
+                            record_json=shard_record_json(record, model if owner.rank == 0 else {}))
 
     def load(self, path: str, step: int) -> h.LoadResult:
-        raise NotImplementedError("sharded checkpoints are not implemented in this version")
+        owner = self._owner
+        with self._lock:
+            try:
+                read = restore(owner.engine, path)
+            except Exception as err:
+                raise _with_traceback(err, owner.rank) from err
+        return h.LoadResult(step=owner.engine.steps_done, bytes_read=read)
 
     def abort(self, reason: str, generation: int) -> bool:
         return self._owner.abort(reason=reason, generation=generation)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,14 +26,14 @@ import torch
 
 from zero_ray.collective.group import Collective
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes, to_device
-from zero_ray.core.layout import FlatLayout
+from zero_ray.core.layout import Bucket, FlatLayout
 from zero_ray.core.optim import Optimizer
 from zero_ray.core.precision import LossScaleConfig, LossScaler
 from zero_ray.config import Stage3Config
 from zero_ray.core.stages import Residency, StagePlan
 from zero_ray.errors import ConfigError, ModelError
 from zero_ray.owner.reducer import GradReducer, make_reducer
-from zero_ray.owner.shard import ShardState
+from zero_ray.owner.shard import BucketState, ShardState
 
 
 class StepPhase(enum.Enum):
@@ -63,6 +64,7 @@ class EngineSpec:
     max_grad_norm: float | None
     loss_scale: LossScaleConfig
     stage3: Stage3Config = field(default_factory=Stage3Config)
+    init_state_dict: str | os.PathLike[str] | Mapping[str, Any] | None = None  # fine-tuning start
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +104,23 @@ def check_module(module: object) -> torch.nn.Module:
     return module
 
 
+def load_weights(module: torch.nn.Module, source: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+    """Overwrite ``module``'s parameters (and buffers the source has) with ``source``'s values,
+    checked by name and shape the way stage 3 reads them."""
+    from zero_ray.owner.units import StateDictSource, describe_modules  # units imports this module
+
+    _, _, names = describe_modules(module)
+    params = list(module.parameters())
+    values = StateDictSource(source, names=names, shapes=[tuple(p.shape) for p in params])
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            p.copy_(values.fragment(i, 0, p.numel()).view(p.shape))
+        for name, buf in module.named_buffers():
+            value = values.buffer(name)
+            if value is not None:
+                buf.copy_(value)
+
+
 def param_specs(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     return [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in module.named_parameters()]
 
@@ -111,6 +130,19 @@ def cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
     for buf in module.buffers():
         if buf.is_floating_point():
             buf.data = buf.data.to(dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSlice:
+    """One flat range this rank updates: ``[start, end)`` of ``bucket``, its fp32 master
+    weights and optimizer moments (views of the live tensors). Checkpoints save and restore
+    through these, whatever the stage."""
+
+    bucket: Bucket
+    start: int
+    end: int
+    master: torch.Tensor
+    moments: dict[str, torch.Tensor]
 
 
 class ModelState(Protocol):
@@ -139,6 +171,13 @@ class ModelState(Protocol):
 
     def master_fragments(self) -> dict[str, tuple[int, int, torch.Tensor]]: ...
 
+    def optimizer_slices(self) -> list[OptimizerSlice]: ...
+
+    def publish_masters(self) -> None:
+        """Make the compute-dtype parameters agree with the masters after they were overwritten
+        (a checkpoint restore): copy, and all-gather where the parameters are replicated."""
+        ...
+
 
 class ReplicatedParams:
     """Stages 0-2: every rank holds every parameter in flat buckets (``ShardState``); a
@@ -148,6 +187,8 @@ class ReplicatedParams:
         self.spec = spec
         self.group = group
         module = build_module(spec)
+        if spec.init_state_dict is not None:
+            load_weights(module, spec.init_state_dict)
         element = torch.finfo(spec.compute_dtype).bits // 8
         self.layout = FlatLayout.by_size(param_specs(module), world_size=group.world_size,
                                          bucket_numel=max(1, spec.bucket_bytes // element))
@@ -168,13 +209,23 @@ class ReplicatedParams:
         return [self.shard.update_grad(b) for b in self.shard.buckets]
 
     def apply_update(self, grads: list[torch.Tensor], *, step: int, lr: float) -> None:
-        shard = self.shard
-        for b, g in zip(shard.buckets, grads):
+        for b, g in zip(self.shard.buckets, grads):
             self.spec.optimizer.update(b.master, g, b.state, step=step, lr=lr, decay=b.decay)
-            if not b.master_is_view:
-                b.params[b.update_start:b.update_end].copy_(b.master)
-            if shard.plan.gather_after_update:
-                self.group.all_gather_(b.params)
+            self._publish(b)
+
+    def _publish(self, b: BucketState) -> None:
+        if not b.master_is_view:
+            b.params[b.update_start:b.update_end].copy_(b.master)
+        if self.shard.plan.gather_after_update:
+            self.group.all_gather_(b.params)
+
+    def publish_masters(self) -> None:
+        for b in self.shard.buckets:
+            self._publish(b)
+
+    def optimizer_slices(self) -> list[OptimizerSlice]:
+        return [OptimizerSlice(bucket=b.spec, start=b.update_start, end=b.update_end, master=b.master, moments=b.state)
+                for b in self.shard.buckets]
 
     def zero_grads(self) -> None:
         self.shard.zero_grads()

@@ -55,7 +55,14 @@ from zero_ray.core.optim import takes_weight_decay
 from zero_ray.core.units import ModuleInfo, UnitPlan, UnitSpec, plan_units
 from zero_ray.errors import CheckpointError, ConfigError, ModelError
 from zero_ray.owner.accounting import StateBytes
-from zero_ray.owner.engine import EngineSpec, build_module, cast_buffers, check_module, param_specs
+from zero_ray.owner.engine import (
+    EngineSpec,
+    OptimizerSlice,
+    build_module,
+    cast_buffers,
+    check_module,
+    param_specs,
+)
 from zero_ray.owner.materialize import InitRecorder, build_recorded
 from zero_ray.owner.shard import _merge
 
@@ -364,12 +371,12 @@ class PartitionedParams:
     # -- construction ---------------------------------------------------------------------------------
     def _construct(self, spec: EngineSpec, group: Collective) -> None:
         cfg = self.config
-        if cfg.init_state_dict is not None:
+        if spec.init_state_dict is not None:
             module, _ = build_recorded(spec.model_fn, seed=spec.seed, record=False)
             module = check_module(module)
             _, _, names = describe_modules(module)
             shapes = [tuple(p.shape) for p in module.parameters()]
-            source: ParamSource = StateDictSource(cfg.init_state_dict, names=names, shapes=shapes)
+            source: ParamSource = StateDictSource(spec.init_state_dict, names=names, shapes=shapes)
             self._bind(module, source)
         elif cfg.init == "low_memory":
             module, recorder = build_recorded(spec.model_fn, seed=spec.seed)
@@ -725,9 +732,27 @@ class PartitionedParams:
         p = self.persistent
         if p is not None:
             opt.update(p.master, grads[-1], p.moments, step=step, lr=lr, decay=p.decay)
-            if not p.master_is_view:
-                p.full[p.start:p.end].copy_(p.master)
-            self.stream.run(lambda: self.stream.all_gather(p.full, op="persistent_all_gather"))
+            self._publish_persistent(p)
+
+    def _publish_persistent(self, p: PersistentParams) -> None:
+        if not p.master_is_view:
+            p.full[p.start:p.end].copy_(p.master)
+        self.stream.run(lambda: self.stream.all_gather(p.full, op="persistent_all_gather"))
+
+    def publish_masters(self) -> None:
+        for u in self.units:
+            if u.shard is not u.master:
+                u.shard.copy_(u.master)
+        if self.persistent is not None:
+            self._publish_persistent(self.persistent)
+
+    def optimizer_slices(self) -> list[OptimizerSlice]:
+        out = [OptimizerSlice(bucket=u.bucket, start=start, end=end, master=u.master, moments=u.moments)
+               for u in self.units for start, end in [u.bucket.shard_range(self.rank)]]
+        p = self.persistent
+        if p is not None:
+            out.append(OptimizerSlice(bucket=p.bucket, start=p.start, end=p.end, master=p.master, moments=p.moments))
+        return out
 
     def zero_grads(self) -> None:
         for u in self.units:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from zero_ray.control._generated import common_pb2 as zero__ray_dot_control_dot___generated_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'zero_ray/control/_generated/owner.proto\x12\x0bzero_ray.v1\x1a(zero_ray/control/_generated/common.proto\"\x92\x01\n\x0bStepRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x11\n\tbatch_ref\x18\x04 \x01(\x0c\x12\x16\n\x0eglobal_samples\x18\x05 \x01(\x04\x12\x12\n\ngeneration\x18\x06 \x01(\r\"\xfa\x01\n\tStepReply\x12\x10\n\x08loss_sum\x18\x01 \x01(\x01\x12\x0f\n\x07samples\x18\x02 \x01(\x04\x12\x11\n\tgrad_norm\x18\x03 \x01(\x01\x12\x0f\n\x07skipped\x18\x04 \x01(\x08\x12\x12\n\nloss_scale\x18\x05 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x39\n\nbytes_sent\x18\x07 \x03(\x0b\x32%.zero_ray.v1.StepReply.BytesSentEntry\x12\x0c\n\x04rank\x18\x08 \x01(\r\x1a\x30\n\x0e\x42ytesSentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"U\n\x0bSaveRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\">\n\tSaveReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x15\n\rbytes_written\x18\x03 \x01(\x04\"U\n\x0bLoadRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"-\n\tLoadReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nbytes_read\x18\x02 \x01(\x04\"^\n\x0c\x41\x62ortRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\r\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"P\n\rHealthRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x13\n\x0binterval_ms\x18\x02 \x01(\r\"\\\n\tHeartbeat\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05state\x18\x03 \x01(\t\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12\x11\n\trss_bytes\x18\x05 \x01(\x04\":\n\x0cStatsRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\"\xad\x02\n\nStatsReply\x12>\n\x0cmemory_bytes\x18\x01 \x03(\x0b\x32(.zero_ray.v1.StatsReply.MemoryBytesEntry\x12:\n\nbytes_sent\x18\x02 \x03(\x0b\x32&.zero_ray.v1.StatsReply.BytesSentEntry\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\r\n\x05stage\x18\x06 \x01(\r\x1a\x32\n\x10MemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x30\n\x0e\x42ytesSentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xf8\x02\n\x0ePartitionOwner\x12\x38\n\x04Step\x12\x18.zero_ray.v1.StepRequest\x1a\x16.zero_ray.v1.StepReply\x12\x38\n\x04Save\x12\x18.zero_ray.v1.SaveRequest\x1a\x16.zero_ray.v1.SaveReply\x12\x38\n\x04Load\x12\x18.zero_ray.v1.LoadRequest\x1a\x16.zero_ray.v1.LoadReply\x12;\n\x05\x41\x62ort\x12\x19.zero_ray.v1.AbortRequest\x1a\x17.zero_ray.v1.AbortReply\x12>\n\x06Health\x12\x1a.zero_ray.v1.HealthRequest\x1a\x16.zero_ray.v1.Heartbeat0\x01\x12;\n\x05Stats\x12\x19.zero_ray.v1.StatsRequest\x1a\x17.zero_ray.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'zero_ray/control/_generated/owner.proto\x12\x0bzero_ray.v1\x1a(zero_ray/control/_generated/common.proto\"\x92\x01\n\x0bStepRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x11\n\tbatch_ref\x18\x04 \x01(\x0c\x12\x16\n\x0eglobal_samples\x18\x05 \x01(\x04\x12\x12\n\ngeneration\x18\x06 \x01(\r\"\xfa\x01\n\tStepReply\x12\x10\n\x08loss_sum\x18\x01 \x01(\x01\x12\x0f\n\x07samples\x18\x02 \x01(\x04\x12\x11\n\tgrad_norm\x18\x03 \x01(\x01\x12\x0f\n\x07skipped\x18\x04 \x01(\x08\x12\x12\n\nloss_scale\x18\x05 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x39\n\nbytes_sent\x18\x07 \x03(\x0b\x32%.zero_ray.v1.StepReply.BytesSentEntry\x12\x0c\n\x04rank\x18\x08 \x01(\r\x1a\x30\n\x0e\x42ytesSentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"|\n\x0bSaveRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12%\n\x05phase\x18\x04 \x01(\x0e\x32\x16.zero_ray.v1.SavePhase\"S\n\tSaveReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x15\n\rbytes_written\x18\x03 \x01(\x04\x12\x13\n\x0brecord_json\x18\x04 \x01(\t\"U\n\x0bLoadRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"-\n\tLoadReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nbytes_read\x18\x02 \x01(\x04\"^\n\x0c\x41\x62ortRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\r\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"P\n\rHealthRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x13\n\x0binterval_ms\x18\x02 \x01(\r\"\\\n\tHeartbeat\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05state\x18\x03 \x01(\t\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12\x11\n\trss_bytes\x18\x05 \x01(\x04\":\n\x0cStatsRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\"\xad\x02\n\nStatsReply\x12>\n\x0cmemory_bytes\x18\x01 \x03(\x0b\x32(.zero_ray.v1.StatsReply.MemoryBytesEntry\x12:\n\nbytes_sent\x18\x02 \x03(\x0b\x32&.zero_ray.v1.StatsReply.BytesSentEntry\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\r\n\x05stage\x18\x06 \x01(\r\x1a\x32\n\x10MemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x30\n\x0e\x42ytesSentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*V\n\tSavePhase\x12\x1a\n\x16SAVE_PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13SAVE_PHASE_SNAPSHOT\x10\x01\x12\x14\n\x10SAVE_PHASE_AWAIT\x10\x02\x32\xf8\x02\n\x0ePartitionOwner\x12\x38\n\x04Step\x12\x18.zero_ray.v1.StepRequest\x1a\x16.zero_ray.v1.StepReply\x12\x38\n\x04Save\x12\x18.zero_ray.v1.SaveRequest\x1a\x16.zero_ray.v1.SaveReply\x12\x38\n\x04Load\x12\x18.zero_ray.v1.LoadRequest\x1a\x16.zero_ray.v1.LoadReply\x12;\n\x05\x41\x62ort\x12\x19.zero_ray.v1.AbortRequest\x1a\x17.zero_ray.v1.AbortReply\x12>\n\x06Health\x12\x1a.zero_ray.v1.HealthRequest\x1a\x16.zero_ray.v1.Heartbeat0\x01\x12;\n\x05Stats\x12\x19.zero_ray.v1.StatsRequest\x1a\x17.zero_ray.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,6 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREPLY_MEMORYBYTESENTRY']._serialized_options = b'8\001'
   _globals['_STATSREPLY_BYTESSENTENTRY']._loaded_options = None
   _globals['_STATSREPLY_BYTESSENTENTRY']._serialized_options = b'8\001'
+  _globals['_SAVEPHASE']._serialized_start=1512
+  _globals['_SAVEPHASE']._serialized_end=1598
   _globals['_STEPREQUEST']._serialized_start=99
   _globals['_STEPREQUEST']._serialized_end=245
   _globals['_STEPREPLY']._serialized_start=248
@@ -45,29 +47,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPREPLY_BYTESSENTENTRY']._serialized_start=450
   _globals['_STEPREPLY_BYTESSENTENTRY']._serialized_end=498
   _globals['_SAVEREQUEST']._serialized_start=500
-  _globals['_SAVEREQUEST']._serialized_end=585
-  _globals['_SAVEREPLY']._serialized_start=587
-  _globals['_SAVEREPLY']._serialized_end=649
-  _globals['_LOADREQUEST']._serialized_start=651
-  _globals['_LOADREQUEST']._serialized_end=736
-  _globals['_LOADREPLY']._serialized_start=738
-  _globals['_LOADREPLY']._serialized_end=783
-  _globals['_ABORTREQUEST']._serialized_start=785
-  _globals['_ABORTREQUEST']._serialized_end=879
-  _globals['_ABORTREPLY']._serialized_start=881
-  _globals['_ABORTREPLY']._serialized_end=910
-  _globals['_HEALTHREQUEST']._serialized_start=912
-  _globals['_HEALTHREQUEST']._serialized_end=992
-  _globals['_HEARTBEAT']._serialized_start=994
-  _globals['_HEARTBEAT']._serialized_end=1086
-  _globals['_STATSREQUEST']._serialized_start=1088
-  _globals['_STATSREQUEST']._serialized_end=1146
-  _globals['_STATSREPLY']._serialized_start=1149
-  _globals['_STATSREPLY']._serialized_end=1450
-  _globals['_STATSREPLY_MEMORYBYTESENTRY']._serialized_start=1350
-  _globals['_STATSREPLY_MEMORYBYTESENTRY']._serialized_end=1400
+  _globals['_SAVEREQUEST']._serialized_end=624
+  _globals['_SAVEREPLY']._serialized_start=626
+  _globals['_SAVEREPLY']._serialized_end=709
+  _globals['_LOADREQUEST']._serialized_start=711
+  _globals['_LOADREQUEST']._serialized_end=796
+  _globals['_LOADREPLY']._serialized_start=798
+  _globals['_LOADREPLY']._serialized_end=843
+  _globals['_ABORTREQUEST']._serialized_start=845
+  _globals['_ABORTREQUEST']._serialized_end=939
+  _globals['_ABORTREPLY']._serialized_start=941
+  _globals['_ABORTREPLY']._serialized_end=970
+  _globals['_HEALTHREQUEST']._serialized_start=972
+  _globals['_HEALTHREQUEST']._serialized_end=1052
+  _globals['_HEARTBEAT']._serialized_start=1054
+  _globals['_HEARTBEAT']._serialized_end=1146
+  _globals['_STATSREQUEST']._serialized_start=1148
+  _globals['_STATSREQUEST']._serialized_end=1206
+  _globals['_STATSREPLY']._serialized_start=1209
+  _globals['_STATSREPLY']._serialized_end=1510
+  _globals['_STATSREPLY_MEMORYBYTESENTRY']._serialized_start=1410
+  _globals['_STATSREPLY_MEMORYBYTESENTRY']._serialized_end=1460
   _globals['_STATSREPLY_BYTESSENTENTRY']._serialized_start=450
   _globals['_STATSREPLY_BYTESSENTENTRY']._serialized_end=498
-  _globals['_PARTITIONOWNER']._serialized_start=1453
-  _globals['_PARTITIONOWNER']._serialized_end=1829
+  _globals['_PARTITIONOWNER']._serialized_start=1601
+  _globals['_PARTITIONOWNER']._serialized_end=1977
 # @@protoc_insertion_point(module_scope)

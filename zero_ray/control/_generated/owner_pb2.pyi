@@ -1,11 +1,21 @@
 from zero_ray.control._generated import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class SavePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAVE_PHASE_UNSPECIFIED: _ClassVar[SavePhase]
+    SAVE_PHASE_SNAPSHOT: _ClassVar[SavePhase]
+    SAVE_PHASE_AWAIT: _ClassVar[SavePhase]
+SAVE_PHASE_UNSPECIFIED: SavePhase
+SAVE_PHASE_SNAPSHOT: SavePhase
+SAVE_PHASE_AWAIT: SavePhase
 
 class StepRequest(_message.Message):
     __slots__ = ("header", "step", "lr", "batch_ref", "global_samples", "generation")
@@ -51,24 +61,28 @@ class StepReply(_message.Message):
     def __init__(self, loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("header", "path", "step")
+    __slots__ = ("header", "path", "step", "phase")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     path: str
     step: int
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., path: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    phase: SavePhase
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., phase: _Optional[_Union[SavePhase, str]] = ...) -> None: ...
 
 class SaveReply(_message.Message):
-    __slots__ = ("path", "step", "bytes_written")
+    __slots__ = ("path", "step", "bytes_written", "record_json")
     PATH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    RECORD_JSON_FIELD_NUMBER: _ClassVar[int]
     path: str
     step: int
     bytes_written: int
-    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+    record_json: str
+    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., bytes_written: _Optional[int] = ..., record_json: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("header", "path", "step")

@@ -1,0 +1,115 @@
+"""Checkpointer: the driver's side of a save — reserve the directory, have every owner snapshot
+its slices, and commit in the background once every rank's file is durable.
+
+Only the snapshot (each owner copying its slices to host memory) holds up training; the
+owners write their files on their own threads while the driver keeps stepping, and this
+class's commit thread waits for all of them, writes the manifest and publishes the directory.
+One save is in flight at a time: the next waits for the previous commit.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from zero_ray.checkpoint import store
+from zero_ray.checkpoint.format import build_manifest, shard_file_from_data
+from zero_ray.control.handlers import SavePhase
+from zero_ray.driver.pool import OwnerPool
+from zero_ray.errors import CheckpointError, ZeroRayError
+
+log = logging.getLogger(__name__)
+
+
+class SaveState(enum.Enum):
+    IDLE = "idle"
+    WRITING = "writing"  # owners are writing their files; the commit thread waits for them
+    FAILED = "failed"  # the last save was abandoned; its error is kept for wait()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPosition:
+    """What the manifest records about the run besides the model state."""
+
+    step: int
+    samples_seen: int
+    world_size: int
+    stage: int
+    compute_dtype: str
+    seed: int
+    optimizer: dict[str, Any]
+
+
+class Checkpointer:
+    """Saves of one run, at most one in flight."""
+
+    def __init__(self, pool: OwnerPool, *, keep: int, timeout_s: float) -> None:
+        self._pool = pool
+        self._keep = keep
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.state = SaveState.IDLE
+        self.last_committed: str | None = None
+        self.last_error: BaseException | None = None
+
+    def save(self, root: str, position: RunPosition, *, on_commit: Callable[[str], None] | None = None) -> str:
+        """Snapshot every owner now and commit under ``root`` in the background. Returns the
+        directory the checkpoint will have once committed (``wait()`` blocks until then)."""
+        self.wait(raise_error=False)
+        pending = store.begin(root, position.step)
+        try:
+            self._pool.save(pending.tmp, position.step, phase=SavePhase.SNAPSHOT, timeout_s=self._timeout_s)
+        except BaseException:
+            store.abandon(pending)
+            raise
+        with self._lock:
+            self.state, self.last_error = SaveState.WRITING, None
+        self._thread = threading.Thread(target=self._commit, args=(pending, position, on_commit),
+                                        name="zero_ray-commit", daemon=True)
+        self._thread.start()
+        return pending.final
+
+    def _commit(self, pending: store.PendingCheckpoint, position: RunPosition,
+                on_commit: Callable[[str], None] | None) -> None:
+        try:
+            replies = self._pool.save(pending.tmp, position.step, phase=SavePhase.AWAIT, timeout_s=self._timeout_s)
+            records = [json.loads(r.record_json) for r in replies]
+            manifest = build_manifest(model=records[0], files=[shard_file_from_data(r["file"]) for r in records],
+                                      step=position.step, samples_seen=position.samples_seen,
+                                      world_size=position.world_size, stage=position.stage,
+                                      compute_dtype=position.compute_dtype, seed=position.seed,
+                                      optimizer=position.optimizer)
+            path = store.commit(pending, manifest, keep=self._keep)
+        except BaseException as err:  # the previous checkpoint stays the committed one
+            log.error("checkpoint %s abandoned: %s", pending.final, err)
+            store.abandon(pending)
+            with self._lock:
+                self.state, self.last_error = SaveState.FAILED, err
+            return
+        log.info("checkpoint committed: %s", path)
+        with self._lock:
+            self.state, self.last_committed = SaveState.IDLE, path
+        if on_commit is not None:
+            on_commit(path)
+
+    def wait(self, *, timeout_s: float | None = None, raise_error: bool = True) -> str | None:
+        """Block until the save in flight is committed or abandoned; return the last committed
+        directory, raising the failure of the last save when ``raise_error``."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=timeout_s if timeout_s is not None else 2 * self._timeout_s + 30)
+            if thread.is_alive():
+                raise CheckpointError(f"the checkpoint commit did not finish within {timeout_s}s")
+            self._thread = None
+        if raise_error and self.last_error is not None:
+            err = self.last_error
+            if isinstance(err, ZeroRayError):
+                raise CheckpointError(f"the last checkpoint was abandoned: {err}") from err
+            raise CheckpointError(f"the last checkpoint was abandoned: {err!r}") from err
+        return self.last_committed
