@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from zero_ray import memory
-from zero_ray.config import ControlTLS, Stage3Config, ZeroConfig
+from zero_ray.config import CheckpointConfig, ControlTLS, Stage3Config, ZeroConfig
 from zero_ray.core.optim import SGD, AdamW
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.schedule import Constant, WarmupCosine
@@ -28,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "SGD",
     "AdamW",
+    "CheckpointConfig",
     "Constant",
     "ControlTLS",
     "LossScaleConfig",

@@ -81,8 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, help="Ray address; default: a running cluster, else a local one")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     parser.add_argument("--checkpoint-dir", default=None,
-                        help="where checkpoints go (a mounted volume on KubeRay); sharded checkpoints are not "
-                             "written yet, so this is accepted and reported")
+                        help="checkpoint root (a mounted volume on KubeRay); the job resumes from its latest "
+                             "checkpoint when there is one and saves every --checkpoint-every steps and at the end")
+    parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--no-resume", action="store_true", help="start fresh even if --checkpoint-dir has one")
 
 
 def memory_table(reports: Sequence[dict[str, int]], *, stage: int, dtype: str) -> str:
@@ -125,22 +127,28 @@ def run(args: argparse.Namespace) -> int:
                            grad_accum_steps=args.grad_accum_steps, max_grad_norm=args.max_grad_norm, seed=args.seed,
                            lr_schedule=zr.WarmupCosine(warmup_steps=max(1, args.steps // 20), total_steps=args.steps,
                                                        min_ratio=0.1))
-    trainer = zr.ZeroTrainer(functools.partial(GPT, gpt), lm_loss, optimizer=zr.AdamW(lr=args.lr, weight_decay=0.1),
-                             config=config)
+    model_fn, optimizer = functools.partial(GPT, gpt), zr.AdamW(lr=args.lr, weight_decay=0.1)
+    if args.checkpoint_dir and not args.no_resume and _has_checkpoint(args.checkpoint_dir):
+        trainer = zr.ZeroTrainer.from_checkpoint(args.checkpoint_dir, model_fn, lm_loss, optimizer=optimizer,
+                                                 config=config)
+        print(f"resumed from {args.checkpoint_dir} at step {trainer.step_count}")
+    else:
+        trainer = zr.ZeroTrainer(model_fn, lm_loss, optimizer=optimizer, config=config)
     print(f"zero_ray: stage {args.stage}, {trainer.world_size} actors on {trainer.device}, "
           f"{trainer.num_params / 1e6:.2f}M parameters, global batch {args.batch_size} x {args.block_size} tokens")
-    if args.checkpoint_dir:
-        print(f"note: --checkpoint-dir={args.checkpoint_dir!r} given, but this version writes no checkpoints yet")
     tokens_per_step = args.batch_size * args.block_size
     try:
-        bar = None if args.no_progress else _progress(args.steps)
+        done = trainer.step_count
+        bar = None if args.no_progress else _progress(args.steps, initial=done)
         first = last = None
         start = time.perf_counter()
-        for step in range(args.steps):
+        for step in range(done, args.steps):
             metrics = trainer.step(sampler.batch(step))
             first = metrics["loss"] if first is None else first
             last = metrics["loss"]
-            rate = tokens_per_step * (step + 1) / (time.perf_counter() - start)
+            rate = tokens_per_step * (step + 1 - done) / (time.perf_counter() - start)
+            if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+                trainer.save_checkpoint(args.checkpoint_dir)
             if bar is not None:
                 bar.set_postfix(loss=f"{last:.3f}", tok_s=f"{rate:,.0f}")
                 bar.update(1)
@@ -149,18 +157,26 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
         elapsed = time.perf_counter() - start
-        print(f"loss {first:.4f} -> {last:.4f} in {args.steps} steps, {elapsed:.1f}s "
-              f"({tokens_per_step * args.steps / elapsed:,.0f} tokens/s)")
+        ran = args.steps - done
+        if ran:
+            print(f"loss {first:.4f} -> {last:.4f} in {ran} steps, {elapsed:.1f}s "
+                  f"({tokens_per_step * ran / elapsed:,.0f} tokens/s)")
+        if args.checkpoint_dir:
+            print(f"checkpoint: {trainer.save_checkpoint(args.checkpoint_dir, wait=True)}")
         print(memory_table(trainer.memory_report(), stage=args.stage, dtype=args.dtype))
     finally:
         trainer.shutdown()
     return 0
 
 
-def _progress(total: int):  # type: ignore[no-untyped-def]
+def _has_checkpoint(root: str) -> bool:
+    return os.path.exists(os.path.join(root, "latest"))
+
+
+def _progress(total: int, *, initial: int = 0):  # type: ignore[no-untyped-def]
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
