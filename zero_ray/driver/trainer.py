@@ -369,14 +369,33 @@ class ZeroTrainer:
         opt = optimizer if optimizer is not None else optimizer_from_record(dict(m.optimizer))
         trainer = cls(model_fn, loss_fn, optimizer=opt, config=config)
         try:
-            trainer._pool.load(reader.path, timeout_s=trainer.config.checkpoint.timeout_s)
+            trainer.load_checkpoint(reader.path)
         except BaseException:
             trainer.shutdown()
             raise
-        trainer.step_count, trainer.samples_seen = m.step, m.samples_seen
-        log.info("resumed from %s at step %d (saved at stage %d x %d, now stage %d x %d)", reader.path, m.step,
-                 m.stage, m.world_size, trainer.config.stage, trainer.world_size)
         return trainer
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> int:
+        """Overwrite this run's model state, optimizer state and position with a checkpoint (a
+        directory, or a root's ``latest``) saved at any stage and world size; returns the step it
+        continues from. The manifest and file sizes are checked first, and each rank reads and
+        verifies all its ranges before changing anything; if a rank still fails (a corrupt block)
+        others may have loaded, so the trainer is then marked failed."""
+        with self._step_mutex:
+            self._require_ready()
+            reader = CheckpointReader(os.fspath(path))
+            m = reader.manifest
+            reader.check_files()
+            try:
+                self._pool.load(reader.path, timeout_s=self.config.checkpoint.timeout_s)
+            except BaseException:
+                with self._lock:
+                    self._state = TrainerState.FAILED
+                raise
+            self.step_count, self.samples_seen = m.step, m.samples_seen
+        log.info("loaded %s: step %d (saved at stage %d x %d, now stage %d x %d)", reader.path, m.step, m.stage,
+                 m.world_size, self.config.stage, self.world_size)
+        return m.step
 
     def shutdown(self) -> None:
         """Stop the owners and the control server (after a save in flight commits). Idempotent."""
