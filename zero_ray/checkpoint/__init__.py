@@ -6,5 +6,6 @@ Knows neither the driver nor the owners; both use it.
 
 from zero_ray.checkpoint.format import FORMAT_VERSION, Manifest
 from zero_ray.checkpoint.store import CheckpointReader, resolve
+from zero_ray.checkpoint.tools import consolidate, inspect_checkpoint, reshard
 
-__all__ = ["FORMAT_VERSION", "CheckpointReader", "Manifest", "resolve"]
+__all__ = ["FORMAT_VERSION", "CheckpointReader", "Manifest", "consolidate", "inspect_checkpoint", "reshard", "resolve"]

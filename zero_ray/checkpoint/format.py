@@ -126,7 +126,9 @@ class Manifest:
     loss_scaler: Mapping[str, float]
     files: tuple[ShardFile, ...]
     extra: Mapping[str, Any] = field(default_factory=dict)
-    _index: dict[tuple[str, str], list[tuple[int, Entry]]] = field(default_factory=dict, compare=False, repr=False)
+    # Not an __init__ argument, so dataclasses.replace() builds a fresh index for the new files.
+    _index: dict[tuple[str, str], list[tuple[int, Entry]]] = field(default_factory=dict, init=False, compare=False,
+                                                                   repr=False)
 
     # -- serialization ------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -170,7 +172,7 @@ class Manifest:
                     self._index.setdefault((e.kind, e.name), []).append((i, e))
             for v in self._index.values():
                 v.sort(key=lambda ie: ie[1].start)
-        return self._index.get((kind, name), [])
+        return list(self._index.get((kind, name), ()))  # a copy: callers may extend it
 
     def entries_of_kind(self, kind: str) -> list[tuple[int, Entry]]:
         """``(file index, entry)`` of every entry of ``kind``."""

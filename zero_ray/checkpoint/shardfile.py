@@ -72,37 +72,53 @@ class _HashingWriter:
         return self._file.hexdigest(), self.blocks
 
 
-def _raw(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` in safetensors' layout: row-major, in host byte order (little-endian on
+    every platform zero_ray runs on)."""
     t = t.detach().reshape(-1).contiguous().cpu()
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def element_size(dtype: str) -> int:
+    """Bytes per element of the safetensors dtype named ``dtype`` (``"F32"``, ...)."""
+    if dtype not in _TORCH:
+        raise CheckpointError(f"dtype {dtype!r} is not one a checkpoint stores ({sorted(_TORCH)}); the manifest is "
+                              "corrupt or from a newer zero_ray")
+    return _TORCH[dtype].itemsize
+
+
+def safetensors_header(tensors: Sequence[tuple[str, str, Sequence[int]]]) -> tuple[bytes, list[int]]:
+    """The first bytes of a safetensors file holding ``tensors`` (key, dtype name, shape) stored
+    back to back in this order: the length prefix and the JSON header, and each tensor's file
+    offset. Known from shapes alone, so a writer can stream the data after it."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", "writer": "zero_ray"}}
+    offset, starts = 0, []
+    for key, dtype, shape in tensors:
+        nbytes = math.prod(shape) * element_size(dtype)
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        starts.append(offset)
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # safetensors aligns the data to 8 bytes
+    data_start = 8 + len(blob)
+    return len(blob).to_bytes(8, "little") + blob, [data_start + s for s in starts]
 
 
 def write_shard(storage: Storage, path: str, items: Sequence[Item], *, rank: int, name: str,
                 chunk_bytes: int) -> ShardFile:
     """Write ``items`` to ``path`` as one safetensors file (durable on return) and describe it."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt", "writer": "zero_ray"}}
-    offset = 0
     for it in items:
         if it.tensor.dtype not in _DTYPES:
             raise CheckpointError(f"{it.key}: dtype {it.tensor.dtype} cannot be stored in a checkpoint")
-        nbytes = it.tensor.numel() * it.tensor.element_size()
-        header[it.key] = {"dtype": _DTYPES[it.tensor.dtype], "shape": list(it.tensor.shape),
-                          "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # safetensors aligns the data to 8 bytes
-    data_start = 8 + len(blob)
+    head, offsets = safetensors_header([(it.key, _DTYPES[it.tensor.dtype], tuple(it.tensor.shape)) for it in items])
     entries: list[Entry] = []
     with storage.open_write(path) as fh:
         out = _HashingWriter(fh, chunk_bytes)
-        out.write(len(blob).to_bytes(8, "little"))
-        out.write(blob)
-        for it in items:
-            begin = header[it.key]["data_offsets"][0]  # type: ignore[index]
+        out.write(head)
+        for it, offset in zip(items, offsets):
             entries.append(Entry(key=it.key, kind=it.kind, name=it.name, start=it.start, end=it.end,
-                                 offset=data_start + begin, dtype=_DTYPES[it.tensor.dtype],
-                                 shape=tuple(it.tensor.shape)))
-            out.write(_raw(it.tensor))
+                                 offset=offset, dtype=_DTYPES[it.tensor.dtype], shape=tuple(it.tensor.shape)))
+            out.write(tensor_bytes(it.tensor))
         sha, blocks = out.finish()
     return ShardFile(rank=rank, name=name, size=out.size, sha256=sha, chunk_bytes=chunk_bytes,
                      chunk_sha256=tuple(blocks), entries=tuple(entries))

@@ -42,7 +42,8 @@ class Storage(Protocol):
     def remove_tree(self, path: str) -> None: ...
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` durable (a rename counts only after this)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -95,13 +96,13 @@ class LocalStorage:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
 
     def publish_dir(self, tmp: str, final: str) -> None:
         """Make the finished directory ``tmp`` visible as ``final`` in one step."""
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.rename(tmp, final)
-        _fsync_dir(os.path.dirname(os.path.abspath(final)))
+        fsync_dir(os.path.dirname(os.path.abspath(final)))
 
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)

@@ -85,7 +85,8 @@ def committed(root: str, *, storage: Storage | None = None) -> list[str]:
 
 
 def prune(root: str, *, keep: int, storage: Storage | None = None, spare: str = "") -> None:
-    """Drop all but the newest ``keep`` checkpoints, and temp dirs of other (crashed) saves."""
+    """Drop all but the newest ``keep`` committed checkpoints. Temp dirs are left alone: one may
+    belong to a save still running elsewhere (``abandon`` removes this process's failed ones)."""
     storage = storage or LocalStorage()
     names = committed(root, storage=storage)
     for name in names[:max(0, len(names) - keep)]:

@@ -13,6 +13,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "zero_ray.cli.estimate",
     "zero_ray.cli.train",
     "zero_ray.cli.control",
+    "zero_ray.cli.checkpoint",
     "zero_ray.cli.submit",
     "zero_ray.cli.bench",
 )

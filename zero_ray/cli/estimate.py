@@ -61,8 +61,8 @@ def _param_count(text: str) -> int:
     return int(text) if text.strip().lstrip("+").isdigit() else int(value)
 
 
-def _world_size(text: str) -> int:
-    """--world-size: a positive integer."""
+def positive_int(text: str) -> int:
+    """An argparse type: a positive integer (--world-size; other commands use it too)."""
     try:
         value = int(text)
     except ValueError:
@@ -94,7 +94,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--params", type=_param_count, required=True, metavar="PSI",
                         help="number of model parameters, e.g. 7.5e9")
-    parser.add_argument("--world-size", type=_world_size, nargs="+", required=True, metavar="N",
+    parser.add_argument("--world-size", type=positive_int, nargs="+", required=True, metavar="N",
                         help="data-parallel degree(s); one block is printed per value")
     parser.add_argument("--precision", choices=sorted(_PRECISION_BYTES), default="mixed",
                         help="mixed: fp16 params/grads + fp32 optimizer; fp32: everything fp32 "

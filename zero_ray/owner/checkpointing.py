@@ -72,7 +72,7 @@ def snapshot(engine: OwnerEngine) -> list[Item]:
             value = buf.detach().to("cpu", copy=True)
             value = value.float() if value.is_floating_point() else value
             items.append(Item(key=f"{BUFFER}/{name}", kind=BUFFER, name=name, start=0, end=value.numel(),
-                              tensor=value.reshape(-1)))
+                              tensor=value))  # in its own shape: consolidation writes it as is
     return items
 
 
@@ -87,7 +87,7 @@ def describe_model(engine: OwnerEngine) -> dict[str, Any]:
     buckets = [{"index": b.index, "params": list(b.params), "numel": b.numel, "padded_numel": b.padded_numel,
                 "shard_numel": b.shard_numel} for b in layout.buckets]
     decay = [p.name for p in layout.params if takes_weight_decay(p.name, p.shape, opt.no_decay)]
-    no_decay = [p.name for p in layout.params if p.name not in set(decay)]
+    no_decay = sorted({p.name for p in layout.params} - set(decay))
     return {"params": params, "buckets": buckets, "param_groups": {"decay": decay, "no_decay": no_decay},
             "moments": list(opt.state_names), "optimizer_steps": engine.steps_done,
             "loss_scaler": {"scale": engine.scaler.scale, "growth_tracker": engine.scaler.growth_tracker}}

@@ -1,0 +1,109 @@
+"""Checkpoints written as a run's owners would write them, without Ray: a module's parameters laid
+out with ``FlatLayout`` at world size N, each rank's file holding its shard range's fragments of
+master weights and moments (plus its RNG state, and the buffers on rank 0), then committed."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from zero_ray.checkpoint import store
+from zero_ray.checkpoint.format import BUFFER, MASTER, RNG, build_manifest, shard_file_name
+from zero_ray.checkpoint.shardfile import Item, write_shard
+from zero_ray.checkpoint.storage import LocalStorage, Storage
+from zero_ray.core.layout import FlatLayout
+
+ADAM = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Saved:
+    """A committed checkpoint and the full values it holds: ``values[(kind, name)]`` is the
+    flattened master or moment of a parameter, or a buffer."""
+
+    path: str
+    layout: FlatLayout
+    values: dict[tuple[str, str], torch.Tensor]
+
+
+def model_values(module: torch.nn.Module, moments: tuple[str, ...]) -> dict[tuple[str, str], torch.Tensor]:
+    """What a checkpoint of ``module`` holds: its parameters as masters, made-up moments (seeded by
+    name, so every rank agrees), and its buffers."""
+    values: dict[tuple[str, str], torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        values[(MASTER, name)] = p.detach().float().reshape(-1).clone()
+        for kind in moments:
+            g = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{name}".encode()))
+            values[(kind, name)] = torch.rand(p.numel(), generator=g)
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    for name, buf in module.state_dict().items():
+        if name not in params:
+            values[(BUFFER, name)] = (buf.float() if buf.is_floating_point() else buf).reshape(-1).clone()
+    return values
+
+
+def _rank_items(layout: FlatLayout, rank: int, values: dict[tuple[str, str], torch.Tensor],
+                moments: tuple[str, ...]) -> list[Item]:
+    items = []
+    for b in layout.buckets:
+        for f in layout.shard_fragments(b.index, rank):
+            name = layout.params[f.param].name
+            items += [Item(key=f"{kind}/{name}/{f.param_start}", kind=kind, name=name, start=f.param_start,
+                           end=f.param_end, tensor=values[(kind, name)][f.param_start:f.param_end].clone())
+                      for kind in (MASTER, *moments)]
+    state = torch.Generator().manual_seed(rank).get_state()
+    items.append(Item(key=f"{RNG}/torch/{rank}", kind=RNG, name=f"torch/{rank}", start=0, end=0, tensor=state))
+    if rank == 0:
+        items += [Item(key=f"{BUFFER}/{name}", kind=BUFFER, name=name, start=0, end=v.numel(), tensor=v)
+                  for (kind, name), v in values.items() if kind == BUFFER]
+    return items
+
+
+def describe(module: torch.nn.Module, layout: FlatLayout, moments: tuple[str, ...]) -> dict:
+    """The ``model`` description an owner reports for the manifest."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    named = dict(module.named_parameters())
+    return {
+        "params": [{"name": p.name, "aliases": aliases[id(named[p.name])], "shape": list(p.shape), "dtype": p.dtype,
+                    "bucket": p.bucket, "offset": p.offset} for p in layout.params],
+        "buckets": [{"index": b.index, "params": list(b.params), "numel": b.numel, "padded_numel": b.padded_numel,
+                     "shard_numel": b.shard_numel} for b in layout.buckets],
+        "param_groups": {"decay": [p.name for p in layout.params if len(p.shape) > 1],
+                         "no_decay": [p.name for p in layout.params if len(p.shape) <= 1]},
+        "moments": list(moments), "optimizer_steps": 3, "loss_scaler": {"scale": 1.0, "growth_tracker": 0},
+    }
+
+
+def save(module: torch.nn.Module, root: str | os.PathLike[str], *, world_size: int, bucket_numel: int = 50,
+         moments: tuple[str, ...] = ADAM, step: int = 3, chunk_bytes: int = 64, keep: int = 3,
+         storage: Storage | None = None) -> Saved:
+    """Write and commit a checkpoint of ``module`` as ``world_size`` ranks would save it
+    (small blocks, so that reads span several of them)."""
+    storage = storage or LocalStorage()
+    specs = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in module.named_parameters()]
+    layout = FlatLayout.by_size(specs, world_size=world_size, bucket_numel=bucket_numel)
+    values = model_values(module, moments)
+    pending = store.begin(os.fspath(root), step, storage=storage)
+    files = []
+    for rank in range(world_size):
+        name = shard_file_name(rank, world_size)
+        files.append(write_shard(storage, storage.join(pending.tmp, name), _rank_items(layout, rank, values, moments),
+                                 rank=rank, name=name, chunk_bytes=chunk_bytes))
+    manifest = build_manifest(model=describe(module, layout, moments), files=files, step=step,
+                              samples_seen=12 * step, world_size=world_size, stage=2, compute_dtype="float32",
+                              seed=0, optimizer={"type": "AdamW", "lr": 1e-3, "betas": [0.9, 0.999]})
+    return Saved(path=store.commit(pending, manifest, keep=keep, storage=storage), layout=layout, values=values)
+
+
+def flip_byte(path: str, offset: int) -> None:
+    """Corrupt one bit of the file at ``offset``, as a bad disk or a bad copy would."""
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x01]))

@@ -1,0 +1,197 @@
+"""Offline tools on a committed checkpoint: inspect (and verify) it, reshard it for another world
+size, consolidate it into one standard safetensors state dict.
+
+Each reads through ``CheckpointReader`` (every block it uses is verified) and holds at most one
+rank's shard (reshard) or one buffer of elements (consolidate) in memory, never the model.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zero_ray.checkpoint import store
+from zero_ray.checkpoint.format import BUFFER, DEFAULT_CHUNK_BYTES, MASTER, RNG, BucketRecord, Manifest, shard_file_name
+from zero_ray.checkpoint.shardfile import Item, safetensors_header, tensor_bytes, write_shard
+from zero_ray.checkpoint.storage import Storage, fsync_dir
+from zero_ray.checkpoint.store import CheckpointReader
+from zero_ray.core.layout import FlatLayout
+from zero_ray.errors import CheckpointError
+
+# Elements consolidate copies at a time: its memory bound besides the reader's verified blocks.
+CONSOLIDATE_CHUNK_NUMEL = 4 * 2**20
+
+
+# -- inspect ------------------------------------------------------------------------------------------
+def inspect_checkpoint(path: str, *, verify: bool = False, storage: Storage | None = None) -> dict[str, Any]:
+    """What the checkpoint at ``path`` (a checkpoint or a root with ``latest``) holds, as JSON
+    data. With ``verify`` every file is read and every block checksum and the whole-file sha256
+    checked first; any damage raises ``CheckpointError`` naming the file."""
+    reader = CheckpointReader(path, storage=storage)
+    m = reader.manifest
+    if verify:
+        reader.check_files()  # missing and truncated files fail before any long read
+        for i in range(len(m.files)):
+            reader.file(i).verify()
+    return {
+        "path": reader.path,
+        "format_version": m.format_version,
+        "step": m.step,
+        "samples_seen": m.samples_seen,
+        "optimizer_steps": m.optimizer_steps,
+        "stage": m.stage,
+        "world_size": m.world_size,
+        "compute_dtype": m.compute_dtype,
+        "seed": m.seed,
+        "optimizer": dict(m.optimizer),
+        "moments": list(m.moments),
+        "loss_scaler": dict(m.loss_scaler),
+        "params": len(m.params),
+        "elements": sum(p.numel for p in m.params),
+        "buckets": len(m.buckets),
+        "buffers": len(m.entries_of_kind(BUFFER)),
+        "extra": dict(m.extra),
+        "files": [{"rank": f.rank, "name": f.name, "size": f.size, "sha256": f.sha256} for f in m.files],
+        "bytes": sum(f.size for f in m.files),
+        "verified": verify,
+    }
+
+
+# -- reshard ------------------------------------------------------------------------------------------
+def layout_of(manifest: Manifest, world_size: int) -> FlatLayout:
+    """The saving run's buckets (same parameter groups, same order) padded for ``world_size``."""
+    specs = [(p.name, p.shape, p.dtype) for p in manifest.params]
+    return FlatLayout.build(specs, world_size=world_size, groups=[b.params for b in manifest.buckets])
+
+
+def _rank_items(reader: CheckpointReader, layout: FlatLayout, rank: int) -> list[Item]:
+    """Everything rank ``rank`` of ``layout`` would have saved, read from ``reader``: master and
+    moments of its shard range (in the order an owner writes them), its RNG state if the saving
+    run had that rank, and on rank 0 the module's buffers and the RNG states of saving ranks the
+    new layout lacks (kept so that resharding back restores them)."""
+    m = reader.manifest
+    items: list[Item] = []
+    for bucket in layout.buckets:
+        for f in layout.shard_fragments(bucket.index, rank):
+            name = layout.params[f.param].name
+            for kind in (MASTER, *m.moments):
+                items.append(Item(key=f"{kind}/{name}/{f.param_start}", kind=kind, name=name, start=f.param_start,
+                                  end=f.param_end, tensor=reader.read(kind, name, f.param_start, f.param_end)))
+    copied = list(m.entries(RNG, f"torch/{rank}"))  # a copy: entries() returns the manifest's own index
+    if rank == 0:
+        copied += [(i, e) for i, e in m.entries_of_kind(RNG) if e.name not in _rng_names(layout.world_size)]
+        copied += m.entries_of_kind(BUFFER)
+    for i, e in copied:
+        items.append(Item(key=e.key, kind=e.kind, name=e.name, start=e.start, end=e.end,
+                          tensor=reader.file(i).read_entry(e)))
+    return items
+
+
+def _rng_names(world_size: int) -> set[str]:
+    return {f"torch/{rank}" for rank in range(world_size)}
+
+
+def reshard(path: str, out: str, *, world_size: int, keep: int | None = None,
+            chunk_bytes: int = DEFAULT_CHUNK_BYTES, storage: Storage | None = None) -> str:
+    """Rewrite the checkpoint at ``path`` as a committed checkpoint under the root ``out`` laid
+    out for ``world_size`` ranks; returns its directory. Loads exactly as the source does.
+
+    One new rank's shard is in memory at a time. The result is published atomically (the
+    source is never touched); ``keep`` prunes older checkpoints under ``out`` (default: none)."""
+    if world_size < 1:
+        raise CheckpointError(f"reshard needs world_size >= 1, not {world_size}")
+    reader = CheckpointReader(path, storage=storage)
+    if os.path.abspath(out) == os.path.abspath(reader.path):
+        raise CheckpointError(f"reshard's output {out} is the checkpoint being read; pass a checkpoint root such as "
+                              "its parent or a new directory")
+    m = reader.manifest
+    known = {MASTER, RNG, BUFFER, *m.moments}
+    unknown = sorted({e.kind for f in m.files for e in f.entries} - known)
+    if unknown:
+        raise CheckpointError(f"{reader.path} holds entries of kinds {unknown} this zero_ray cannot place in a new "
+                              "layout; reshard it with the zero_ray version that wrote it")
+    reader.check_files()  # a missing or truncated file fails before anything is written
+    layout = layout_of(m, world_size)
+    pending = store.begin(out, m.step, storage=reader.storage)
+    try:
+        files = []
+        for rank in range(world_size):
+            name = shard_file_name(rank, world_size)
+            files.append(write_shard(reader.storage, reader.storage.join(pending.tmp, name),
+                                     _rank_items(reader, layout, rank), rank=rank, name=name,
+                                     chunk_bytes=chunk_bytes))
+        params = tuple(dataclasses.replace(p, bucket=s.bucket, offset=s.offset)
+                       for p, s in zip(m.params, layout.params))
+        buckets = tuple(BucketRecord(index=b.index, params=b.params, numel=b.numel, padded_numel=b.padded_numel,
+                                     shard_numel=b.shard_numel) for b in layout.buckets)
+        manifest = dataclasses.replace(m, world_size=world_size, params=params, buckets=buckets, files=tuple(files))
+        return store.commit(pending, manifest, keep=sys.maxsize if keep is None else keep, storage=reader.storage)
+    except BaseException:
+        store.abandon(pending, storage=reader.storage)
+        raise
+
+
+# -- consolidate --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One tensor of the consolidated state dict and how to read elements ``[start, end)`` of it."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    read: Callable[[int, int], torch.Tensor]
+
+
+def _state_dict_plan(reader: CheckpointReader) -> list[_Tensor]:
+    """Every tensor of the module's state dict: each parameter under every name it has (tied
+    weights have several), then the buffers (rank 0 saved them whole)."""
+    m = reader.manifest
+    plan = [_Tensor(alias, "F32", p.shape, functools.partial(reader.read, MASTER, p.name))
+            for p in m.params for alias in dict.fromkeys((p.name, *p.aliases))]
+    plan += [_Tensor(e.name, e.dtype, e.shape, functools.partial(reader.file(i).read, e))
+             for i, e in m.entries_of_kind(BUFFER)]
+    twice = sorted(k for k, n in collections.Counter(t.key for t in plan).items() if n > 1)
+    if twice:
+        raise CheckpointError(f"{reader.path}: the names {twice} belong to more than one saved tensor; the manifest "
+                              "is corrupt")
+    return plan
+
+
+def consolidate(path: str, out: str, *, chunk_numel: int = CONSOLIDATE_CHUNK_NUMEL,
+                storage: Storage | None = None) -> str:
+    """Write the checkpoint at ``path`` as one safetensors file ``out``: the full fp32 state dict
+    under the module's own names, which ``module.load_state_dict(safetensors.torch.load_file(out))``
+    accepts. Returns ``out``.
+
+    Streams: the header goes first (offsets follow from shapes and dtypes), then each tensor
+    ``chunk_numel`` elements at a time, so memory stays at one chunk plus the reader's verified
+    blocks. ``out`` appears complete or not at all (temp file, fsync, rename)."""
+    reader = CheckpointReader(path, storage=storage)
+    reader.check_files()  # a missing or truncated file fails before anything is written
+    plan = _state_dict_plan(reader)
+    head, _ = safetensors_header([(t.key, t.dtype, t.shape) for t in plan])
+    tmp = f"{out}.tmp"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(head)
+            for t in plan:
+                numel = math.prod(t.shape)
+                for start in range(0, numel, chunk_numel):
+                    fh.write(tensor_bytes(t.read(start, min(numel, start + chunk_numel))))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(out)))
+    return out
