@@ -45,6 +45,12 @@ class RingGroup:
         self._prev = (rank - 1) % world_size
         self._scratch: torch.Tensor | None = None
 
+    @property
+    def process_group(self) -> object:
+        """The torch.distributed gloo group the ring runs over (None once aborted): the
+        collectives benchmark times torch's own all-reduce on it."""
+        return self._pg
+
     # -- the point-to-point step every ring collective is made of --------------------------------
     def _exchange(self, op: str, send: torch.Tensor, recv: torch.Tensor) -> None:
         dist = self._dist

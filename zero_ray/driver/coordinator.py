@@ -9,7 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from zero_ray.control import handlers as h
 
@@ -22,6 +22,8 @@ class RunView(Protocol):
     def request_stop(self, reason: str) -> str: ...
 
     def checkpoint_now(self, path: str | None) -> tuple[str, int]: ...
+
+    def resize(self, world_size: int) -> dict[str, Any]: ...
 
 
 class Coordinator:
@@ -52,7 +54,8 @@ class Coordinator:
         return self._run.request_stop(reason)
 
     def resize(self, world_size: int) -> h.ResizeResult:
-        raise NotImplementedError("live resizing is not implemented in this version")
+        report = self._run.resize(world_size)
+        return h.ResizeResult(previous_world_size=report["previous_world_size"], world_size=report["world_size"])
 
     def metrics(self, cancelled: threading.Event) -> Iterator[h.MetricsEvent]:
         q: queue.Queue[h.MetricsEvent] = queue.Queue(maxsize=1024)

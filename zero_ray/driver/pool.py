@@ -118,6 +118,7 @@ class OwnerPool:
         self.clients: list[OwnerClient] = []
         self.health: HealthMonitor | None = None
         self._pg: Any = None
+        self._extra_pgs: list[Any] = []  # placement groups of owners added by resize()
         # Steps may block for their whole deadline; aborts and stats must never queue behind them.
         self._executor = ThreadPoolExecutor(max_workers=3 * spec.world_size + 2, thread_name_prefix="zero_ray-rpc")
         check_resources(world_size=spec.world_size, use_gpu=spec.use_gpu, num_cpus_per_owner=spec.num_cpus_per_owner)
@@ -130,28 +131,47 @@ class OwnerPool:
             self._pg = None
             raise ResourceError(f"could not reserve {spec.world_size} x {bundle} within {spec.init_timeout_s:g}s "
                                 f"(available now: {ray.available_resources()}); free resources or lower world_size") from err
-        options = OwnerOptions(backend=spec.backend, group_prefix=f"zero_ray-{self.run_id}",
-                               collective_timeout_s=spec.collective_timeout_s, threads=max(1, int(spec.num_cpus_per_owner)),
-                               credentials=credentials, control_host=None, local_cluster=_cluster_is_local(),
-                               server_tls=spec.server_tls())
-        for rank in range(spec.world_size):
-            self.actors.append(RemotePartitionOwner.options(
-                num_cpus=1.0 if spec.use_gpu else spec.num_cpus_per_owner,
-                num_gpus=1.0 if spec.use_gpu else 0.0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-                max_concurrency=4,  # reports, re-forming and consolidation beside a step
-                name=f"zero_ray-{self.run_id}-rank{rank}",
-            ).remote(rank=rank, world_size=spec.world_size, spec=engine, options=options))
+        self._options = OwnerOptions(backend=spec.backend, group_prefix=f"zero_ray-{self.run_id}",
+                                     collective_timeout_s=spec.collective_timeout_s,
+                                     threads=max(1, int(spec.num_cpus_per_owner)), credentials=credentials,
+                                     control_host=None, local_cluster=_cluster_is_local(), server_tls=spec.server_tls())
+        self._engine = engine
         try:
-            self.nodes = self.call("node", timeout_s=spec.init_timeout_s)
-            self.clients = [OwnerClient(ClientConfig(address=n["control_address"], credentials=credentials,
-                                                     timeout_s=spec.init_timeout_s, **spec.client_tls()))
-                            for n in self.nodes]
-            self.health = HealthMonitor(self.clients, interval_s=spec.health_interval_s, timeout_s=spec.health_timeout_s)
+            self._start_owners(range(spec.world_size), world_size=spec.world_size, pg=self._pg)
             self.info = self.call("setup", timeout_s=spec.init_timeout_s)
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_owners(self, ranks: range, *, world_size: int, pg: Any) -> None:
+        """Start owners for ``ranks`` (bundle i of ``pg`` for the i-th), connect their control
+        clients and (re)start the health monitor over every owner."""
+        spec = self.spec
+        new = [RemotePartitionOwner.options(
+            num_cpus=1.0 if spec.use_gpu else spec.num_cpus_per_owner,
+            num_gpus=1.0 if spec.use_gpu else 0.0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            max_concurrency=4,  # reports, re-forming and consolidation beside a step
+            name=f"zero_ray-{self.run_id}-rank{rank}-g{self.generation}",
+        ).remote(rank=rank, world_size=world_size, spec=self._engine, options=self._options)
+            for i, rank in enumerate(ranks)]
+        self.actors += new
+        nodes = self._call_on(new, "node", timeout_s=spec.init_timeout_s)
+        self.nodes += nodes
+        self.clients += [OwnerClient(ClientConfig(address=n["control_address"], credentials=self.credentials,
+                                                  timeout_s=spec.init_timeout_s, **spec.client_tls()))
+                         for n in nodes]
+        self._restart_health()
+
+    def _restart_health(self) -> None:
+        if self.health is not None:
+            self.health.close()
+        self.health = HealthMonitor(self.clients, interval_s=self.spec.health_interval_s,
+                                    timeout_s=self.spec.health_timeout_s)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
 
     def where(self, rank: int) -> str:
         node = self.nodes[rank] if rank < len(self.nodes) else {}
@@ -161,7 +181,13 @@ class OwnerPool:
     def call(self, method: str, *args: Any, timeout_s: float, per_rank: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
         """Call ``method`` on every owner through Ray; return results in rank order. The first
         failure is raised at once (the other ranks may be blocked on the failed one)."""
-        refs = [getattr(a, method).remote(*(per_rank[r] if per_rank else args)) for r, a in enumerate(self.actors)]
+        return self._call_on(self.actors, method, *args, timeout_s=timeout_s, per_rank=per_rank)
+
+    def _call_on(self, actors: Sequence[Any], method: str, *args: Any, timeout_s: float,
+                 per_rank: Sequence[tuple[Any, ...]] | None = None, kwargs: Sequence[dict[str, Any]] | None = None,
+                 watch: bool = True) -> list[Any]:
+        refs = [getattr(a, method).remote(*(per_rank[r] if per_rank else args), **(kwargs[r] if kwargs else {}))
+                for r, a in enumerate(actors)]
         rank_of = {ref: r for r, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         pending = list(refs)
@@ -178,7 +204,8 @@ class OwnerPool:
                     results[rank] = ray.get(ref)
                 except Exception as err:
                     raise _remote_error(err, rank, method, self.nodes) from err
-            self._raise_if_lost(method)
+            if watch:
+                self._raise_if_lost(method)
         return [results[r] for r in range(len(refs))]
 
     def _raise_if_lost(self, method: str) -> None:
@@ -231,6 +258,43 @@ class OwnerPool:
         consistent = self.call("reform", self.generation, timeout_s=self.spec.init_timeout_s)
         return all(consistent)
 
+    def resize(self, world_size: int) -> dict[str, Any]:
+        """Continue with ``world_size`` owners: start the extra ones (growing), move every
+        partition range whose owner changes directly between actors, stop the surplus ones
+        (shrinking). Returns what moved and how long it took."""
+        old = self.world_size
+        start = time.perf_counter()
+        info = self._call_on(self.actors[:1], "resize_info", timeout_s=self.spec.init_timeout_s)[0]
+        if world_size > old:
+            check_resources(world_size=world_size, use_gpu=self.spec.use_gpu,
+                            num_cpus_per_owner=self.spec.num_cpus_per_owner)  # raises before anything changes
+            bundle = {"GPU": 1.0, "CPU": 1.0} if self.spec.use_gpu else {"CPU": self.spec.num_cpus_per_owner}
+            pg = placement_group([dict(bundle) for _ in range(world_size - old)], strategy=self.spec.placement_strategy)
+            try:
+                ray.get(pg.ready(), timeout=self.spec.init_timeout_s)
+            except ray.exceptions.GetTimeoutError as err:
+                remove_placement_group(pg)
+                raise ResourceError(f"could not reserve {world_size - old} more x {bundle} within "
+                                    f"{self.spec.init_timeout_s:g}s to grow to {world_size=}; nothing changed") from err
+            self._extra_pgs.append(pg)
+            self._start_owners(range(old, world_size), world_size=world_size, pg=pg)
+        self.generation += 1
+        kwargs = [{"old_world": old, "new_world": world_size, "generation": self.generation, "info": info}
+                  for _ in self.actors]
+        sent = self._call_on(self.actors, "reshard", timeout_s=self.spec.init_timeout_s, kwargs=kwargs)
+        if world_size < old:
+            self.generation += 1  # the survivors re-formed a group of their own after the transfer
+            surplus, clients = self.actors[world_size:], self.clients[world_size:]
+            del self.actors[world_size:], self.clients[world_size:], self.nodes[world_size:]
+            self._restart_health()  # before they stop, so their ending streams are not losses
+            self._call_on(surplus, "close", timeout_s=30.0, watch=False)
+            for actor in surplus:
+                ray.kill(actor, no_restart=True)
+            for client in clients:
+                client.close()
+        return {"previous_world_size": old, "world_size": world_size, "bytes_sent": sum(sent),
+                "seconds": time.perf_counter() - start}
+
     def stats(self, *, timeout_s: float) -> list[OwnerStats | None]:
         futures = [self._executor.submit(c.stats, timeout_s=timeout_s) for c in self.clients]
         out: list[OwnerStats | None] = []
@@ -263,9 +327,10 @@ class OwnerPool:
             client.close()
         self.clients = []
         self._executor.shutdown(wait=False, cancel_futures=True)
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-            self._pg = None
+        for pg in [self._pg, *self._extra_pgs]:
+            if pg is not None:
+                remove_placement_group(pg)
+        self._pg, self._extra_pgs = None, []
 
 
 def _cluster_is_local() -> bool:

@@ -32,7 +32,7 @@ from zero_ray.driver.checkpointer import Checkpointer, RunPosition
 from zero_ray.driver.coordinator import Coordinator
 from zero_ray.driver.metrics import RunMetrics
 from zero_ray.driver.pool import OwnerPool, PoolSpec, _cluster_is_local
-from zero_ray.errors import ConfigError, StopRequested, ZeroRayError
+from zero_ray.errors import ConfigError, ResourceError, StopRequested, ZeroRayError
 from zero_ray.owner.engine import EngineSpec, LossFn, ModelFn
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class TrainerState(enum.Enum):
     READY = "ready"
     STEPPING = "stepping"
     RECOVERING = "recovering"  # aborting collectives and re-forming the group after a failure
+    RESIZING = "resizing"  # moving partitions to a new number of owners
     STOPPING = "stopping"  # an operator asked the run to stop; step() refuses new steps
     FAILED = "failed"  # the owners' state can no longer be trusted
     SHUT_DOWN = "shut_down"
@@ -123,6 +124,7 @@ class ZeroTrainer:
         self.samples_seen = 0
         self.last_metrics: dict[str, Any] = {}
         self.stop_reason: str | None = None
+        self.events: list[str] = []  # membership changes and failure decisions, for operators
         self._pool = OwnerPool(pool, engine, credentials=self._credentials)
         self._checkpointer = Checkpointer(self._pool, keep=cfg.checkpoint.keep, timeout_s=cfg.checkpoint.timeout_s)
         self._coordinator = Coordinator(self)
@@ -216,13 +218,14 @@ class ZeroTrainer:
         self._require_ready()
         cfg = self.config
         n = batch_size(batch)
-        if n < cfg.world_size * cfg.grad_accum_steps:
+        world = self.world_size
+        if n < world * cfg.grad_accum_steps:
             raise ConfigError(f"global batch of {n} samples is smaller than world_size * grad_accum_steps = "
-                              f"{cfg.world_size} * {cfg.grad_accum_steps}; every rank needs at least one sample "
+                              f"{world} * {cfg.grad_accum_steps}; every rank needs at least one sample "
                               "per micro-batch")
         lr = self.optimizer.lr * float(self._schedule(self.step_count))
         start = time.perf_counter()
-        pieces = [ray.put(p) for p in split_batch(batch, split_sizes(n, cfg.world_size))]
+        pieces = [ray.put(p) for p in split_batch(batch, split_sizes(n, world))]
         args = [StepArgs(step=self.step_count, lr=lr, batch_ref=cloudpickle.dumps(ref), global_samples=n,
                          generation=self._pool.generation) for ref in pieces]
         with self._lock:
@@ -310,6 +313,40 @@ class ZeroTrainer:
             for name, (lo, hi, values) in fragments.items():
                 out[name][lo:hi] = values
         return {name: out[name].view(shape) for name, shape in shapes.items()}
+
+    # -- elasticity -------------------------------------------------------------------------------------
+    def resize(self, world_size: int) -> dict[str, Any]:
+        """Continue with ``world_size`` partition owners, live: new owners start (or surplus ones
+        stop) and every partition range whose owner changes moves directly between actors
+        through collectives; nothing goes through storage or the driver. The global batch stays
+        as it is (each rank's share changes), so training continues as the uninterrupted run.
+        Returns the sizes, bytes sent and seconds taken."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size={world_size!r} must be an integer >= 1")
+        with self._step_mutex:
+            self._require_ready()
+            if world_size == self.world_size:
+                return {"previous_world_size": world_size, "world_size": world_size, "bytes_sent": 0, "seconds": 0.0}
+            self._checkpointer.wait(raise_error=False)  # a save in flight reads the current owners
+            with self._lock:
+                self._state = TrainerState.RESIZING
+            try:
+                report = self._pool.resize(world_size)
+            except ResourceError:  # refused before any owner changed: the run goes on as it was
+                with self._lock:
+                    self._state = TrainerState.READY
+                raise
+            except BaseException as err:
+                with self._lock:
+                    self._state = TrainerState.FAILED
+                log.error("resize to %d owners failed: %s", world_size, err)
+                raise
+            with self._lock:
+                self._state = TrainerState.READY
+        self.events.append(f"step {self.step_count}: resized {report['previous_world_size']} -> {world_size} owners "
+                           f"({report['bytes_sent']} bytes moved in {report['seconds']:.2f}s)")
+        log.info(self.events[-1])
+        return report
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike[str] | None = None, *, wait: bool = False) -> str:

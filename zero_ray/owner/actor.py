@@ -24,7 +24,9 @@ from zero_ray.control.auth import Credentials
 from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
 from zero_ray.owner.checkpointing import ShardSaver
 from zero_ray.owner.control import OwnerControl
+from zero_ray.core.reshard import plan_moves
 from zero_ray.owner.engine import EngineSpec, OwnerEngine
+from zero_ray.owner.resize import bucket_numels, exchange, install, stage_buffers
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,49 @@ class PartitionOwner:
         consistent = self.engine.discard_step()
         self.engine.rebind(self._join())
         return consistent
+
+    def resize_info(self) -> dict[str, Any]:
+        """What every actor of a resize needs from the current layout (asked of rank 0)."""
+        engine = self.engine
+        return {"buckets": bucket_numels(engine.layout.buckets), "whole": engine.spec.plan.updates_whole_buffer,
+                "kinds": ["master", *engine.spec.optimizer.state_names], "steps_done": engine.steps_done,
+                "scale": engine.scaler.scale, "growth_tracker": engine.scaler.growth_tracker}
+
+    def reshard(self, *, old_world: int, new_world: int, generation: int, info: dict[str, Any]) -> int:
+        """Move this actor's part of the model state from the ``old_world`` layout to the
+        ``new_world`` one (every actor of either calls this concurrently; see owner/resize.py).
+        Returns bytes sent. Afterwards a surplus actor (index >= new_world) holds nothing."""
+        me, kinds, whole = self.rank, tuple(info["kinds"]), bool(info["whole"])
+        moves = plan_moves(info["buckets"], old_world=old_world, new_world=new_world, whole=whole)
+        old = self._engine
+        if self._group is not None:
+            self._group.destroy()
+            self._group = None
+        self.generation, self.world_size = generation, max(old_world, new_world)
+        transfer = self._join()
+        staged = (stage_buffers(info["buckets"], rank=me, world_size=new_world, whole=whole, kinds=kinds)
+                  if me < new_world else None)
+        sent = exchange(moves, me=me, old=old.state.optimizer_slices() if old is not None else None, staged=staged,
+                        kinds=kinds, group=transfer, timeout_s=self._options.collective_timeout_s)
+        self._engine = old = None  # the old state is no longer needed: free it before building the new
+        self.world_size = new_world
+        if new_world != transfer.world_size:
+            transfer.destroy()
+            self._group = None
+            if me >= new_world:
+                return sent
+            self.generation = generation + 1  # the M-rank group gets a name of its own
+            group = self._join()
+        else:
+            group = transfer
+        engine = OwnerEngine(self._spec, rank=me, group=group)
+        assert staged is not None
+        install(staged, engine.state.optimizer_slices())
+        engine.steps_done = int(info["steps_done"])
+        engine.scaler.scale, engine.scaler.growth_tracker = float(info["scale"]), int(info["growth_tracker"])
+        engine.state.publish_masters()
+        self._engine = engine
+        return sent
 
     def memory_report(self) -> dict[str, int]:
         return self.engine.memory_report()
