@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from zero_ray import memory
-from zero_ray.config import CheckpointConfig, ControlTLS, Stage3Config, ZeroConfig
+from zero_ray.config import CheckpointConfig, ControlTLS, ElasticConfig, Stage3Config, ZeroConfig
 from zero_ray.core.optim import SGD, AdamW
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.schedule import Constant, WarmupCosine
@@ -17,6 +17,7 @@ from zero_ray.errors import (
     ModelError,
     OwnerError,
     OwnerLostError,
+    ResizeInterrupted,
     ResourceError,
     StopRequested,
     ZeroRayError,
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointConfig",
     "Constant",
     "ControlTLS",
+    "ElasticConfig",
     "LossScaleConfig",
     "WarmupCosine",
     "Stage3Config",
@@ -46,6 +48,7 @@ __all__ = [
     "ModelError",
     "OwnerError",
     "OwnerLostError",
+    "ResizeInterrupted",
     "ResourceError",
     "StopRequested",
     "ZeroRayError",

@@ -82,6 +82,48 @@ class Stage3Config:
             raise ConfigError(f"init={self.init!r} is not one of {INIT_MODES}")
 
 
+REDUNDANCY = ("none", "peer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticConfig:
+    """Surviving lost owners and changing the pool's size.
+
+    redundancy: "peer" keeps, in every owner's host memory, a copy of its own shard and of one
+        peer's (on another node when there is one), refreshed every ``snapshot_every`` steps, so
+        a lost owner's partition comes back with no storage round trip; "none" restores from the
+        last committed checkpoint only (``CheckpointConfig.dir`` or the last save's root).
+    snapshot_every: steps between peer snapshots; the steps since are replayed after a loss.
+    min_world_size / max_world_size: bounds on the pool after a loss and when growing back
+        (max None: the starting size). A loss that leaves fewer than min_world_size fails.
+    grow_back: after a loss, grow again when the cluster has room (a replaced node), checking
+        Ray's free resources at most every ``grow_check_s`` seconds.
+    max_replay_steps: global batches the driver keeps to replay after a restore.
+    backoff_s: wait this long times (failures - 1) before acting on a failure.
+    """
+
+    redundancy: str = "none"
+    snapshot_every: int = 1
+    min_world_size: int = 1
+    max_world_size: int | None = None
+    grow_back: bool = True
+    grow_check_s: float = 5.0
+    max_replay_steps: int = 100
+    backoff_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.redundancy not in REDUNDANCY:
+            raise ConfigError(f"redundancy={self.redundancy!r} is not one of {REDUNDANCY}")
+        for name in ("snapshot_every", "min_world_size", "max_replay_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+        if self.max_world_size is not None and self.max_world_size < self.min_world_size:
+            raise ConfigError(f"max_world_size={self.max_world_size} is below min_world_size={self.min_world_size}")
+        if not (self.backoff_s >= 0 and self.grow_check_s >= 0):
+            raise ConfigError(f"backoff_s={self.backoff_s!r} and grow_check_s={self.grow_check_s!r} must be >= 0")
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Sharded checkpoints (``ZeroTrainer.save_checkpoint``; format in docs/checkpoints.md).
@@ -157,6 +199,7 @@ class ZeroConfig:
         safetensors file (e.g. ``zero-ray checkpoint consolidate``'s output; read a slice at a
         time at stage 3) or a ``{name: tensor}`` dict (which travels to every rank whole).
     checkpoint: sharded-checkpoint options; see ``CheckpointConfig``.
+    elastic: surviving lost owners, growing and shrinking; see ``ElasticConfig``.
     """
 
     stage: int = 2
@@ -183,6 +226,7 @@ class ZeroConfig:
     stage3: Stage3Config = field(default_factory=Stage3Config)
     init_state_dict: str | os.PathLike[str] | Mapping[str, Any] | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def __post_init__(self) -> None:
         stage_plan(self.stage)  # raises ConfigError naming the stage
@@ -228,3 +272,7 @@ class ZeroConfig:
             raise ConfigError(f"init_state_dict={os.fspath(source)!r} is not a file")
         if not isinstance(self.checkpoint, CheckpointConfig):
             raise ConfigError(f"checkpoint={self.checkpoint!r} must be a CheckpointConfig")
+        if not isinstance(self.elastic, ElasticConfig):
+            raise ConfigError(f"elastic={self.elastic!r} must be an ElasticConfig")
+        if self.elastic.min_world_size > self.world_size:
+            raise ConfigError(f"elastic.min_world_size={self.elastic.min_world_size} is above {self.world_size=}")

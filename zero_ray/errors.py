@@ -66,5 +66,9 @@ class AuthError(ControlError):
     """A control-plane call was refused for its credentials."""
 
 
+class ResizeInterrupted(ZeroRayError):
+    """A resize failed part-way; the run was restored (at the size it could) and continues."""
+
+
 class StopRequested(ZeroRayError):
     """An operator asked the run to stop (``zero-ray stop``); no further steps are taken."""

@@ -37,3 +37,16 @@ def test_only_ranges_that_change_owner_cross_actors() -> None:
 def test_world_sizes_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="old_world=0"):
         plan_moves([4], old_world=0, new_world=2, whole=False)
+
+
+def test_backups_are_a_bijection_on_other_nodes_when_possible() -> None:
+    from zero_ray.core.reshard import backup_peers
+
+    nodes = ["a", "a", "b", "b"]
+    backup = backup_peers(nodes)
+    assert sorted(backup) == [0, 1, 2, 3]
+    assert all(nodes[backup[r]] != nodes[r] for r in range(4))
+    assert backup_peers(["a", "a", "a"]) == [1, 2, 0]  # one node: the next rank
+    assert backup_peers(["x"]) == [0]
+    three = backup_peers(["a", "a", "b"])
+    assert sorted(three) == [0, 1, 2]

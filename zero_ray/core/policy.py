@@ -1,43 +1,100 @@
-"""Failure policy: what to do after a step failed. Inputs in, a decision out (pure).
+"""Failure and scaling policies: inputs in, a decision out (pure).
 
-The driver's controller carries the decision out; nothing here touches actors.
+The driver's controller carries decisions out; nothing here touches actors.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
+
+from zero_ray.errors import ConfigError
 
 
 class Action(enum.Enum):
     REFORM = "reform"  # abort the survivors' collectives, re-form the group, continue
+    RESTORE = "restore"  # rebuild the pool, restore the partitions from a source, replay
     FAIL = "fail"  # stop: the run cannot continue consistently
+
+
+class Source(enum.Enum):
+    """Where lost (or untrustworthy) partitions come back from."""
+
+    PEER = "peer"  # the in-memory copies every rank keeps of its own and one peer's shard
+    CHECKPOINT = "checkpoint"  # the last committed checkpoint
 
 
 @dataclass(frozen=True, kw_only=True)
 class Decision:
     action: Action
     reason: str
+    source: Source | None = None
+    backoff_s: float = 0.0  # wait this long before acting (a flapping node gets time to settle)
 
 
 @dataclass(frozen=True, kw_only=True)
 class FailurePolicy:
-    """Without a way to restore a lost partition (checkpoints, redundancy), a lost rank ends the
-    run; a step that failed on live ranks before any weight changed can be retried after the
-    group is re-formed. ``max_failures`` bounds how often that may happen in one run."""
+    """A step that failed on live ranks before any weight changed is retried after the group is
+    re-formed. A lost rank, or an update that was cut short, needs a restore source (peer copies
+    first: no storage round trip; then the last checkpoint). ``max_failures`` bounds how many
+    failures one run may see; ``backoff_s`` grows linearly with each one."""
 
     max_failures: int = 3
+    backoff_s: float = 0.0
 
-    def after_step_failure(self, *, lost_ranks: Set[int], failures_so_far: int) -> Decision:
-        if lost_ranks:
-            return Decision(action=Action.FAIL, reason=f"ranks {sorted(lost_ranks)} were lost and their partitions "
-                                                       "cannot be restored without a checkpoint")
+    def __post_init__(self) -> None:
+        if self.max_failures < 0 or self.backoff_s < 0:
+            raise ConfigError(f"{self.max_failures=} and {self.backoff_s=} must be >= 0")
+
+    def after_step_failure(self, *, lost_ranks: Set[int], failures_so_far: int,
+                           sources: Sequence[Source] = ()) -> Decision:
+        backoff = self.backoff_s * max(0, failures_so_far - 1)
         if failures_so_far >= self.max_failures:
             return Decision(action=Action.FAIL, reason=f"{failures_so_far} step failures reached {self.max_failures=}")
-        return Decision(action=Action.REFORM, reason="all ranks alive: abort, re-form the group and continue")
+        if lost_ranks:
+            if sources:
+                return Decision(action=Action.RESTORE, source=sources[0], backoff_s=backoff,
+                                reason=f"ranks {sorted(lost_ranks)} were lost: restore their partitions from "
+                                       f"{sources[0].value} and replay")
+            return Decision(action=Action.FAIL, reason=f"ranks {sorted(lost_ranks)} were lost and their partitions "
+                                                       "cannot be restored without a checkpoint or peer copies")
+        return Decision(action=Action.REFORM, backoff_s=backoff,
+                        reason="all ranks alive: abort, re-form the group and continue")
 
-    def after_reform(self, *, consistent: bool) -> Decision:
+    def after_reform(self, *, consistent: bool, sources: Sequence[Source] = ()) -> Decision:
         if consistent:
             return Decision(action=Action.REFORM, reason="no rank had started its update: the state is intact")
+        if sources:
+            return Decision(action=Action.RESTORE, source=sources[0],
+                            reason=f"a rank had started updating weights: restore from {sources[0].value} and replay")
         return Decision(action=Action.FAIL, reason="a rank had started updating weights: the partitions may disagree")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalingPolicy:
+    """How many owners to run: never fewer than ``min_world_size``, never more than
+    ``max_world_size`` (default: the size the run started with)."""
+
+    min_world_size: int = 1
+    max_world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_world_size < 1:
+            raise ConfigError(f"min_world_size={self.min_world_size} must be at least 1")
+        if self.max_world_size is not None and self.max_world_size < self.min_world_size:
+            raise ConfigError(f"max_world_size={self.max_world_size} is below min_world_size={self.min_world_size}")
+
+    def ceiling(self, initial: int) -> int:
+        return self.max_world_size if self.max_world_size is not None else initial
+
+    def after_loss(self, *, survivors: int, free_slots: int, initial: int) -> int | None:
+        """The size to restore to: survivors plus as many new owners as fit, up to the ceiling;
+        None when even that is below ``min_world_size``."""
+        target = min(self.ceiling(initial), survivors + max(0, free_slots))
+        return target if target >= self.min_world_size else None
+
+    def grow_to(self, *, current: int, free_slots: int, initial: int) -> int | None:
+        """A larger size when the cluster has room again (a replaced node), else None."""
+        target = min(self.ceiling(initial), current + max(0, free_slots))
+        return target if target > current else None

@@ -75,3 +75,18 @@ def bytes_moved(moves: list[Move], *, element_bytes: int) -> dict[int, int]:
         if not m.local:
             out[m.src] = out.get(m.src, 0) + m.numel * element_bytes
     return out
+
+
+def backup_peers(nodes: Sequence[str]) -> list[int]:
+    """For in-memory redundancy: the rank that keeps a copy of each rank's shard (a bijection, so
+    every rank keeps exactly one peer's). Ranks are ordered by node and each backed up by the rank
+    ``g`` places further on (``g`` the largest number of ranks on one node), which lands on
+    another node whenever the cluster has more than one; with one rank, itself."""
+    n = len(nodes)
+    order = sorted(range(n), key=lambda r: (nodes[r], r))
+    most = max((sum(1 for x in nodes if x == node) for node in set(nodes)), default=1)
+    shift = most if most < n else 1
+    backup = [0] * n
+    for pos, rank in enumerate(order):
+        backup[rank] = order[(pos + shift) % n] if n > 1 else rank
+    return backup

@@ -21,7 +21,7 @@ from zero_ray.checkpoint import store
 from zero_ray.checkpoint.format import build_manifest, shard_file_from_data
 from zero_ray.control.handlers import SavePhase
 from zero_ray.driver.pool import OwnerPool
-from zero_ray.errors import CheckpointError, ZeroRayError
+from zero_ray.errors import CheckpointError, OwnerLostError, ZeroRayError
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,11 @@ class Checkpointer:
         """Snapshot every owner now and commit under ``root`` in the background. Returns the
         directory the checkpoint will have once committed (``wait()`` blocks until then)."""
         self.wait(raise_error=False)
+        lost = self._pool.find_lost(timeout_s=2.0)
+        if lost:  # a checkpoint needs every partition
+            rank = min(lost)
+            raise OwnerLostError(f"cannot save: partition owner {self._pool.where(rank)} is gone ({lost[rank]})",
+                                 rank=rank)
         pending = store.begin(root, position.step)
         try:
             self._pool.save(pending.tmp, position.step, phase=SavePhase.SNAPSHOT, timeout_s=self._timeout_s)

@@ -28,6 +28,7 @@ from zero_ray.driver.health import HealthMonitor
 from zero_ray import errors
 from zero_ray.config import ControlTLS
 from zero_ray.errors import ControlError, OwnerError, OwnerLostError, ResourceError, ZeroRayError, domain_error
+from zero_ray.core.reshard import backup_peers
 from zero_ray.owner.actor import OwnerOptions, RemotePartitionOwner
 from zero_ray.owner.engine import EngineSpec
 
@@ -50,6 +51,7 @@ class PoolSpec:
     health_interval_s: float
     health_timeout_s: float
     tls: ControlTLS | None = None
+    snapshot_every: int = 0  # peer snapshots every this many steps; 0: none
 
     def server_tls(self) -> dict[str, str | None]:
         """The TLS arguments of a control ServerConfig."""
@@ -134,11 +136,14 @@ class OwnerPool:
         self._options = OwnerOptions(backend=spec.backend, group_prefix=f"zero_ray-{self.run_id}",
                                      collective_timeout_s=spec.collective_timeout_s,
                                      threads=max(1, int(spec.num_cpus_per_owner)), credentials=credentials,
-                                     control_host=None, local_cluster=_cluster_is_local(), server_tls=spec.server_tls())
+                                     control_host=None, local_cluster=_cluster_is_local(), server_tls=spec.server_tls(),
+                                     snapshot_every=spec.snapshot_every)
         self._engine = engine
         try:
             self._start_owners(range(spec.world_size), world_size=spec.world_size, pg=self._pg)
             self.info = self.call("setup", timeout_s=spec.init_timeout_s)
+            if spec.snapshot_every:
+                self.assign_peers()
         except BaseException:
             self.shutdown()
             raise
@@ -156,7 +161,7 @@ class OwnerPool:
         ).remote(rank=rank, world_size=world_size, spec=self._engine, options=self._options)
             for i, rank in enumerate(ranks)]
         self.actors += new
-        nodes = self._call_on(new, "node", timeout_s=spec.init_timeout_s)
+        nodes = self._call_on(new, "node", timeout_s=spec.init_timeout_s, watch=False)
         self.nodes += nodes
         self.clients += [OwnerClient(ClientConfig(address=n["control_address"], credentials=self.credentials,
                                                   timeout_s=spec.init_timeout_s, **spec.client_tls()))
@@ -258,13 +263,22 @@ class OwnerPool:
         consistent = self.call("reform", self.generation, timeout_s=self.spec.init_timeout_s)
         return all(consistent)
 
+    def resize_info(self, rank: int) -> dict[str, Any]:
+        """The layout facts every actor of a reshard needs (from a live owner)."""
+        return self._call_on(self.actors[rank:rank + 1], "resize_info", timeout_s=self.spec.init_timeout_s,
+                             watch=False)[0]
+
     def resize(self, world_size: int) -> dict[str, Any]:
         """Continue with ``world_size`` owners: start the extra ones (growing), move every
         partition range whose owner changes directly between actors, stop the surplus ones
         (shrinking). Returns what moved and how long it took."""
         old = self.world_size
         start = time.perf_counter()
-        info = self._call_on(self.actors[:1], "resize_info", timeout_s=self.spec.init_timeout_s)[0]
+        lost = self.find_lost(timeout_s=min(2.0, self.spec.health_timeout_s))
+        if lost:  # every owner must take part in the transfer: recover first
+            rank = min(lost)
+            raise OwnerLostError(f"cannot resize: partition owner {self.where(rank)} is gone ({lost[rank]})", rank=rank)
+        info = self.resize_info(0)
         if world_size > old:
             check_resources(world_size=world_size, use_gpu=self.spec.use_gpu,
                             num_cpus_per_owner=self.spec.num_cpus_per_owner)  # raises before anything changes
@@ -292,8 +306,86 @@ class OwnerPool:
                 ray.kill(actor, no_restart=True)
             for client in clients:
                 client.close()
+        if self.spec.snapshot_every:
+            self.assign_peers()
         return {"previous_world_size": old, "world_size": world_size, "bytes_sent": sum(sent),
                 "seconds": time.perf_counter() - start}
+
+    # -- membership after a loss --------------------------------------------------------------------
+    def free_slots(self) -> int:
+        """How many more owners the cluster could host right now."""
+        free = ray.available_resources()
+        if self.spec.use_gpu:
+            return int(min(free.get("GPU", 0.0), free.get("CPU", 0.0)))
+        return int(free.get("CPU", 0.0) // self.spec.num_cpus_per_owner)
+
+    def find_lost(self, *, timeout_s: float) -> dict[int, str]:
+        """Ranks that are gone: those the health monitor lost, and those that do not answer a
+        control call within ``timeout_s`` (a dead process refuses at once; its heartbeat stream
+        may not have noticed yet). Served on gRPC threads, so a rank blocked in a collective
+        still answers."""
+        lost = dict(self.health.lost()) if self.health is not None else {}
+        # Ray knows an actor is dead (ray.kill, node loss) before its process has gone.
+        refs = {a.node.remote(): r for r, a in enumerate(self.actors) if r not in lost}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                lost[refs[ref]] = f"Ray reports the actor dead: {str(err).splitlines()[0]}"
+        futures = {r: self._executor.submit(c.stats, timeout_s=timeout_s) for r, c in enumerate(self.clients)
+                   if r not in lost}
+        for r, fut in futures.items():
+            try:
+                fut.result(timeout=timeout_s + 1)
+            except Exception as err:  # unreachable, timed out, or refusing: gone for our purposes
+                lost[r] = f"no answer to a control call within {timeout_s:g}s: {err}"
+        return lost
+
+    def assign_peers(self) -> list[int]:
+        """Tell every owner which peer keeps its snapshots (another node when there is one)."""
+        backup = backup_peers([n.get("node_id", "") for n in self.nodes])
+        ward = [0] * len(backup)
+        for r, b in enumerate(backup):
+            ward[b] = r
+        self.call("set_peers", timeout_s=self.spec.init_timeout_s, per_rank=list(zip(backup, ward)))
+        return backup
+
+    def snapshot_info(self, ranks: Sequence[int], committed_step: int) -> dict[int, dict[int, Any]]:
+        """Per surviving rank: the committed snapshots it holds (by the rank they belong to)."""
+        infos = self._call_on([self.actors[r] for r in ranks], "snapshot_info", committed_step,
+                              timeout_s=self.spec.collective_timeout_s + 30, watch=False)
+        return dict(zip(ranks, infos))
+
+    def rebuild(self, survivors: Sequence[int], world_size: int, *,
+                restore: Callable[[dict[int, int]], dict[str, Any] | None]) -> None:
+        """Continue with the ``survivors`` (old ranks, keeping their order) plus new owners up to
+        ``world_size``; ``restore(position_of_old_rank)`` gives the snapshot transfer (or None for
+        fresh state, a checkpoint being loaded next)."""
+        position = {old: new for new, old in enumerate(survivors)}
+        keep = set(survivors)
+        for r, client in enumerate(self.clients):
+            if r not in keep:
+                client.close()
+        self.actors = [self.actors[r] for r in survivors]
+        self.nodes = [self.nodes[r] for r in survivors]
+        self.clients = [self.clients[r] for r in survivors]
+        self.generation += 1
+        if world_size > len(survivors):
+            bundle = {"GPU": 1.0, "CPU": 1.0} if self.spec.use_gpu else {"CPU": self.spec.num_cpus_per_owner}
+            pg = placement_group([dict(bundle) for _ in range(world_size - len(survivors))],
+                                 strategy=self.spec.placement_strategy)
+            ray.get(pg.ready(), timeout=self.spec.init_timeout_s)
+            self._extra_pgs.append(pg)
+            self._start_owners(range(len(survivors), world_size), world_size=world_size, pg=pg)
+        else:
+            self._restart_health()
+        plan = restore(position)
+        kwargs = [{"position": p, "world_size": world_size, "generation": self.generation, "restore": plan}
+                  for p in range(world_size)]
+        self._call_on(self.actors, "rebuild", timeout_s=self.spec.init_timeout_s, kwargs=kwargs)
+        if self.spec.snapshot_every:
+            self.assign_peers()
 
     def stats(self, *, timeout_s: float) -> list[OwnerStats | None]:
         futures = [self._executor.submit(c.stats, timeout_s=timeout_s) for c in self.clients]

@@ -27,12 +27,20 @@ from zero_ray.core.stages import stage_plan
 from zero_ray.control.auth import Credentials, new_token, write_token_file
 from zero_ray.control.handlers import JobStatus, MetricsEvent, RankStatus, StepArgs
 from zero_ray.control.server import ServerConfig, serve_coordinator
-from zero_ray.core.policy import Action, FailurePolicy
+from zero_ray.core.policy import FailurePolicy, ScalingPolicy
 from zero_ray.driver.checkpointer import Checkpointer, RunPosition
 from zero_ray.driver.coordinator import Coordinator
+from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport
 from zero_ray.driver.metrics import RunMetrics
 from zero_ray.driver.pool import OwnerPool, PoolSpec, _cluster_is_local
-from zero_ray.errors import ConfigError, ResourceError, StopRequested, ZeroRayError
+from zero_ray.errors import (
+    CheckpointError,
+    ConfigError,
+    ResizeInterrupted,
+    ResourceError,
+    StopRequested,
+    ZeroRayError,
+)
 from zero_ray.owner.engine import EngineSpec, LossFn, ModelFn
 
 log = logging.getLogger(__name__)
@@ -110,23 +118,33 @@ class ZeroTrainer:
                         backend=backend, placement_strategy=cfg.placement_strategy,
                         collective_timeout_s=cfg.collective_timeout_s, init_timeout_s=cfg.init_timeout_s,
                         health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s,
-                        tls=cfg.control_tls)
+                        tls=cfg.control_tls,
+                        snapshot_every=cfg.elastic.snapshot_every if cfg.elastic.redundancy == "peer" else 0)
         self._credentials = Credentials(job_id=uuid.uuid4().hex[:12], token=new_token())
         self._run_metrics = RunMetrics(run_id=self._credentials.job_id)
-        self._policy = FailurePolicy(max_failures=cfg.max_failures)
-        self._failures = 0
+        self._scaling = ScalingPolicy(min_world_size=cfg.elastic.min_world_size,
+                                      max_world_size=cfg.elastic.max_world_size)
+        self._replay: dict[int, Batch] = {}  # global batches of recent steps, by index, to replay after a restore
+        self._last_grow_check = 0.0
+        self.recoveries: list[RecoveryReport] = []
         self._lock = threading.Lock()
         # Held for a whole step and for a save's snapshot, so that an operator's checkpoint
         # (a gRPC thread) lands between steps on every rank alike.
         self._step_mutex = threading.RLock()
         self._state = TrainerState.READY
-        self.step_count = 0
+        self.step_count = 0  # steps completed in the owners' state
+        self._submitted = 0  # steps the user has asked for (equal to step_count except during a replay)
+        self._restored_at = 0.0
         self.samples_seen = 0
         self.last_metrics: dict[str, Any] = {}
         self.stop_reason: str | None = None
         self.events: list[str] = []  # membership changes and failure decisions, for operators
         self._pool = OwnerPool(pool, engine, credentials=self._credentials)
         self._checkpointer = Checkpointer(self._pool, keep=cfg.checkpoint.keep, timeout_s=cfg.checkpoint.timeout_s)
+        self._recovery = RecoveryController(
+            self._pool, failure=FailurePolicy(max_failures=cfg.max_failures, backoff_s=cfg.elastic.backoff_s),
+            scaling=self._scaling, initial_world_size=cfg.world_size,
+            peer_redundancy=cfg.elastic.redundancy == "peer", checkpoint_root=self._checkpoint_root)
         self._coordinator = Coordinator(self)
         host = "127.0.0.1" if _cluster_is_local() else ray.util.get_node_ip_address()
         self._server = serve_coordinator(self._coordinator, ServerConfig(host=host, credentials=self._credentials,
@@ -218,30 +236,27 @@ class ZeroTrainer:
         self._require_ready()
         cfg = self.config
         n = batch_size(batch)
-        world = self.world_size
-        if n < world * cfg.grad_accum_steps:
+        if n < self.world_size * cfg.grad_accum_steps:
             raise ConfigError(f"global batch of {n} samples is smaller than world_size * grad_accum_steps = "
-                              f"{world} * {cfg.grad_accum_steps}; every rank needs at least one sample "
+                              f"{self.world_size} * {cfg.grad_accum_steps}; every rank needs at least one sample "
                               "per micro-batch")
-        lr = self.optimizer.lr * float(self._schedule(self.step_count))
+        index = self._submitted  # the user's step: a restore may have rewound step_count below it
+        self._replay[index] = batch
+        while len(self._replay) > cfg.elastic.max_replay_steps:
+            del self._replay[min(self._replay)]
         start = time.perf_counter()
-        pieces = [ray.put(p) for p in split_batch(batch, split_sizes(n, world))]
-        args = [StepArgs(step=self.step_count, lr=lr, batch_ref=cloudpickle.dumps(ref), global_samples=n,
-                         generation=self._pool.generation) for ref in pieces]
-        with self._lock:
-            self._state = TrainerState.STEPPING
-        try:
-            results = self._pool.step(args, timeout_s=cfg.step_timeout_s)
-        except ZeroRayError as err:
-            self._recover(err)
-            raise
-        finally:
-            _unpin(pieces)
-        with self._lock:
-            if self._state is TrainerState.STEPPING:
-                self._state = TrainerState.READY
-        self.step_count += 1
-        self.samples_seen += n
+        while True:
+            try:
+                while self.step_count < index:  # a restore rewound the state: catch up first
+                    self._execute(self._replay[self.step_count])
+                lr, results = self._execute(batch)
+                break
+            except ZeroRayError as err:
+                if not self._recover(err, failed_step=self.step_count, replay_until=index + 1, started=start):
+                    raise
+        self._submitted = index + 1
+        if self.recoveries and self.recoveries[-1].replay_s < 0:  # this call recovered: time its replay
+            self.recoveries[-1].replay_s = time.perf_counter() - self._restored_at
         loss = sum(r.loss_sum for r in results) / n
         metrics = {
             "step": self.step_count,
@@ -260,29 +275,94 @@ class ZeroTrainer:
         self._coordinator.publish(MetricsEvent(step=self.step_count, loss=loss, step_seconds=metrics["step_seconds"],
                                                tokens_per_second=0.0, values={"grad_norm": metrics["grad_norm"],
                                                                                "lr": lr}))
+        self._maybe_grow()
         return metrics
 
-    def _recover(self, err: ZeroRayError) -> None:
-        """Carry out the failure policy's decision after a failed step: abort the survivors'
-        collectives and re-form the group, or mark the run failed."""
+    def _execute(self, batch: Batch) -> tuple[float, list[Any]]:
+        """Run step ``step_count`` on ``batch`` on every owner and count it."""
+        n = batch_size(batch)
+        lr = self.optimizer.lr * float(self._schedule(self.step_count))
+        pieces = [ray.put(p) for p in split_batch(batch, split_sizes(n, self.world_size))]
+        args = [StepArgs(step=self.step_count, lr=lr, batch_ref=cloudpickle.dumps(ref), global_samples=n,
+                         generation=self._pool.generation) for ref in pieces]
+        with self._lock:
+            self._state = TrainerState.STEPPING
+        try:
+            results = self._pool.step(args, timeout_s=self.config.step_timeout_s)
+        finally:
+            _unpin(pieces)
+        with self._lock:
+            if self._state is TrainerState.STEPPING:
+                self._state = TrainerState.READY
+        self.step_count += 1
+        self.samples_seen += n
+        return lr, results
+
+    def _recover(self, err: ZeroRayError, *, failed_step: int, replay_until: int, started: float) -> bool:
+        """Carry out the policies' decision after a failure in step ``failed_step`` (or between
+        steps); True when the state was restored (``step_count`` rewound) and steps up to
+        ``replay_until`` must be replayed from the kept batches. Every outcome is recorded."""
         with self._lock:
             self._state = TrainerState.RECOVERING
-        self._failures += 1
-        lost = self._pool.health.lost() if self._pool.health else {}
-        decision = self._policy.after_step_failure(lost_ranks=set(lost), failures_so_far=self._failures)
-        log.warning("step %d failed (%s); %s: %s", self.step_count + 1, err, decision.action.value, decision.reason)
-        if lost:
-            self._pool.kill(sorted(lost))  # a frozen process holds its sockets open: end it first
-        self._pool.abort(f"step {self.step_count + 1} failed: {err}")
-        if decision.action is Action.REFORM:
-            try:
-                consistent = self._pool.reform()
-            except ZeroRayError as reform_err:
-                log.error("re-forming the group failed: %s", reform_err)
-                consistent = False
-            decision = self._policy.after_reform(consistent=consistent)
+        before = self.step_count
+        report = self._recovery.recover(err, failed_step=failed_step, step_started=time.time() - (
+            time.perf_counter() - started), load_checkpoint=self._load_latest)
+        restored = report.outcome is Outcome.RESTORED
+        if restored:
+            assert report.resume_step is not None
+            missing = [i for i in range(report.resume_step, replay_until) if i not in self._replay]
+            if missing:
+                report.outcome, report.decision = Outcome.FAILED, "fail"
+                report.reason = (f"the restored state is at step {report.resume_step} but the batches of steps "
+                                 f"{missing[0] + 1}..{missing[-1] + 1} are no longer kept (elastic.max_replay_steps="
+                                 f"{self.config.elastic.max_replay_steps}); resume with from_checkpoint")
+                restored = False
+            else:
+                self.samples_seen -= sum(batch_size(self._replay[i]) for i in range(report.resume_step, before))
+                self.step_count = report.resume_step
+                report.replayed_steps = replay_until - report.resume_step
+                report.replay_s = -1.0  # measured when the replay is done
+                self._restored_at = time.perf_counter()
+        self.recoveries.append(report)
+        self.events.append(report.summary())
+        log.warning("recovery: %s (%s)", report.summary(), report.reason)
         with self._lock:
-            self._state = TrainerState.READY if decision.action is Action.REFORM else TrainerState.FAILED
+            if report.outcome is Outcome.FAILED:
+                self._state = TrainerState.FAILED
+            else:
+                self._state = TrainerState.READY
+        return restored
+
+    def _load_latest(self) -> int:
+        root = self._checkpoint_root()
+        if root is None:
+            raise CheckpointError("no checkpoint has been committed for this run")
+        reader = CheckpointReader(root)
+        reader.check_files()
+        self._pool.load(reader.path, timeout_s=self.config.checkpoint.timeout_s)
+        return reader.manifest.step
+
+    def _checkpoint_root(self) -> str | None:
+        last = self._checkpointer.last_committed
+        if last is not None:
+            return os.path.dirname(last)
+        return os.fspath(self.config.checkpoint.dir) if self.config.checkpoint.dir else None
+
+    def _maybe_grow(self) -> None:
+        """Grow back towards the starting size when the cluster has room again (checked at most
+        every ``elastic.grow_check_s``: it asks Ray for its free resources)."""
+        cfg = self.config.elastic
+        if not cfg.grow_back or self.world_size >= self._scaling.ceiling(self.config.world_size):
+            return
+        now = time.monotonic()
+        if now - self._last_grow_check < cfg.grow_check_s:
+            return
+        self._last_grow_check = now
+        target = self._scaling.grow_to(current=self.world_size, free_slots=self._pool.free_slots(),
+                                       initial=self.config.world_size)
+        if target is not None:
+            log.info("the cluster has room again: growing %d -> %d owners", self.world_size, target)
+            self.resize(target)
 
     # -- reports and consolidation ------------------------------------------------------------------
     def _require_alive(self) -> None:
@@ -336,11 +416,13 @@ class ZeroTrainer:
                 with self._lock:
                     self._state = TrainerState.READY
                 raise
-            except BaseException as err:
-                with self._lock:
-                    self._state = TrainerState.FAILED
+            except ZeroRayError as err:
                 log.error("resize to %d owners failed: %s", world_size, err)
-                raise
+                if not self._recover(err, failed_step=self.step_count, replay_until=self._submitted,
+                                     started=time.perf_counter()):
+                    raise
+                raise ResizeInterrupted(f"resizing to {world_size} owners failed ({err}); the run was restored "
+                                        f"at {self.world_size} owners and continues with the next step") from err
             with self._lock:
                 self._state = TrainerState.READY
         self.events.append(f"step {self.step_count}: resized {report['previous_world_size']} -> {world_size} owners "

@@ -12,6 +12,8 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,9 @@ from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
 from zero_ray.owner.checkpointing import ShardSaver
 from zero_ray.owner.control import OwnerControl
 from zero_ray.core.reshard import plan_moves
-from zero_ray.owner.engine import EngineSpec, OwnerEngine
+from zero_ray.errors import CollectiveError
+from zero_ray.owner.engine import EngineSpec, OwnerEngine, StepPhase
+from zero_ray.owner.redundancy import PeerSnapshots
 from zero_ray.owner.resize import bucket_numels, exchange, install, stage_buffers
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,7 @@ class OwnerOptions:
     local_cluster: bool
     server_tls: dict[str, str | None]  # ServerConfig's tls_cert / tls_key / tls_client_ca
     save_timeout_s: float = 600.0  # how long a Save may wait for this rank's file to be durable
+    snapshot_every: int = 0  # peer snapshots every this many steps; 0: no in-memory redundancy
 
 
 class PartitionOwner:
@@ -58,6 +63,9 @@ class PartitionOwner:
         self._engine: OwnerEngine | None = None
         self._group: Collective | None = None
         self.saver = ShardSaver()
+        self.snapshots = PeerSnapshots()
+        self.backup = self.ward = rank  # peers for snapshots, set by the driver
+        self.step_lock = threading.Lock()  # held by a step; recovery waits for it
         torch.set_num_threads(max(1, options.threads))
         host = options.control_host or ("127.0.0.1" if options.local_cluster else ray.util.get_node_ip_address())
         self._server: ControlServer = serve_owner(
@@ -113,10 +121,82 @@ class PartitionOwner:
         the interrupted step. Returns whether the model state is still consistent."""
         if self._group is not None:
             self._group.abort()
-        self.generation = generation
-        consistent = self.engine.discard_step()
-        self.engine.rebind(self._join())
+        with self._locked("re-form"):
+            self.generation = generation
+            consistent = self.engine.discard_step()
+            self.snapshots.drop_pending()
+            self.engine.rebind(self._join())
         return consistent
+
+    # -- in-memory redundancy ------------------------------------------------------------------------
+    def set_peers(self, backup: int, ward: int) -> None:
+        """This rank sends its snapshots to ``backup`` and keeps ``ward``'s."""
+        self.backup, self.ward = backup, ward
+
+    def after_step(self, step: int) -> None:
+        """End of driver step ``step`` on the compute thread: take a peer snapshot when due. The
+        step counts as updating until it is done, so an interrupted snapshot is restored, never
+        retried on top of the update."""
+        every = self._options.snapshot_every
+        if every and (step + 1) % every == 0 and self._group is not None:
+            engine = self.engine
+            engine.phase = StepPhase.UPDATING
+            self.snapshots.take(engine, self._group, step=step, backup=self.backup, ward=self.ward,
+                                timeout_s=self._options.collective_timeout_s)
+            engine.phase = StepPhase.IDLE
+
+    def snapshot_info(self, committed_step: int) -> dict[int, Any]:
+        """The committed snapshots held (by rank), once the driver says ``committed_step`` was
+        finished everywhere; a pending snapshot of a later, interrupted step is dropped."""
+        with self._locked("snapshot_info"):
+            self.snapshots.commit_upto(committed_step)
+            self.snapshots.drop_pending()
+            return self.snapshots.info()
+
+    @contextmanager
+    def _locked(self, what: str) -> Iterator[None]:
+        """The step lock, waiting (bounded) for an aborted step's thread to give up."""
+        if not self.step_lock.acquire(timeout=self._options.collective_timeout_s):
+            raise CollectiveError(f"rank {self.rank}: the interrupted step did not end within "
+                                  f"{self._options.collective_timeout_s:g}s; cannot {what}")
+        try:
+            yield
+        finally:
+            self.step_lock.release()
+
+    def rebuild(self, *, position: int, world_size: int, generation: int, restore: dict[str, Any] | None) -> int:
+        """Take rank ``position`` of a new ``world_size``-rank pool after a loss. With ``restore``
+        (peer snapshots): move every old rank's snapshot from the actor holding it to the ranks
+        that now own its ranges (``restore["holders"][i]`` is the position holding old rank i)
+        and install them; without, build fresh state (a checkpoint is loaded next). Returns
+        bytes sent."""
+        if self._group is not None:  # first: a step blocked on it then fails and lets go of the lock
+            self._group.abort()
+            self._group = None
+        with self._locked("rebuild"):
+            sources = ({r: s.slices for r, s in self.snapshots.sources().items()} if restore is not None else {})
+            self._engine = None
+            self.rank, self.world_size, self.generation = position, world_size, generation
+            group = self._join()
+            sent, staged = 0, None
+            if restore is not None:
+                kinds, whole = tuple(restore["kinds"]), bool(restore["whole"])
+                moves = plan_moves(restore["buckets"], old_world=restore["old_world"], new_world=world_size,
+                                   whole=whole)
+                staged = stage_buffers(restore["buckets"], rank=position, world_size=world_size, whole=whole,
+                                       kinds=kinds)
+                sent = exchange(moves, me=position, sources=sources, senders=restore["holders"], staged=staged,
+                                kinds=kinds, group=group, timeout_s=self._options.collective_timeout_s)
+            self.snapshots = PeerSnapshots()  # the old layout's copies are spent
+            engine = OwnerEngine(self._spec, rank=position, group=group)
+            if staged is not None and restore is not None:
+                install(staged, engine.state.optimizer_slices())
+                scalars = restore["scalars"]
+                engine.steps_done = int(scalars["steps_done"])
+                engine.scaler.scale, engine.scaler.growth_tracker = float(scalars["scale"]), int(scalars["growth_tracker"])
+                engine.state.publish_masters()
+            self._engine = engine
+            return sent
 
     def resize_info(self) -> dict[str, Any]:
         """What every actor of a resize needs from the current layout (asked of rank 0)."""
@@ -129,6 +209,10 @@ class PartitionOwner:
         """Move this actor's part of the model state from the ``old_world`` layout to the
         ``new_world`` one (every actor of either calls this concurrently; see owner/resize.py).
         Returns bytes sent. Afterwards a surplus actor (index >= new_world) holds nothing."""
+        with self._locked("reshard"):  # a recovery after a failed transfer waits for it to give up
+            return self._reshard(old_world=old_world, new_world=new_world, generation=generation, info=info)
+
+    def _reshard(self, *, old_world: int, new_world: int, generation: int, info: dict[str, Any]) -> int:
         me, kinds, whole = self.rank, tuple(info["kinds"]), bool(info["whole"])
         moves = plan_moves(info["buckets"], old_world=old_world, new_world=new_world, whole=whole)
         old = self._engine
@@ -139,7 +223,8 @@ class PartitionOwner:
         transfer = self._join()
         staged = (stage_buffers(info["buckets"], rank=me, world_size=new_world, whole=whole, kinds=kinds)
                   if me < new_world else None)
-        sent = exchange(moves, me=me, old=old.state.optimizer_slices() if old is not None else None, staged=staged,
+        sources = {me: old.state.optimizer_slices()} if old is not None else {}
+        sent = exchange(moves, me=me, sources=sources, senders=list(range(old_world)), staged=staged,
                         kinds=kinds, group=transfer, timeout_s=self._options.collective_timeout_s)
         self._engine = old = None  # the old state is no longer needed: free it before building the new
         self.world_size = new_world
@@ -159,10 +244,11 @@ class PartitionOwner:
         engine.scaler.scale, engine.scaler.growth_tracker = float(info["scale"]), int(info["growth_tracker"])
         engine.state.publish_masters()
         self._engine = engine
+        self.snapshots = PeerSnapshots()  # of the old layout
         return sent
 
     def memory_report(self) -> dict[str, int]:
-        return self.engine.memory_report()
+        return {**self.engine.memory_report(), "redundancy_host": self.snapshots.nbytes}
 
     def comm_report(self) -> dict[str, int]:
         return self.engine.comm_report()

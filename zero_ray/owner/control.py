@@ -48,7 +48,7 @@ class OwnerControl:
         self._owner = owner
         self._fetch_timeout_s = fetch_timeout_s
         self._save_timeout_s = save_timeout_s
-        self._lock = threading.Lock()  # one step at a time, whatever the driver sends
+        self._lock = owner.step_lock  # one step at a time, whatever the driver sends
 
     def step(self, args: h.StepArgs) -> h.StepResult:
         owner = self._owner
@@ -57,9 +57,11 @@ class OwnerControl:
                                   f"which is at generation {owner.generation}")
         with self._lock:
             try:
+                owner.snapshots.commit_upto(args.step - 1)  # the driver saw every rank finish that step
                 ref = cloudpickle.loads(args.batch_ref)
                 piece = ray.get(ref, timeout=self._fetch_timeout_s)
                 r = owner.engine.step(piece, lr=args.lr, global_samples=args.global_samples)
+                owner.after_step(args.step)
             except Exception as err:
                 raise _with_traceback(err, owner.rank) from err
         return h.StepResult(loss_sum=r.loss_sum, samples=r.samples, grad_norm=r.grad_norm, skipped=r.skipped,
@@ -102,7 +104,10 @@ class OwnerControl:
 
     def stats(self) -> h.OwnerStats:
         owner = self._owner
-        engine = owner.engine
+        engine = owner.engine_or_none
+        if engine is None:  # between setups (a resize or restore in progress): alive, holding nothing
+            return h.OwnerStats(step=0, rank=owner.rank, world_size=owner.world_size, stage=0, memory_bytes={},
+                                bytes_sent={})
         memory = {k: v for k, v in engine.memory_report().items() if k != "rank"}
         return h.OwnerStats(step=engine.steps_done, rank=owner.rank, world_size=owner.world_size,
                             stage=engine.spec.plan.stage, memory_bytes=memory, bytes_sent=dict(engine.last_bytes))

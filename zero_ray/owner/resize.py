@@ -44,51 +44,59 @@ def stage_buffers(bucket_numels: list[int], *, rank: int, world_size: int, whole
     return out
 
 
-def _source_views(slices: list[OptimizerSlice]) -> dict[int, OptimizerSlice]:
-    return {s.bucket.index: s for s in slices}
-
-
-def exchange(moves: list[Move], *, me: int, old: list[OptimizerSlice] | None, staged: list[StagedRange] | None,
-             kinds: tuple[str, ...], group: Collective | None, timeout_s: float) -> int:
-    """Carry out this actor's part of ``moves``: local copies, sends from ``old`` slices, receives
-    into ``staged`` ranges. Returns bytes sent to other actors."""
+def exchange(moves: list[Move], *, me: int, sources: dict[int, list[OptimizerSlice]], senders: list[int],
+             staged: list[StagedRange] | None, kinds: tuple[str, ...], group: Collective | None,
+             timeout_s: float) -> int:
+    """Carry out this actor's part of ``moves``. ``moves`` name old ranks as sources;
+    ``senders[i]`` is the position of the actor holding old rank i's state (itself for a live
+    resize; a peer's copy after a loss) and ``sources`` the slices this actor holds, by old rank.
+    Local pieces are copied, others sent or received into ``staged``. Returns bytes sent."""
     import torch.distributed as dist
 
-    src_of = _source_views(old or [])
+    src_of = {rank: {s.bucket.index: s for s in slices} for rank, slices in sources.items()}
     dst_of = {r.bucket: r for r in staged or []}
     ops: list[object] = []
     keep: list[torch.Tensor] = []  # send buffers must outlive the transfer
     sent = 0
     pg = getattr(group, "process_group", None)
     for i, m in enumerate(moves):
-        if me not in (m.src, m.dst):
+        sender = senders[m.src]
+        if me not in (sender, m.dst):
             continue
         for k, kind in enumerate(kinds):
             tag = i * len(kinds) + k
-            if m.src == me:
-                s = src_of[m.bucket]
+            if sender == me:
+                s = src_of[m.src][m.bucket]
                 value = (s.master if kind == "master" else s.moments[kind])[m.start - s.start:m.end - s.start]
             if m.dst == me:
                 r = dst_of[m.bucket]
                 into = r.tensors[kind][m.start - r.start:m.end - r.start]
-            if m.local:
+            if sender == m.dst:
                 into.copy_(value)
-            elif m.src == me:
+            elif sender == me:
                 buf = value.detach().to("cpu", torch.float32).contiguous()
                 keep.append(buf)
                 ops.append(dist.P2POp(dist.isend, buf, m.dst, group=pg, tag=tag))
                 sent += buf.numel() * 4
             else:
-                ops.append(dist.P2POp(dist.irecv, into, m.src, group=pg, tag=tag))
-    if ops:
-        if pg is None:
-            raise CollectiveError(f"rank {me} has transfers to make but no transfer group")
-        try:
-            for work in dist.batch_isend_irecv(ops):  # type: ignore[arg-type]
-                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as err:
-            raise CollectiveError(f"resharding transfer on actor {me} failed: {err}") from err
+                ops.append(dist.P2POp(dist.irecv, into, sender, group=pg, tag=tag))
+    run_p2p(ops, me=me, pg=pg, timeout_s=timeout_s, what="resharding transfer")
     return sent
+
+
+def run_p2p(ops: list[object], *, me: int, pg: object, timeout_s: float, what: str) -> None:
+    """Post ``ops`` (torch P2POps) together and wait for all of them, each wait bounded."""
+    import torch.distributed as dist
+
+    if not ops:
+        return
+    if pg is None:
+        raise CollectiveError(f"actor {me} has {what} messages to exchange but no group")
+    try:
+        for work in dist.batch_isend_irecv(ops):  # type: ignore[arg-type]
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        raise CollectiveError(f"{what} on actor {me} failed: {err}") from err
 
 
 def install(staged: list[StagedRange], new: list[OptimizerSlice]) -> None:
