@@ -263,6 +263,19 @@ class OwnerPool:
         consistent = self.call("reform", self.generation, timeout_s=self.spec.init_timeout_s)
         return all(consistent)
 
+    def _reserve(self, count: int, *, timeout_s: float) -> Any:
+        """A placement group for ``count`` more owners, or ResourceError (nothing reserved)."""
+        bundle = {"GPU": 1.0, "CPU": 1.0} if self.spec.use_gpu else {"CPU": self.spec.num_cpus_per_owner}
+        pg = placement_group([dict(bundle) for _ in range(count)], strategy=self.spec.placement_strategy)
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as err:
+            remove_placement_group(pg)
+            raise ResourceError(f"could not reserve {count} more x {bundle} within {timeout_s:g}s "
+                                f"(available now: {ray.available_resources()})") from err
+        self._extra_pgs.append(pg)
+        return pg
+
     def resize_info(self, rank: int) -> dict[str, Any]:
         """The layout facts every actor of a reshard needs (from a live owner)."""
         return self._call_on(self.actors[rank:rank + 1], "resize_info", timeout_s=self.spec.init_timeout_s,
@@ -282,15 +295,7 @@ class OwnerPool:
         if world_size > old:
             check_resources(world_size=world_size, use_gpu=self.spec.use_gpu,
                             num_cpus_per_owner=self.spec.num_cpus_per_owner)  # raises before anything changes
-            bundle = {"GPU": 1.0, "CPU": 1.0} if self.spec.use_gpu else {"CPU": self.spec.num_cpus_per_owner}
-            pg = placement_group([dict(bundle) for _ in range(world_size - old)], strategy=self.spec.placement_strategy)
-            try:
-                ray.get(pg.ready(), timeout=self.spec.init_timeout_s)
-            except ray.exceptions.GetTimeoutError as err:
-                remove_placement_group(pg)
-                raise ResourceError(f"could not reserve {world_size - old} more x {bundle} within "
-                                    f"{self.spec.init_timeout_s:g}s to grow to {world_size=}; nothing changed") from err
-            self._extra_pgs.append(pg)
+            pg = self._reserve(world_size - old, timeout_s=self.spec.init_timeout_s)
             self._start_owners(range(old, world_size), world_size=world_size, pg=pg)
         self.generation += 1
         kwargs = [{"old_world": old, "new_world": world_size, "generation": self.generation, "info": info}
@@ -363,6 +368,8 @@ class OwnerPool:
         ``world_size``; ``restore(position_of_old_rank)`` gives the snapshot transfer (or None for
         fresh state, a checkpoint being loaded next)."""
         position = {old: new for new, old in enumerate(survivors)}
+        pg = self._reserve(world_size - len(survivors), timeout_s=min(self.spec.init_timeout_s, 5.0)) \
+            if world_size > len(survivors) else None
         keep = set(survivors)
         for r, client in enumerate(self.clients):
             if r not in keep:
@@ -371,12 +378,7 @@ class OwnerPool:
         self.nodes = [self.nodes[r] for r in survivors]
         self.clients = [self.clients[r] for r in survivors]
         self.generation += 1
-        if world_size > len(survivors):
-            bundle = {"GPU": 1.0, "CPU": 1.0} if self.spec.use_gpu else {"CPU": self.spec.num_cpus_per_owner}
-            pg = placement_group([dict(bundle) for _ in range(world_size - len(survivors))],
-                                 strategy=self.spec.placement_strategy)
-            ray.get(pg.ready(), timeout=self.spec.init_timeout_s)
-            self._extra_pgs.append(pg)
+        if pg is not None:
             self._start_owners(range(len(survivors), world_size), world_size=world_size, pg=pg)
         else:
             self._restart_health()

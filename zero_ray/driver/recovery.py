@@ -140,11 +140,14 @@ class RecoveryController:
         generation = pool.generation
         for source in sources[sources.index(decision.source):] if decision.source in sources else []:
             try:
-                if source is Source.PEER:
-                    report.resume_step = self._restore_from_peers(survivors, target, committed_step)
-                else:
-                    pool.rebuild(survivors, target, restore=lambda position: None)
-                    report.resume_step = load_checkpoint()
+                try:
+                    report.resume_step = self._restore_from(source, survivors, target, committed_step, load_checkpoint)
+                except ResourceError as err:  # no room for replacements after all: carry on without them
+                    report.notes.append(f"no replacements ({err}); continuing with {len(survivors)} owners")
+                    target = len(survivors)
+                    if target < self._scaling.min_world_size:
+                        raise
+                    report.resume_step = self._restore_from(source, survivors, target, committed_step, load_checkpoint)
             except (ZeroRayError, ResourceError) as err:
                 report.notes.append(f"restoring from {source.value} failed: {err}")
                 log.error("restoring from %s failed: %s", source.value, err)
@@ -155,6 +158,13 @@ class RecoveryController:
             report.world_size_after = pool.world_size
             report.restore_s = time.time() - t0
             return
+
+    def _restore_from(self, source: Source, survivors: list[int], target: int, committed_step: int,
+                      load_checkpoint: Any) -> int:
+        if source is Source.PEER:
+            return self._restore_from_peers(survivors, target, committed_step)
+        self._pool.rebuild(survivors, target, restore=lambda position: None)
+        return int(load_checkpoint())
 
     def _restore_from_peers(self, survivors: list[int], target: int, committed_step: int) -> int:
         """Rebuild from the snapshots the survivors hold; returns the steps completed in them."""

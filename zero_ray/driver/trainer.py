@@ -257,6 +257,7 @@ class ZeroTrainer:
         self._submitted = index + 1
         if self.recoveries and self.recoveries[-1].replay_s < 0:  # this call recovered: time its replay
             self.recoveries[-1].replay_s = time.perf_counter() - self._restored_at
+            self.events[-1] = self.recoveries[-1].summary()
         loss = sum(r.loss_sum for r in results) / n
         metrics = {
             "step": self.step_count,
@@ -362,7 +363,12 @@ class ZeroTrainer:
                                        initial=self.config.world_size)
         if target is not None:
             log.info("the cluster has room again: growing %d -> %d owners", self.world_size, target)
-            self.resize(target)
+            try:
+                self.resize(target)
+            except ResourceError as err:  # the room went to someone else: try again later
+                log.info("growing back deferred: %s", err)
+            except ResizeInterrupted as err:
+                log.warning("growing back was interrupted and recovered: %s", err)
 
     # -- reports and consolidation ------------------------------------------------------------------
     def _require_alive(self) -> None:
