@@ -191,7 +191,8 @@ class ZeroConfig:
     loss_scale: dynamic loss scaling settings (float16 only).
     health_interval_s / health_timeout_s: owners send heartbeats every interval over gRPC; one
         silent for the timeout (a frozen process) or whose stream breaks (a dead one) is lost.
-    max_failures: step failures on live owners survived (abort, re-form the group, continue).
+    max_failures: failures survived per run (re-form the group, or restore lost partitions and
+        replay; see ``ElasticConfig``); one more fails the run.
     control_token_dir: where the control token file is written (default: a private temp dir).
     control_tls: TLS / mTLS for every control-plane connection (``ControlTLS``), or None.
     stage3: stage-3 options (units, prefetch, persistence, construction); see ``Stage3Config``.

@@ -13,7 +13,8 @@ def test_a_lost_rank_fails_the_run_without_a_restore_source() -> None:
 def test_a_failure_on_live_ranks_is_retried_until_max_failures() -> None:
     policy = FailurePolicy(max_failures=2)
     assert policy.after_step_failure(lost_ranks=set(), failures_so_far=1).action is Action.REFORM
-    d = policy.after_step_failure(lost_ranks=set(), failures_so_far=2)
+    assert policy.after_step_failure(lost_ranks=set(), failures_so_far=2).action is Action.REFORM
+    d = policy.after_step_failure(lost_ranks=set(), failures_so_far=3)
     assert d.action is Action.FAIL and "max_failures=2" in d.reason
 
 
@@ -29,7 +30,7 @@ def test_a_lost_rank_is_restored_from_the_first_source_available() -> None:
     assert d.action is Action.RESTORE and d.source is Source.PEER
     d = FailurePolicy().after_reform(consistent=False, sources=[Source.CHECKPOINT])
     assert d.action is Action.RESTORE and d.source is Source.CHECKPOINT
-    d = FailurePolicy(max_failures=2).after_step_failure(lost_ranks={1}, failures_so_far=2, sources=[Source.PEER])
+    d = FailurePolicy(max_failures=2).after_step_failure(lost_ranks={1}, failures_so_far=3, sources=[Source.PEER])
     assert d.action is Action.FAIL
 
 

@@ -76,6 +76,8 @@ def abandon(pending: PendingCheckpoint, *, storage: Storage | None = None) -> No
 def committed(root: str, *, storage: Storage | None = None) -> list[str]:
     """Names of the committed checkpoints under ``root``, oldest first."""
     storage = storage or LocalStorage()
+    if not storage.is_dir(root):
+        return []
     names = []
     for name in storage.listdir(root):
         m = _COMMITTED.match(name)

@@ -37,8 +37,8 @@ class Decision:
 class FailurePolicy:
     """A step that failed on live ranks before any weight changed is retried after the group is
     re-formed. A lost rank, or an update that was cut short, needs a restore source (peer copies
-    first: no storage round trip; then the last checkpoint). ``max_failures`` bounds how many
-    failures one run may see; ``backoff_s`` grows linearly with each one."""
+    first: no storage round trip; then the last checkpoint). ``max_failures`` failures are
+    survived in one run, the next one fails it; ``backoff_s`` grows linearly with each one."""
 
     max_failures: int = 3
     backoff_s: float = 0.0
@@ -50,8 +50,8 @@ class FailurePolicy:
     def after_step_failure(self, *, lost_ranks: Set[int], failures_so_far: int,
                            sources: Sequence[Source] = ()) -> Decision:
         backoff = self.backoff_s * max(0, failures_so_far - 1)
-        if failures_so_far >= self.max_failures:
-            return Decision(action=Action.FAIL, reason=f"{failures_so_far} step failures reached {self.max_failures=}")
+        if failures_so_far > self.max_failures:
+            return Decision(action=Action.FAIL, reason=f"{failures_so_far} failures exceed {self.max_failures=}")
         if lost_ranks:
             if sources:
                 return Decision(action=Action.RESTORE, source=sources[0], backoff_s=backoff,
