@@ -98,7 +98,8 @@ def test_operator_resize_over_grpc() -> None:
         with client:
             result = client.resize(3)
             assert (result.previous_world_size, result.world_size) == (2, 3)
-            assert client.status().world_size == 3
+            status = client.status()
+            assert status.world_size == 3 and any("resized 2 -> 3" in e for e in status.events)
         for b in batches[1:]:
             trainer.step(b)
         got = trainer.full_state_dict()

@@ -119,6 +119,8 @@ def format_status(status: JobStatus, now: float | None = None) -> str:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
         lines.append("")
         lines.extend("  ".join([*(cell.ljust(w) for cell, w in zip(row[:-1], widths)), row[-1]]) for row in rows)
+    if status.events:
+        lines += ["", "events", *(f"  {e}" for e in status.events)]
     return "\n".join(lines)
 
 

@@ -353,7 +353,7 @@ class CoordinatorClient(_Client):
         ranks = tuple(RankStatus(rank=r.rank, node=r.node, healthy=r.healthy, state=r.state,
                                  last_heartbeat=r.last_heartbeat, memory=dict(r.memory)) for r in reply.ranks)
         return JobStatus(world_size=reply.world_size, stage=reply.stage, step=reply.step, last_loss=reply.last_loss,
-                         state=reply.state, ranks=ranks)
+                         state=reply.state, ranks=ranks, events=tuple(reply.events))
 
     def checkpoint(self, path: str | None = None, *, timeout_s: float | None = None) -> CheckpointResult:
         """Write a checkpoint now (under ``path``, or the job's directory); returns once written."""

@@ -149,6 +149,7 @@ class JobStatus:
     last_loss: float
     state: str
     ranks: tuple[RankStatus, ...] = ()
+    events: tuple[str, ...] = ()  # membership changes and failure decisions, oldest first
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -259,7 +259,8 @@ def _status_reply(status: JobStatus) -> coordinator_pb2.StatusReply:
                                         memory=dict(r.memory), last_heartbeat=r.last_heartbeat)
              for r in status.ranks]
     return coordinator_pb2.StatusReply(world_size=status.world_size, stage=status.stage, step=status.step,
-                                       last_loss=status.last_loss, state=status.state, ranks=ranks)
+                                       last_loss=status.last_loss, state=status.state, ranks=ranks,
+                                       events=list(status.events))
 
 
 def _metrics_event(event: MetricsEvent) -> coordinator_pb2.MetricsEvent:

@@ -204,7 +204,7 @@ class ZeroTrainer:
                                     memory=dict(st.memory_bytes) if st else {}))
         return JobStatus(world_size=self.world_size, stage=self.config.stage, step=self.step_count,
                          last_loss=float(self.last_metrics.get("loss", float("nan"))), state=self._state.value,
-                         ranks=tuple(ranks))
+                         ranks=tuple(ranks), events=tuple(self.events[-20:]))
 
     @property
     def world_size(self) -> int:

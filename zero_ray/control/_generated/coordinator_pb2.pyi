@@ -37,20 +37,22 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., healthy: _Optional[bool] = ..., state: _Optional[str] = ..., memory: _Optional[_Mapping[str, int]] = ..., last_heartbeat: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("world_size", "stage", "step", "last_loss", "state", "ranks")
+    __slots__ = ("world_size", "stage", "step", "last_loss", "state", "ranks", "events")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     stage: int
     step: int
     last_loss: float
     state: str
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
-    def __init__(self, world_size: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., last_loss: _Optional[float] = ..., state: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ...) -> None: ...
+    events: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, world_size: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., last_loss: _Optional[float] = ..., state: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("header", "path")
