@@ -248,3 +248,29 @@ def test_lost_owner_during_save_keeps_the_previous_checkpoint(tmp_path: Path) ->
         assert resumed.step_count == 1
     finally:
         resumed.shutdown()
+
+
+def test_consolidated_weights_load_into_the_plain_module(tmp_path: Path) -> None:
+    """Stage 3 x 2 trained GPT (tied embeddings): `zero-ray checkpoint consolidate` gives a state
+    dict the plain module loads strictly, with the trained model's outputs."""
+    from safetensors.torch import load_file
+
+    from zero_ray.checkpoint import consolidate
+
+    trainer = zr.ZeroTrainer(GPT_FN, lm_loss, config=config(3, 2))
+    try:
+        for b in gpt_batches()[:2]:
+            trainer.step(b)
+        path = trainer.save_checkpoint(tmp_path, wait=True)
+        trained = trainer.full_state_dict()
+    finally:
+        trainer.shutdown()
+    out = consolidate(path, str(tmp_path / "model.safetensors"))
+    plain = GPT_FN()
+    plain.load_state_dict(load_file(out))  # strict: every name, tied aliases and buffers included
+    reference = GPT_FN()
+    reference.load_state_dict(trained, strict=False)
+    x = gpt_batches()[0][:, :-1]
+    plain.eval(), reference.eval()
+    with torch.no_grad():
+        assert torch.equal(plain(x), reference(x))
