@@ -274,3 +274,19 @@ def test_consolidated_weights_load_into_the_plain_module(tmp_path: Path) -> None
     plain.eval(), reference.eval()
     with torch.no_grad():
         assert torch.equal(plain(x), reference(x))
+
+
+def test_main_job_writes_checkpoints_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The RayJob's command (`examples/train_gpt.py --checkpoint-dir /mnt/...`): it saves, and a
+    restarted job continues from the latest checkpoint instead of starting over."""
+    from zero_ray import demo
+
+    args = ["--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path), "--no-progress",
+            "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "4",
+            "--corpus-bytes", "65536"]
+    assert demo.main(args) == 0
+    assert json.loads((tmp_path / (tmp_path / "latest").read_text() / "manifest.json").read_text())["step"] == 4
+    assert demo.main([*args[:1], "6", *args[2:]]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {tmp_path} at step 4" in out
+    assert json.loads((tmp_path / (tmp_path / "latest").read_text() / "manifest.json").read_text())["step"] == 6
