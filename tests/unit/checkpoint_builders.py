@@ -81,12 +81,14 @@ def describe(module: torch.nn.Module, layout: FlatLayout, moments: tuple[str, ..
 
 def save(module: torch.nn.Module, root: str | os.PathLike[str], *, world_size: int, bucket_numel: int = 50,
          moments: tuple[str, ...] = ADAM, step: int = 3, chunk_bytes: int = 64, keep: int = 3,
-         storage: Storage | None = None) -> Saved:
+         storage: Storage | None = None, groups: list[list[int]] | None = None) -> Saved:
     """Write and commit a checkpoint of ``module`` as ``world_size`` ranks would save it
-    (small blocks, so that reads span several of them)."""
+    (small blocks, so that reads span several of them). ``groups``: the buckets' parameter
+    indices (stage 3 lays out one bucket per unit), instead of buckets of ``bucket_numel``."""
     storage = storage or LocalStorage()
     specs = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in module.named_parameters()]
-    layout = FlatLayout.by_size(specs, world_size=world_size, bucket_numel=bucket_numel)
+    layout = (FlatLayout.build(specs, world_size=world_size, groups=groups) if groups is not None
+              else FlatLayout.by_size(specs, world_size=world_size, bucket_numel=bucket_numel))
     values = model_values(module, moments)
     pending = store.begin(os.fspath(root), step, storage=storage)
     files = []
