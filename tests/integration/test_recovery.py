@@ -120,7 +120,7 @@ def test_failures_beyond_max_failures_end_with_a_clear_error(tmp_path: Path) -> 
     trainer = zr.ZeroTrainer(MLP_FN, functools.partial(kill_on_marker, marks=str(tmp_path)), config=cfg)
     try:
         trainer.step(batches[0])
-        with pytest.raises(zr.OwnerError):
+        with pytest.raises(zr.ZeroRayError, match=r"The run failed at step 2: 1 failures exceed self.max_failures=0"):
             trainer.step(batches[1])
         assert trainer.state.value == "failed"
         assert "max_failures=0" in trainer.recoveries[0].reason

@@ -36,6 +36,7 @@ from zero_ray.driver.pool import OwnerPool, PoolSpec, _cluster_is_local
 from zero_ray.errors import (
     CheckpointError,
     ConfigError,
+    OwnerError,
     ResizeInterrupted,
     ResourceError,
     StopRequested,
@@ -253,6 +254,7 @@ class ZeroTrainer:
                 break
             except ZeroRayError as err:
                 if not self._recover(err, failed_step=self.step_count, replay_until=index + 1, started=start):
+                    self._raise_failed(err)
                     raise
         self._submitted = index + 1
         if self.recoveries and self.recoveries[-1].replay_s < 0:  # this call recovered: time its replay
@@ -333,6 +335,23 @@ class ZeroTrainer:
             else:
                 self._state = TrainerState.READY
         return restored
+
+    def _raise_failed(self, err: ZeroRayError) -> None:
+        """After a failure the policies could not recover from: the same error, saying why the
+        run ended (its own message first, so it still reads as what went wrong)."""
+        if self._state is not TrainerState.FAILED or not self.recoveries:
+            return
+        report = self.recoveries[-1]
+        text = (f"{err}\n\nThe run failed at step {report.failed_step + 1}: {report.reason}"
+                + (f" ({'; '.join(report.notes)})" if report.notes else ""))
+        try:
+            if isinstance(err, OwnerError):
+                new: ZeroRayError = type(err)(text, rank=err.rank)
+            else:
+                new = type(err)(text)
+        except TypeError:  # an error type with another constructor: raise it as it is
+            return
+        raise new from err
 
     def _load_latest(self) -> int:
         root = self._checkpoint_root()
@@ -426,6 +445,7 @@ class ZeroTrainer:
                 log.error("resize to %d owners failed: %s", world_size, err)
                 if not self._recover(err, failed_step=self.step_count, replay_until=self._submitted,
                                      started=time.perf_counter()):
+                    self._raise_failed(err)
                     raise
                 raise ResizeInterrupted(f"resizing to {world_size} owners failed ({err}); the run was restored "
                                         f"at {self.world_size} owners and continues with the next step") from err
