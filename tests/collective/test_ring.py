@@ -38,6 +38,26 @@ class Rank:
             self.group.all_reduce_(out)
         return out, self.group.counters.snapshot()
 
+    def ring_and_direct(self, numel: int) -> list[bool]:
+        """Whether the direct path (small buffers) gives the ring's bits, per collective."""
+        import zero_ray.collective.ray_group as ray_group
+
+        torch.manual_seed(100 + self.rank)
+        source = torch.randn(numel)
+        out = {}
+        for path, limit in (("direct", ray_group.DIRECT_MAX_BYTES), ("ring", 0)):
+            ray_group.DIRECT_MAX_BYTES, saved = limit, ray_group.DIRECT_MAX_BYTES
+            try:
+                rs = self.group.reduce_scatter_(source.clone()).clone()
+                ar = source.clone()
+                self.group.all_reduce_(ar)
+                ag = source.clone()
+                self.group.all_gather_(ag)
+            finally:
+                ray_group.DIRECT_MAX_BYTES = saved
+            out[path] = (rs, ar, ag)
+        return [torch.equal(a, b) for a, b in zip(out["direct"], out["ring"])]
+
     def values(self, values: list[float]) -> list[float]:
         return self.group.all_reduce_values(values)
 
@@ -90,6 +110,16 @@ def test_reduce_scatter_all_gather_all_reduce_are_exact_and_send_n_minus_1_over_
         for _, sent in ray.get([a.run.remote("reduce_scatter", numel, "bfloat16") for a in ranks]):
             assert sent == {"reduce_scatter": (n - 1) * chunk * 2}
         assert ray.get([a.values.remote([1.0, float(i)]) for i, a in enumerate(ranks)])[0] == [n, sum(range(n))]
+    finally:
+        _stop(ranks)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_small_buffers_sent_to_every_peer_at_once_give_the_rings_bits(n: int) -> None:
+    ranks = _group(n)
+    try:
+        for equal in ray.get([a.ring_and_direct.remote(12 * 1024) for a in ranks]):
+            assert equal == [True, True, True]  # reduce-scatter, all-reduce, all-gather
     finally:
         _stop(ranks)
 

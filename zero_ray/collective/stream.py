@@ -35,6 +35,7 @@ class CommStream:
         self._name = name
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending: deque[Future[Any]] = deque()
+        self._failure: BaseException | None = None  # of the first failed job since the last drain
         self._thread: threading.Thread | None = None
         if group.world_size > 1:
             self._start()
@@ -51,9 +52,15 @@ class CommStream:
             fn, future = job
             if not future.set_running_or_notify_cancel():
                 continue
+            if self._failure is not None:
+                # After a failed collective the group is broken: later ones would only wait out
+                # their timeouts (or pair with the wrong messages), so they fail with its error.
+                future.set_exception(self._failure)
+                continue
             try:
                 future.set_result(fn())
             except BaseException as err:  # delivered to whoever waits on the future
+                self._failure = err
                 future.set_exception(err)
 
     # -- submission ---------------------------------------------------------------------------------
@@ -67,7 +74,9 @@ class CommStream:
             except BaseException as err:
                 future.set_exception(err)
             return future
-        while self._pending and self._pending[0].done():
+        # Forget jobs that have succeeded; a failed one stays until drain() reports it.
+        while self._pending and self._pending[0].done() and not self._pending[0].cancelled() \
+                and self._pending[0].exception() is None:
             self._pending.popleft()
         self._pending.append(future)
         self._jobs.put((fn, future))
@@ -78,13 +87,18 @@ class CommStream:
         return self.submit(fn).result()
 
     def drain(self) -> None:
-        """Wait for every job submitted so far; raise the first failure."""
+        """Wait for every job submitted so far; raise the first failure (the jobs queued after
+        a failure are not run: they fail with the same error). The stream is usable again
+        afterwards, e.g. on a re-formed group."""
         first: BaseException | None = None
         while self._pending:
             future = self._pending.popleft()
+            if future.cancelled():
+                continue
             err = future.exception()
             if err is not None and first is None:
                 first = err
+        self._failure = None
         if first is not None:
             raise first
 
@@ -94,6 +108,14 @@ class CommStream:
             self.drain()
         except BaseException:  # the step that failed has already reported it
             self._pending.clear()
+
+    def cancel(self) -> None:
+        """Cancel every job that has not started and wait for the one running, ignoring
+        failures: how an interrupted micro-batch's collectives are abandoned. The wait is as
+        bounded as the running collective (at once on an aborted group)."""
+        for future in self._pending:
+            future.cancel()
+        self.drain_quietly()
 
     # -- collectives by label -------------------------------------------------------------------
     def all_gather(self, buf: torch.Tensor, *, op: str) -> None:
