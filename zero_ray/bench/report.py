@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from zero_ray.bench.results import BenchResults, RunResult
 
 _MIB = float(2**20)
 
 COLUMNS = ("system", "median step (ms)", "min – max (ms)", "× DDP", "peak RSS/rank", "model state/rank",
-           "sent/rank/step", "paper sent/rank/step", "lo bytes/step", "max abs Δ vs single", "match")
+           "sent/rank/step", "paper sent/rank/step", "lo bytes/step", "load 1m", "max abs Δ vs single", "match")
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -60,6 +61,7 @@ def row(r: RunResult) -> list[str]:
         fmt_bytes(sent),
         fmt_bytes(r.paper_bytes_per_rank_step),
         fmt_bytes(r.lo_bytes_per_step),
+        "—" if r.loadavg_1m is None else f"{r.loadavg_1m[0]:.1f} → {r.loadavg_1m[1]:.1f}",
         f"{r.max_abs_dev:.2e}" if r.max_abs_dev is not None else "—",
         match,
     ]
@@ -71,14 +73,22 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def machine_line(m: Mapping[str, Any], *, libraries: Sequence[str] = ("torch", "ray", "deepspeed")) -> str:
+    """The one line that says where numbers come from (``runner.machine_info()`` plus
+    ``loadavg_end``): date, CPU, cores, load average before and after, library versions."""
+    parts = [str(m.get("date", "?")), str(m.get("cpu_model", "?")),
+             f"{m.get('physical_cores') or '?'} cores / {m.get('logical_cpus', '?')} logical CPUs",
+             f"load {m.get('loadavg_start')} → {m.get('loadavg_end')}"]
+    parts += [f"{lib} {m.get(lib) or 'not installed'}" for lib in libraries]
+    return " · ".join(parts)
+
+
 def render_markdown(results: BenchResults) -> str:
     """The whole report: machine and settings, one table per model, then the notes."""
     m, s = results.machine, results.settings
     opt = s.get("optimizer", {})
     out = ["# zero_ray side-by-side benchmark", ""]
-    out.append(f"{m.get('date', '?')} · {m.get('cpu_model', '?')} · {m.get('physical_cores') or '?'} cores / "
-               f"{m.get('logical_cpus', '?')} logical CPUs · load {m.get('loadavg_start')} → {m.get('loadavg_end')} · "
-               f"torch {m.get('torch')} · ray {m.get('ray')} · deepspeed {m.get('deepspeed') or 'not installed'}")
+    out.append(machine_line(m))
     out.append("")
     out.append(f"World size {s.get('world_size')} (one CPU and one torch thread per rank, {s.get('backend', 'gloo')}, "
                f"{s.get('dtype', 'float32')}); {_count(s.get('steps'), 'timed step')} after "
@@ -96,11 +106,38 @@ def render_markdown(results: BenchResults) -> str:
                 "sent/rank/step is the system's own count (zero_ray: comm_report()); paper is the ZeRO paper's "
                 "ring volume for the stage the design matches, (N-1)/N x 2Ψ or 3Ψ fp32 elements. lo bytes/step "
                 "is the loopback interface's tx counter over the timed steps divided by steps: all ranks "
-                "together plus Ray's own local traffic (and anything else local on the machine)."]
+                "together plus Ray's own local traffic (and anything else local on the machine). load 1m is the "
+                "machine's 1-minute load average before and after the system's timed steps (the systems run one "
+                "after another; on a shared machine a high value marks a row timed beside other work)."]
     notes = list(results.notes) + _lo_bursts(results)
     if notes:
         out += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(out) + "\n"
+
+
+def summary_markdown(results: BenchResults) -> str:
+    """The README's digest of a run: its machine line and one row per system with, per model,
+    the median step and its ratio to DDP, model state and bytes sent per rank (the full table
+    is ``render_markdown``'s)."""
+    models = [w.name for w in results.workloads]
+    systems = list(dict.fromkeys(r.system for r in results.runs))
+    header = ["system"] + [f"{m}: {c}" for m in models for c in ("step ms (× DDP)", "state/rank", "sent/rank/step")]
+    lines = [machine_line(results.machine), "",
+             "| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+    for name in systems:
+        cells: list[str] = []
+        label = next(r.label for r in results.runs if r.system == name)
+        for m in models:
+            r = next((x for x in results.runs_for(m) if x.system == name), None)
+            if r is None or not r.ok or r.step_ms is None:
+                cells += [r.status if r is not None else "—", "—", "—"]
+                continue
+            full = row(r)
+            ratio = f" ({r.ratio_to_ddp:.2f})" if r.ratio_to_ddp is not None else ""
+            cells += [_ms(r.step_ms.median) + ratio, full[COLUMNS.index("model state/rank")],
+                      full[COLUMNS.index("sent/rank/step")]]
+        lines.append("| " + " | ".join([label] + cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 # A mean this far above the per-step median means a few steps carried traffic the others did

@@ -51,6 +51,9 @@ class RunResult:
     lo_idle_bytes_per_s: float | None = None  # loopback rate with the system idle, just before timing
     max_abs_dev: float | None = None
     params_match: bool | None = None
+    #: the machine's 1-minute load average before and after the timed steps: on a shared machine
+    #: it says which rows ran beside someone else's work (the systems run one after another)
+    loadavg_1m: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -72,8 +75,9 @@ class RunResult:
         out["state_bytes"] = [dict(s) for s in self.state_bytes]
         for name in ("peak_rss_bytes", "lifetime_peak_rss_bytes"):
             out[name] = list(getattr(self, name))
-        if self.sent_bytes_per_rank_step is not None:
-            out["sent_bytes_per_rank_step"] = list(self.sent_bytes_per_rank_step)
+        for name in ("sent_bytes_per_rank_step", "loadavg_1m"):
+            if getattr(self, name) is not None:
+                out[name] = list(getattr(self, name))
         return out
 
     @classmethod
@@ -85,8 +89,9 @@ class RunResult:
                 kwargs[name] = Summary(**kwargs[name])
         for name in ("peak_rss_bytes", "lifetime_peak_rss_bytes", "state_bytes"):
             kwargs[name] = tuple(kwargs.get(name) or ())
-        if kwargs.get("sent_bytes_per_rank_step") is not None:
-            kwargs["sent_bytes_per_rank_step"] = tuple(kwargs["sent_bytes_per_rank_step"])
+        for name in ("sent_bytes_per_rank_step", "loadavg_1m"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = tuple(kwargs[name])
         return cls(**kwargs)
 
 

@@ -133,6 +133,15 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def loadavg() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the OS has none): on a shared machine
+    they say how much else ran beside the benchmark."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def machine_info() -> dict[str, Any]:
     """Where the numbers come from: CPU, cores, memory, load, library versions, date."""
     model, physical = _cpuinfo()
@@ -142,17 +151,13 @@ def machine_info() -> dict[str, Any]:
             mem = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
     except (OSError, StopIteration, ValueError):
         pass
-    try:
-        load: list[float] | None = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
     return {
         "cpu_model": model,
         "logical_cpus": os.cpu_count(),
         "physical_cores": physical,
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory_bytes": mem,
-        "loadavg_start": load,
+        "loadavg_start": loadavg(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
@@ -168,13 +173,20 @@ def ensure_ray(world_size: int, *, log_to_driver: bool = False) -> bool:
     """Start a local Ray unless one is connected; returns whether this call started it.
 
     Logical CPUs: at least ``world_size`` so that every rank's ``num_cpus=1`` fits even where
-    there are fewer cores (the report shows the cores, so oversubscription is visible).
+    there are fewer cores (the report shows the cores, so oversubscription is visible). A
+    cluster is joined only when ``RAY_ADDRESS`` names one; otherwise the Ray is a new local one
+    even where a ``ray start`` cluster runs on the machine (``ray.init()`` would join that, and
+    refuses ``num_cpus`` when it does).
     """
+    env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
     if ray.is_initialized():
         started = False
+    elif os.environ.get("RAY_ADDRESS", "local") != "local":
+        ray.init(include_dashboard=False, log_to_driver=log_to_driver, runtime_env=env)
+        started = True
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False, log_to_driver=log_to_driver,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
+                 log_to_driver=log_to_driver, runtime_env=env)
         started = True
     have = ray.cluster_resources().get("CPU", 0.0)
     if have < world_size:
@@ -270,6 +282,7 @@ def run_system(system: System, *, workload: Workload, config: BenchConfig, batch
                 system.step(batch)
                 done += 1
             idle = _idle_rate()
+            load_before = loadavg()
             wall, rank = [], []
             lo = [_lo_tx()]  # read between steps, outside the timed window
             for batch in batches[config.warmup:]:
@@ -286,6 +299,7 @@ def run_system(system: System, *, workload: Workload, config: BenchConfig, batch
             if system.availability_by_trial and done == 0:
                 raise SystemUnavailable(system.name, f"failed before its first step: {describe_error(err)}") from err
             raise
+        load_after = loadavg()
         report = system.report()
         dev = max_abs_deviation(system.final_params(), reference)
     except SystemUnavailable as err:
@@ -320,6 +334,7 @@ def run_system(system: System, *, workload: Workload, config: BenchConfig, batch
         lo_idle_bytes_per_s=idle,
         max_abs_dev=dev,
         params_match=dev <= config.atol,
+        loadavg_1m=(load_before[0], load_after[0]) if load_before and load_after else None,
     )
 
 
@@ -362,10 +377,7 @@ def run_benchmark(config: BenchConfig, *, workloads: Sequence[Workload] | None =
                                                  else f"{result.status}: {result.reason}"))
             model_runs.append(result)
         runs += _with_ddp_ratio(model_runs)
-    try:
-        machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        pass
+    machine["loadavg_end"] = loadavg()
     settings = {"systems": list(config.systems), "models": [w.name for w in chosen], "world_size": config.world_size,
                 "steps": config.steps, "warmup": config.warmup, "seed": config.seed, "atol": config.atol,
                 "optimizer": {"name": "AdamW", "lr": config.lr, "betas": list(config.optimizer.betas),
