@@ -25,7 +25,8 @@ def ray_session() -> Iterator[None]:
         if (getattr(module, "__file__", None) or "").startswith(tests_dir):
             cloudpickle.register_pickle_by_value(module)
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+        # address="local": a new Ray of our own even when a `ray start` cluster runs on this machine.
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()

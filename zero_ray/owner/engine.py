@@ -197,7 +197,7 @@ class ReplicatedParams:
         self.module = module
         self.shard = ShardState.bind(module, layout=self.layout, plan=spec.plan, rank=rank,
                                      compute_dtype=spec.compute_dtype, device=device, optimizer=spec.optimizer)
-        self.reducer: GradReducer = make_reducer(self.shard, group)
+        self.reducer: GradReducer = make_reducer(self.shard, group, micro_batches=self.spec.grad_accum_steps)
 
     def begin_micro_batch(self) -> None:
         self.reducer.begin_micro_batch()
@@ -231,14 +231,14 @@ class ReplicatedParams:
         self.shard.zero_grads()
 
     def discard(self) -> None:
-        self.shard.zero_grads()
         self.reducer.close()
-        self.reducer = make_reducer(self.shard, self.group)
+        self.shard.zero_grads()
+        self.reducer = make_reducer(self.shard, self.group, micro_batches=self.spec.grad_accum_steps)
 
     def rebind(self, group: Collective) -> None:
         self.group = group
         self.reducer.close()
-        self.reducer = make_reducer(self.shard, group)
+        self.reducer = make_reducer(self.shard, group, micro_batches=self.spec.grad_accum_steps)
 
     def memory_report(self) -> dict[str, int]:
         return {**self.shard.memory_report(), "staging_peak": self.reducer.peak_staging_bytes()}
