@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 import zero_ray as zr
+from kill_helpers import kill_and_wait
 from zero_ray.bench.baselines import DDPRun, single_process
 from zero_ray.models import GPT, GPTConfig, lm_loss, mlp, mse_loss
 
@@ -232,11 +233,7 @@ def test_lost_owner_during_save_keeps_the_previous_checkpoint(tmp_path: Path) ->
         trainer.step(batches[0])
         first = trainer.save_checkpoint(tmp_path, wait=True)
         trainer.step(batches[1])
-        import ray
-
-        ray.kill(trainer.actors[1], no_restart=True)
-        with pytest.raises(ray.exceptions.RayActorError):  # the kill has landed
-            ray.get(trainer.actors[1].node.remote(), timeout=30)
+        kill_and_wait(trainer.actors[1])
         with pytest.raises(zr.ZeroRayError):
             trainer.save_checkpoint(tmp_path, wait=True)
     finally:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import zero_ray as zr
+from kill_helpers import kill_and_wait
 from zero_ray.bench.baselines import single_process
 from zero_ray.models import mlp
 
@@ -130,12 +131,6 @@ def test_failures_beyond_max_failures_end_with_a_clear_error(tmp_path: Path) -> 
         trainer.shutdown()
 
 
-def _kill(actor) -> None:  # type: ignore[no-untyped-def]
-    ray.kill(actor, no_restart=True)
-    with pytest.raises(ray.exceptions.RayActorError):  # the kill has landed
-        ray.get(actor.node.remote(), timeout=30)
-
-
 def test_failure_during_a_resize_and_during_a_save_recover(tmp_path: Path) -> None:
     batches = batches_with_kills({})
     opt = zr.SGD(lr=0.05, momentum=0.9)
@@ -144,11 +139,11 @@ def test_failure_during_a_resize_and_during_a_save_recover(tmp_path: Path) -> No
     try:
         trainer.step(batches[0])
         trainer.step(batches[1])
-        _kill(trainer.actors[2])
+        kill_and_wait(trainer.actors[2])
         with pytest.raises(zr.ResizeInterrupted, match="restored at 3 owners"):
             trainer.resize(4)
         trainer.step(batches[2])
-        _kill(trainer.actors[0])
+        kill_and_wait(trainer.actors[0])
         with pytest.raises(zr.ZeroRayError):
             trainer.save_checkpoint(tmp_path, wait=True)
         for b in batches[3:]:
