@@ -16,31 +16,17 @@ import json
 import os
 import platform
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import ray
 import torch
-import torch.nn.functional as F
 
 import zero_ray as zr
+from zero_ray.bench.faults import kill_on_marker
 from zero_ray.models import mlp
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def _loss(module: torch.nn.Module, batch, *, marks: str):  # type: ignore[no-untyped-def]
-    x, y = batch
-    if x.shape[0] and float(x[0, 0]) < -100:
-        try:
-            os.close(os.open(os.path.join(marks, f"k{int(-float(x[0, 0]))}"), os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            pass
-        else:
-            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-            threading.Event().wait(60)  # ray.kill is asynchronous: die inside this step
-    return F.mse_loss(module(x), y)
 
 
 def main() -> None:
@@ -65,7 +51,7 @@ def main() -> None:
     cfg = zr.ZeroConfig(stage=args.stage, world_size=n, health_timeout_s=5.0,
                         elastic=zr.ElasticConfig(redundancy="peer" if args.redundancy == "peer" else "none"),
                         checkpoint=zr.CheckpointConfig(dir=os.path.join(marks, "ckpt")))
-    trainer = zr.ZeroTrainer(functools.partial(mlp, args.width, args.depth), functools.partial(_loss, marks=marks),
+    trainer = zr.ZeroTrainer(functools.partial(mlp, args.width, args.depth), functools.partial(kill_on_marker, marks=marks),
                              optimizer=zr.AdamW(), config=cfg)
     rows = []
     try:

@@ -6,19 +6,17 @@ run ends exactly where the uninterrupted one does."""
 from __future__ import annotations
 
 import functools
-import os
-import threading
 import time
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 import torch.nn.functional as F
 
 import zero_ray as zr
 from kill_helpers import kill_and_wait
 from zero_ray.bench.baselines import single_process
+from zero_ray.bench.faults import kill_on_marker
 from zero_ray.models import mlp
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -26,22 +24,6 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 MLP_FN = functools.partial(mlp, 16, 3)
 UNITS = zr.Stage3Config(wrap_policy=zr.WrapPolicy(min_numel=0))
 STEPS = 6
-
-
-def kill_on_marker(module: torch.nn.Module, batch, *, marks: str):  # type: ignore[no-untyped-def]
-    """MSE loss; an owner whose first sample starts with a marker value kills itself once (the
-    marker file records that it did, so the replayed step goes through)."""
-    x, y = batch
-    value = float(x[0, 0]) if x.shape[0] else 0.0
-    if value < -100:  # markers are -101, -102, ...
-        try:
-            os.close(os.open(os.path.join(marks, f"killed{int(-value)}"), os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            pass
-        else:
-            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-            threading.Event().wait(60)  # ray.kill is asynchronous: stay in this step until it lands
-    return F.mse_loss(module(x), y)
 
 
 def plain_mse(module: torch.nn.Module, batch) -> torch.Tensor:  # type: ignore[no-untyped-def]
