@@ -20,6 +20,7 @@ from ray import cloudpickle
 
 from zero_ray.config import ZeroConfig
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes
+from zero_ray.checkpoint.format import Manifest
 from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.core.optim import AdamW, Optimizer, optimizer_from_record, optimizer_record
 from zero_ray.core.precision import parse_dtype
@@ -357,10 +358,7 @@ class ZeroTrainer:
         root = self._checkpoint_root()
         if root is None:
             raise CheckpointError("no checkpoint has been committed for this run")
-        reader = CheckpointReader(root)
-        reader.check_files()
-        self._pool.load(reader.path, timeout_s=self.config.checkpoint.timeout_s)
-        return reader.manifest.step
+        return self._load_into_owners(root).step
 
     def _checkpoint_root(self) -> str | None:
         last = self._checkpointer.last_committed
@@ -528,19 +526,25 @@ class ZeroTrainer:
         others may have loaded, so the trainer is then marked failed."""
         with self._step_mutex:
             self._require_ready()
-            reader = CheckpointReader(os.fspath(path))
-            m = reader.manifest
-            reader.check_files()
             try:
-                self._pool.load(reader.path, timeout_s=self.config.checkpoint.timeout_s)
+                m = self._load_into_owners(os.fspath(path))
             except BaseException:
                 with self._lock:
                     self._state = TrainerState.FAILED
                 raise
             self.step_count, self.samples_seen = m.step, m.samples_seen
+        return m.step
+
+    def _load_into_owners(self, path: str) -> Manifest:
+        """Check the checkpoint at ``path`` (manifest, file sizes), then have every owner load
+        its ranges; returns the manifest."""
+        reader = CheckpointReader(path)
+        m = reader.manifest
+        reader.check_files()
+        self._pool.load(reader.path, timeout_s=self.config.checkpoint.timeout_s)
         log.info("loaded %s: step %d (saved at stage %d x %d, now stage %d x %d)", reader.path, m.step, m.stage,
                  m.world_size, self.config.stage, self.world_size)
-        return m.step
+        return m
 
     def shutdown(self) -> None:
         """Stop the owners and the control server (after a save in flight commits). Idempotent."""
