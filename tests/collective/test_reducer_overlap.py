@@ -216,7 +216,8 @@ def test_a_bucket_is_reduced_while_backward_still_runs(stage: int) -> None:
         if stage < 2:
             for call, want in zip(group.calls, expected[0]):
                 assert torch.equal(call.buf, want)  # both micro-batches accumulated, nothing more
-            shard.zero_grads()
+            shard.release_grads()  # as the engine does after the update
+            shard.acquire_grads()
     reducer.close()
 
 

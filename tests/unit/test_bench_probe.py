@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_ray.bench.probe import HeldBytes, StateBytes, count_bytes, memory_probe, module_state_bytes
+from zero_ray.bench.probe import (
+    HeldBytes,
+    InStepProbe,
+    StateBytes,
+    count_bytes,
+    memory_probe,
+    module_state_bytes,
+)
 from zero_ray.errors import ConfigError
 
 
@@ -48,3 +55,25 @@ def test_memory_probe_reads_this_process() -> None:
     probe = memory_probe()
     assert probe.peak_rss_bytes > 1 << 20 and probe.lifetime_peak_rss_bytes > 1 << 20
     assert probe.source in ("VmHWM since reset", "VmHWM (no reset)", "ru_maxrss")
+
+
+def test_in_step_probe_counts_once_when_the_optimizer_has_state() -> None:
+    module = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(module.parameters())
+    probe = InStepProbe()
+    calls: list[int] = []
+
+    def state() -> StateBytes:
+        calls.append(1)
+        moments = [v for s in opt.state.values() for v in s.values()]
+        return module_state_bytes(module, moments)
+
+    probe.arm(state)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        module(torch.ones(1, 4)).sum().backward()
+        opt.step()
+    # The first step has no moments yet; the second is counted, gradients present; then the
+    # hook is gone, so the third costs nothing.
+    assert calls == [1]
+    assert probe.state == StateBytes(params=80, grads=80, optimizer=2 * 80 + 2 * 4)

@@ -25,6 +25,7 @@ def _ok(system: str, label: str, median: float, *, sent: tuple[int, ...] | None 
                      rss_source="VmHWM since reset",
                      state_bytes=({"params": 4096, "grads": 4096, "optimizer": 8192, "total": 16384},
                                   {"params": 4096, "grads": 2048, "optimizer": 4096, "total": 10240}),
+                     state_in_step_bytes=({"params": 4096, "grads": 8192, "optimizer": 8192, "total": 20480},),
                      sent_bytes_per_rank_step=sent, sent_source="ZeroTrainer.comm_report() (last step)" if sent else None,
                      paper_bytes_per_rank_step=4096.0, lo_bytes_per_step=3.5 * 2**20, max_abs_dev=3e-8,
                      params_match=True)
@@ -58,7 +59,8 @@ def test_markdown_table_rows_and_context() -> None:
     cells = [c.strip() for c in zero2.strip("|").split("|")]
     assert cells[:4] == ["zero_ray stage 2", "150.0", "135.0 – 225.0", "1.50"]
     assert cells[4] == "310 MiB"  # the largest rank
-    assert cells[5] == "16.0 KiB" and cells[6] == "4.00 KiB" and cells[8] == "3.50 MiB"
+    assert cells[5] == "16.0 KiB" and cells[6] == "20.0 KiB"  # after a step, in a step
+    assert cells[7] == "4.00 KiB" and cells[9] == "3.50 MiB"
     assert cells[-2:] == ["3.00e-08", "yes"]
     assert "1.00" in ddp
     # A "|" in a reason must not break the table.
@@ -69,7 +71,7 @@ def test_markdown_table_rows_and_context() -> None:
 
 
 def test_row_without_self_reported_bytes_shows_a_dash() -> None:
-    assert row(_ok("ddp", "PyTorch DDP", 10.0))[6] == "—"
+    assert row(_ok("ddp", "PyTorch DDP", 10.0))[7] == "—"
 
 
 def test_json_round_trip(tmp_path: pytest.TempPathFactory) -> None:

@@ -28,9 +28,10 @@ def test_ddp_and_zero2_produce_every_field(tmp_path: pytest.TempPathFactory) -> 
         assert run["max_abs_dev"] < 1e-5 and run["params_match"] is True
     assert ddp["ratio_to_ddp"] == pytest.approx(1.0)
     assert ddp["sent_bytes_per_rank_step"] is None
-    # Stage 2 holds half the gradients and half the Adam moments of DDP, and says what it sent.
+    # In a step stage 2 holds half of DDP's gradients, and none after it; it says what it sent.
     numel = (32 * 32 + 32) * 2
-    assert zero2["state_bytes"][0]["grads"] == numel * 4 // 2
+    assert zero2["state_in_step_bytes"][0]["grads"] == numel * 4 // 2 and zero2["state_bytes"][0]["grads"] == 0
+    assert ddp["state_in_step_bytes"][0]["grads"] == ddp["state_bytes"][0]["grads"] == numel * 4
     assert zero2["sent_bytes_per_rank_step"][0] >= numel * 4  # (N-1)/N * 2Ψ fp32 at N = 2, plus scalars
     assert "only 2 timed step(s)" in results.notes[0]
     assert "zero_ray stage 2" in render_markdown(results)

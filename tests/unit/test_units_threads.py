@@ -1,4 +1,5 @@
-"""Stage 3 end to end without Ray: N ranks as threads of one process over an in-memory group.
+"""Stage 3 (and the stage 0-2 gradient lifetime) end to end without Ray: N ranks as threads of
+one process over an in-memory group.
 
 Fast (about a second each) checks of the gather/reduce machinery at world sizes 1-4: parity
 with the single process, bytes sent per step, the bounded buffer pool and the persistent
@@ -94,11 +95,11 @@ _BUILD_LOCK = threading.Lock()  # low_memory construction patches process-wide t
 
 def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any,
               batches: list[Any], *, accum: int = 1, clip: float | None = None, dtype: str = "float32",
-              **stage3: Any) -> tuple[dict[str, torch.Tensor], list[OwnerEngine], list[list[dict[str, int]]]]:
+              stage: int = 3, **stage3: Any) -> tuple[dict[str, torch.Tensor], list[OwnerEngine], list[list[dict[str, int]]]]:
     """Train on ``world_size`` thread ranks; the consolidated fp32 parameters, the engines and
     each step's bytes sent per rank."""
     stage3.setdefault("wrap_policy", WrapPolicy(min_numel=0))
-    spec = EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=optimizer, plan=stage_plan(3),
+    spec = EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=optimizer, plan=stage_plan(stage),
                       compute_dtype=parse_dtype(dtype), device="cpu", seed=0, bucket_bytes=2048,
                       grad_accum_steps=accum, max_grad_norm=clip, loss_scale=LossScaleConfig(),
                       stage3=Stage3Config(**stage3))
@@ -110,7 +111,8 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
     def rank_main(rank: int) -> None:
         try:
             group = ThreadGroup(world, rank)
-            if spec.stage3.init == "low_memory" or spec.init_state_dict is not None:
+            # Stages 0-2 seed the process-wide RNG and build the whole module: one rank at a time.
+            if stage < 3 or spec.stage3.init == "low_memory" or spec.init_state_dict is not None:
                 with _BUILD_LOCK:
                     engine = OwnerEngine(spec, rank=rank, group=group)
             else:
@@ -247,3 +249,24 @@ def test_bf16_compute_keeps_fp32_masters_and_tracks_fp32() -> None:
     assert _max_dev(got, ref) <= 5e-3  # docs/numerics.md's bf16 tolerance
     memory = engines[0].memory_report()
     assert memory["optimizer_master"] == memory["params"] * 2  # fp32 masters of bf16 shards
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stage_0_2_gradients_live_for_one_step(stage: int) -> None:
+    # Released after every update (zero_grad(set_to_none=True) semantics) and allocated afresh
+    # for the next backward: training still equals one process, and memory_report() still
+    # counts the step's peak, the paper's figure.
+    opt = zr.AdamW(lr=1e-2, weight_decay=0.01)
+    ref, _ = single_process(MLP_FN, mse_loss, opt, _mlp_batches())
+    got, engines, _ = run_ranks(2, MLP_FN, mse_loss, opt, _mlp_batches(), accum=2, stage=stage)
+    assert _max_dev(got, ref) <= 1e-6
+    for engine in engines:
+        shard = engine.state.shard
+        assert not shard.grads_held
+        assert all(p.grad is None for p in engine.module.parameters())
+        assert all(b.grads is None and b.grad_shard is None for b in shard.buckets)
+        report = engine.memory_report()
+        assert report["grads_between_steps"] == 0
+        padded = engine.layout.padded_numel
+        held = padded * 4 if stage < 2 else padded // 2 * 4  # full buffer, or this rank's half
+        assert report["grads"] + report["padding_grads"] == held

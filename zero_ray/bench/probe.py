@@ -203,6 +203,42 @@ def module_state_bytes(module: torch.nn.Module, optimizer_tensors: Iterable[torc
     return StateBytes(params=p, grads=g, optimizer=o)
 
 
+class InStepProbe:
+    """Model state in the middle of a step, where a step holds the most of it: the moment an
+    optimizer's ``step()`` begins (gradients all present, none released). A global optimizer
+    step pre-hook counts ``state_fn()`` there once, on the first call whose optimizer already
+    has state (AdamW creates its moments in its first step), then removes itself, so timed steps
+    carry no counting. DeepSpeed and ZeroRedundancyOptimizer step a wrapped torch optimizer,
+    which fires the hook as well."""
+
+    def __init__(self) -> None:
+        self.state: StateBytes | None = None
+        self._handle: Any = None
+
+    def arm(self, state_fn: Any) -> None:
+        """Count ``state_fn()`` (a StateBytes) at the next optimizer step that has state."""
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self.disarm()
+        self.state = None
+
+        def hook(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+            if not optimizer.state:
+                return
+            self.state = state_fn()
+            self.disarm()
+
+        self._handle = register_optimizer_step_pre_hook(hook)
+
+    def disarm(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+IN_STEP = InStepProbe()  # one per process: the hook it registers is global
+
+
 # -- functions for actor.__ray_call__ (the first argument is the actor instance) ----------------
 def call_reset_peak_rss(_actor: Any) -> bool:
     return reset_peak_rss()
@@ -210,6 +246,15 @@ def call_reset_peak_rss(_actor: Any) -> bool:
 
 def call_memory_probe(_actor: Any) -> MemoryProbe:
     return memory_probe()
+
+
+def call_arm_ddp_in_step(worker: Any) -> bool:
+    IN_STEP.arm(lambda: call_ddp_worker_state(worker))
+    return True
+
+
+def call_in_step_state(_actor: Any) -> StateBytes | None:
+    return IN_STEP.state
 
 
 def call_ddp_worker_state(worker: Any) -> StateBytes:

@@ -25,6 +25,7 @@ from zero_ray.bench.probe import (
     count_bytes,
     flatten_tensors,
     memory_probe,
+    IN_STEP,
     module_state_bytes,
     optimizer_state_tensors,
     reset_peak_rss,
@@ -319,11 +320,14 @@ class RankWorker:
         loss_sum = self.recipe.step(piece, global_samples)
         return loss_sum, time.perf_counter() - start
 
-    def reset_peak_rss(self) -> bool:
+    def reset_peaks(self) -> bool:
+        """Start the peak-RSS reading afresh and count model state inside the next step."""
+        IN_STEP.arm(self.recipe.state_bytes)
         return reset_peak_rss()
 
-    def report(self) -> tuple[MemoryProbe, StateBytes]:
-        return memory_probe(), self.recipe.state_bytes()
+    def report(self) -> tuple[MemoryProbe, StateBytes, StateBytes | None]:
+        """Peak RSS, model state now (after a step) and inside a step."""
+        return memory_probe(), self.recipe.state_bytes(), IN_STEP.state
 
     def full_params(self) -> dict[str, torch.Tensor] | None:
         params = self.recipe.full_params()

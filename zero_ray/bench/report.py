@@ -13,6 +13,7 @@ from zero_ray.bench.results import BenchResults, RunResult
 _MIB = float(2**20)
 
 COLUMNS = ("system", "median step (ms)", "min – max (ms)", "× DDP", "peak RSS/rank", "model state/rank",
+           "in-step state/rank",
            "sent/rank/step", "paper sent/rank/step", "lo bytes/step", "load 1m", "max abs Δ vs single", "match")
 
 
@@ -49,6 +50,7 @@ def row(r: RunResult) -> list[str]:
         return [r.label, f"{r.status}: {reason}"] + ["—"] * (len(COLUMNS) - 2)
     assert r.step_ms is not None
     state = _largest([s["total"] for s in r.state_bytes])
+    in_step = _largest([s["total"] for s in r.state_in_step_bytes])
     sent = _largest(r.sent_bytes_per_rank_step) if r.sent_bytes_per_rank_step is not None else None
     match = "—" if r.params_match is None else ("yes" if r.params_match else "no")
     return [
@@ -58,6 +60,7 @@ def row(r: RunResult) -> list[str]:
         f"{r.ratio_to_ddp:.2f}" if r.ratio_to_ddp is not None else "—",
         fmt_bytes(_largest(r.peak_rss_bytes)),
         fmt_bytes(state),
+        fmt_bytes(in_step),
         fmt_bytes(sent),
         fmt_bytes(r.paper_bytes_per_rank_step),
         fmt_bytes(r.lo_bytes_per_step),
@@ -102,7 +105,9 @@ def render_markdown(results: BenchResults) -> str:
     out += ["", "Step time is the driver's wall clock per step (batch dispatch through Ray included, the same for "
                 "every system); × DDP divides medians. Per-rank columns show the largest rank. Peak RSS is VmHWM "
                 "during the warm-up and timed steps (reset after setup). Model state counts the parameters, "
-                "gradients and optimizer state each rank holds after a step, from the tensors themselves. "
+                "gradients and optimizer state each rank holds after a step, from the tensors themselves; "
+                "in-step state counts them where a step holds the most, when the optimizer's update begins "
+                "(every gradient present; zero_ray: its own count at that point), in a warm-up step. "
                 "sent/rank/step is the system's own count (zero_ray: comm_report()); paper is the ZeRO paper's "
                 "ring volume for the stage the design matches, (N-1)/N x 2Ψ or 3Ψ fp32 elements. lo bytes/step "
                 "is the loopback interface's tx counter over the timed steps divided by steps: all ranks "

@@ -42,7 +42,8 @@ class RunResult:
     peak_rss_bytes: tuple[int, ...] = ()
     lifetime_peak_rss_bytes: tuple[int, ...] = ()
     rss_source: str | None = None
-    state_bytes: tuple[dict[str, int], ...] = ()
+    state_bytes: tuple[dict[str, int], ...] = ()  # after a step
+    state_in_step_bytes: tuple[dict[str, int], ...] = ()  # inside a step, gradients all present
     sent_bytes_per_rank_step: tuple[int, ...] | None = None
     sent_source: str | None = None
     paper_bytes_per_rank_step: float | None = None
@@ -72,7 +73,8 @@ class RunResult:
         for name in ("step_ms", "rank_step_ms"):
             value = getattr(self, name)
             out[name] = asdict(value) if value is not None else None
-        out["state_bytes"] = [dict(s) for s in self.state_bytes]
+        for name in ("state_bytes", "state_in_step_bytes"):
+            out[name] = [dict(s) for s in getattr(self, name)]
         for name in ("peak_rss_bytes", "lifetime_peak_rss_bytes"):
             out[name] = list(getattr(self, name))
         for name in ("sent_bytes_per_rank_step", "loadavg_1m"):
@@ -87,7 +89,7 @@ class RunResult:
         for name in ("step_ms", "rank_step_ms"):
             if kwargs.get(name) is not None:
                 kwargs[name] = Summary(**kwargs[name])
-        for name in ("peak_rss_bytes", "lifetime_peak_rss_bytes", "state_bytes"):
+        for name in ("peak_rss_bytes", "lifetime_peak_rss_bytes", "state_bytes", "state_in_step_bytes"):
             kwargs[name] = tuple(kwargs.get(name) or ())
         for name in ("sent_bytes_per_rank_step", "loadavg_1m"):
             if kwargs.get(name) is not None:

@@ -326,6 +326,7 @@ def run_system(system: System, *, workload: Workload, config: BenchConfig, batch
         lifetime_peak_rss_bytes=tuple(r.memory.lifetime_peak_rss_bytes for r in report.ranks),
         rss_source=report.ranks[0].memory.source,
         state_bytes=tuple(r.state.as_dict() for r in report.ranks),
+        state_in_step_bytes=tuple(r.state_in_step.as_dict() for r in report.ranks if r.state_in_step is not None),
         sent_bytes_per_rank_step=tuple(int(s) for s in sent) if all(s is not None for s in sent) else None,
         sent_source=report.sent_source,
         paper_bytes_per_rank_step=paper,

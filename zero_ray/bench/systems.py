@@ -8,9 +8,10 @@ code of the PyTorch systems lives in ``zero_ray.bench.ranks``.
 
 from __future__ import annotations
 
+
 import importlib.util
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, ClassVar, Protocol
 
@@ -64,8 +65,9 @@ class RankReport:
     """One rank's measurements after the timed steps."""
 
     memory: MemoryProbe
-    state: StateBytes
+    state: StateBytes  # after a step
     sent_bytes_per_step: int | None  # as the system itself counts it; None where it does not
+    state_in_step: StateBytes | None = None  # where a step holds the most (gradients all present)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +100,8 @@ class System(Protocol):
     def setup(self, ctx: SystemContext) -> None: ...
 
     def reset_peaks(self) -> None:
-        """Start every rank's peak-RSS reading afresh (after setup)."""
+        """Start every rank's peak-RSS reading afresh and arm its in-step model-state count
+        (after setup)."""
         ...
 
     def step(self, batch: Batch) -> float | None:
@@ -154,7 +157,7 @@ class _RankedSystem:
         _get(refs, ctx.timeout_s)  # all ranks together: the process group forms across them
 
     def reset_peaks(self) -> None:
-        _get([w.reset_peak_rss.remote() for w in self._workers], self._timeout_s)
+        _get([w.reset_peaks.remote() for w in self._workers], self._timeout_s)
 
     def step(self, batch: Batch) -> float | None:
         n = batch_size(batch)
@@ -164,8 +167,8 @@ class _RankedSystem:
 
     def report(self) -> SystemReport:
         out = _get([w.report.remote() for w in self._workers], self._timeout_s)
-        return SystemReport(ranks=tuple(RankReport(memory=m, state=s, sent_bytes_per_step=None) for m, s in out),
-                            sent_source=None)
+        return SystemReport(ranks=tuple(RankReport(memory=m, state=s, state_in_step=mid, sent_bytes_per_step=None)
+                                        for m, s, mid in out), sent_source=None)
 
     def final_params(self) -> dict[str, torch.Tensor]:
         # Every rank takes part (FSDP2 and ZeRO-3 gather); rank 0 answers.
@@ -277,6 +280,7 @@ class DDPSystem:
 
     def reset_peaks(self) -> None:
         _probe_actors(self._run.workers, probe.call_reset_peak_rss, self._timeout_s)
+        _probe_actors(self._run.workers, probe.call_arm_ddp_in_step, self._timeout_s)
 
     def step(self, batch: Batch) -> float | None:
         return float(self._run.step(batch)["step_seconds"])
@@ -284,8 +288,9 @@ class DDPSystem:
     def report(self) -> SystemReport:
         memory = _probe_actors(self._run.workers, probe.call_memory_probe, self._timeout_s)
         states = _probe_actors(self._run.workers, probe.call_ddp_worker_state, self._timeout_s)
-        return SystemReport(ranks=tuple(RankReport(memory=m, state=s, sent_bytes_per_step=None)
-                                        for m, s in zip(memory, states)), sent_source=None)
+        in_step = _probe_actors(self._run.workers, probe.call_in_step_state, self._timeout_s)
+        return SystemReport(ranks=tuple(RankReport(memory=m, state=s, state_in_step=mid, sent_bytes_per_step=None)
+                                        for m, s, mid in zip(memory, states, in_step)), sent_source=None)
 
     def final_params(self) -> dict[str, torch.Tensor]:
         return self._run.state_dict()
@@ -356,15 +361,19 @@ class ZeroRaySystem:
 
     def report(self) -> SystemReport:
         memory = _probe_actors(self._trainer.actors, probe.call_memory_probe, self._timeout_s)
-        states = []
+        states, in_step = [], []
         for r in self._trainer.memory_report():
-            # Shard padding is memory the rank holds, so it counts with its category.
-            states.append(StateBytes(params=r.get("params", 0) + r.get("padding_params", 0),
-                                     grads=r.get("grads", 0) + r.get("padding_grads", 0),
-                                     optimizer=r.get("optimizer", 0) + r.get("padding_optimizer", 0)))
+            # memory_report() counts a step's peak (gradients held); between steps the gradients
+            # are released to grads_between_steps. Shard padding is memory the rank holds, so it
+            # counts with its category.
+            mid = StateBytes(params=r.get("params", 0) + r.get("padding_params", 0),
+                             grads=r.get("grads", 0) + r.get("padding_grads", 0),
+                             optimizer=r.get("optimizer", 0) + r.get("padding_optimizer", 0))
+            in_step.append(mid)
+            states.append(replace(mid, grads=r.get("grads_between_steps", mid.grads)))
         sent = [int(c["total"]) for c in self._trainer.comm_report()]
-        return SystemReport(ranks=tuple(RankReport(memory=m, state=s, sent_bytes_per_step=b)
-                                        for m, s, b in zip(memory, states, sent)),
+        return SystemReport(ranks=tuple(RankReport(memory=m, state=s, state_in_step=mid, sent_bytes_per_step=b)
+                                        for m, s, mid, b in zip(memory, states, in_step, sent)),
                             sent_source="ZeroTrainer.comm_report() (last step)")
 
     def final_params(self) -> dict[str, torch.Tensor]:

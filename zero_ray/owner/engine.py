@@ -161,7 +161,9 @@ class ModelState(Protocol):
 
     def apply_update(self, grads: list[torch.Tensor], *, step: int, lr: float) -> None: ...
 
-    def zero_grads(self) -> None: ...
+    def end_step(self) -> None:
+        """The update has used the step's gradients: release (or zero) them before the next."""
+        ...
 
     def discard(self) -> None: ...
 
@@ -198,14 +200,18 @@ class ReplicatedParams:
         self.shard = ShardState.bind(module, layout=self.layout, plan=spec.plan, rank=rank,
                                      compute_dtype=spec.compute_dtype, device=device, optimizer=spec.optimizer)
         self.reducer: GradReducer = make_reducer(self.shard, group, micro_batches=self.spec.grad_accum_steps)
+        self._in_step: dict[str, int] | None = None
 
     def begin_micro_batch(self) -> None:
+        self.shard.acquire_grads()
         self.reducer.begin_micro_batch()
 
     def end_micro_batch(self, *, last: bool) -> None:
         self.reducer.end_micro_batch(last=last)
 
     def update_grads(self) -> list[torch.Tensor]:
+        # The step's peak of model state: every gradient reduced, none released yet.
+        self._in_step = self.shard.memory_report()
         return [self.shard.update_grad(b) for b in self.shard.buckets]
 
     def apply_update(self, grads: list[torch.Tensor], *, step: int, lr: float) -> None:
@@ -227,12 +233,12 @@ class ReplicatedParams:
         return [OptimizerSlice(bucket=b.spec, start=b.update_start, end=b.update_end, master=b.master, moments=b.state)
                 for b in self.shard.buckets]
 
-    def zero_grads(self) -> None:
-        self.shard.zero_grads()
+    def end_step(self) -> None:
+        self.shard.release_grads()
 
     def discard(self) -> None:
         self.reducer.close()
-        self.shard.zero_grads()
+        self.shard.release_grads()
         self.reducer = make_reducer(self.shard, self.group, micro_batches=self.spec.grad_accum_steps)
 
     def rebind(self, group: Collective) -> None:
@@ -241,7 +247,13 @@ class ReplicatedParams:
         self.reducer = make_reducer(self.shard, group, micro_batches=self.spec.grad_accum_steps)
 
     def memory_report(self) -> dict[str, int]:
-        return {**self.shard.memory_report(), "staging_peak": self.reducer.peak_staging_bytes()}
+        """Model state during a step, the paper's figure: counted at the last step's peak (every
+        gradient reduced, none released) or, before any step, as allocated. Between steps the
+        gradients are released (``grads_between_steps``)."""
+        report = dict(self._in_step or self.shard.memory_report())
+        report["grads_between_steps"] = 0  # released after every update
+        report["staging_peak"] = self.reducer.peak_staging_bytes()
+        return report
 
     def master_fragments(self) -> dict[str, tuple[int, int, torch.Tensor]]:
         return self.shard.master_fragments()
@@ -302,7 +314,7 @@ class OwnerEngine:
             self.state.end_micro_batch(last=i == len(sizes) - 1)
             loss_sum += float(loss.detach().float()) * sizes[i]
         norm, skipped = self._update(lr=lr, inv_scale=1.0 / scale)
-        self.state.zero_grads()
+        self.state.end_step()
         self.phase = StepPhase.IDLE
         self.last_bytes = self.group.counters.snapshot()
         return StepResult(rank=self.rank, loss_sum=loss_sum, samples=samples, grad_norm=norm, skipped=skipped,

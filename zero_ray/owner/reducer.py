@@ -131,8 +131,8 @@ class _OverlappedReducer:
     def close(self) -> None:
         """Stop reducing: remove the hooks, cancel the collectives not started and wait for the
         one running (it fails at once on an aborted group). An interrupted micro-batch's
-        collectives may have written partial sums into the gradients after the caller zeroed
-        them; they are zeroed again, so the next step starts from zero."""
+        collectives may have written partial sums into the gradients; they are released, so
+        the next step starts from fresh zeroed buffers."""
         for h in self._handles:
             h.remove()
         self._handles, self._active = [], False
@@ -140,7 +140,7 @@ class _OverlappedReducer:
         self._stream.cancel()
         self._stream.close()
         if interrupted:
-            self._shard.zero_grads()
+            self._shard.release_grads()
             self._launched = False
 
 

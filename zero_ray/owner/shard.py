@@ -8,6 +8,10 @@ Per bucket a rank holds:
   already fp32 and replicated, so fp32 training keeps no second copy);
 - ``state``: the optimizer's fp32 moments over the same slice.
 
+Gradients live for one step: allocated zeroed when its backward begins and released after the
+update (``zero_grad(set_to_none=True)``'s semantics), so between steps a rank holds parameters
+and optimizer state only; during a step it holds the paper's figure.
+
 What a stage shards comes from its StagePlan; nothing here branches on the stage number.
 """
 
@@ -59,6 +63,7 @@ class ShardState:
     buckets: list[BucketState]
     parameters: list[torch.nn.Parameter] = field(repr=False)
     optimizer_steps: int = 0
+    grads_held: bool = False  # gradient buffers exist from a step's first backward to its update
 
     @classmethod
     def bind(cls, module: torch.nn.Module, *, layout: FlatLayout, plan: StagePlan, rank: int,
@@ -91,17 +96,41 @@ class ShardState:
             state = {name: torch.zeros(end - start, dtype=torch.float32, device=device) for name in optimizer.state_names}
             bucket = BucketState(spec=spec, update_start=start, update_end=end, params=params, master=master,
                                  master_is_view=master_is_view, state=state, decay=_merge(decay))
-            if plan.gradients is Residency.REPLICATED:
-                bucket.grads = torch.zeros(spec.padded_numel, dtype=compute_dtype, device=device)
-                for i in spec.params:
-                    p = layout.params[i]
-                    parameters[i].grad = bucket.grads[p.offset:p.end].view(p.shape)
-            else:
-                lo, hi = spec.shard_range(rank)
-                bucket.grad_shard = torch.zeros(hi - lo, dtype=compute_dtype, device=device)
             buckets.append(bucket)
-        return cls(layout=layout, plan=plan, rank=rank, compute_dtype=compute_dtype, buckets=buckets,
-                   parameters=parameters)
+        shard = cls(layout=layout, plan=plan, rank=rank, compute_dtype=compute_dtype, buckets=buckets,
+                    parameters=parameters)
+        shard.acquire_grads()
+        return shard
+
+    # -- the gradients' lifetime: one step -------------------------------------------------------
+    def acquire_grads(self) -> None:
+        """Allocate this step's zeroed gradient buffers (a no-op while they are held): the full
+        flat buffer with the parameters' ``.grad`` as views (replicated gradients) or this rank's
+        slice (sharded)."""
+        if self.grads_held:
+            return
+        for b in self.buckets:
+            spec = b.spec
+            if self.plan.gradients is Residency.REPLICATED:
+                b.grads = torch.zeros(spec.padded_numel, dtype=self.compute_dtype, device=b.params.device)
+                for i in spec.params:
+                    p = self.layout.params[i]
+                    self.parameters[i].grad = b.grads[p.offset:p.end].view(p.shape)
+            else:
+                lo, hi = spec.shard_range(self.rank)
+                b.grad_shard = torch.zeros(hi - lo, dtype=self.compute_dtype, device=b.params.device)
+        self.grads_held = True
+
+    def release_grads(self) -> None:
+        """Drop the gradients once the update has used them, as ``zero_grad(set_to_none=True)``
+        does: nothing reads them before the next step's backward, so between steps a rank holds
+        only parameters and optimizer state. A collective still writing into a dropped buffer
+        (an interrupted step) keeps it alive until it finishes and cannot touch the next step's."""
+        for b in self.buckets:
+            b.grads, b.grad_shard = None, None
+        for p in self.parameters:
+            p.grad = None
+        self.grads_held = False
 
     # -- gradients available to the update -------------------------------------------------------
     def update_grad(self, bucket: BucketState) -> torch.Tensor:
@@ -111,16 +140,11 @@ class ShardState:
         assert bucket.grads is not None
         return bucket.grads[bucket.update_start:bucket.update_end]
 
-    def zero_grads(self) -> None:
-        for b in self.buckets:
-            if b.grads is not None:
-                b.grads.zero_()
-            if b.grad_shard is not None:
-                b.grad_shard.zero_()
-
     def check_grad_views(self) -> None:
         """Replicated gradients accumulate in place into the flat buffer; a ``.grad`` that was
         replaced (e.g. ``zero_grad(set_to_none=True)`` inside ``loss_fn``) is folded back."""
+        if not self.grads_held:
+            return
         for b in self.buckets:
             if b.grads is None:
                 continue

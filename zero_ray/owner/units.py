@@ -754,7 +754,7 @@ class PartitionedParams:
             out.append(OptimizerSlice(bucket=p.bucket, start=p.start, end=p.end, master=p.master, moments=p.moments))
         return out
 
-    def zero_grads(self) -> None:
+    def end_step(self) -> None:
         for u in self.units:
             u.grad_shard.zero_()
         if self.persistent is not None:
@@ -777,7 +777,7 @@ class PartitionedParams:
             for b in pool.buffers:
                 b.done = None
         self._live_bytes = 0
-        self.zero_grads()
+        self.end_step()
 
     def rebind(self, group: Collective) -> None:
         self.group = group
@@ -818,6 +818,7 @@ class PartitionedParams:
                            + report["persistent_params"] + report["persistent_grads"] + report["gather_buffers"]
                            + report["reduce_buffers"])
         report["held_storage_bytes"] = self._held_storage_bytes()
+        report["grads_between_steps"] = report["grads"] + report["padding_grads"]  # shards kept, zeroed
         return report
 
     def _held_storage_bytes(self) -> int:
