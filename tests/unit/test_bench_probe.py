@@ -57,7 +57,33 @@ def test_memory_probe_reads_this_process() -> None:
     assert probe.source in ("VmHWM since reset", "VmHWM (no reset)", "ru_maxrss")
 
 
-def test_in_step_probe_counts_once_when_the_optimizer_has_state() -> None:
+def test_in_step_probe_counts_the_largest_call_of_one_step() -> None:
+    weight, bias = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4))
+    # Two optimizers stepped one after the other, each with only its own gradient present, as
+    # DeepSpeed steps its parameter groups.
+    opts = [torch.optim.AdamW([weight]), torch.optim.AdamW([bias])]
+    probe = InStepProbe()
+    calls: list[int] = []
+
+    def state() -> StateBytes:
+        calls.append(1)
+        moments = [v for o in opts for s in o.state.values() for v in s.values()]
+        return module_state_bytes(torch.nn.ParameterList([weight, bias]), moments)
+
+    probe.arm(state)
+    for _ in range(3):
+        for p, opt in zip((weight, bias), opts):
+            p.sum().backward()
+            opt.step()
+            p.grad = None
+        probe.step_done()
+    # The first step has no moments yet; the second is counted at both calls, the larger (the
+    # weight's gradient present) kept; then the hook is gone, so the third costs nothing.
+    assert len(calls) == 2
+    assert probe.state == StateBytes(params=80, grads=64, optimizer=2 * 80 + 2 * 4)
+
+
+def test_in_step_probe_once_stops_at_the_first_count() -> None:
     module = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(module.parameters())
     probe = InStepProbe()
@@ -65,15 +91,12 @@ def test_in_step_probe_counts_once_when_the_optimizer_has_state() -> None:
 
     def state() -> StateBytes:
         calls.append(1)
-        moments = [v for s in opt.state.values() for v in s.values()]
-        return module_state_bytes(module, moments)
+        return module_state_bytes(module, [v for s in opt.state.values() for v in s.values()])
 
-    probe.arm(state)
+    probe.arm(state, once=True)
     for _ in range(3):
         opt.zero_grad(set_to_none=True)
         module(torch.ones(1, 4)).sum().backward()
         opt.step()
-    # The first step has no moments yet; the second is counted, gradients present; then the
-    # hook is gone, so the third costs nothing.
     assert calls == [1]
     assert probe.state == StateBytes(params=80, grads=80, optimizer=2 * 80 + 2 * 4)

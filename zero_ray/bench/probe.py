@@ -204,19 +204,22 @@ def module_state_bytes(module: torch.nn.Module, optimizer_tensors: Iterable[torc
 
 
 class InStepProbe:
-    """Model state in the middle of a step, where a step holds the most of it: the moment an
+    """Model state in the middle of a step, where a step holds the most of it: when an
     optimizer's ``step()`` begins (gradients all present, none released). A global optimizer
-    step pre-hook counts ``state_fn()`` there once, on the first call whose optimizer already
-    has state (AdamW creates its moments in its first step), then removes itself, so timed steps
-    carry no counting. DeepSpeed and ZeroRedundancyOptimizer step a wrapped torch optimizer,
-    which fires the hook as well."""
+    step pre-hook counts ``state_fn()`` there, from the first call whose optimizer already has
+    state (AdamW creates its moments in its first step), keeping the largest count, and is
+    removed at the end of that step (``step_done``) or, with ``once``, after its first count:
+    timed steps carry no counting. DeepSpeed and ZeroRedundancyOptimizer step a wrapped torch
+    optimizer, which fires the hook; DeepSpeed ZeRO-1/2 steps it once per parameter group,
+    holding only that group's gradient partition, hence the largest count over the step."""
 
     def __init__(self) -> None:
         self.state: StateBytes | None = None
         self._handle: Any = None
 
-    def arm(self, state_fn: Any) -> None:
-        """Count ``state_fn()`` (a StateBytes) at the next optimizer step that has state."""
+    def arm(self, state_fn: Any, *, once: bool = False) -> None:
+        """Count ``state_fn()`` (a StateBytes) inside the next step whose optimizer has state;
+        ``once``: the first count is the step's (one optimizer step call per step)."""
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self.disarm()
@@ -225,10 +228,18 @@ class InStepProbe:
         def hook(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
             if not optimizer.state:
                 return
-            self.state = state_fn()
-            self.disarm()
+            got = state_fn()
+            if self.state is None or got.total > self.state.total:
+                self.state = got
+            if once:
+                self.disarm()
 
         self._handle = register_optimizer_step_pre_hook(hook)
+
+    def step_done(self) -> None:
+        """A step ended: stop counting once it has counted something."""
+        if self.state is not None:
+            self.disarm()
 
     def disarm(self) -> None:
         if self._handle is not None:
@@ -249,7 +260,7 @@ def call_memory_probe(_actor: Any) -> MemoryProbe:
 
 
 def call_arm_ddp_in_step(worker: Any) -> bool:
-    IN_STEP.arm(lambda: call_ddp_worker_state(worker))
+    IN_STEP.arm(lambda: call_ddp_worker_state(worker), once=True)  # one torch optimizer per step
     return True
 
 

@@ -318,7 +318,9 @@ class RankWorker:
     def step(self, piece: Batch, global_samples: int) -> tuple[float, float]:
         start = time.perf_counter()
         loss_sum = self.recipe.step(piece, global_samples)
-        return loss_sum, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        IN_STEP.step_done()
+        return loss_sum, seconds
 
     def reset_peaks(self) -> bool:
         """Start the peak-RSS reading afresh and count model state inside the next step."""

@@ -393,7 +393,10 @@ class ZeroTrainer:
             raise ZeroRayError(f"the trainer is {self._state.value}")
 
     def memory_report(self) -> list[dict[str, int]]:
-        """Per rank, model-state bytes held by category (measured from the tensors)."""
+        """Per rank, model-state bytes by category, measured from the tensors at the last step's
+        peak (every gradient present: the paper's per-device figure). Stages 0-2 release their
+        gradients after each update, so between steps a rank holds ``total`` less ``grads``
+        (``grads_between_steps`` says what stays)."""
         self._require_alive()
         reports = self._pool.call("memory_report", timeout_s=self.config.init_timeout_s)
         self._run_metrics.record_memory(reports)
