@@ -59,26 +59,29 @@ def test_memory_probe_reads_this_process() -> None:
 
 def test_in_step_probe_counts_the_largest_call_of_one_step() -> None:
     weight, bias = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4))
-    # Two optimizers stepped one after the other, each with only its own gradient present, as
-    # DeepSpeed steps its parameter groups.
-    opts = [torch.optim.AdamW([weight]), torch.optim.AdamW([bias])]
+    opt = torch.optim.AdamW([{"params": [weight]}, {"params": [bias]}])
+    groups = opt.param_groups
     probe = InStepProbe()
     calls: list[int] = []
 
     def state() -> StateBytes:
         calls.append(1)
-        moments = [v for o in opts for s in o.state.values() for v in s.values()]
+        moments = [v for s in opt.state.values() for v in s.values()]
         return module_state_bytes(torch.nn.ParameterList([weight, bias]), moments)
 
     probe.arm(state)
     for _ in range(3):
-        for p, opt in zip((weight, bias), opts):
+        # As DeepSpeed ZeRO-1/2 steps: one parameter group at a time, only its gradient present.
+        for p, group in zip((weight, bias), groups):
             p.sum().backward()
+            opt.param_groups = [group]
             opt.step()
             p.grad = None
+        opt.param_groups = groups
         probe.step_done()
-    # The first step has no moments yet; the second is counted at both calls, the larger (the
-    # weight's gradient present) kept; then the hook is gone, so the third costs nothing.
+    # The first step began without moments (its second call sees the weight's, not the bias's:
+    # not counted); the second is counted at both calls and the larger kept (the weight's
+    # gradient present); then the hook is gone, so the third costs nothing.
     assert len(calls) == 2
     assert probe.state == StateBytes(params=80, grads=64, optimizer=2 * 80 + 2 * 4)
 

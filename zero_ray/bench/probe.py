@@ -206,9 +206,10 @@ def module_state_bytes(module: torch.nn.Module, optimizer_tensors: Iterable[torc
 class InStepProbe:
     """Model state in the middle of a step, where a step holds the most of it: when an
     optimizer's ``step()`` begins (gradients all present, none released). A global optimizer
-    step pre-hook counts ``state_fn()`` there, from the first call whose optimizer already has
-    state (AdamW creates its moments in its first step), keeping the largest count, and is
-    removed at the end of that step (``step_done``) or, with ``once``, after its first count:
+    step pre-hook counts ``state_fn()`` there in the first step whose optimizer already had state
+    when the step began (AdamW creates its moments in its first step), keeping the largest count
+    over that step's calls, and is removed at the end of it (``step_done``) or, with ``once``,
+    after its first count:
     timed steps carry no counting. DeepSpeed and ZeroRedundancyOptimizer step a wrapped torch
     optimizer, which fires the hook; DeepSpeed ZeRO-1/2 steps it once per parameter group,
     holding only that group's gradient partition, hence the largest count over the step."""
@@ -216,6 +217,7 @@ class InStepProbe:
     def __init__(self) -> None:
         self.state: StateBytes | None = None
         self._handle: Any = None
+        self._skipping = False  # this step began before the optimizer had state
 
     def arm(self, state_fn: Any, *, once: bool = False) -> None:
         """Count ``state_fn()`` (a StateBytes) inside the next step whose optimizer has state;
@@ -223,10 +225,14 @@ class InStepProbe:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self.disarm()
-        self.state = None
+        self.state, self._skipping = None, False
 
         def hook(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
             if not optimizer.state:
+                # Later calls of this step (other groups or optimizers) would see part of the state.
+                self._skipping = not once
+                return
+            if self._skipping:
                 return
             got = state_fn()
             if self.state is None or got.total > self.state.total:
@@ -238,6 +244,7 @@ class InStepProbe:
 
     def step_done(self) -> None:
         """A step ended: stop counting once it has counted something."""
+        self._skipping = False
         if self.state is not None:
             self.disarm()
 
