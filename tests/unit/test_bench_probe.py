@@ -79,9 +79,9 @@ def test_in_step_probe_counts_the_largest_call_of_one_step() -> None:
             p.grad = None
         opt.param_groups = groups
         probe.step_done()
-    # The first step began without moments (its second call sees the weight's, not the bias's:
-    # not counted); the second is counted at both calls and the larger kept (the weight's
-    # gradient present); then the hook is gone, so the third costs nothing.
+    # The first step creates the moments (its second call would see the weight's, not the
+    # bias's: not counted); the second is counted at both calls and the larger kept (the
+    # weight's gradient present); then the hook is gone, so the third costs nothing.
     assert len(calls) == 2
     assert probe.state == StateBytes(params=80, grads=64, optimizer=2 * 80 + 2 * 4)
 
@@ -101,5 +101,22 @@ def test_in_step_probe_once_stops_at_the_first_count() -> None:
         opt.zero_grad(set_to_none=True)
         module(torch.ones(1, 4)).sum().backward()
         opt.step()
-    assert calls == [1]
+    assert calls == [1]  # the second step's
+    assert probe.state == StateBytes(params=80, grads=80, optimizer=2 * 80 + 2 * 4)
+
+
+def test_in_step_probe_skips_a_wrapper_without_state() -> None:
+    # ZeroRedundancyOptimizer's own step() fires the hook with no state of its own, then its
+    # wrapped optimizer's does with the moments.
+    module = torch.nn.Linear(4, 4)
+    inner = torch.optim.AdamW(module.parameters())
+    wrapper = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)  # stands in: no state
+    probe = InStepProbe()
+    probe.arm(lambda: module_state_bytes(module, [v for s in inner.state.values() for v in s.values()]))
+    for _ in range(3):
+        inner.zero_grad(set_to_none=True)
+        module(torch.ones(1, 4)).sum().backward()
+        wrapper.step()
+        inner.step()
+        probe.step_done()
     assert probe.state == StateBytes(params=80, grads=80, optimizer=2 * 80 + 2 * 4)

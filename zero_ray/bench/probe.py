@@ -206,33 +206,32 @@ def module_state_bytes(module: torch.nn.Module, optimizer_tensors: Iterable[torc
 class InStepProbe:
     """Model state in the middle of a step, where a step holds the most of it: when an
     optimizer's ``step()`` begins (gradients all present, none released). A global optimizer
-    step pre-hook counts ``state_fn()`` there in the first step whose optimizer already had state
-    when the step began (AdamW creates its moments in its first step), keeping the largest count
-    over that step's calls, and is removed at the end of it (``step_done``) or, with ``once``,
-    after its first count:
-    timed steps carry no counting. DeepSpeed and ZeroRedundancyOptimizer step a wrapped torch
-    optimizer, which fires the hook; DeepSpeed ZeRO-1/2 steps it once per parameter group,
-    holding only that group's gradient partition, hence the largest count over the step."""
+    step pre-hook counts ``state_fn()`` there during the second step after ``arm`` (the first
+    creates AdamW's moments, some of them only partway through the step), keeping the largest
+    count over that step's calls; ``step_done`` marks each step's end and removes the hook once
+    it has counted, so timed steps carry no counting. With ``once`` every hook call is a step of
+    its own (one torch optimizer, no ``step_done``). DeepSpeed and ZeroRedundancyOptimizer step
+    a wrapped torch optimizer, which fires the hook (the wrapper's own call, without state, is
+    skipped); DeepSpeed ZeRO-1/2 steps it once per parameter group with only that group's
+    gradient partition present, hence the largest count over the step."""
 
     def __init__(self) -> None:
         self.state: StateBytes | None = None
         self._handle: Any = None
-        self._skipping = False  # this step began before the optimizer had state
+        self._steps_done = 0  # since arm
 
     def arm(self, state_fn: Any, *, once: bool = False) -> None:
-        """Count ``state_fn()`` (a StateBytes) inside the next step whose optimizer has state;
-        ``once``: the first count is the step's (one optimizer step call per step)."""
+        """Count ``state_fn()`` (a StateBytes) inside the second step from now."""
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self.disarm()
-        self.state, self._skipping = None, False
+        self.state, self._steps_done = None, 0
 
         def hook(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-            if not optimizer.state:
-                # Later calls of this step (other groups or optimizers) would see part of the state.
-                self._skipping = not once
-                return
-            if self._skipping:
+            counting = self._steps_done >= 1
+            if once:
+                self._steps_done += 1
+            if not counting or not optimizer.state:
                 return
             got = state_fn()
             if self.state is None or got.total > self.state.total:
@@ -244,7 +243,7 @@ class InStepProbe:
 
     def step_done(self) -> None:
         """A step ended: stop counting once it has counted something."""
-        self._skipping = False
+        self._steps_done += 1
         if self.state is not None:
             self.disarm()
 
