@@ -15,6 +15,8 @@ def _run(model: str, system: str, label: str, median: float | None, state: int =
     return RunResult(model=model, system=system, label=label, status="ok", world_size=2,
                      step_ms=Summary(median=median, min=median, max=median, n=10),
                      state_bytes=({"params": state, "grads": 0, "optimizer": 0, "total": state},),
+                     state_in_step_bytes=(({"params": state, "grads": 1024, "optimizer": 0, "total": state + 1024},)
+                                          if system.startswith("zero") else ()),
                      sent_bytes_per_rank_step=(2048,) if system.startswith("zero") else None)
 
 
@@ -32,8 +34,9 @@ def test_one_row_per_system_with_every_model_side_by_side() -> None:
     md = summary_markdown(results)
     assert md.startswith(machine_line(machine))
     lines = [line for line in md.splitlines() if line.startswith("| ")]
-    assert lines[0] == ("| system | mlp: step ms (× DDP) | mlp: state/rank | mlp: sent/rank/step | "
-                        "gpt: step ms (× DDP) | gpt: state/rank | gpt: sent/rank/step |")
-    assert lines[1] == "| PyTorch DDP | 100.0 (1.00) | 4.00 KiB | — | 200.0 (1.00) | 4.00 KiB | — |"
-    assert lines[2] == "| zero_ray stage 2 | 95.0 (0.95) | 2.00 KiB | 2.00 KiB | 190.0 (0.95) | 2.00 KiB | 2.00 KiB |"
+    assert lines[0] == ("| system | mlp: step ms (× DDP) | mlp: state/rank after / in step | mlp: sent/rank/step | "
+                        "gpt: step ms (× DDP) | gpt: state/rank after / in step | gpt: sent/rank/step |")
+    assert lines[1] == "| PyTorch DDP | 100.0 (1.00) | 4.00 KiB / — | — | 200.0 (1.00) | 4.00 KiB / — | — |"
+    assert lines[2] == ("| zero_ray stage 2 | 95.0 (0.95) | 2.00 KiB / 3.00 KiB | 2.00 KiB | 190.0 (0.95) | "
+                        "2.00 KiB / 3.00 KiB | 2.00 KiB |")
     assert lines[3] == "| DeepSpeed ZeRO-3 | unavailable | — | — | unavailable | — | — |"

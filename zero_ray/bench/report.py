@@ -122,11 +122,12 @@ def render_markdown(results: BenchResults) -> str:
 
 def summary_markdown(results: BenchResults) -> str:
     """The README's digest of a run: its machine line and one row per system with, per model,
-    the median step and its ratio to DDP, model state and bytes sent per rank (the full table
-    is ``render_markdown``'s)."""
+    the median step and its ratio to DDP, model state per rank after a step and inside one, and
+    bytes sent per rank (the full table is ``render_markdown``'s)."""
     models = [w.name for w in results.workloads]
     systems = list(dict.fromkeys(r.system for r in results.runs))
-    header = ["system"] + [f"{m}: {c}" for m in models for c in ("step ms (× DDP)", "state/rank", "sent/rank/step")]
+    header = ["system"] + [f"{m}: {c}" for m in models for c in ("step ms (× DDP)", "state/rank after / in step",
+                                                                    "sent/rank/step")]
     lines = [machine_line(results.machine), "",
              "| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     for name in systems:
@@ -139,8 +140,8 @@ def summary_markdown(results: BenchResults) -> str:
                 continue
             full = row(r)
             ratio = f" ({r.ratio_to_ddp:.2f})" if r.ratio_to_ddp is not None else ""
-            cells += [_ms(r.step_ms.median) + ratio, full[COLUMNS.index("model state/rank")],
-                      full[COLUMNS.index("sent/rank/step")]]
+            state = f"{full[COLUMNS.index('model state/rank')]} / {full[COLUMNS.index('in-step state/rank')]}"
+            cells += [_ms(r.step_ms.median) + ratio, state, full[COLUMNS.index("sent/rank/step")]]
         lines.append("| " + " | ".join([label] + cells) + " |")
     return "\n".join(lines) + "\n"
 
