@@ -168,17 +168,21 @@ def resolve_token(explicit: str | None = None) -> Token | None:
 #      their Python), so the common case is what a bare `python` always meant;
 #   2. $VIRTUAL_ENV/bin/python: a virtualenv that was activated when Ray started, although
 #      something else now comes first on PATH;
-#   3. the supervisor's interpreter, unchecked (the case seen above: Ray on a pyenv or system
-#      Python with a PATH that does not lead to it);
-#   4. the bare name, as before (no /proc: not Linux).
-# Not covered: Ray started from a virtualenv that was never activated (/opt/venv/bin/ray start),
-# where 3 names the base interpreter; give the interpreter by path or as the runtime env's
-# py_executable there. The probe is `find_spec`, which looks for ray without importing it.
+#   3. the environment the supervisor imported ray from: its memory map names ray's
+#      `<env>/lib/pythonX.Y/site-packages/ray/_raylet.so`, and `<env>/bin/python` is that
+#      environment's interpreter, a virtualenv's included, activated or not (seen: a venv
+#      whose python is a symlink to pyenv's, where 4 named pyenv's python, without ray);
+#   4. the supervisor's interpreter, unchecked (Ray on a pyenv or system Python with a PATH
+#      that does not lead to it, ray installed outside a site-packages of its own);
+#   5. the bare name, as before (no /proc: not Linux).
+# The probe is `find_spec`, which looks for ray without importing it.
 _RESOLVE_PYTHON = (
     'zr_has_ray() {{ [ -n "$1" ] && "$1" -c '
     '"import importlib.util as u, sys; sys.exit(u.find_spec(\'ray\') is None)" 2>/dev/null; }}; '
     'zr_py=$(command -v {name}); zr_has_ray "$zr_py"'
     ' || {{ zr_py=${{VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}}; zr_has_ray "$zr_py"; }}'
+    ' || {{ zr_py=$(sed -n \'s#^.* \\(/.*\\)/lib/python[0-9.]*/site-packages/ray/_raylet[^/]*\\.so$#\\1/bin/python#p\' '
+    '/proc/$PPID/maps 2>/dev/null | head -n 1); zr_has_ray "$zr_py"; }}'
     ' || zr_py=$(readlink /proc/$PPID/exe 2>/dev/null) || zr_py={name}; '
     'exec "$zr_py"'
 )

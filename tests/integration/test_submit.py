@@ -84,7 +84,11 @@ def test_bare_python_prefers_the_path_python_when_it_has_ray() -> None:
 
 
 def test_bare_python_falls_back_to_the_parent_interpreter(tmp_path: Path) -> None:
-    # On a Ray cluster the entrypoint's parent is the job supervisor; here it is this process.
+    # On a Ray cluster the entrypoint's parent is the job supervisor; here it is this process,
+    # which has imported ray (its environment is found from ray's mapped _raylet.so even when
+    # this interpreter is a virtualenv's that was never activated).
+    import ray  # noqa: F401
+
     if not Path(f"/proc/{os.getpid()}/exe").exists():
         pytest.skip("no /proc here: the fallback to the supervisor's interpreter is Linux-only")
     bin_dir = _wrong_python_dir(tmp_path)
@@ -100,13 +104,17 @@ def test_bare_python_uses_an_activated_virtualenv_before_the_parent(tmp_path: Pa
     bin_dir = _wrong_python_dir(tmp_path)
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)  # stands in for a virtualenv's python
-    command = build_entrypoint(["python", "-c", "import sys; print(sys.executable)"])
+    # Stands in for a virtualenv's python (one with ray): runs this interpreter, saying it was
+    # chosen. A symlink would not do: Python resolves it to a base interpreter, which may lack ray.
+    standin = venv / "bin" / "python"
+    standin.write_text(f"#!/bin/sh\nZR_STANDIN=venv exec {sys.executable} \"$@\"\n")
+    standin.chmod(0o755)
+    command = build_entrypoint(["python", "-c", "import os; print(os.environ.get('ZR_STANDIN'))"])
     proc = subprocess.run(["/bin/sh", "-c", command],
                           env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "VIRTUAL_ENV": str(venv)},
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == str(venv / "bin" / "python")
+    assert proc.stdout.strip() == "venv"
 
 
 def test_token_sources_in_rays_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
