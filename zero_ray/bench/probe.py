@@ -265,9 +265,10 @@ def call_memory_probe(_actor: Any) -> MemoryProbe:
     return memory_probe()
 
 
-def call_arm_ddp_in_step(worker: Any) -> bool:
+def call_reset_ddp_peaks(worker: Any) -> bool:
+    """A DDPWorker's RankWorker.reset_peaks: peak RSS afresh, in-step state counted next."""
     IN_STEP.arm(lambda: call_ddp_worker_state(worker), once=True)  # one torch optimizer per step
-    return True
+    return reset_peak_rss()
 
 
 def call_in_step_state(_actor: Any) -> StateBytes | None:

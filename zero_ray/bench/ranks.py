@@ -19,13 +19,13 @@ from typing import Any, Protocol
 import torch
 
 from zero_ray.bench.probe import (
+    IN_STEP,
     HeldBytes,
     MemoryProbe,
     StateBytes,
     count_bytes,
     flatten_tensors,
     memory_probe,
-    IN_STEP,
     module_state_bytes,
     optimizer_state_tensors,
     reset_peak_rss,

@@ -8,7 +8,6 @@ code of the PyTorch systems lives in ``zero_ray.bench.ranks``.
 
 from __future__ import annotations
 
-
 import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -279,8 +278,7 @@ class DDPSystem:
                            seed=ctx.seed, num_cpus=1.0, timeout_s=ctx.timeout_s)
 
     def reset_peaks(self) -> None:
-        _probe_actors(self._run.workers, probe.call_reset_peak_rss, self._timeout_s)
-        _probe_actors(self._run.workers, probe.call_arm_ddp_in_step, self._timeout_s)
+        _probe_actors(self._run.workers, probe.call_reset_ddp_peaks, self._timeout_s)
 
     def step(self, batch: Batch) -> float | None:
         return float(self._run.step(batch)["step_seconds"])

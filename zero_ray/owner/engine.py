@@ -210,8 +210,10 @@ class ReplicatedParams:
         self.reducer.end_micro_batch(last=last)
 
     def update_grads(self) -> list[torch.Tensor]:
-        # The step's peak of model state: every gradient reduced, none released yet.
-        self._in_step = self.shard.memory_report()
+        # The step's peak of model state: every gradient reduced, none released yet. The
+        # tensors' sizes are fixed by the layout, so the first step's count holds for every step.
+        if self._in_step is None:
+            self._in_step = self.shard.memory_report()
         return [self.shard.update_grad(b) for b in self.shard.buckets]
 
     def apply_update(self, grads: list[torch.Tensor], *, step: int, lr: float) -> None:

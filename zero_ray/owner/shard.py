@@ -63,7 +63,6 @@ class ShardState:
     buckets: list[BucketState]
     parameters: list[torch.nn.Parameter] = field(repr=False)
     optimizer_steps: int = 0
-    grads_held: bool = False  # gradient buffers exist from a step's first backward to its update
 
     @classmethod
     def bind(cls, module: torch.nn.Module, *, layout: FlatLayout, plan: StagePlan, rank: int,
@@ -103,6 +102,11 @@ class ShardState:
         return shard
 
     # -- the gradients' lifetime: one step -------------------------------------------------------
+    @property
+    def grads_held(self) -> bool:
+        """Whether gradient buffers exist (from a step's first backward to its update)."""
+        return any(b.grads is not None or b.grad_shard is not None for b in self.buckets)
+
     def acquire_grads(self) -> None:
         """Allocate this step's zeroed gradient buffers (a no-op while they are held): the full
         flat buffer with the parameters' ``.grad`` as views (replicated gradients) or this rank's
@@ -119,7 +123,6 @@ class ShardState:
             else:
                 lo, hi = spec.shard_range(self.rank)
                 b.grad_shard = torch.zeros(hi - lo, dtype=self.compute_dtype, device=b.params.device)
-        self.grads_held = True
 
     def release_grads(self) -> None:
         """Drop the gradients once the update has used them, as ``zero_grad(set_to_none=True)``
@@ -130,7 +133,6 @@ class ShardState:
             b.grads, b.grad_shard = None, None
         for p in self.parameters:
             p.grad = None
-        self.grads_held = False
 
     # -- gradients available to the update -------------------------------------------------------
     def update_grad(self, bucket: BucketState) -> torch.Tensor:
@@ -143,8 +145,6 @@ class ShardState:
     def check_grad_views(self) -> None:
         """Replicated gradients accumulate in place into the flat buffer; a ``.grad`` that was
         replaced (e.g. ``zero_grad(set_to_none=True)`` inside ``loss_fn``) is folded back."""
-        if not self.grads_held:
-            return
         for b in self.buckets:
             if b.grads is None:
                 continue
