@@ -25,9 +25,11 @@ from zero_ray.core.layout import FlatLayout
 from zero_ray.core.stages import stage_plan
 from zero_ray.errors import CollectiveError, ModelError
 from zero_ray.models import mlp, mse_loss
-from zero_ray.owner.engine import param_specs
-from zero_ray.owner.reducer import STAGING_BUFFERS, BucketReducer, GradReducer, make_reducer
-from zero_ray.owner.shard import ShardState
+from zero_ray.core.precision import LossScaleConfig
+from zero_ray.owner.model_state import STAGING_BUFFERS, ModelState
+from zero_ray.owner.param_group import ParamGroup
+from zero_ray.owner.reducer import GradReducer
+from zero_ray.owner.spec import EngineSpec
 
 COMM_THREAD = "zero_ray-grads-0"
 
@@ -99,12 +101,28 @@ class TwoLayers(torch.nn.Module):
 LINEAR = 16 * 16 + 16  # one Linear(16, 16) per bucket
 
 
+class Shard:
+    """What a test reads of a rank's model state: its groups (one per bucket) and layout."""
+
+    def __init__(self, state: ModelState) -> None:
+        self.state = state
+        self.layout: FlatLayout = state.layout
+        self.buckets: list[ParamGroup] = state.groups
+
+    def release_grads(self) -> None:
+        self.state.end_step()
+
+
 def _bind(stage: int, module: torch.nn.Module, group: RecordingGroup, *, bucket_numel: int,
-          **kwargs: object) -> tuple[ShardState, GradReducer]:
-    layout = FlatLayout.by_size(param_specs(module), world_size=2, bucket_numel=bucket_numel)
-    shard = ShardState.bind(module, layout=layout, plan=stage_plan(stage), rank=0, compute_dtype=torch.float32,
-                            device=torch.device("cpu"), optimizer=zr.SGD(lr=0.1))
-    return shard, make_reducer(shard, group, **kwargs)  # type: ignore[arg-type]
+          micro_batches: int | None = None) -> tuple[Shard, GradReducer]:
+    """``module`` as rank 0 of 2 binds it; without ``micro_batches`` the reducer is not told
+    how many micro-batches a step has and learns it from the first step."""
+    spec = EngineSpec(model_fn=lambda: module, loss_fn=mse_loss, optimizer=zr.SGD(lr=0.1), plan=stage_plan(stage),
+                      compute_dtype=torch.float32, device="cpu", seed=0, bucket_bytes=bucket_numel * 4,
+                      grad_accum_steps=micro_batches or 1, max_grad_norm=None, loss_scale=LossScaleConfig())
+    state = ModelState(spec, rank=0, group=group, device=torch.device("cpu"))  # type: ignore[arg-type]
+    state.reducer.micro_batches = micro_batches
+    return Shard(state), state.reducer
 
 
 def _micro_batches(k: int, width: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -120,20 +138,20 @@ def _run_step(module: torch.nn.Module, reducer: GradReducer, micro: Sequence[tup
         reducer.end_micro_batch(last=i == len(micro) - 1)
 
 
-def _flat_grads(shard: ShardState, ref: torch.nn.Module) -> list[torch.Tensor]:
+def _flat_grads(shard: Shard, ref: torch.nn.Module) -> list[torch.Tensor]:
     """The reference module's gradients laid out as the shard's padded buckets."""
     params = list(ref.parameters())
     out = []
     for b in shard.buckets:
-        flat = torch.zeros(b.spec.padded_numel)
-        for i in b.spec.params:
+        flat = torch.zeros(b.bucket.padded_numel)
+        for i in b.bucket.params:
             p = shard.layout.params[i]
             flat[p.offset:p.end] = params[i].grad.reshape(-1)
         out.append(flat)
     return out
 
 
-def _reference_grads(shard: ShardState, ref: torch.nn.Module,
+def _reference_grads(shard: Shard, ref: torch.nn.Module,
                      micro: Sequence[tuple[torch.Tensor, torch.Tensor]], *, accumulate: bool) -> list[list[torch.Tensor]]:
     """Per micro-batch (or once, accumulated over all of them), the bucketed gradients."""
     out = []
@@ -146,7 +164,7 @@ def _reference_grads(shard: ShardState, ref: torch.nn.Module,
     return out if not accumulate else [_flat_grads(shard, ref)]
 
 
-def _stage2_step(module: torch.nn.Module) -> tuple[ShardState, GradReducer, RecordingGroup, list[list[torch.Tensor]]]:
+def _stage2_step(module: torch.nn.Module) -> tuple[Shard, GradReducer, RecordingGroup, list[list[torch.Tensor]]]:
     """One stage-2 step of two micro-batches, one Linear per bucket; with each micro-batch's
     bucketed gradients from plain autograd on a copy of the module."""
     ref = copy.deepcopy(module)
@@ -170,12 +188,12 @@ def test_stage2_reduces_buckets_in_order_on_the_comm_thread_with_plain_autograd_
     for k, call in enumerate(group.calls):
         assert torch.equal(call.buf, expected[k // nb][k % nb]), f"micro-batch {k // nb}, bucket {k % nb}"
     for b in shard.buckets:
-        want = torch.zeros(b.spec.shard_numel).add_(expected[0][b.spec.index].chunk(2)[0])
-        want.add_(expected[1][b.spec.index].chunk(2)[0])
+        want = torch.zeros(b.bucket.shard_numel).add_(expected[0][b.bucket.index].chunk(2)[0])
+        want.add_(expected[1][b.bucket.index].chunk(2)[0])
         assert torch.equal(b.grad_shard, want)
     assert all(p.grad is None for p in module.parameters())  # dropped once staged
     # Constant staging: STAGING_BUFFERS of the largest bucket however deep the model is.
-    largest = max(b.spec.padded_numel for b in shard.buckets) * 4
+    largest = max(b.bucket.padded_numel for b in shard.buckets) * 4
     assert largest <= reducer.peak_staging_bytes() <= STAGING_BUFFERS * largest
     reducer.close()
 
@@ -187,7 +205,7 @@ def test_stage2_with_one_bucket_keeps_one_staging_buffer() -> None:
     shard, reducer = _bind(2, module, group, bucket_numel=10**6)
     _run_step(module, reducer, _micro_batches(3))
     assert len(shard.buckets) == 1 and len(group.calls) == 3
-    assert reducer.peak_staging_bytes() == shard.buckets[0].spec.padded_numel * 4
+    assert reducer.peak_staging_bytes() == shard.buckets[0].bucket.padded_numel * 4
     reducer.close()
 
 
@@ -217,7 +235,6 @@ def test_a_bucket_is_reduced_while_backward_still_runs(stage: int) -> None:
             for call, want in zip(group.calls, expected[0]):
                 assert torch.equal(call.buf, want)  # both micro-batches accumulated, nothing more
             shard.release_grads()  # as the engine does after the update
-            shard.acquire_grads()
     reducer.close()
 
 
@@ -281,10 +298,11 @@ def test_close_cancels_queued_collectives_and_zeroes_what_an_interrupted_one_wro
     assert all(not b.grads.any() for b in shard.buckets if b.grads is not None)
 
 
-def test_bucket_reducer_is_the_stage2_reducer() -> None:
+def test_stage2_groups_reduce_every_micro_batch_through_staging() -> None:
     torch.manual_seed(0)
-    _, reducer = _bind(2, mlp(16, 2), RecordingGroup(), bucket_numel=LINEAR)
-    assert isinstance(reducer, BucketReducer)
+    shard, reducer = _bind(2, mlp(16, 2), RecordingGroup(), bucket_numel=LINEAR)
+    assert all(g.policy.grads.value == "per_micro_batch" and g.policy.params.value == "whole" for g in shard.buckets)
+    assert reducer.peak_staging_bytes() == 0  # staging buffers are allocated on first use
     reducer.close()
 
 
@@ -306,6 +324,6 @@ def test_stage2_gradients_out_of_bucket_order_get_a_temporary_buffer_and_stay_ex
     assert len(group.calls) == 6
     for k, call in enumerate(group.calls):
         assert torch.equal(call.buf, expected[k // 3][k % 3])  # still in bucket order, exact
-    bucket = shard.buckets[0].spec.padded_numel * 4
+    bucket = shard.buckets[0].bucket.padded_numel * 4
     assert reducer.peak_staging_bytes() == (STAGING_BUFFERS + 1) * bucket  # the pool and one temporary
     reducer.close()

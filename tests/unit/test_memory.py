@@ -13,7 +13,7 @@ from tests_paths import SHARED_DIR
 from zero_ray.core import memory
 from zero_ray.core.memory import (
     STAGES,
-    ModelStateBytes,
+    StateBytes,
     communication_elements,
     communication_volume_multiple,
     largest_trainable_params,
@@ -108,17 +108,17 @@ def test_stage2_exact_fp32_adamw() -> None:
     k = optimizer_bytes_per_param("adamw", mixed_precision=False)
     got = model_state_bytes(stage=2, num_params=1000, world_size=4, param_bytes=4,
                             grad_bytes=4, optimizer_bytes=k)
-    assert got == ModelStateBytes(params=4000, grads=4 * 250, optimizer=8 * 250)
+    assert got == StateBytes(params=4000, grads=4 * 250, optimizer=8 * 250)
     assert got.total == 4000 + 4 * 250 + 8 * 250
 
 
 def test_partitioned_categories_round_up_to_the_padded_shard() -> None:
     # 10 elements on 4 devices: the padded flat layout holds ceil(10 / 4) = 3 per device.
     expected = {
-        0: ModelStateBytes(params=20, grads=20, optimizer=120),
-        1: ModelStateBytes(params=20, grads=20, optimizer=36),
-        2: ModelStateBytes(params=20, grads=6, optimizer=36),
-        3: ModelStateBytes(params=6, grads=6, optimizer=36),
+        0: StateBytes(params=20, grads=20, optimizer=120),
+        1: StateBytes(params=20, grads=20, optimizer=36),
+        2: StateBytes(params=20, grads=6, optimizer=36),
+        3: StateBytes(params=6, grads=6, optimizer=36),
     }
     for stage, want in expected.items():
         assert model_state_bytes(stage=stage, num_params=10, world_size=4) == want

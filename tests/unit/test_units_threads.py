@@ -26,7 +26,8 @@ from zero_ray.core.precision import LossScaleConfig, parse_dtype
 from zero_ray.core.stages import stage_plan
 from zero_ray.core.units import WrapPolicy
 from zero_ray.models import GPT, GPTConfig, lm_loss, mlp, mse_loss
-from zero_ray.owner.engine import EngineSpec, OwnerEngine
+from zero_ray.owner.engine import OwnerEngine
+from zero_ray.owner.spec import EngineSpec
 
 
 class ThreadWorld:
@@ -261,10 +262,10 @@ def test_stage_0_2_gradients_live_for_one_step(stage: int) -> None:
     got, engines, _ = run_ranks(2, MLP_FN, mse_loss, opt, _mlp_batches(), accum=2, stage=stage)
     assert _max_dev(got, ref) <= 1e-6
     for engine in engines:
-        shard = engine.state.shard
-        assert not shard.grads_held
+        groups = engine.state.groups
+        assert not any(g.grads_held for g in groups)
         assert all(p.grad is None for p in engine.module.parameters())
-        assert all(b.grads is None and b.grad_shard is None for b in shard.buckets)
+        assert all(g.grads is None and g.grad_shard is None for g in groups)
         report = engine.memory_report()
         assert report["grads_between_steps"] == 0
         padded = engine.layout.padded_numel

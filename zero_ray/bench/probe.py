@@ -10,37 +10,15 @@ from __future__ import annotations
 import resource
 import sys
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from zero_ray.errors import ConfigError
+from zero_ray.core.memory import StateBytes
 
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
-
-
-@dataclass(frozen=True, kw_only=True)
-class StateBytes:
-    """Model-state bytes one rank holds, by category, counted from the tensors themselves."""
-
-    params: int
-    grads: int
-    optimizer: int
-
-    def __post_init__(self) -> None:
-        for name in ("params", "grads", "optimizer"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ConfigError(f"StateBytes.{name}={value!r} must be an integer >= 0")
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer
-
-    def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
 
 
 @dataclass(frozen=True, kw_only=True)

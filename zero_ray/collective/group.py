@@ -35,12 +35,12 @@ class Collective(Protocol):
     world_size: int
     counters: ByteCounters
 
-    def reduce_scatter_(self, buf: torch.Tensor) -> torch.Tensor:
+    def reduce_scatter_(self, buf: torch.Tensor, *, op: str = "reduce_scatter") -> torch.Tensor:
         """Sum ``buf`` across ranks into this rank's chunk (in place); return that chunk.
-        The other chunks of ``buf`` are left holding partial sums."""
+        The other chunks of ``buf`` are left holding partial sums. ``op`` names the bytes sent."""
         ...
 
-    def all_gather_(self, buf: torch.Tensor) -> None:
+    def all_gather_(self, buf: torch.Tensor, *, op: str = "all_gather") -> None:
         """Fill every chunk of ``buf`` from its owner; this rank's chunk is the input."""
         ...
 
@@ -76,10 +76,10 @@ class SoloGroup:
         self.world_size = 1
         self.counters = ByteCounters()
 
-    def reduce_scatter_(self, buf: torch.Tensor) -> torch.Tensor:
+    def reduce_scatter_(self, buf: torch.Tensor, *, op: str = "reduce_scatter") -> torch.Tensor:
         return buf
 
-    def all_gather_(self, buf: torch.Tensor) -> None:
+    def all_gather_(self, buf: torch.Tensor, *, op: str = "all_gather") -> None:
         return None
 
     def all_reduce_(self, buf: torch.Tensor) -> None:

@@ -119,15 +119,21 @@ class CommStream:
 
     # -- collectives by label -------------------------------------------------------------------
     def all_gather(self, buf: torch.Tensor, *, op: str) -> None:
-        """All-gather ``buf`` in place, counting the bytes under ``op`` (call on the stream)."""
+        """All-gather ``buf`` in place, counting the bytes under ``op`` (on the stream, or on the
+        compute thread while the stream is idle)."""
         if self.group.world_size > 1:
-            self.group.all_gather_(buf, op=op)  # type: ignore[call-arg]
+            self.group.all_gather_(buf, op=op)
 
     def reduce_scatter(self, buf: torch.Tensor, *, op: str) -> torch.Tensor:
         """Reduce-scatter ``buf`` in place; this rank's summed chunk (call on the stream)."""
         if self.group.world_size == 1:
             return buf
-        return self.group.reduce_scatter_(buf, op=op)  # type: ignore[call-arg]
+        return self.group.reduce_scatter_(buf, op=op)
+
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        """All-reduce ``buf`` in place (call on the stream)."""
+        if self.group.world_size > 1:
+            self.group.all_reduce_(buf)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def rebind(self, group: Collective) -> None:

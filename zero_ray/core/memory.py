@@ -25,8 +25,8 @@ from zero_ray.errors import ConfigError
 
 __all__ = [
     "STAGES",
-    "ModelStateBytes",
     "StageSpec",
+    "StateBytes",
     "communication_elements",
     "communication_volume_multiple",
     "largest_trainable_params",
@@ -86,17 +86,25 @@ _OPTIMIZER_ALIASES: Mapping[str, str] = MappingProxyType({"adam": "adamw", "adam
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelStateBytes:
-    """Model-state bytes held by one device, by category."""
+class StateBytes:
+    """Model-state bytes held by one device, by category: what the formulas predict, what a
+    rank's memory report measures and what the benchmark counts for every system."""
 
     params: int
     grads: int
     optimizer: int
 
+    def __post_init__(self) -> None:
+        for name in ("params", "grads", "optimizer"):
+            _check_int(f"StateBytes.{name}", getattr(self, name), minimum=0)
+
     @property
     def total(self) -> int:
         """Parameters + gradients + optimizer state, in bytes."""
         return self.params + self.grads + self.optimizer
+
+    def as_dict(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "total": self.total}
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> int:
@@ -130,14 +138,26 @@ def optimizer_bytes_per_param(optimizer: str, *, mixed_precision: bool, momentum
     return _OPTIMIZER_BYTES[(canonical, bool(mixed_precision), bool(momentum))]
 
 
+def _trainable(num_params: int, trainable_params: int | None) -> int:
+    if trainable_params is None:
+        return num_params
+    _check_int("trainable_params", trainable_params, minimum=0)
+    if trainable_params > num_params:
+        raise ConfigError(f"{trainable_params=} exceeds {num_params=}")
+    return trainable_params
+
+
 def model_state_bytes(*, stage: int, num_params: int, world_size: int, param_bytes: int = 2,
-                      grad_bytes: int = 2, optimizer_bytes: int = 12) -> ModelStateBytes:
+                      grad_bytes: int = 2, optimizer_bytes: int = 12,
+                      trainable_params: int | None = None) -> StateBytes:
     """Model-state bytes on ONE of `world_size` data-parallel devices at ZeRO `stage`.
 
-    A replicated category holds all `num_params` elements; a partitioned one holds
-    `ceil(num_params / world_size)` (the padded shard), so the result is the paper's formula
-    exactly when `num_params` is a multiple of `world_size` and slightly above it otherwise.
-    The defaults are the paper's mixed-precision Adam (2 + 2 + 12 bytes per parameter).
+    A replicated category holds all its elements; a partitioned one holds `ceil(elements /
+    world_size)` (the padded shard), so the result is the paper's formula exactly when the count
+    is a multiple of `world_size` and slightly above it otherwise. The defaults are the paper's
+    mixed-precision Adam (2 + 2 + 12 bytes per parameter). With `trainable_params` below
+    `num_params` (frozen parameters, e.g. a LoRA fine-tune), every parameter costs
+    `param_bytes` and only the trainable ones have gradients and optimizer state.
     """
     spec = stage_spec(stage)
     _check_int("num_params", num_params, minimum=0)
@@ -145,16 +165,15 @@ def model_state_bytes(*, stage: int, num_params: int, world_size: int, param_byt
     _check_int("param_bytes", param_bytes, minimum=0)
     _check_int("grad_bytes", grad_bytes, minimum=0)
     _check_int("optimizer_bytes", optimizer_bytes, minimum=0)
+    trainable = _trainable(num_params, trainable_params)
 
-    shard = -(-num_params // world_size)  # integer ceil: floats lose exactness above 2**53
+    def elements(count: int, partitioned: bool) -> int:
+        return -(-count // world_size) if partitioned else count  # integer ceil: exact above 2**53
 
-    def elements(partitioned: bool) -> int:
-        return shard if partitioned else num_params
-
-    return ModelStateBytes(
-        params=elements(spec.partitions_params) * param_bytes,
-        grads=elements(spec.partitions_grads) * grad_bytes,
-        optimizer=elements(spec.partitions_optimizer) * optimizer_bytes,
+    return StateBytes(
+        params=elements(num_params, spec.partitions_params) * param_bytes,
+        grads=elements(trainable, spec.partitions_grads) * grad_bytes,
+        optimizer=elements(trainable, spec.partitions_optimizer) * optimizer_bytes,
     )
 
 
@@ -163,27 +182,38 @@ def communication_volume_multiple(stage: int) -> int:
     return stage_spec(stage).communication_multiple
 
 
-def communication_elements(*, stage: int, num_params: int, world_size: int) -> float:
+def communication_elements(*, stage: int, num_params: int, world_size: int,
+                           trainable_params: int | None = None) -> float:
     """Elements each device sends per training step with ring collectives.
 
     Stages 0-2 move 2Ψ (reduce-scatter of gradients + all-gather of parameters, which is what an
     all-reduce is), stage 3 moves 3Ψ (parameters are all-gathered in forward and again in
     backward); a ring sends (N - 1) / N of that volume from each device, so one device sends 0.
+    Frozen parameters are neither reduced nor updated: stages 0-2 move 2 Ψ_trainable; stage 3
+    gathers every parameter twice and reduces the trainable ones (at most 2Ψ + Ψ_trainable: a
+    frozen unit that backward never passes through is not gathered again).
     """
     multiple = communication_volume_multiple(stage)
     _check_int("num_params", num_params, minimum=0)
     _check_int("world_size", world_size, minimum=1)
-    return (world_size - 1) / world_size * multiple * num_params
+    trainable = _trainable(num_params, trainable_params)
+    volume = (multiple - 1) * num_params + trainable if stage_spec(stage).partitions_params else 2 * trainable
+    return (world_size - 1) / world_size * volume
 
 
 def largest_trainable_params(*, stage: int, world_size: int, device_bytes: float, param_bytes: int = 2,
-                             grad_bytes: int = 2, optimizer_bytes: int = 12) -> float:
+                             grad_bytes: int = 2, optimizer_bytes: int = 12,
+                             trainable_fraction: float = 1.0) -> float:
     """The Ψ whose model states exactly fill `device_bytes` per device at `stage`.
 
     Uses the continuous formula (no shard padding), as the paper's Table 2 does: with 32 GB and
     64 devices it gives 2B, 7.6B, 14.4B and 128B for stages 0-3. Memory for activations and
-    buffers is not subtracted; pass a smaller `device_bytes` to leave room for them.
+    buffers is not subtracted; pass a smaller `device_bytes` to leave room for them. With
+    `trainable_fraction` below 1, only that fraction of Ψ has gradients and optimizer state.
     """
+    if isinstance(trainable_fraction, bool) or not isinstance(trainable_fraction, (int, float)) \
+            or not 0 < trainable_fraction <= 1:
+        raise ConfigError(f"{trainable_fraction=} must be a number in (0, 1]")
     spec = stage_spec(stage)
     _check_int("world_size", world_size, minimum=1)
     _check_int("param_bytes", param_bytes, minimum=0)
@@ -197,8 +227,8 @@ def largest_trainable_params(*, stage: int, world_size: int, device_bytes: float
         return nbytes / world_size if partitioned else float(nbytes)
 
     bytes_per_param = (per_param(param_bytes, spec.partitions_params)
-                       + per_param(grad_bytes, spec.partitions_grads)
-                       + per_param(optimizer_bytes, spec.partitions_optimizer))
+                       + trainable_fraction * per_param(grad_bytes, spec.partitions_grads)
+                       + trainable_fraction * per_param(optimizer_bytes, spec.partitions_optimizer))
     if bytes_per_param == 0:
         raise ConfigError("param_bytes, grad_bytes and optimizer_bytes are all 0: "
                           "a parameter that costs nothing has no largest model")

@@ -30,7 +30,7 @@ from zero_ray.config import ControlTLS
 from zero_ray.errors import ControlError, OwnerError, OwnerLostError, ResourceError, ZeroRayError, domain_error
 from zero_ray.core.reshard import backup_peers
 from zero_ray.owner.actor import OwnerOptions, RemotePartitionOwner
-from zero_ray.owner.engine import EngineSpec
+from zero_ray.owner.spec import EngineSpec
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from zero_ray.errors import (
     StopRequested,
     ZeroRayError,
 )
-from zero_ray.owner.engine import EngineSpec, LossFn, ModelFn
+from zero_ray.owner.spec import EngineSpec, LossFn, ModelFn
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ from zero_ray.owner.checkpointing import ShardSaver
 from zero_ray.owner.control import OwnerControl
 from zero_ray.core.reshard import plan_moves
 from zero_ray.errors import CollectiveError
-from zero_ray.owner.engine import EngineSpec, OwnerEngine, StepPhase
+from zero_ray.owner.engine import OwnerEngine, StepPhase
+from zero_ray.owner.spec import EngineSpec
 from zero_ray.owner.redundancy import PeerSnapshots
 from zero_ray.owner.resize import bucket_numels, exchange, install, stage_buffers
 

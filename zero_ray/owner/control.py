@@ -7,7 +7,6 @@ actor's compute thread is blocked inside a collective.
 from __future__ import annotations
 
 import os
-import threading
 import time
 import traceback
 from typing import TYPE_CHECKING

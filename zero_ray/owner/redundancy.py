@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from zero_ray.collective.group import Collective
-from zero_ray.owner.engine import OptimizerSlice, OwnerEngine
+from zero_ray.owner.engine import OwnerEngine
+from zero_ray.owner.param_group import OptimizerSlice
 from zero_ray.owner.resize import run_p2p
 
 

@@ -20,7 +20,7 @@ from zero_ray.collective.group import Collective
 from zero_ray.core.layout import Bucket
 from zero_ray.core.reshard import Move, bucket_range
 from zero_ray.errors import CollectiveError
-from zero_ray.owner.engine import OptimizerSlice
+from zero_ray.owner.param_group import OptimizerSlice
 
 
 @dataclass(frozen=True, kw_only=True)

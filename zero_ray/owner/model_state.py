@@ -1,0 +1,315 @@
+"""ModelState: one rank's model, built as parameter groups, for every stage.
+
+Building: the module comes from ``model_fn()`` (whole on the host, one rank of a node at a time
+when parameters are partitioned; or with meta parameters, from recorded initialisations or a
+state dict), ``core.groups.plan_groups`` splits its parameters into groups (size buckets, or per
+stage-3 unit; trainable and frozen apart), ``FlatLayout`` lays the groups out as buckets, and
+each ``ParamGroup`` takes its values from the source and binds the module's parameters to its
+storage. A ``GradReducer`` combines the trainable groups' gradients; where groups are gathered
+per use a ``UnitScheduler`` gathers and frees them around each unit.
+
+What differs between stages is in the groups' policies; this class only wires the pieces.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zero_ray.collective.group import Collective
+from zero_ray.core.groups import GradFlow, GroupSpec, ParamResidency, plan_groups
+from zero_ray.core.layout import FlatLayout
+from zero_ray.core.stages import Residency
+from zero_ray.core.units import UnitPlan, plan_units
+from zero_ray.errors import ConfigError
+from zero_ray.owner.accounting import StateCounter, held_storage_bytes
+from zero_ray.owner.buffers import BufferPool
+from zero_ray.owner.materialize import build_recorded
+from zero_ray.owner.param_group import OptimizerSlice, ParamGroup
+from zero_ray.owner.reducer import GradReducer
+from zero_ray.owner.schedule import Unit, UnitScheduler
+from zero_ray.owner.sources import (
+    ModuleSource,
+    ParamSource,
+    RecipeSource,
+    StateDictSource,
+    build_module,
+    cast_buffers,
+    check_module,
+    describe_modules,
+    node_turn,
+    param_specs,
+)
+from zero_ray.owner.spec import EngineSpec
+
+#: staging buffers for gradients reduced per micro-batch from whole parameters (stage 2), each
+#: as large as the largest group: one being filled by backward while the other is reduced
+STAGING_BUFFERS = 2
+
+
+class ModelState:
+    """A rank's module, its parameter groups and what moves their gradients and parameters."""
+
+    def __init__(self, spec: EngineSpec, *, rank: int, group: Collective, device: torch.device) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.dtype = spec.compute_dtype
+        self._empty = torch.empty(0, dtype=self.dtype, device=device)
+        self.device = self._empty.device  # with its index ("cuda:0"), as tensors report it
+        self._collective = group
+        self.layout: FlatLayout
+        self.module: nn.Module
+        self.groups: list[ParamGroup] = []
+        self.units: list[Unit] = []
+        self.pools: list[BufferPool] = []
+        self.trainable: list[bool] = []  # by layout parameter index
+        self.param_steps: list[int] = []  # optimizer steps each parameter has taken (torch's state["step"])
+        self.scheduler: UnitScheduler | None = None
+        self._in_step: dict[str, int] | None = None
+        self._construct()
+
+    # -- construction ---------------------------------------------------------------------------------
+    def _construct(self) -> None:
+        spec = self.spec
+        per_use = spec.plan.parameters is Residency.SHARDED
+        if spec.init_state_dict is not None:
+            # Partitioned parameters never exist whole: build the structure on meta, read values by slice.
+            module = (check_module(build_recorded(spec.model_fn, seed=spec.seed, record=False)[0]) if per_use
+                      else build_module(spec.model_fn, spec.seed))
+            _, _, names = describe_modules(module)
+            shapes = [tuple(p.shape) for p in module.parameters()]
+            self._bind(module, StateDictSource(spec.init_state_dict, names=names, shapes=shapes))
+        elif per_use and spec.stage3.init == "low_memory":
+            module, recorder = build_recorded(spec.model_fn, seed=spec.seed)
+            module = check_module(module)
+            self._bind(module, RecipeSource(recorder, list(module.parameters())))
+        elif per_use:
+            # Whole on the host, one rank of a node at a time: a host never holds two full copies.
+            turn, turns = node_turn(self._collective, self.rank)
+            for t in range(turns):
+                if t == turn:
+                    module = build_module(spec.model_fn, spec.seed)
+                    self._bind(module, ModuleSource(list(module.parameters())))
+                    del module
+                self._collective.barrier()
+        else:
+            module = build_module(spec.model_fn, spec.seed)
+            self._bind(module, ModuleSource(list(module.parameters())))
+
+    def _bind(self, module: nn.Module, source: ParamSource) -> None:
+        spec, n = self.spec, self._collective.world_size
+        infos, sites, names = describe_modules(module)
+        named = list(module.named_parameters())
+        self.trainable = [p.requires_grad for _, p in named]
+        units: UnitPlan | None = None
+        if spec.plan.parameters is Residency.SHARDED:
+            units = plan_units(infos, [p.numel() for _, p in named], policy=spec.stage3.wrap_policy,
+                               persistence_threshold=spec.stage3.persistence_threshold, sites=sites)
+        element = torch.finfo(self.dtype).bits // 8
+        specs = plan_groups(spec.plan, shapes=[tuple(p.shape) for _, p in named], trainable=self.trainable,
+                            bucket_numel=max(1, spec.bucket_bytes // element), units=units)
+        self.layout = layout = FlatLayout.build(param_specs(module), world_size=n,
+                                                groups=[list(g.params) for g in specs])
+        params = self._placeholders(module, [p for _, p in named], names)
+        gather_of, staging_of = self._pools(specs, units, layout)
+        self.groups = [ParamGroup(g, layout=layout, params=[params[i] for i in g.params], rank=self.rank,
+                                  dtype=self.dtype, device=self.device, optimizer=spec.optimizer, source=source,
+                                  empty=self._empty, staging=staging_of.get(g.index)) for g in specs]
+        for name, buf in module.named_buffers():
+            value = source.buffer(name)
+            if value is not None:
+                with torch.no_grad():
+                    buf.copy_(value)
+        module.to(self.device)
+        cast_buffers(module, self.dtype)
+        self.module = module
+        self.param_steps = [0] * len(named)
+        staging = [p for p in self.pools if p.name.endswith(("staging", "reduce"))]
+        self.reducer = GradReducer(self.groups, self._collective, rank=self.rank,
+                                   micro_batches=spec.grad_accum_steps, staging=staging)
+        if units is not None:
+            self.units = [Unit(spec=u, module=module.get_submodule(u.path), pool=gather_of[u.index],
+                               groups=sorted((g for g in self.groups if g.spec.unit == u.index),
+                                             key=lambda g: not g.policy.trainable))
+                          for u in units.units]
+            self.scheduler = UnitScheduler(self.units, root=module, config=spec.stage3, stream=self.reducer.stream,
+                                           reducer=self.reducer, device=self.device,
+                                           pools=[p for p in self.pools if p.name.endswith(("gather", "reduce"))])
+        for g in self.groups:
+            g.acquire_grads()  # counted by memory_report() before the first step
+
+    def _placeholders(self, module: nn.Module, params: list[nn.Parameter], names: list[list[str]]) -> list[nn.Parameter]:
+        """The module's parameters, with those built on the meta device replaced (under every name
+        that registers them) by parameters the groups can bind to storage."""
+        out = []
+        for p, aliases in zip(params, names):
+            if p.is_meta:
+                new = nn.Parameter(self._empty, requires_grad=p.requires_grad)
+                for full_name in aliases:
+                    owner, _, attr = full_name.rpartition(".")
+                    module.get_submodule(owner)._parameters[attr] = new
+                p = new
+            out.append(p)
+        return out
+
+    def _pools(self, specs: list[GroupSpec], units: UnitPlan | None,
+               layout: FlatLayout) -> tuple[dict[int, BufferPool], dict[int, BufferPool]]:
+        """The buffer pools: gradient staging for whole parameters reduced per micro-batch; for
+        units, gathered and reduce buffers shared by the non-root units and the root's own
+        (the root is live for the whole forward and backward). Returns pools by unit (gather)
+        and by group (staging)."""
+        def padded(g: GroupSpec) -> int:
+            return layout.buckets[g.index].padded_numel
+
+        staging_of: dict[int, BufferPool] = {}
+        whole = [g for g in specs if g.policy.params is ParamResidency.WHOLE
+                 and g.policy.grads is GradFlow.PER_MICRO_BATCH]
+        if whole:
+            pool = BufferPool(name="staging", count=STAGING_BUFFERS, numel=max(padded(g) for g in whole),
+                              dtype=self.dtype, device=self.device, preallocate=False)
+            self.pools.append(pool)
+            staging_of.update({g.index: pool for g in whole})
+        gather_of: dict[int, BufferPool] = {}
+        if units is None:
+            return gather_of, staging_of
+        cfg = self.spec.stage3
+        root = next((u for u in units.units if u.path == ""), None)
+        nonroot = [u for u in units.units if u.path != ""]
+        nesting = 1 + max((u.depth - (1 if root is not None else 0) for u in nonroot), default=-1)
+        count = cfg.max_live_units if cfg.max_live_units is not None else nesting + cfg.prefetch_depth + 1
+        if nonroot and count < nesting:
+            raise ConfigError(f"max_live_units={count} is below the unit nesting depth {nesting}: nested units "
+                              "are gathered together; raise max_live_units")
+
+        def members(unit: int) -> list[GroupSpec]:
+            return [g for g in specs if g.unit == unit]
+
+        for name, chosen, n in (("", nonroot, count if nonroot else 0), ("root_", [root] if root else [], 1)):
+            if not chosen:
+                continue
+            gather = BufferPool(name=name + "gather", count=n, numel=max(sum(padded(g) for g in members(u.index))
+                                                                          for u in chosen),
+                                dtype=self.dtype, device=self.device, preallocate=True)
+            trained = [g for u in chosen for g in members(u.index) if g.policy.trainable]
+            reduce = BufferPool(name=name + "reduce", count=n if trained else 0,
+                                numel=max((padded(g) for g in trained), default=0), dtype=self.dtype,
+                                device=self.device, preallocate=True)
+            self.pools += [gather, reduce]
+            gather_of.update({u.index: gather for u in chosen})
+            staging_of.update({g.index: reduce for g in trained})
+        return gather_of, staging_of
+
+    # -- the step ---------------------------------------------------------------------------------------
+    @property
+    def trainable_groups(self) -> list[ParamGroup]:
+        return [g for g in self.groups if g.policy.trainable]
+
+    def begin_micro_batch(self) -> None:
+        self.reducer.begin_micro_batch()
+        if self.scheduler is not None:
+            self.scheduler.begin_micro_batch()
+
+    def end_micro_batch(self, *, last: bool) -> None:
+        if self.scheduler is not None:
+            self.scheduler.end_micro_batch()
+        self.reducer.end_micro_batch(last=last)
+
+    def update_grads(self) -> list[torch.Tensor]:
+        """One reduced gradient per trainable group (compute dtype, over its update slice)."""
+        # The step's peak of model state: every gradient reduced, none released yet. The
+        # tensors' sizes are fixed by the layout, so the first step's count holds for every step.
+        if self._in_step is None:
+            self._in_step = self._count()
+        return [g.update_grad() for g in self.trainable_groups]
+
+    def used_marks(self) -> list[bool]:
+        """Per trainable parameter (layout order): whether this rank saw a gradient this step."""
+        seen = [False] * len(self.trainable)
+        for g in self.trainable_groups:
+            for i, used in zip(g.members, g.used):
+                seen[i] = used
+        return [seen[i] for i, t in enumerate(self.trainable) if t]
+
+    def expand_marks(self, marks: list[bool]) -> list[bool]:
+        """``used_marks``-ordered marks as a list by layout parameter index (frozen: False)."""
+        out, it = [False] * len(self.trainable), iter(marks)
+        for i, t in enumerate(self.trainable):
+            if t:
+                out[i] = next(it)
+        return out
+
+    def apply_update(self, grads: list[torch.Tensor], *, lr: float, used: list[bool]) -> None:
+        """Update the parameters some rank produced a gradient for (``used``, by layout index),
+        each with its own step count, and publish them."""
+        for g, grad in zip(self.trainable_groups, grads):
+            g.apply_update(self.spec.optimizer, grad, lr=lr, used=used, steps=self.param_steps)
+            g.publish(self.reducer.stream)
+        for i, u in enumerate(used):
+            if u:
+                self.param_steps[i] += 1
+
+    def publish_masters(self) -> None:
+        """Make the compute-dtype parameters agree with the masters after they were overwritten
+        (a checkpoint restore, a reshard): copy, and all-gather where parameters are whole."""
+        for g in self.groups:
+            g.publish(self.reducer.stream)
+
+    def end_step(self) -> None:
+        """The update has used the step's gradients: release them."""
+        for g in self.trainable_groups:
+            g.release_grads()
+
+    def discard(self) -> None:
+        """Forget an interrupted step."""
+        if self.scheduler is not None:
+            self.scheduler.discard()
+        self.reducer.reset()
+
+    def rebind(self, group: Collective) -> None:
+        self._collective = group
+        self.reducer.rebind(group)
+
+    # -- reports and transfer -------------------------------------------------------------------------
+    def _count(self) -> dict[str, int]:
+        counter = StateCounter()
+        for g in self.groups:
+            g.count(counter)
+        report = counter.finish()
+        for key in ("persistent_params", "persistent_grads"):
+            report.setdefault(key, 0)
+        gathered = sum(p.nbytes for p in self.pools if p.name.endswith("gather"))
+        reduce = sum(p.nbytes for p in self.pools if p.name.endswith("reduce"))
+        report["gather_buffers"], report["reduce_buffers"] = gathered, reduce
+        report["total"] += report["persistent_params"] + report["persistent_grads"] + gathered + reduce
+        tensors = [t for g in self.groups for t in g.tensors()]
+        tensors += [b.tensor for p in self.pools if p.name.endswith(("gather", "reduce")) for b in p.buffers]
+        report["held_storage_bytes"] = held_storage_bytes(tensors)
+        return report
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """The most bytes of units' parameters gathered at once (0 when nothing is gathered)."""
+        return self.scheduler.peak_gathered_bytes if self.scheduler is not None else 0
+
+    def memory_report(self) -> dict[str, int]:
+        """Model state during a step, the paper's figure: counted at the last step's peak (every
+        gradient reduced, none released) or, before any step, as allocated. Between steps the
+        gradients are released (``grads_between_steps``)."""
+        report = dict(self._in_step or self._count())
+        report["grads_between_steps"] = 0  # released after every update
+        report["staging_peak"] = self.reducer.peak_staging_bytes()
+        report["gathered_peak"] = self.peak_gathered_bytes
+        report["units"] = len(self.units)
+        report["persistent_numel"] = sum(g.bucket.numel for g in self.groups if g.policy.label)
+        report["trainable_numel"] = sum(g.bucket.numel for g in self.trainable_groups)
+        return report
+
+    def optimizer_slices(self) -> list[OptimizerSlice]:
+        """Every group's slice, in layout-bucket order (frozen ones without moments)."""
+        return [g.optimizer_slice() for g in self.groups]
+
+    def master_fragments(self) -> dict[str, tuple[int, int, torch.Tensor]]:
+        out: dict[str, tuple[int, int, torch.Tensor]] = {}
+        for g in self.groups:
+            out.update(g.master_fragments(self.layout))
+        return out

@@ -1,0 +1,37 @@
+"""EngineSpec: what every rank needs to build the same model state and run the same step."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zero_ray.config import Stage3Config
+from zero_ray.core.optim import Optimizer
+from zero_ray.core.precision import LossScaleConfig
+from zero_ray.core.stages import StagePlan
+
+ModelFn = Callable[[], torch.nn.Module]
+LossFn = Callable[[torch.nn.Module, Any], Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """What every rank needs to build the same model state."""
+
+    model_fn: ModelFn
+    loss_fn: LossFn
+    optimizer: Optimizer
+    plan: StagePlan
+    compute_dtype: torch.dtype
+    device: str
+    seed: int
+    bucket_bytes: int
+    grad_accum_steps: int
+    max_grad_norm: float | None
+    loss_scale: LossScaleConfig
+    stage3: Stage3Config = field(default_factory=Stage3Config)
+    init_state_dict: str | os.PathLike[str] | Mapping[str, Any] | None = None  # fine-tuning start
