@@ -81,7 +81,8 @@ class ShardFile:
 @dataclass(frozen=True, kw_only=True)
 class ParamRecord:
     """A parameter of the saved model: ``name`` as in ``named_parameters()``, every name it has in
-    ``state_dict()`` (tied weights have several), shape, dtype, and where the saving layout put it."""
+    ``state_dict()`` (tied weights have several), shape, dtype, where the saving layout put it,
+    and whether it was trained (a frozen parameter has master values only, no moments)."""
 
     name: str
     aliases: tuple[str, ...]
@@ -89,10 +90,15 @@ class ParamRecord:
     dtype: str
     bucket: int
     offset: int
+    trainable: bool = True
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def kinds(self, moments: Sequence[str]) -> tuple[str, ...]:
+        """The kinds saved for this parameter: master, and the moments when it was trained."""
+        return (MASTER, *moments) if self.trainable else (MASTER,)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,14 +132,19 @@ class Manifest:
     loss_scaler: Mapping[str, float]
     files: tuple[ShardFile, ...]
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # Parameters whose own optimizer step count differs from optimizer_steps (a parameter no rank
+    # had a gradient for in some steps is skipped, as torch.optim skips grad=None): name -> steps.
+    param_steps: Mapping[str, int] = field(default_factory=dict)
     # Not an __init__ argument, so dataclasses.replace() builds a fresh index for the new files.
     _index: dict[tuple[str, str], list[tuple[int, Entry]]] = field(default_factory=dict, init=False, compare=False,
                                                                    repr=False)
+    _by_name: dict[str, ParamRecord] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     # -- serialization ------------------------------------------------------------------------
     def to_json(self) -> str:
         data = asdict(self)
         data.pop("_index")
+        data.pop("_by_name")
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
@@ -158,11 +169,19 @@ class Manifest:
             raise CheckpointError(f"{where} lacks or misnames a field ({err!r}); the checkpoint is corrupt") from err
 
     # -- queries ------------------------------------------------------------------------------
+    def steps_of(self, name: str) -> int:
+        """Optimizer steps parameter ``name`` has taken (0 when it was saved frozen)."""
+        if not self.param(name).trainable:
+            return 0
+        return int(self.param_steps.get(name, self.optimizer_steps))
+
     def param(self, name: str) -> ParamRecord:
-        for p in self.params:
-            if p.name == name:
-                return p
-        raise CheckpointError(f"the checkpoint has no parameter named {name!r}")
+        if not self._by_name:
+            self._by_name.update((p.name, p) for p in self.params)
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise CheckpointError(f"the checkpoint has no parameter named {name!r}") from None
 
     def entries(self, kind: str, name: str) -> list[tuple[int, Entry]]:
         """``(file index, entry)`` of ``kind`` of ``name``, sorted by start."""
@@ -225,7 +244,8 @@ def build_manifest(*, model: Mapping[str, Any], files: Sequence[ShardFile], step
         params=_param_records(model["params"]), buckets=_bucket_records(model["buckets"]),
         optimizer=dict(optimizer), param_groups={k: tuple(v) for k, v in model["param_groups"].items()},
         moments=tuple(model["moments"]), loss_scaler=dict(model["loss_scaler"]),
-        files=tuple(sorted(files, key=lambda f: f.rank)), extra=dict(extra or {}))
+        files=tuple(sorted(files, key=lambda f: f.rank)), extra=dict(extra or {}),
+        param_steps=dict(model.get("param_steps", {})))
 
 
 @dataclass(frozen=True, kw_only=True)

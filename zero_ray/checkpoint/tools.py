@@ -56,6 +56,7 @@ def inspect_checkpoint(path: str, *, verify: bool = False, storage: Storage | No
         "loss_scaler": dict(m.loss_scaler),
         "params": len(m.params),
         "elements": sum(p.numel for p in m.params),
+        "trainable_elements": sum(p.numel for p in m.params if p.trainable),
         "buckets": len(m.buckets),
         "buffers": len(m.entries_of_kind(BUFFER)),
         "extra": dict(m.extra),
@@ -82,7 +83,7 @@ def _rank_items(reader: CheckpointReader, layout: FlatLayout, rank: int) -> list
     for bucket in layout.buckets:
         for f in layout.shard_fragments(bucket.index, rank):
             name = layout.params[f.param].name
-            for kind in (MASTER, *m.moments):
+            for kind in m.params[f.param].kinds(m.moments):
                 items.append(Item(key=f"{kind}/{name}/{f.param_start}", kind=kind, name=name, start=f.param_start,
                                   end=f.param_end, tensor=reader.read(kind, name, f.param_start, f.param_end)))
     copied = list(m.entries(RNG, f"torch/{rank}"))  # a copy: entries() returns the manifest's own index

@@ -72,6 +72,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    """--trainable-fraction: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (write e.g. 0.01 for 1%)") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]: the share of parameters that train")
+    return value
+
+
 def _device_gb(text: str) -> float:
     """--device-memory-gb: a positive, finite number of GB (1e9 bytes)."""
     try:
@@ -103,6 +114,9 @@ def register(subparsers: Any) -> None:
                         help="optimizer whose state is counted (default: %(default)s)")
     parser.add_argument("--no-momentum", dest="momentum", action="store_false",
                         help="SGD without momentum (no momentum buffer)")
+    parser.add_argument("--trainable-fraction", type=_fraction, default=1.0, metavar="F",
+                        help="share of the parameters that train (frozen ones, e.g. a LoRA base model, have "
+                             "no gradients or optimizer state); default: %(default)s")
     parser.add_argument("--device-memory-gb", type=_device_gb, default=None, metavar="GB",
                         help="device memory in GB (1e9 bytes); also print the largest model whose "
                              "model states fit, per stage")
@@ -129,9 +143,20 @@ def _human_count(value: float) -> str:
     return f"{value:.0f}"
 
 
+def _volume(stage: int, partitions_params: bool, *, frozen: bool) -> str:
+    """The per-step volume in units of Psi; with frozen parameters only the trainable ones
+    (Psi_t) are reduced and updated."""
+    multiple = communication_volume_multiple(stage)
+    if not frozen:
+        return f"{multiple} Psi"
+    return f"{multiple - 1} Psi + Psi_t" if partitions_params else f"{multiple} Psi_t"
+
+
 def _print_block(out: TextIO, *, num_params: int, world_size: int, acct: _Accounting,
-                 device_gb: float | None) -> None:
-    print(f"Psi = {num_params} parameters ({_human_count(num_params)}), Nd = {world_size}", file=out)
+                 device_gb: float | None, fraction: float = 1.0) -> None:
+    trainable = min(num_params, max(0, round(fraction * num_params)))
+    share = f", {trainable} trainable ({fraction:g})" if fraction < 1 else ""
+    print(f"Psi = {num_params} parameters ({_human_count(num_params)}){share}, Nd = {world_size}", file=out)
     headers = ["stage", "partitioned", "GB/device", "GiB/device", "vs stage 0",
                "comm volume", "sent/device/step"]
     if device_gb is not None:
@@ -139,13 +164,14 @@ def _print_block(out: TextIO, *, num_params: int, world_size: int, acct: _Accoun
 
     baseline = model_state_bytes(stage=0, num_params=num_params, world_size=world_size,
                                  param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes,
-                                 optimizer_bytes=acct.optimizer_bytes).total
+                                 optimizer_bytes=acct.optimizer_bytes, trainable_params=trainable).total
     rows: list[list[str]] = []
     for stage, spec in STAGES.items():
         total = model_state_bytes(stage=stage, num_params=num_params, world_size=world_size,
                                   param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes,
-                                  optimizer_bytes=acct.optimizer_bytes).total
-        sent = communication_elements(stage=stage, num_params=num_params, world_size=world_size)
+                                  optimizer_bytes=acct.optimizer_bytes, trainable_params=trainable).total
+        sent = communication_elements(stage=stage, num_params=num_params, world_size=world_size,
+                                      trainable_params=trainable)
         row = [
             f"{stage} {spec.name}",
             "+".join(spec.partitioned) or "nothing",
@@ -153,14 +179,14 @@ def _print_block(out: TextIO, *, num_params: int, world_size: int, acct: _Accoun
             f"{total / _GIB:.2f}",
             # total > 0: --params >= 1 and every accounting has at least 2 B of parameters.
             f"{baseline / total:.2f}x",
-            f"{communication_volume_multiple(stage)} Psi",
+            _volume(stage, spec.partitions_params, frozen=fraction < 1),
             f"{sent:.4g} ({sent / num_params:.3f} Psi)",
         ]
         if device_gb is not None:
             largest = largest_trainable_params(
                 stage=stage, world_size=world_size, device_bytes=device_gb * _GB,
                 param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes,
-                optimizer_bytes=acct.optimizer_bytes)
+                optimizer_bytes=acct.optimizer_bytes, trainable_fraction=fraction)
             row.append(_human_count(largest))
         rows.append(row)
 
@@ -197,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         for world_size in args.world_size:
             print(file=out)
             _print_block(out, num_params=args.params, world_size=world_size, acct=acct,
-                         device_gb=args.device_memory_gb)
+                         device_gb=args.device_memory_gb, fraction=args.trainable_fraction)
     except ConfigError as exc:
         print(f"zero-ray estimate: error: {exc}", file=sys.stderr)
         return 2

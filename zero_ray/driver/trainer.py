@@ -156,6 +156,7 @@ class ZeroTrainer:
                                                             self._credentials))
         info = self._pool.info[0]
         self.num_params: int = info["numel"]
+        self.num_trainable_params: int = sum(math.prod(info["shapes"][n]) for n, t in info["trainable"].items() if t)
         log.info("zero_ray: stage %d, %d owners on %s/%s, %d parameters", cfg.stage, cfg.world_size, device, backend,
                  self.num_params)
         try:  # model-state bytes are on the metrics endpoint from the start; best effort
@@ -407,17 +408,21 @@ class ZeroTrainer:
         self._require_alive()
         return self._pool.call("comm_report", timeout_s=self.config.init_timeout_s)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """The fp32 parameters as ``{name: CPU tensor}``, names and shapes as in
         ``model_fn().named_parameters()``. This is the explicit consolidation: the whole model
-        passes through the driver."""
+        passes through the driver. ``trainable_only``: just the parameters with
+        ``requires_grad=True`` (a PEFT adapter's weights, without the frozen base model)."""
         self._require_alive()
-        shapes: dict[str, list[int]] = self._pool.info[0]["shapes"]
+        info = self._pool.info[0]
+        shapes: dict[str, list[int]] = {n: s for n, s in info["shapes"].items()
+                                        if info["trainable"][n] or not trainable_only}
         out = {name: torch.empty(math.prod(shape), dtype=torch.float32) for name, shape in shapes.items()}
         # Stage 0 owners each hold all of a parameter; sharded owners a range of it.
         for fragments in self._pool.call("master_fragments", timeout_s=self.config.init_timeout_s):
             for name, (lo, hi, values) in fragments.items():
-                out[name][lo:hi] = values
+                if name in out:
+                    out[name][lo:hi] = values
         return {name: out[name].view(shape) for name, shape in shapes.items()}
 
     # -- elasticity -------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from zero_ray.errors import CollectiveError
 from zero_ray.owner.engine import OwnerEngine, StepPhase
 from zero_ray.owner.spec import EngineSpec
 from zero_ray.owner.redundancy import PeerSnapshots
-from zero_ray.owner.resize import bucket_numels, exchange, install, stage_buffers
+from zero_ray.owner.resize import bucket_numels, exchange, install, slice_kinds, stage_buffers
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,10 @@ class PartitionOwner:
         """Join the group (all ranks concurrently) and build the model state."""
         self._engine = OwnerEngine(self._spec, rank=self.rank, group=self._join())
         layout = self._engine.layout
+        trainable = self._engine.state.trainable
         return {"rank": self.rank, "numel": layout.numel, "padded_numel": layout.padded_numel,
-                "buckets": len(layout.buckets), "shapes": {p.name: list(p.shape) for p in layout.params}}
+                "buckets": len(layout.buckets), "shapes": {p.name: list(p.shape) for p in layout.params},
+                "trainable": {p.name: trainable[p.index] for p in layout.params}}
 
     @property
     def engine(self) -> OwnerEngine:
@@ -181,7 +183,7 @@ class PartitionOwner:
             group = self._join()
             sent, staged = 0, None
             if restore is not None:
-                kinds, whole = tuple(restore["kinds"]), bool(restore["whole"])
+                kinds, whole = restore["kinds"], bool(restore["whole"])
                 moves = plan_moves(restore["buckets"], old_world=restore["old_world"], new_world=world_size,
                                    whole=whole)
                 staged = stage_buffers(restore["buckets"], rank=position, world_size=world_size, whole=whole,
@@ -192,9 +194,7 @@ class PartitionOwner:
             engine = OwnerEngine(self._spec, rank=position, group=group)
             if staged is not None and restore is not None:
                 install(staged, engine.state.optimizer_slices())
-                scalars = restore["scalars"]
-                engine.steps_done = int(scalars["steps_done"])
-                engine.scaler.scale, engine.scaler.growth_tracker = float(scalars["scale"]), int(scalars["growth_tracker"])
+                engine.set_counters(restore["scalars"])
                 engine.state.publish_masters()
             self._engine = engine
             return sent
@@ -203,8 +203,7 @@ class PartitionOwner:
         """What every actor of a resize needs from the current layout (asked of rank 0)."""
         engine = self.engine
         return {"buckets": bucket_numels(engine.layout.buckets), "whole": engine.spec.plan.updates_whole_buffer,
-                "kinds": ["master", *engine.spec.optimizer.state_names], "steps_done": engine.steps_done,
-                "scale": engine.scaler.scale, "growth_tracker": engine.scaler.growth_tracker}
+                "kinds": slice_kinds(engine.state.optimizer_slices()), **engine.counters()}
 
     def reshard(self, *, old_world: int, new_world: int, generation: int, info: dict[str, Any]) -> int:
         """Move this actor's part of the model state from the ``old_world`` layout to the
@@ -214,7 +213,7 @@ class PartitionOwner:
             return self._reshard(old_world=old_world, new_world=new_world, generation=generation, info=info)
 
     def _reshard(self, *, old_world: int, new_world: int, generation: int, info: dict[str, Any]) -> int:
-        me, kinds, whole = self.rank, tuple(info["kinds"]), bool(info["whole"])
+        me, kinds, whole = self.rank, info["kinds"], bool(info["whole"])
         moves = plan_moves(info["buckets"], old_world=old_world, new_world=new_world, whole=whole)
         old = self._engine
         if self._group is not None:
@@ -241,8 +240,7 @@ class PartitionOwner:
         engine = OwnerEngine(self._spec, rank=me, group=group)
         assert staged is not None
         install(staged, engine.state.optimizer_slices())
-        engine.steps_done = int(info["steps_done"])
-        engine.scaler.scale, engine.scaler.growth_tracker = float(info["scale"]), int(info["growth_tracker"])
+        engine.set_counters(info)
         engine.state.publish_masters()
         self._engine = engine
         self.snapshots = PeerSnapshots()  # of the old layout

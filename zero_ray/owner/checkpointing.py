@@ -82,14 +82,18 @@ def describe_model(engine: OwnerEngine) -> dict[str, Any]:
     aliases = _param_aliases(module)
     named = dict(module.named_parameters())
     opt = engine.spec.optimizer
+    state = engine.state
     params = [{"name": p.name, "aliases": aliases.get(id(named[p.name]), [p.name]), "shape": list(p.shape),
-               "dtype": p.dtype, "bucket": p.bucket, "offset": p.offset} for p in layout.params]
+               "dtype": p.dtype, "bucket": p.bucket, "offset": p.offset, "trainable": state.trainable[p.index]}
+              for p in layout.params]
     buckets = [{"index": b.index, "params": list(b.params), "numel": b.numel, "padded_numel": b.padded_numel,
                 "shard_numel": b.shard_numel} for b in layout.buckets]
-    decay = [p.name for p in layout.params if takes_weight_decay(p.name, p.shape, opt.no_decay)]
-    no_decay = sorted({p.name for p in layout.params} - set(decay))
+    trained = [p for p in layout.params if state.trainable[p.index]]
+    decay = [p.name for p in trained if takes_weight_decay(p.name, p.shape, opt.no_decay)]
+    no_decay = sorted({p.name for p in trained} - set(decay))
+    steps = {p.name: state.param_steps[p.index] for p in trained if state.param_steps[p.index] != engine.steps_done}
     return {"params": params, "buckets": buckets, "param_groups": {"decay": decay, "no_decay": no_decay},
-            "moments": list(opt.state_names), "optimizer_steps": engine.steps_done,
+            "moments": list(opt.state_names), "optimizer_steps": engine.steps_done, "param_steps": steps,
             "loss_scaler": {"scale": engine.scaler.scale, "growth_tracker": engine.scaler.growth_tracker}}
 
 
@@ -155,8 +159,13 @@ def restore(engine: OwnerEngine, path: str) -> int:
     for s in engine.state.optimizer_slices():
         for f in layout.fragments(s.bucket.index, s.start, s.end):
             name = layout.params[f.param].name
+            saved = m.param(name).kinds(m.moments)
             for kind, tensor in ((MASTER, s.master), *s.moments.items()):
-                staged.append((tensor[f.local_start:f.local_end], reader.read(kind, name, f.param_start, f.param_end)))
+                dest = tensor[f.local_start:f.local_end]
+                # A parameter saved frozen and trained now starts its optimizer state afresh.
+                value = (reader.read(kind, name, f.param_start, f.param_end) if kind in saved
+                         else torch.zeros(dest.shape, dtype=torch.float32))
+                staged.append((dest, value))
     buffers = persistent_buffers(engine.module)
     for i, e in m.entries_of_kind(BUFFER):
         if e.name in buffers:
@@ -169,6 +178,8 @@ def restore(engine: OwnerEngine, path: str) -> int:
         for dest, value in staged:
             dest.copy_(value)
     engine.steps_done = m.optimizer_steps
+    state = engine.state
+    state.param_steps = [m.steps_of(p.name) if state.trainable[p.index] else 0 for p in layout.params]
     engine.scaler.scale = float(m.loss_scaler.get("scale", engine.scaler.scale))
     engine.scaler.growth_tracker = int(m.loss_scaler.get("growth_tracker", 0))
     if rng_state is not None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -133,6 +135,16 @@ class OwnerEngine:
         """Use a re-formed group (a new generation) from the next step on."""
         self.group = group
         self.state.rebind(group)
+
+    def counters(self) -> dict[str, Any]:
+        """The step counters a moved or restored model state continues from (equal on every rank)."""
+        return {"steps_done": self.steps_done, "param_steps": list(self.state.param_steps),
+                "scale": self.scaler.scale, "growth_tracker": self.scaler.growth_tracker}
+
+    def set_counters(self, values: Mapping[str, Any]) -> None:
+        self.steps_done = int(values["steps_done"])
+        self.state.param_steps = [int(v) for v in values["param_steps"]]
+        self.scaler.scale, self.scaler.growth_tracker = float(values["scale"]), int(values["growth_tracker"])
 
     # -- reports ----------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:

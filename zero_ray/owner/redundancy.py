@@ -20,7 +20,7 @@ import torch
 from zero_ray.collective.group import Collective
 from zero_ray.owner.engine import OwnerEngine
 from zero_ray.owner.param_group import OptimizerSlice
-from zero_ray.owner.resize import run_p2p
+from zero_ray.owner.resize import run_p2p, slice_kinds
 
 
 @dataclass(kw_only=True)
@@ -42,18 +42,17 @@ def _own_slices(engine: OwnerEngine, rank: int, *, clone: bool) -> list[Optimize
     """``rank``'s shard range of every bucket: cloned from this engine's state (``clone``), or
     zeroed buffers of the same shape to receive into."""
     out = []
-    kinds = engine.spec.optimizer.state_names
     live = {s.bucket.index: s for s in engine.state.optimizer_slices()}
     for b in engine.layout.buckets:
         lo, hi = b.shard_range(rank)
+        s = live[b.index]  # every rank has the same buckets, trainable or frozen alike
         if clone:
-            s = live[b.index]
             master = s.master[lo - s.start:hi - s.start].detach().to("cpu", torch.float32, copy=True)
-            moments = {k: s.moments[k][lo - s.start:hi - s.start].detach().to("cpu", torch.float32, copy=True)
-                       for k in kinds}
+            moments = {k: m[lo - s.start:hi - s.start].detach().to("cpu", torch.float32, copy=True)
+                       for k, m in s.moments.items()}
         else:
             master = torch.zeros(hi - lo, dtype=torch.float32)
-            moments = {k: torch.zeros(hi - lo, dtype=torch.float32) for k in kinds}
+            moments = {k: torch.zeros(hi - lo, dtype=torch.float32) for k in s.moments}
         out.append(OptimizerSlice(bucket=b, start=lo, end=hi, master=master, moments=moments))
     return out
 
@@ -77,11 +76,11 @@ class PeerSnapshots:
         import torch.distributed as dist
 
         rank, n = engine.rank, engine.world_size
-        scalars = {"steps_done": engine.steps_done, "scale": engine.scaler.scale,
-                   "growth_tracker": engine.scaler.growth_tracker,
+        slices = engine.state.optimizer_slices()
+        scalars = {**engine.counters(),
                    # the layout facts a restore needs, so it needs no live engine
                    "buckets": [b.numel for b in engine.layout.buckets], "whole": engine.spec.plan.updates_whole_buffer,
-                   "kinds": ["master", *engine.spec.optimizer.state_names]}
+                   "kinds": slice_kinds(slices)}
         own = Snapshot(rank=rank, step=step, world_size=n, slices=_own_slices(engine, rank, clone=True),
                        scalars=scalars)
         theirs = None

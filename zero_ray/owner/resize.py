@@ -12,6 +12,7 @@ model state and copy the staged ranges in. A rank sends only ranges whose owner 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,25 +33,33 @@ class StagedRange:
     end: int
     tensors: dict[str, torch.Tensor]  # "master" and each moment, fp32, end - start elements
 
+Kinds = Sequence[Sequence[str]]  # per bucket: "master" and, for trainable buckets, each moment
+
+
+def slice_kinds(slices: Sequence[OptimizerSlice]) -> list[list[str]]:
+    """What each bucket's slice holds: the master values and its moments (none when frozen)."""
+    return [["master", *s.moments] for s in slices]
+
 
 def stage_buffers(bucket_numels: list[int], *, rank: int, world_size: int, whole: bool,
-                  kinds: tuple[str, ...]) -> list[StagedRange]:
+                  kinds: Kinds) -> list[StagedRange]:
     """Zeroed host buffers for every range ``rank`` will update in the new layout."""
     out = []
     for b, numel in enumerate(bucket_numels):
         lo, hi = bucket_range(numel, world_size, rank, whole=whole)
         out.append(StagedRange(bucket=b, start=lo, end=hi,
-                               tensors={k: torch.zeros(hi - lo, dtype=torch.float32) for k in kinds}))
+                               tensors={k: torch.zeros(hi - lo, dtype=torch.float32) for k in kinds[b]}))
     return out
 
 
 def exchange(moves: list[Move], *, me: int, sources: dict[int, list[OptimizerSlice]], senders: list[int],
-             staged: list[StagedRange] | None, kinds: tuple[str, ...], group: Collective | None,
+             staged: list[StagedRange] | None, kinds: Kinds, group: Collective | None,
              timeout_s: float) -> int:
     """Carry out this actor's part of ``moves``. ``moves`` name old ranks as sources;
     ``senders[i]`` is the position of the actor holding old rank i's state (itself for a live
     resize; a peer's copy after a loss) and ``sources`` the slices this actor holds, by old rank.
-    Local pieces are copied, others sent or received into ``staged``. Returns bytes sent."""
+    ``kinds[b]`` are the tensors bucket ``b`` holds. Local pieces are copied, others sent or
+    received into ``staged``. Returns bytes sent."""
     import torch.distributed as dist
 
     src_of = {rank: {s.bucket.index: s for s in slices} for rank, slices in sources.items()}
@@ -59,12 +68,13 @@ def exchange(moves: list[Move], *, me: int, sources: dict[int, list[OptimizerSli
     keep: list[torch.Tensor] = []  # send buffers must outlive the transfer
     sent = 0
     pg = getattr(group, "process_group", None)
+    width = max((len(k) for k in kinds), default=1)
     for i, m in enumerate(moves):
         sender = senders[m.src]
         if me not in (sender, m.dst):
             continue
-        for k, kind in enumerate(kinds):
-            tag = i * len(kinds) + k
+        for k, kind in enumerate(kinds[m.bucket]):
+            tag = i * width + k
             if sender == me:
                 s = src_of[m.src][m.bucket]
                 value = (s.master if kind == "master" else s.moments[kind])[m.start - s.start:m.end - s.start]
