@@ -23,24 +23,41 @@ LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 def single_process(model_fn: ModelFn, loss_fn: LossFn, optimizer: AdamW | SGD, batches: Sequence[Batch], *,
                    seed: int = 0, max_grad_norm: float | None = None,
-                   lr_schedule: Callable[[int], float] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+                   lr_schedule: Callable[[int], float] | None = None,
+                   pieces: tuple[int, int] = (1, 1)) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train ``torch.manual_seed(seed); model_fn()`` with ``torch.optim`` on whole batches;
-    return the final parameters and the per-step losses."""
+    return the final parameters and the per-step losses.
+
+    ``pieces=(ranks, micro_batches)``: run each batch as that many ranks and micro-batches split
+    it, accumulating each piece's loss weighted by its share of the batch: the distributed
+    computation in one process, for models whose forward depends on the piece it sees (a branch
+    only some ranks take)."""
     torch.manual_seed(seed)
     module = model_fn()
     opt = torch_optimizer(optimizer, list(module.named_parameters()))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule) if lr_schedule else None
     losses = []
+    ranks, micro = pieces
     for batch in batches:
         opt.zero_grad()
-        loss = loss_fn(module, batch)
-        loss.backward()
+        if ranks * micro > 1:
+            n = batch_size(batch)
+            total = 0.0
+            for piece in split_batch(batch, split_sizes(n, ranks)):
+                for part in split_batch(piece, split_sizes(batch_size(piece), micro)):
+                    part_loss = loss_fn(module, part)
+                    (part_loss * (batch_size(part) / n)).backward()
+                    total += float(part_loss.detach()) * batch_size(part)
+            loss = torch.tensor(total / n)
+        else:
+            loss = loss_fn(module, batch)
+            loss.backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), max_grad_norm)
         opt.step()
         if sched is not None:
             sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {n: p.detach().clone() for n, p in module.named_parameters()}, losses
 
 

@@ -1,0 +1,88 @@
+"""Models of fine-tuning as users run it, for the tests.
+
+``FineTune``: a frozen base with a trainable adapter, a parameter forward never uses, and a
+branch taken only when the piece of the batch a rank sees says so (so some ranks take it and
+others do not). ``lora_llama``: PEFT LoRA on a Hugging Face Llama causal LM built from a small
+config (no weights from a hub).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WIDTH, FEATURES, OUTPUTS = 16, 8, 4
+
+
+class Block(nn.Module):
+    """The trainable part: an adapter, and a branch used only when ``take`` is set."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.adapter = nn.Linear(width, width)
+        self.branch = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, take: bool) -> torch.Tensor:
+        h = h + self.adapter(h)
+        if take:
+            h = h + self.branch(torch.tanh(h))
+        return h
+
+
+class FineTune(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+        self.base.requires_grad_(False)
+        self.block = Block()
+        self.unused = nn.Parameter(torch.randn(WIDTH))  # registered, never used by forward
+        self.head = nn.Linear(WIDTH, OUTPUTS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        take = bool(x[:, 0].mean() > 0)  # decided by the samples this rank (or micro-batch) holds
+        return self.head(self.block(self.base(x), take))
+
+
+def finetune_loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(module(x), y)
+
+
+def finetune_batches(steps: int = 4, n: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches whose first feature is +1 on a leading block of samples and -1 on the rest, the
+    block's length changing per step: the leading ranks' pieces take the branch, the trailing
+    ones do not, and the whole batch takes it on some steps only."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for step in range(steps):
+        x = torch.randn(n, FEATURES, generator=g)
+        lead = (7, 3, n, 0, 9, 5)[step % 6]
+        x[:, 0] = torch.where(torch.arange(n) < lead, 1.0, -1.0)
+        out.append((x, torch.randn(n, OUTPUTS, generator=g)))
+    return out
+
+
+VOCAB, SEQ = 64, 12
+
+
+def lora_llama() -> nn.Module:
+    """A two-layer Llama causal LM from a small config with LoRA adapters on q_proj and v_proj
+    (peft freezes everything else)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
+                         use_cache=False, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+
+
+def causal_lm_loss(module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return module(input_ids=tokens, labels=tokens).loss
+
+
+def token_batches(steps: int = 3, n: int = 7) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, VOCAB, (n, SEQ), generator=g) for _ in range(steps)]

@@ -1,0 +1,199 @@
+"""Fine-tuning on Ray actors over gloo, against single-process PyTorch: a frozen base with an
+adapter, a never-used parameter and a branch only some ranks take (``FineTune``), and PEFT LoRA
+on a Hugging Face Llama (``lora_llama``), at every stage and world sizes 1-3; what the owners
+hold for frozen parameters; a LoRA checkpoint resumed at another stage and size; the adapter's
+weights alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_ray as zr
+from finetune_models import (
+    FineTune,
+    causal_lm_loss,
+    finetune_batches,
+    finetune_loss,
+    lora_llama,
+    token_batches,
+)
+from safetensors.torch import load_file
+
+from zero_ray.bench.baselines import DDPRun, single_process
+from zero_ray.checkpoint.tools import consolidate, reshard
+from zero_ray.core.memory import model_state_bytes, optimizer_bytes_per_param
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+CASES = [(stage, n) for stage in (0, 1, 2, 3) for n in (1, 2, 3)]
+LLAMA_UNITS = zr.Stage3Config(wrap_policy=("LlamaDecoderLayer",))  # each decoder layer a unit: base + LoRA
+
+
+def max_dev(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def train(model_fn, loss_fn, optimizer, batches, **config):  # type: ignore[no-untyped-def]
+    trainer = zr.ZeroTrainer(model_fn, loss_fn, optimizer=optimizer, config=zr.ZeroConfig(**config))
+    try:
+        metrics = [trainer.step(b) for b in batches]
+        return trainer.full_state_dict(), metrics, trainer.memory_report()
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.parametrize(("stage", "world_size"), CASES)
+def test_frozen_unused_and_branching_parameters_match_single_process(stage: int, world_size: int) -> None:
+    opt = zr.SGD(lr=0.1, momentum=0.9, weight_decay=0.1)
+    batches = finetune_batches()
+    ref, ref_losses = single_process(FineTune, finetune_loss, opt, batches, pieces=(world_size, 2))
+    stage3 = zr.Stage3Config(wrap_policy=zr.WrapPolicy(min_numel=0)) if stage == 3 else zr.Stage3Config()
+    got, metrics, _ = train(FineTune, finetune_loss, opt, batches, stage=stage, world_size=world_size,
+                            grad_accum_steps=2, bucket_bytes=2048, stage3=stage3)
+    dev = max_dev(got, ref)
+    print(f"FineTune stage {stage} world {world_size} SGD max |zero - single| = {dev:.3g}")
+    assert dev <= 1e-6
+    assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, abs=1e-6)
+    torch.manual_seed(0)
+    start = dict(FineTune().named_parameters())
+    assert torch.equal(got["unused"], start["unused"].detach())  # no decay, no momentum: torch skips it
+
+
+@pytest.mark.parametrize(("stage", "world_size"), CASES)
+def test_peft_lora_llama_matches_single_process(stage: int, world_size: int) -> None:
+    opt = zr.SGD(lr=0.5, momentum=0.9)
+    batches = token_batches()
+    ref, ref_losses = single_process(lora_llama, causal_lm_loss, opt, batches)
+    stage3 = LLAMA_UNITS if stage == 3 else zr.Stage3Config()
+    got, metrics, memory = train(lora_llama, causal_lm_loss, opt, batches, stage=stage, world_size=world_size,
+                                 stage3=stage3)
+    dev = max_dev(got, ref)
+    print(f"LoRA Llama stage {stage} world {world_size} SGD max |zero - single| = {dev:.3g}")
+    assert dev <= 1e-6
+    assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, abs=1e-6)
+    torch.manual_seed(0)
+    start = dict(lora_llama().named_parameters())
+    trained = [n for n, p in start.items() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    assert all(torch.equal(got[n], p.detach()) for n, p in start.items() if not p.requires_grad)
+    assert memory[0]["trainable_numel"] == sum(start[n].numel() for n in trained)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_peft_lora_llama_with_adamw_is_as_close_as_ddp(stage: int) -> None:
+    opt = zr.AdamW(lr=1e-2, weight_decay=0.1)
+    batches = token_batches()
+    ref, _ = single_process(lora_llama, causal_lm_loss, opt, batches)
+    got, _, _ = train(lora_llama, causal_lm_loss, opt, batches, stage=stage, world_size=2,
+                      stage3=LLAMA_UNITS if stage == 3 else zr.Stage3Config())
+    ddp = DDPRun(lora_llama, causal_lm_loss, opt, world_size=2)
+    try:
+        for b in batches:
+            ddp.step(b)
+        ddp_dev = max_dev(ddp.state_dict(), ref)
+    finally:
+        ddp.shutdown()
+    zero_dev = max_dev(got, ref)
+    print(f"LoRA Llama stage {stage} world 2 AdamW: zero_ray {zero_dev:.3g}, DDP {ddp_dev:.3g}")
+    assert zero_dev <= max(2 * ddp_dev, 1e-6)
+
+
+@pytest.mark.parametrize(("stage", "dtype"), [(0, "float32"), (1, "bfloat16"), (2, "float32"), (3, "bfloat16")])
+def test_frozen_parameters_hold_parameter_bytes_only(stage: int, dtype: str) -> None:
+    world_size = 2
+    trainer = zr.ZeroTrainer(lora_llama, causal_lm_loss, optimizer=zr.AdamW(lr=1e-3),
+                             config=zr.ZeroConfig(stage=stage, world_size=world_size, dtype=dtype,
+                                                  stage3=LLAMA_UNITS if stage == 3 else zr.Stage3Config()))
+    try:
+        trainer.step(token_batches(1)[0])
+        memory = trainer.memory_report()
+        sizes = trainer.actors[0].__ray_call__.remote(_group_sizes)
+        trainable_padded, frozen_padded = ray_get(sizes)
+    finally:
+        trainer.shutdown()
+    mixed = dtype != "float32"
+    element = 2 if mixed else 4
+    k = optimizer_bytes_per_param("adamw", mixed_precision=mixed)
+    expected = model_state_bytes(stage=stage, num_params=trainable_padded + frozen_padded, world_size=world_size,
+                                 param_bytes=element, grad_bytes=element, optimizer_bytes=k,
+                                 trainable_params=trainable_padded)
+    for rank in memory:
+        assert rank["params"] + rank["padding_params"] == expected.params
+        assert rank["grads"] + rank["padding_grads"] == expected.grads  # the trainable groups' only
+        assert rank["optimizer"] + rank["padding_optimizer"] == expected.optimizer
+        assert rank["held_storage_bytes"] == rank["total"]
+    torch.manual_seed(0)
+    model = lora_llama()
+    assert memory[0]["numel"] == sum(p.numel() for p in model.parameters())
+    assert memory[0]["trainable_numel"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _group_sizes(actor) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """(trainable, frozen) padded elements of an owner's groups (runs inside the actor)."""
+    groups = actor.engine.state.groups
+    return (sum(g.bucket.padded_numel for g in groups if g.policy.trainable),
+            sum(g.bucket.padded_numel for g in groups if not g.policy.trainable))
+
+
+def ray_get(ref):  # type: ignore[no-untyped-def]
+    import ray
+
+    return ray.get(ref, timeout=60)
+
+
+def test_a_lora_checkpoint_resumes_at_another_stage_and_size(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    opt = zr.SGD(lr=0.5, momentum=0.9)
+    batches = token_batches(4)
+    whole, _, _ = train(lora_llama, causal_lm_loss, opt, batches, stage=1, world_size=2)
+    first = zr.ZeroTrainer(lora_llama, causal_lm_loss, optimizer=opt, config=zr.ZeroConfig(stage=1, world_size=2))
+    try:
+        for b in batches[:2]:
+            first.step(b)
+        saved = first.save_checkpoint(str(tmp_path), wait=True)
+    finally:
+        first.shutdown()
+    resumed = zr.ZeroTrainer.from_checkpoint(saved, lora_llama, causal_lm_loss,
+                                             config=zr.ZeroConfig(stage=3, world_size=3, stage3=LLAMA_UNITS))
+    try:
+        assert resumed.step_count == 2
+        for b in batches[2:]:
+            resumed.step(b)
+        got = resumed.full_state_dict()
+        adapter = resumed.full_state_dict(trainable_only=True)
+    finally:
+        resumed.shutdown()
+    assert max_dev(got, whole) <= 1e-6
+    torch.manual_seed(0)
+    model = lora_llama()
+    assert set(adapter) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all(torch.equal(adapter[n], got[n]) for n in adapter)
+    consolidated = tmp_path / "lora.safetensors"
+    consolidate(saved, str(consolidated))  # frozen base and adapter together, as the module names them
+    model.load_state_dict(load_file(str(consolidated)))
+    # Offline resharding keeps the frozen parameters (master values, no moments) and the adapter's.
+    resharded = reshard(saved, str(tmp_path / "resharded"), world_size=3)
+    again = tmp_path / "again.safetensors"
+    consolidate(resharded, str(again))
+    assert load_file(str(again)).keys() == load_file(str(consolidated)).keys()
+    assert all(torch.equal(v, load_file(str(consolidated))[k]) for k, v in load_file(str(again)).items())
+
+
+def test_a_lora_run_resizes_live_and_continues_as_the_uninterrupted_one() -> None:
+    opt = zr.SGD(lr=0.5, momentum=0.9)
+    batches = token_batches(4)
+    whole, _, _ = train(lora_llama, causal_lm_loss, opt, batches, stage=2, world_size=2)
+    trainer = zr.ZeroTrainer(lora_llama, causal_lm_loss, optimizer=opt, config=zr.ZeroConfig(stage=2, world_size=2))
+    try:
+        for k, b in enumerate(batches):
+            if k == 1:
+                trainer.resize(3)
+            if k == 3:
+                trainer.resize(1)
+            trainer.step(b)
+        got = trainer.full_state_dict()
+    finally:
+        trainer.shutdown()
+    assert max_dev(got, whole) <= 1e-6
+
