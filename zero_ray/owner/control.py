@@ -9,17 +9,38 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from typing import TYPE_CHECKING
+import threading
+from typing import Protocol
 
 import ray
 from ray import cloudpickle
 
 from zero_ray.control import handlers as h
 from zero_ray.errors import CollectiveError, domain_error
-from zero_ray.owner.checkpointing import restore, shard_record_json
+from zero_ray.owner.checkpointing import ShardSaver, restore, shard_record_json
+from zero_ray.owner.engine import OwnerEngine
+from zero_ray.owner.redundancy import PeerSnapshots
 
-if TYPE_CHECKING:
-    from zero_ray.owner.actor import PartitionOwner
+
+class OwnerHost(Protocol):
+    """What the control handler needs of the actor that serves it (``PartitionOwner``)."""
+
+    rank: int
+    world_size: int
+    generation: int
+    saver: ShardSaver
+    snapshots: PeerSnapshots
+    step_lock: threading.Lock
+
+    @property
+    def engine(self) -> OwnerEngine: ...
+
+    @property
+    def engine_or_none(self) -> OwnerEngine | None: ...
+
+    def abort(self, *, reason: str, generation: int) -> bool: ...
+
+    def after_step(self, step: int) -> None: ...
 
 
 def _with_traceback(err: Exception, rank: int) -> Exception:
@@ -41,9 +62,9 @@ def rss_bytes() -> int:
 
 
 class OwnerControl:
-    """Implements ``zero_ray.control.handlers.OwnerHandler`` for one PartitionOwner."""
+    """Implements ``zero_ray.control.handlers.OwnerHandler`` for one partition owner."""
 
-    def __init__(self, owner: PartitionOwner, *, fetch_timeout_s: float, save_timeout_s: float) -> None:
+    def __init__(self, owner: OwnerHost, *, fetch_timeout_s: float, save_timeout_s: float) -> None:
         self._owner = owner
         self._fetch_timeout_s = fetch_timeout_s
         self._save_timeout_s = save_timeout_s

@@ -1,0 +1,105 @@
+"""The package's import graph, read from the sources: no cycles, and dependencies pointing one
+way (driver -> owner -> collective -> core; control/ and checkpoint/ know neither driver nor
+owner; the pure planning modules import neither ray, grpc nor torch)."""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests_paths import REPO_ROOT
+
+PACKAGE = os.path.join(REPO_ROOT, "zero_ray")
+PURE = ("core.layout", "core.reshard", "core.memory", "core.policy", "core.units", "core.stages", "core.groups",
+        "core.usage", "core.schedule", "checkpoint.format")
+# package -> packages it must never import (directly or lazily)
+FORBIDDEN = {
+    "core": ("driver", "owner", "collective", "control", "checkpoint", "bench", "cli", "config"),
+    "collective": ("driver", "owner", "control", "checkpoint", "bench", "cli"),
+    "owner": ("driver", "bench", "cli"),
+    "control": ("driver", "owner", "bench", "cli"),
+    "checkpoint": ("driver", "owner", "bench", "cli"),
+}
+
+
+def _modules() -> Iterator[tuple[str, str]]:
+    for root, _, files in os.walk(PACKAGE):
+        if "_generated" in root:
+            continue  # generated gRPC code is never edited
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                rel = os.path.relpath(path, PACKAGE)[:-3].replace(os.sep, ".")
+                yield rel.removesuffix(".__init__").removesuffix("__init__"), path
+
+
+MODULES = {"zero_ray." + name if name else "zero_ray" for name, _ in _modules()}
+
+
+def _imports(path: str) -> set[str]:
+    """Every module this file imports anywhere (module level, functions, TYPE_CHECKING):
+    ``from package import submodule`` counts as the submodule, not the package's __init__."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{path}: relative import"
+            subs = {f"{node.module}.{a.name}" for a in node.names} & MODULES
+            out.update(subs or {node.module})
+    return out
+
+
+GRAPH = {}
+for _name, _path in _modules():
+    GRAPH[_name] = {i.removeprefix("zero_ray").removeprefix(".") for i in _imports(_path) if i in MODULES}
+
+
+def test_the_import_graph_has_no_cycles() -> None:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    # the package's __init__ re-exports the public API: it may import anything, nothing imports it
+    assert [c for c in cycles if "" not in c] == []
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_dependencies_point_one_way(package: str) -> None:
+    bad = sorted((m, i) for m, deps in GRAPH.items() if m.startswith(package + ".") for i in deps
+                 if i.split(".")[0] in FORBIDDEN[package])
+    assert bad == []
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_planning_code_imports_neither_ray_grpc_nor_torch(module: str) -> None:
+    path = os.path.join(PACKAGE, *module.split(".")) + ".py"
+    heavy = {i.split(".")[0] for i in _imports(path)} & {"ray", "grpc", "torch"}
+    assert heavy == set()
