@@ -86,3 +86,40 @@ def causal_lm_loss(module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def token_batches(steps: int = 3, n: int = 7) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(11)
     return [torch.randint(0, VOCAB, (n, SEQ), generator=g) for _ in range(steps)]
+
+
+def padded_token_batches(steps: int = 3, n: int = 9, seed: int = 17) -> list[dict[str, torch.Tensor]]:
+    """Right-padded sequences of random lengths (2..SEQ): ``labels`` are -100 where padded, so a
+    rank's mean over its own tokens is not the global token mean."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+        lengths = torch.randint(2, SEQ + 1, (n,), generator=g)
+        mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+        out.append({"input_ids": ids * mask, "attention_mask": mask, "labels": torch.where(mask.bool(), ids, -100)})
+    return out
+
+
+def llama() -> nn.Module:
+    """A two-layer Llama causal LM from a small config (every parameter trains)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
+                                        use_cache=False, tie_word_embeddings=False))
+
+
+def token_sum_loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pair form: next-token cross-entropy summed over the labelled tokens, and their count."""
+    logits = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100,
+                            reduction="sum")
+    return total, (labels != -100).sum()
+
+
+def token_mean_loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The single-process reference: the same sum over the whole batch divided by its count."""
+    total, count = token_sum_loss(module, batch)
+    return total / count

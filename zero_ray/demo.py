@@ -1,7 +1,10 @@
 """The main job: a small GPT trained on the Python standard library's own source files.
 
 Every machine with Python has that corpus, so the job needs no downloads. Bytes are tokens
-(vocabulary 256). Used by ``zero-ray train`` and ``examples/train_gpt.py``.
+(vocabulary 256). The corpus is cut into windows; the last ``--eval-fraction`` of them is held
+out and the validation loss printed. ``ZeroTrainer.fit`` ships the windows to the actors once
+and each builds its own piece of every batch. Used by ``zero-ray train`` and
+``examples/train_gpt.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import os
 import sysconfig
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -41,24 +43,32 @@ def stdlib_corpus(max_bytes: int = 4 * 2**20) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
 
 
-@dataclass(frozen=True, kw_only=True)
-class BatchSampler:
-    """Random windows of ``block_size + 1`` tokens; the same seed gives the same batches."""
+class CorpusWindows:
+    """A map-style dataset of consecutive ``block_size + 1``-token windows of ``corpus`` (each
+    starts where the previous one's inputs end), ``first`` up to ``last``."""
 
-    corpus: torch.Tensor
-    block_size: int
-    batch_size: int
-    seed: int = 0
+    def __init__(self, corpus: torch.Tensor, block_size: int, first: int = 0, last: int | None = None) -> None:
+        total = (corpus.numel() - 1) // block_size
+        self.corpus, self.block_size = corpus, block_size
+        self.first, self.last = first, total if last is None else last
+        if not 0 <= self.first < self.last <= total:
+            raise ConfigError(f"windows [{first}, {last}) are outside the corpus's {total} windows of {block_size}")
 
-    def __post_init__(self) -> None:
-        if self.corpus.numel() <= self.block_size + 1:
-            raise ConfigError(f"corpus of {self.corpus.numel()} tokens is too short for block_size={self.block_size}")
+    def __len__(self) -> int:
+        return self.last - self.first
 
-    def batch(self, step: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, self.corpus.numel() - self.block_size - 1, (self.batch_size,), generator=g)
-        offsets = torch.arange(self.block_size + 1)
-        return self.corpus[starts[:, None] + offsets].long()
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        start = (self.first + i) * self.block_size
+        return self.corpus[start:start + self.block_size + 1].long()
+
+    def split(self, eval_fraction: float) -> tuple[CorpusWindows, CorpusWindows]:
+        """The first windows for training, the last ``eval_fraction`` held out."""
+        held = max(1, int(len(self) * eval_fraction))
+        cut = self.last - held
+        return (CorpusWindows(self.corpus, self.block_size, self.first, cut),
+                CorpusWindows(self.corpus, self.block_size, cut, self.last))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint root (a mounted volume on KubeRay); the job resumes from its latest "
                              "checkpoint when there is one and saves every --checkpoint-every steps and at the end")
     parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--eval-fraction", type=float, default=0.05, help="share of windows held out for validation")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="steps between validation losses (default: a quarter of --steps; always at the end)")
     parser.add_argument("--no-resume", action="store_true", help="start fresh even if --checkpoint-dir has one")
 
 
@@ -111,58 +124,52 @@ def memory_table(reports: Sequence[dict[str, int]], *, stage: int, dtype: str) -
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train the GPT and print progress, final loss and the memory table."""
+    """Train the GPT with ``fit`` and print progress, the losses and the memory table."""
     import ray
 
     import zero_ray as zr
-    from zero_ray.models import GPT, GPTConfig, lm_loss
+    from zero_ray.models import GPT, GPTConfig, lm_loss_sum
 
     if not ray.is_initialized():
         ray.init(address=args.address, log_to_driver=False) if args.address else ray.init(log_to_driver=False)
+    if not 0 < args.eval_fraction < 1:
+        raise ConfigError(f"--eval-fraction={args.eval_fraction} must be between 0 and 1")
     gpt = GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                     n_embd=args.n_embd)
-    sampler = BatchSampler(corpus=stdlib_corpus(args.corpus_bytes), block_size=args.block_size,
-                           batch_size=args.batch_size, seed=args.seed)
+    train, held_out = CorpusWindows(stdlib_corpus(args.corpus_bytes), args.block_size).split(args.eval_fraction)
     config = zr.ZeroConfig(stage=args.stage, world_size=args.world_size, dtype=args.dtype, device=args.device,
                            grad_accum_steps=args.grad_accum_steps, max_grad_norm=args.max_grad_norm, seed=args.seed,
                            lr_schedule=zr.WarmupCosine(warmup_steps=max(1, args.steps // 20), total_steps=args.steps,
-                                                       min_ratio=0.1))
+                                                       min_ratio=0.1),
+                           checkpoint=zr.CheckpointConfig(dir=args.checkpoint_dir))
     model_fn, optimizer = functools.partial(GPT, gpt), zr.AdamW(lr=args.lr, weight_decay=0.1)
     if args.checkpoint_dir and not args.no_resume and _has_checkpoint(args.checkpoint_dir):
-        trainer = zr.ZeroTrainer.from_checkpoint(args.checkpoint_dir, model_fn, lm_loss, optimizer=optimizer,
+        trainer = zr.ZeroTrainer.from_checkpoint(args.checkpoint_dir, model_fn, lm_loss_sum, optimizer=optimizer,
                                                  config=config)
         print(f"resumed from {args.checkpoint_dir} at step {trainer.step_count}")
     else:
-        trainer = zr.ZeroTrainer(model_fn, lm_loss, optimizer=optimizer, config=config)
+        trainer = zr.ZeroTrainer(model_fn, lm_loss_sum, optimizer=optimizer, config=config)
     print(f"zero_ray: stage {args.stage}, {trainer.world_size} actors on {trainer.device}, "
-          f"{trainer.num_params / 1e6:.2f}M parameters, global batch {args.batch_size} x {args.block_size} tokens")
-    tokens_per_step = args.batch_size * args.block_size
+          f"{trainer.num_params / 1e6:.2f}M parameters, global batch {args.batch_size} x {args.block_size} tokens; "
+          f"{len(train)} training windows, {len(held_out)} held out")
     try:
         done = trainer.step_count
-        bar = None if args.no_progress else _progress(args.steps, initial=done)
-        first = last = None
         start = time.perf_counter()
-        for step in range(done, args.steps):
-            metrics = trainer.step(sampler.batch(step))
-            first = metrics["loss"] if first is None else first
-            last = metrics["loss"]
-            rate = tokens_per_step * (step + 1 - done) / (time.perf_counter() - start)
-            if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
-                trainer.save_checkpoint(args.checkpoint_dir)
-            if bar is not None:
-                bar.set_postfix(loss=f"{last:.3f}", tok_s=f"{rate:,.0f}")
-                bar.update(1)
-            elif step % 20 == 0 or step == args.steps - 1:
-                print(f"step {step + 1:>5}/{args.steps}  loss {last:.4f}  {rate:,.0f} tokens/s", flush=True)
-        if bar is not None:
-            bar.close()
+        result = trainer.fit(train, global_batch_size=args.batch_size, steps=args.steps, seed=args.seed,
+                             eval_dataset=held_out, eval_every=args.eval_every or max(1, args.steps // 4),
+                             checkpoint_every=args.checkpoint_every if args.checkpoint_dir else None,
+                             progress=not args.no_progress)
         elapsed = time.perf_counter() - start
-        ran = args.steps - done
+        ran = result["steps_run"]
         if ran:
-            print(f"loss {first:.4f} -> {last:.4f} in {ran} steps, {elapsed:.1f}s "
-                  f"({tokens_per_step * ran / elapsed:,.0f} tokens/s)")
-        if args.checkpoint_dir:
+            print(f"trained {ran} steps (to step {result['step']}, epoch {result['epoch']}) in {elapsed:.1f}s: "
+                  f"loss {result['loss']:.4f}, {result['items_per_second']:,.0f} tokens/s")
+        if "eval_loss" in result:
+            print(f"validation loss {result['eval_loss']:.4f} over {len(held_out)} held-out windows")
+        if args.checkpoint_dir and ran:
             print(f"checkpoint: {trainer.save_checkpoint(args.checkpoint_dir, wait=True)}")
+        elif done == trainer.step_count and args.checkpoint_dir:
+            print("nothing to train: the checkpoint is already at --steps")
         print(memory_table(trainer.memory_report(), stage=args.stage, dtype=args.dtype))
     finally:
         trainer.shutdown()
@@ -171,12 +178,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _has_checkpoint(root: str) -> bool:
     return os.path.exists(os.path.join(root, "latest"))
-
-
-def _progress(total: int, *, initial: int = 0):  # type: ignore[no-untyped-def]
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

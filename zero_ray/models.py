@@ -111,3 +111,12 @@ def lm_loss(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     inputs, targets = batch[:, :-1], batch[:, 1:]
     logits = module(inputs)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def lm_loss_sum(module: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The pair form of ``lm_loss``: cross entropy summed over the predicted tokens, and their
+    number (the trainer divides by the count over every rank: the exact token mean)."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = module(inputs)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
+    return total, targets.numel()

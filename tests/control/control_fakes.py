@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +25,10 @@ from zero_ray.control.handlers import (
     ResizeResult,
     SavePhase,
     SaveResult,
+    EvaluateArgs,
+    EvaluateResult,
+    LossTotals,
+    Piece,
     StepArgs,
     StepResult,
 )
@@ -31,8 +37,10 @@ from zero_ray.control.server import ControlServer, ServerConfig
 # Every wait in these tests is bounded by this, so a bug fails a test instead of hanging it.
 WAIT_S = 10.0
 LOOPBACK = "127.0.0.1"
-# batch_ref is opaque: arbitrary bytes, NULs and all, must arrive unchanged.
-ARGS = StepArgs(step=7, lr=3e-4, batch_ref=b"\x80\x05opaque-object-ref\x00\xff", global_samples=256, generation=2)
+# A dataset piece: names and indices (up to 2**64 - 1) must arrive unchanged.
+ARGS = StepArgs(step=7, lr=3e-4, piece=Piece(dataset="train", indices=(0, 5, 2**40, 2**64 - 1)), global_samples=256,
+                generation=2)
+TOTALS = LossTotals(loss_sum=2.5, samples=128, count=1536.0, counted=True, items=1536.0)
 
 
 class FakeOwner:
@@ -59,9 +67,12 @@ class FakeOwner:
             self.step_entered.set()
             if not self.release_step.wait(WAIT_S):
                 raise TimeoutError("the test never released the step")
-        return StepResult(loss_sum=2.5, samples=args.global_samples // 2, grad_norm=0.75, skipped=False,
-                          loss_scale=65536.0, compute_seconds=0.125, rank=1,
-                          bytes_sent={"reduce_scatter": 1 << 33, "all_gather": 7})
+        return StepResult(totals=TOTALS, grad_norm=0.75, skipped=False, loss_scale=65536.0, compute_seconds=0.125,
+                          rank=1, bytes_sent={"reduce_scatter": 1 << 33, "all_gather": 7})
+
+    def evaluate(self, args: EvaluateArgs) -> EvaluateResult:
+        self.calls.append("evaluate")
+        return EvaluateResult(totals=replace(TOTALS, samples=len(args.piece.indices)), rank=1)
 
     def save(self, path: str, step: int, phase: SavePhase) -> SaveResult:
         self.calls.append("save")

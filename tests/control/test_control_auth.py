@@ -105,7 +105,7 @@ def test_wrong_job_id_is_refused(owner: Served) -> None:
 
 def test_unknown_protocol_version_is_refused(owner: Served) -> None:
     with OwnerClient(owner.client_config(protocol_version=99)) as client:
-        with pytest.raises(ControlError, match=r"protocol_version=99.*speaks \[1\]") as info:
+        with pytest.raises(ControlError, match=r"protocol_version=99.*speaks \[2\]") as info:
             client.stats()
     assert info.value.__cause__.code() is grpc.StatusCode.FAILED_PRECONDITION
     # A request without any header (a client that forgot it) names version 0.

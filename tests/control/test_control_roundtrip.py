@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from control_fakes import ARGS, STATUS, WAIT_S, Served, header, raw_channel
+from dataclasses import replace
+
+from control_fakes import ARGS, STATUS, TOTALS, WAIT_S, Served, header, raw_channel
 
 from zero_ray.control._generated import coordinator_pb2, coordinator_pb2_grpc
 from zero_ray.control.auth import bearer_metadata
@@ -15,6 +17,9 @@ from zero_ray.control.handlers import (
     OwnerStats,
     ResizeResult,
     SaveResult,
+    EvaluateArgs,
+    EvaluateResult,
+    Piece,
     StepArgs,
     StepResult,
 )
@@ -45,10 +50,28 @@ def test_metrics_stream_ends_with_training(coordinator: Served) -> None:
 
 def test_step_round_trip(owner: Served) -> None:
     result = owner.client.step(ARGS, timeout_s=5.0)
-    assert result == StepResult(loss_sum=2.5, samples=128, grad_norm=0.75, skipped=False, loss_scale=65536.0,
+    assert result == StepResult(totals=TOTALS, grad_norm=0.75, skipped=False, loss_scale=65536.0,
                                 compute_seconds=0.125, rank=1,
                                 bytes_sent={"reduce_scatter": 1 << 33, "all_gather": 7})
-    assert owner.handler.steps == [ARGS]  # batch_ref bytes arrive untouched
+    assert owner.handler.steps == [ARGS]  # the piece's dataset and indices arrive untouched
+    staged = replace(ARGS, piece=Piece(batch_key="2:7"))
+    owner.client.step(staged, timeout_s=5.0)
+    assert owner.handler.steps[-1] == staged
+
+
+def test_evaluate_round_trip(owner: Served) -> None:
+    result = owner.client.evaluate(EvaluateArgs(piece=Piece(dataset="eval", indices=(3, 4)), generation=2))
+    assert result == EvaluateResult(totals=replace(TOTALS, samples=2), rank=1)
+    assert owner.handler.calls == ["evaluate"]
+
+
+def test_a_piece_names_one_source() -> None:
+    with pytest.raises(ConfigError, match="exactly one"):
+        Piece(batch_key="0:1", dataset="train")
+    with pytest.raises(ConfigError, match="exactly one"):
+        Piece()
+    with pytest.raises(ConfigError, match="indices belong to a dataset"):
+        Piece(batch_key="0:1", indices=(1,))
 
 
 def test_owner_state_calls(owner: Served) -> None:
@@ -90,7 +113,7 @@ def test_missing_checkpoint_is_not_found(owner: Served) -> None:
 
 def test_invalid_arguments_are_refused_before_the_handler(coordinator: Served) -> None:
     with pytest.raises(ConfigError, match="lr=nan"):
-        StepArgs(step=1, lr=float("nan"), batch_ref=b"", global_samples=1, generation=0)
+        StepArgs(step=1, lr=float("nan"), piece=Piece(batch_key="0:1"), global_samples=1, generation=0)
     with pytest.raises(ConfigError, match="world_size=0"):
         coordinator.client.resize(0)
     # The server checks as well, for clients that skip the local check.

@@ -13,6 +13,7 @@ import pytest
 from control_fakes import ARGS, LOOPBACK, WAIT_S, FakeCoordinator, FakeOwner, Served, server_config
 
 from zero_ray.control.auth import Credentials
+from zero_ray.control.handlers import Piece
 from zero_ray.control.client import ClientConfig, CoordinatorClient, OwnerClient
 from zero_ray.control.server import ControlServer, ServerConfig, serve_coordinator, serve_owner
 from zero_ray.errors import ConfigError, ControlError
@@ -61,7 +62,7 @@ def test_oversized_request_is_refused(credentials: Credentials) -> None:
                               max_message_bytes=1 << 20)
         with OwnerClient(config) as client:
             with pytest.raises(ControlError, match="RESOURCE_EXHAUSTED") as info:
-                client.step(dataclasses.replace(ARGS, batch_ref=b"x" * (128 * 1024)))
+                client.step(dataclasses.replace(ARGS, piece=Piece(dataset="x" * (128 * 1024))))
             assert info.value.__cause__.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert client.step(ARGS).rank == 1  # a small one still goes through
     finally:

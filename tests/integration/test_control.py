@@ -81,6 +81,8 @@ def test_stop_from_an_operator_ends_the_loop_and_metrics_stream_out() -> None:
                 got.wait(0.2)
             stream.close()
             assert events and events[0].loss > 0
+            # samples per second here (float batches); tokens for token batches or a counted loss
+            assert events[0].tokens_per_second > 0 and events[0].values["items"] == 8
             assert client.stop("maintenance") == "stopping"
         with pytest.raises(zr.StopRequested, match="maintenance"):
             trainer.step(_batch(8))

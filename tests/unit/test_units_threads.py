@@ -21,7 +21,7 @@ import zero_ray as zr
 from zero_ray.bench.baselines import single_process
 from zero_ray.collective.group import ByteCounters, chunks
 from zero_ray.config import Stage3Config
-from zero_ray.core.batching import split_batch, split_sizes
+from zero_ray.core.batching import batch_size, split_batch, split_sizes
 from zero_ray.core.precision import LossScaleConfig, parse_dtype
 from zero_ray.core.stages import stage_plan
 from zero_ray.core.units import WrapPolicy
@@ -120,7 +120,7 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
                 engine = OwnerEngine(spec, rank=rank, group=group)
             engines[rank] = engine
             for batch in batches:
-                n = batch[0].shape[0] if isinstance(batch, tuple) else batch.shape[0]
+                n = batch_size(batch)
                 piece = split_batch(batch, split_sizes(n, world_size))[rank]
                 engine.step(piece, lr=optimizer.lr, global_samples=n)
                 sent[rank].append(dict(engine.last_bytes))

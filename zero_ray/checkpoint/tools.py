@@ -10,8 +10,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -151,12 +153,13 @@ class _Tensor:
     read: Callable[[int, int], torch.Tensor]
 
 
-def _state_dict_plan(reader: CheckpointReader) -> list[_Tensor]:
+def _state_dict_plan(reader: CheckpointReader, *, aliases: bool = True) -> list[_Tensor]:
     """Every tensor of the module's state dict: each parameter under every name it has (tied
-    weights have several), then the buffers (rank 0 saved them whole)."""
+    weights have several; with ``aliases=False`` under its ``named_parameters()`` name only, as
+    ``save_pretrained`` writes tied weights once), then the buffers (rank 0 saved them whole)."""
     m = reader.manifest
     plan = [_Tensor(alias, "F32", p.shape, functools.partial(reader.read, MASTER, p.name))
-            for p in m.params for alias in dict.fromkeys((p.name, *p.aliases))]
+            for p in m.params for alias in dict.fromkeys((p.name, *(p.aliases if aliases else ())))]
     plan += [_Tensor(e.name, e.dtype, e.shape, functools.partial(reader.file(i).read, e))
              for i, e in m.entries_of_kind(BUFFER)]
     twice = sorted(k for k, n in collections.Counter(t.key for t in plan).items() if n > 1)
@@ -164,6 +167,39 @@ def _state_dict_plan(reader: CheckpointReader) -> list[_Tensor]:
         raise CheckpointError(f"{reader.path}: the names {twice} belong to more than one saved tensor; the manifest "
                               "is corrupt")
     return plan
+
+
+def _write_safetensors(out: str, plan: list[_Tensor], *, chunk_numel: int, dtype: str | None = None) -> int:
+    """Write ``plan`` as one safetensors file ``out`` (floating tensors converted to ``dtype``
+    when given), streaming ``chunk_numel`` elements at a time; it appears complete or not at
+    all (temp file, fsync, rename). Returns the bytes of tensor data."""
+    def target(t: _Tensor) -> str:
+        return dtype if dtype is not None and t.dtype in _FLOATS else t.dtype
+
+    head, _ = safetensors_header([(t.key, target(t), t.shape) for t in plan])
+    tmp = f"{out}.tmp"
+    written = 0
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(head)
+            for t in plan:
+                numel = math.prod(t.shape)
+                for start in range(0, numel, chunk_numel):
+                    values = t.read(start, min(numel, start + chunk_numel))
+                    if target(t) != t.dtype:
+                        values = values.to(_FLOATS[target(t)])
+                    data = tensor_bytes(values)
+                    fh.write(data)
+                    written += len(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(out)))
+    return written
 
 
 def consolidate(path: str, out: str, *, chunk_numel: int = CONSOLIDATE_CHUNK_NUMEL,
@@ -177,22 +213,80 @@ def consolidate(path: str, out: str, *, chunk_numel: int = CONSOLIDATE_CHUNK_NUM
     blocks. ``out`` appears complete or not at all (temp file, fsync, rename)."""
     reader = CheckpointReader(path, storage=storage)
     reader.check_files()  # a missing or truncated file fails before anything is written
-    plan = _state_dict_plan(reader)
-    head, _ = safetensors_header([(t.key, t.dtype, t.shape) for t in plan])
-    tmp = f"{out}.tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(head)
-            for t in plan:
-                numel = math.prod(t.shape)
-                for start in range(0, numel, chunk_numel):
-                    fh.write(tensor_bytes(t.read(start, min(numel, start + chunk_numel))))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(out)))
+    _write_safetensors(out, _state_dict_plan(reader), chunk_numel=chunk_numel)
     return out
+
+
+# -- export (Hugging Face layout) -----------------------------------------------------------------------
+_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_EXPORT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size, "5GB"
+
+
+def parse_size(text: str | int) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a number of bytes, as ``save_pretrained``'s max_shard_size."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+        raw = str(text).strip().upper()
+        unit = next((u for u in units if raw.endswith(u)), "")
+        try:
+            value = int(float(raw[:len(raw) - len(unit)]) * units.get(unit, 1))
+        except ValueError:
+            raise CheckpointError(f"max_shard_size={text!r} is not a size; write e.g. '5GB', '500MB' or bytes") from None
+    if value < 1:
+        raise CheckpointError(f"max_shard_size={text!r} must be at least one byte")
+    return value
+
+
+def export_pretrained(path: str, out_dir: str, *, max_shard_size: str | int = DEFAULT_MAX_SHARD_BYTES,
+                      dtype: str | None = None, chunk_numel: int = CONSOLIDATE_CHUNK_NUMEL,
+                      storage: Storage | None = None) -> list[str]:
+    """Write the checkpoint at ``path`` into ``out_dir`` as Hugging Face ``save_pretrained``
+    writes weights: ``model.safetensors``, or above ``max_shard_size`` shards named
+    ``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json`` (``total_size`` and
+    a ``weight_map``). Tied weights appear once, under their ``named_parameters()`` name; the
+    persistent buffers are included. ``dtype`` ("float32", "bfloat16", "float16") converts the
+    floating tensors (default: as saved, fp32). Streams with bounded memory, as ``consolidate``.
+    With the model's ``config.json`` in ``out_dir``, ``from_pretrained(out_dir)`` loads it.
+    Returns the files written."""
+    if dtype is not None and dtype not in _EXPORT_DTYPES:
+        raise CheckpointError(f"dtype={dtype!r} is not one of {sorted(_EXPORT_DTYPES)}")
+    limit = parse_size(max_shard_size)
+    reader = CheckpointReader(path, storage=storage)
+    reader.check_files()
+    plan = _state_dict_plan(reader, aliases=False)
+    target = _EXPORT_DTYPES.get(dtype or "", None)
+    sizes = [math.prod(t.shape) * (_FLOATS[target].itemsize if target and t.dtype in _FLOATS
+                                  else _FLOATS.get(t.dtype, torch.float32).itemsize) for t in plan]
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, nbytes in enumerate(sizes):
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    os.makedirs(out_dir, exist_ok=True)
+    for stale in os.listdir(out_dir):  # a previous export's layout must not mix with this one
+        if stale in (WEIGHTS_NAME, INDEX_NAME) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", stale):
+            os.remove(os.path.join(out_dir, stale))
+    if len(shards) == 1:
+        out = os.path.join(out_dir, WEIGHTS_NAME)
+        _write_safetensors(out, plan, chunk_numel=chunk_numel, dtype=target)
+        return [out]
+    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    written, weight_map = [], {}
+    for name, members in zip(names, shards):
+        out = os.path.join(out_dir, name)
+        _write_safetensors(out, [plan[i] for i in members], chunk_numel=chunk_numel, dtype=target)
+        written.append(out)
+        weight_map.update({plan[i].key: name for i in members})
+    index = os.path.join(out_dir, INDEX_NAME)
+    with open(f"{index}.tmp", "w", encoding="utf-8") as fh:
+        json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, fh, indent=2, sort_keys=True)
+    os.replace(f"{index}.tmp", index)
+    return [*written, index]

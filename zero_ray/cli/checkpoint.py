@@ -3,6 +3,7 @@
     zero-ray checkpoint inspect DIR [--verify] [--json]
     zero-ray checkpoint reshard DIR OUT --world-size M [--keep K]
     zero-ray checkpoint consolidate DIR OUT.safetensors
+    zero-ray checkpoint export DIR OUT_DIR [--max-shard-size 5GB] [--dtype bfloat16]
 
 DIR is a checkpoint directory or a checkpoint root (its ``latest`` is used). Any failure prints
 one line on stderr and exits with status 1.
@@ -16,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from zero_ray.checkpoint.tools import consolidate, inspect_checkpoint, reshard
+from zero_ray.checkpoint.tools import consolidate, export_pretrained, inspect_checkpoint, reshard
 from zero_ray.cli.estimate import positive_int
 from zero_ray.cli.groups import SubParsers, subcommand_group
 from zero_ray.errors import ZeroRayError
@@ -45,6 +46,15 @@ def register(subparsers: SubParsers) -> None:
     cons.add_argument("out", metavar="OUT.safetensors", help="the file to write")
     cons.set_defaults(func=_consolidate, command_name="checkpoint consolidate")
 
+    export = group.add_parser("export", help="write the weights as save_pretrained does (Hugging Face layout)")
+    export.add_argument("path", metavar="DIR", help="the checkpoint to read")
+    export.add_argument("out", metavar="OUT_DIR", help="the directory to write model.safetensors (or shards) into")
+    export.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="shard above this size, e.g. 5GB, 500MB, 2GiB (default: %(default)s)")
+    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="convert floating tensors (default: as saved, float32)")
+    export.set_defaults(func=_export, command_name="checkpoint export")
+
 
 def _run(args: argparse.Namespace, action: Callable[[], str]) -> int:
     """Print what ``action`` returns; domain and file-system errors become one line on stderr
@@ -72,8 +82,8 @@ def format_inspection(info: dict[str, Any]) -> str:
         f"optimizer       {opt.get('type', '?')} {hyper}".rstrip(),
         f"moments         {', '.join(info['moments']) or '-'}",
         f"loss scaler     {' '.join(f'{k}={v}' for k, v in sorted(info['loss_scaler'].items())) or '-'}",
-        f"parameters      {info['params']} ({info['elements']:,} elements in {info['buckets']} buckets), "
-        f"{info['buffers']} buffers",
+        f"parameters      {info['params']} ({info['elements']:,} elements in {info['buckets']} buckets; "
+        f"{info['trainable_elements']:,} trainable), {info['buffers']} buffers",
         f"files           {len(info['files'])} ({info['bytes']:,} bytes)",
     ]
     width = max(len(f["name"]) for f in info["files"]) if info["files"] else 0
@@ -101,3 +111,12 @@ def _reshard(args: argparse.Namespace) -> int:
 
 def _consolidate(args: argparse.Namespace) -> int:
     return _run(args, lambda: f"full fp32 state dict written to {consolidate(args.path, args.out)}")
+
+
+def _export(args: argparse.Namespace) -> int:
+    def action() -> str:
+        files = export_pretrained(args.path, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype)
+        return (f"{len(files)} file(s) written to {args.out}; add the model's config.json there and "
+                "from_pretrained() loads it")
+
+    return _run(args, action)

@@ -31,7 +31,7 @@ import grpc
 from zero_ray.errors import ConfigError
 
 # Bumped on an incompatible change to protos/zero_ray/v1; a server may speak several.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Step carries a Piece (staged key or dataset indices) and LossTotals; Evaluate
 SUPPORTED_PROTOCOL_VERSIONS: frozenset[int] = frozenset({PROTOCOL_VERSION})
 
 TOKEN_ENV = "RAY_AUTH_TOKEN"

@@ -9,7 +9,7 @@ for a refused token), naming the method, the address and the status; the
 Example::
 
     client = OwnerClient(ClientConfig(address="10.0.0.5:41003", credentials=creds))
-    result = client.step(StepArgs(step=7, lr=1e-4, batch_ref=ref, global_samples=256, generation=0),
+    result = client.step(StepArgs(step=7, lr=1e-4, piece=Piece(batch_key="0:7"), global_samples=256, generation=0),
                          timeout_s=600)
     client.close()
 """
@@ -39,6 +39,10 @@ from zero_ray.control.handlers import (
     ResizeResult,
     SavePhase,
     SaveResult,
+    EvaluateArgs,
+    EvaluateResult,
+    LossTotals,
+    Piece,
     StepArgs,
     StepResult,
 )
@@ -269,6 +273,15 @@ class _Client:
         self.close()
 
 
+def _piece(piece: Piece) -> owner_pb2.Piece:
+    return owner_pb2.Piece(batch_key=piece.batch_key, dataset=piece.dataset, indices=list(piece.indices))
+
+
+def _totals(message: owner_pb2.LossTotals) -> LossTotals:
+    return LossTotals(loss_sum=message.loss_sum, samples=message.samples, count=message.count,
+                      counted=message.counted, items=message.items)
+
+
 class OwnerClient(_Client):
     """The driver's client of one partition owner (``zero_ray.v1.PartitionOwner``)."""
 
@@ -283,12 +296,19 @@ class OwnerClient(_Client):
 
     def step(self, args: StepArgs, *, timeout_s: float | None = None) -> StepResult:
         """Run one step on the owner; ``timeout_s`` should cover the step's compute."""
-        request = owner_pb2.StepRequest(header=self._header(), step=args.step, lr=args.lr, batch_ref=args.batch_ref,
+        request = owner_pb2.StepRequest(header=self._header(), step=args.step, lr=args.lr, piece=_piece(args.piece),
                                         global_samples=args.global_samples, generation=args.generation)
         reply = self._unary("Step", self._stub.Step, request, timeout_s)
-        return StepResult(loss_sum=reply.loss_sum, samples=reply.samples, grad_norm=reply.grad_norm,
+        return StepResult(totals=_totals(reply.totals), grad_norm=reply.grad_norm,
                           skipped=reply.skipped, loss_scale=reply.loss_scale, compute_seconds=reply.compute_seconds,
                           rank=reply.rank, bytes_sent=dict(reply.bytes_sent))
+
+    def evaluate(self, args: EvaluateArgs, *, timeout_s: float | None = None) -> EvaluateResult:
+        """The owner's loss on its piece, forward only."""
+        request = owner_pb2.EvaluateRequest(header=self._header(), piece=_piece(args.piece),
+                                            generation=args.generation)
+        reply = self._unary("Evaluate", self._stub.Evaluate, request, timeout_s)
+        return EvaluateResult(totals=_totals(reply.totals), rank=reply.rank)
 
     def save(self, path: str, step: int, *, phase: SavePhase = SavePhase.BOTH,
              timeout_s: float | None = None) -> SaveResult:

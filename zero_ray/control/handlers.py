@@ -33,7 +33,7 @@ import enum
 
 import math
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -47,13 +47,60 @@ def _non_negative(**values: int) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Piece:
+    """An owner's piece of a global batch: a key under which the driver staged it on the owner
+    (through Ray's object store), or indices into a dataset the owner holds."""
+
+    batch_key: str = ""
+    dataset: str = ""
+    indices: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if bool(self.batch_key) == bool(self.dataset):
+            raise ConfigError(f"a piece names a staged batch or a dataset, exactly one: batch_key={self.batch_key!r}, "
+                              f"dataset={self.dataset!r}")
+        if self.batch_key and self.indices:
+            raise ConfigError("indices belong to a dataset piece, not a staged batch")
+        if any(i < 0 for i in self.indices):
+            raise ConfigError("dataset indices must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossTotals:
+    """What a loss covered on one owner. With ``loss_fn``'s pair form ``(loss_sum, count)``,
+    ``loss_sum`` sums per-item losses over ``count`` items (``counted``); otherwise it is the
+    per-sample mean loss times ``samples``. ``items`` is the throughput unit: ``count``, the
+    tokens of an integer batch, or the samples."""
+
+    loss_sum: float
+    samples: int
+    count: float = 0.0
+    counted: bool = False
+    items: float = 0.0
+
+
+def combine(totals: Sequence[LossTotals]) -> dict[str, float]:
+    """The global figures of several owners' totals: ``loss`` (the mean over items when
+    counted, else over samples), ``samples``, ``items`` and, when counted, ``count``."""
+    samples = sum(t.samples for t in totals)
+    counted = bool(totals) and totals[0].counted
+    out: dict[str, float] = {"samples": samples, "items": sum(t.items for t in totals)}
+    if counted:
+        count = sum(t.count for t in totals)
+        out["count"] = count
+        out["loss"] = sum(t.loss_sum for t in totals) / count if count else float("nan")
+    else:
+        out["loss"] = sum(t.loss_sum for t in totals) / samples if samples else float("nan")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
 class StepArgs:
     """One training step, as the driver asks an owner to run it."""
 
     step: int
     lr: float
-    # A serialized Ray ObjectRef naming this owner's micro-batches; opaque to the control layer.
-    batch_ref: bytes
+    piece: Piece
     global_samples: int
     # The driver's restart/resize generation; ``abort`` names the one it cancels.
     generation: int
@@ -68,14 +115,30 @@ class StepArgs:
 class StepResult:
     """An owner's share of a finished (or skipped) step."""
 
-    loss_sum: float
-    samples: int
+    totals: LossTotals
     grad_norm: float
     skipped: bool
     loss_scale: float
     compute_seconds: float
     rank: int
     bytes_sent: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateArgs:
+    """A forward-only pass over an owner's piece of an evaluation batch."""
+
+    piece: Piece
+    generation: int
+
+    def __post_init__(self) -> None:
+        _non_negative(generation=self.generation)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateResult:
+    totals: LossTotals
+    rank: int
 
 
 class SavePhase(enum.Enum):
@@ -185,6 +248,10 @@ class OwnerHandler(Protocol):
 
     def step(self, args: StepArgs) -> StepResult:
         """Run one step. May block for as long as the driver's deadline allows."""
+        ...
+
+    def evaluate(self, args: EvaluateArgs) -> EvaluateResult:
+        """This owner's loss on its piece, forward only (gradients off, no state change)."""
         ...
 
     def save(self, path: str, step: int, phase: SavePhase) -> SaveResult:

@@ -50,6 +50,9 @@ from zero_ray.control.handlers import (
     ResizeResult,
     SavePhase,
     SaveResult,
+    EvaluateArgs,
+    LossTotals,
+    Piece,
     StepArgs,
     StepResult,
 )
@@ -237,8 +240,17 @@ def _interval_s(interval_ms: int, context: grpc.ServicerContext, method: str) ->
     return interval_ms / 1000.0
 
 
+def _piece(message: owner_pb2.Piece) -> Piece:
+    return Piece(batch_key=message.batch_key, dataset=message.dataset, indices=tuple(message.indices))
+
+
+def _totals(totals: LossTotals) -> owner_pb2.LossTotals:
+    return owner_pb2.LossTotals(loss_sum=totals.loss_sum, samples=totals.samples, count=totals.count,
+                                counted=totals.counted, items=totals.items)
+
+
 def _step_reply(result: StepResult) -> owner_pb2.StepReply:
-    return owner_pb2.StepReply(loss_sum=result.loss_sum, samples=result.samples, grad_norm=result.grad_norm,
+    return owner_pb2.StepReply(totals=_totals(result.totals), grad_norm=result.grad_norm,
                                skipped=result.skipped, loss_scale=result.loss_scale,
                                compute_seconds=result.compute_seconds, bytes_sent=dict(result.bytes_sent),
                                rank=result.rank)
@@ -278,9 +290,17 @@ class _OwnerServicer(owner_pb2_grpc.PartitionOwnerServicer):
     def Step(self, request: owner_pb2.StepRequest, context: grpc.ServicerContext) -> owner_pb2.StepReply:
         method = "PartitionOwner.Step"
         args = _serve(context, method, lambda: StepArgs(
-            step=request.step, lr=request.lr, batch_ref=request.batch_ref, global_samples=request.global_samples,
+            step=request.step, lr=request.lr, piece=_piece(request.piece), global_samples=request.global_samples,
             generation=request.generation), lambda a: a)
         return _serve(context, method, lambda: self._handler.step(args), _step_reply)
+
+    def Evaluate(self, request: owner_pb2.EvaluateRequest,
+                 context: grpc.ServicerContext) -> owner_pb2.EvaluateReply:
+        method = "PartitionOwner.Evaluate"
+        args = _serve(context, method, lambda: EvaluateArgs(piece=_piece(request.piece),
+                                                            generation=request.generation), lambda a: a)
+        return _serve(context, method, lambda: self._handler.evaluate(args),
+                      lambda r: owner_pb2.EvaluateReply(totals=_totals(r.totals), rank=r.rank))
 
     def Save(self, request: owner_pb2.SaveRequest, context: grpc.ServicerContext) -> owner_pb2.SaveReply:
         def build(r: SaveResult) -> owner_pb2.SaveReply:

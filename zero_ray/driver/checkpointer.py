@@ -14,7 +14,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from zero_ray.checkpoint import store
@@ -43,6 +43,7 @@ class RunPosition:
     compute_dtype: str
     seed: int
     optimizer: dict[str, Any]
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. fit()'s data order, to resume it
 
 
 class Checkpointer:
@@ -58,9 +59,12 @@ class Checkpointer:
         self.last_committed: str | None = None
         self.last_error: BaseException | None = None
 
-    def save(self, root: str, position: RunPosition, *, on_commit: Callable[[str], None] | None = None) -> str:
+    def save(self, root: str, position: RunPosition, *, on_commit: Callable[[str], None] | None = None,
+             remember: bool = True) -> str:
         """Snapshot every owner now and commit under ``root`` in the background. Returns the
-        directory the checkpoint will have once committed (``wait()`` blocks until then)."""
+        directory the checkpoint will have once committed (``wait()`` blocks until then).
+        ``remember=False``: a scratch save (an export) that never becomes ``last_committed``,
+        the checkpoint recovery restores from."""
         self.wait(raise_error=False)
         lost = self._pool.find_lost(timeout_s=2.0)
         if lost:  # a checkpoint needs every partition
@@ -75,13 +79,13 @@ class Checkpointer:
             raise
         with self._lock:
             self.state, self.last_error = SaveState.WRITING, None
-        self._thread = threading.Thread(target=self._commit, args=(pending, position, on_commit),
+        self._thread = threading.Thread(target=self._commit, args=(pending, position, on_commit, remember),
                                         name="zero_ray-commit", daemon=True)
         self._thread.start()
         return pending.final
 
     def _commit(self, pending: store.PendingCheckpoint, position: RunPosition,
-                on_commit: Callable[[str], None] | None) -> None:
+                on_commit: Callable[[str], None] | None, remember: bool) -> None:
         try:
             replies = self._pool.save(pending.tmp, position.step, phase=SavePhase.AWAIT, timeout_s=self._timeout_s)
             records = [json.loads(r.record_json) for r in replies]
@@ -89,7 +93,7 @@ class Checkpointer:
                                       step=position.step, samples_seen=position.samples_seen,
                                       world_size=position.world_size, stage=position.stage,
                                       compute_dtype=position.compute_dtype, seed=position.seed,
-                                      optimizer=position.optimizer)
+                                      optimizer=position.optimizer, extra=position.extra)
             path = store.commit(pending, manifest, keep=self._keep)
         except BaseException as err:  # the previous checkpoint stays the committed one
             log.error("checkpoint %s abandoned: %s", pending.final, err)
@@ -99,7 +103,9 @@ class Checkpointer:
             return
         log.info("checkpoint committed: %s", path)
         with self._lock:
-            self.state, self.last_committed = SaveState.IDLE, path
+            self.state = SaveState.IDLE
+            if remember:
+                self.last_committed = path
         if on_commit is not None:
             on_commit(path)
 

@@ -39,6 +39,7 @@ STEPS = PREFIX + "steps"
 STEP_SECONDS = PREFIX + "step_seconds"
 LOSS = PREFIX + "loss"
 SAMPLES_PER_SECOND = PREFIX + "samples_per_second"
+ITEMS_PER_SECOND = PREFIX + "items_per_second"
 BYTES_SENT = PREFIX + "bytes_sent"
 MODEL_STATE_BYTES = PREFIX + "model_state_bytes"
 
@@ -68,6 +69,10 @@ class RunMetrics:
                            tag_keys=("run_id",)).set_default_tags(tags)
         self._samples_per_second = Gauge(SAMPLES_PER_SECOND, description="Global samples per second in the last step.",
                                          tag_keys=("run_id",)).set_default_tags(tags)
+        self._items_per_second = Gauge(ITEMS_PER_SECOND,
+                                       description="Items per second in the last step: tokens when loss_fn returns "
+                                                   "(loss_sum, count) or batches are token ids, else samples.",
+                                       tag_keys=("run_id",)).set_default_tags(tags)
         self._bytes_sent = Gauge(BYTES_SENT, description="Bytes a rank sent over collectives in the last step.",
                                  tag_keys=("run_id", "rank")).set_default_tags(tags)
         self._model_state = Gauge(MODEL_STATE_BYTES,
@@ -84,6 +89,7 @@ class RunMetrics:
             self._loss.set(float(metrics["loss"]))
             if seconds > 0:
                 self._samples_per_second.set(float(metrics["samples"]) / seconds)
+                self._items_per_second.set(float(metrics.get("items", metrics["samples"])) / seconds)
             for r in results:
                 self._bytes_sent.set(float(sum(r.bytes_sent.values())), tags={"rank": str(r.rank)})
         except Exception:

@@ -22,12 +22,29 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient
-from zero_ray.control.handlers import LoadResult, OwnerStats, SavePhase, SaveResult, StepArgs, StepResult
+from zero_ray.control.handlers import (
+    EvaluateArgs,
+    EvaluateResult,
+    LoadResult,
+    OwnerStats,
+    SavePhase,
+    SaveResult,
+    StepArgs,
+    StepResult,
+)
 from zero_ray.driver.health import HealthMonitor
 
 from zero_ray import errors
 from zero_ray.config import ControlTLS
-from zero_ray.errors import ControlError, OwnerError, OwnerLostError, ResourceError, ZeroRayError, domain_error
+from zero_ray.errors import (
+    ConfigError,
+    ControlError,
+    OwnerError,
+    OwnerLostError,
+    ResourceError,
+    ZeroRayError,
+    domain_error,
+)
 from zero_ray.core.reshard import backup_peers
 from zero_ray.owner.actor import OwnerOptions, RemotePartitionOwner
 from zero_ray.owner.spec import EngineSpec
@@ -121,6 +138,8 @@ class OwnerPool:
         self.health: HealthMonitor | None = None
         self._pg: Any = None
         self._extra_pgs: list[Any] = []  # placement groups of owners added by resize()
+        # fit()'s datasets (name -> source, factory?, collate), registered on owners started later too
+        self.datasets: dict[str, tuple[Any, bool, Any]] = {}
         # Steps may block for their whole deadline; aborts and stats must never queue behind them.
         self._executor = ThreadPoolExecutor(max_workers=3 * spec.world_size + 2, thread_name_prefix="zero_ray-rpc")
         check_resources(world_size=spec.world_size, use_gpu=spec.use_gpu, num_cpus_per_owner=spec.num_cpus_per_owner)
@@ -167,6 +186,8 @@ class OwnerPool:
                                                   timeout_s=spec.init_timeout_s, **spec.client_tls()))
                          for n in nodes]
         self._restart_health()
+        if self.datasets:
+            self._register_datasets(new, self.datasets)
 
     def _restart_health(self) -> None:
         if self.health is not None:
@@ -225,6 +246,34 @@ class OwnerPool:
         """Run one step on every owner over gRPC, each call with a deadline. The first failure
         (an owner's error, a lost owner, the deadline) is raised at once."""
         return self._on_all("step", lambda c, r: c.step(args[r], timeout_s=timeout_s))
+
+    def evaluate(self, args: Sequence[EvaluateArgs], *, timeout_s: float) -> list[EvaluateResult]:
+        """A forward-only pass on every owner over gRPC (all take part: stage 3 gathers)."""
+        return self._on_all("evaluate", lambda c, r: c.evaluate(args[r], timeout_s=timeout_s))
+
+    def stage(self, key: str, pieces: Sequence[ray.ObjectRef]) -> list[ray.ObjectRef]:
+        """Hand owner r its piece ``pieces[r]`` under ``key``, through a Ray call (Ray resolves
+        and reference-counts the object; the Step naming ``key`` waits for it). Returns the
+        calls' results, to hold until the step is over; a failed call shows as that step's
+        error."""
+        return [a.stage_batch.remote(key, piece) for a, piece in zip(self.actors, pieces)]
+
+    def register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int:
+        """Have every owner (and every owner started later) hold dataset ``name``; its length."""
+        self.datasets[name] = (source, factory, collate)
+        lengths = self._register_datasets(self.actors, {name: self.datasets[name]})
+        return lengths[0]
+
+    def _register_datasets(self, actors: Sequence[Any], datasets: dict[str, tuple[Any, bool, Any]]) -> list[int]:
+        lengths: list[int] = []
+        for name, (source, factory, collate) in datasets.items():
+            got = self._call_on(actors, "register_dataset", name, source, timeout_s=self.spec.init_timeout_s,
+                                kwargs=[{"factory": factory, "collate": collate}] * len(actors), watch=False)
+            if len(set(got)) > 1:
+                raise ConfigError(f"dataset {name!r} has different lengths on the owners: {got}; a factory must "
+                                  "build the same dataset everywhere")
+            lengths += got[:1]
+        return lengths
 
     def save(self, directory: str, step: int, *, phase: SavePhase, timeout_s: float) -> list[SaveResult]:
         """Every owner's half of a save into ``directory`` (see ``SavePhase``)."""

@@ -7,6 +7,7 @@ import enum
 import logging
 import math
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -16,21 +17,23 @@ from typing import Any
 
 import ray
 import torch
-from ray import cloudpickle
 
 from zero_ray.config import ZeroConfig
-from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes
+from zero_ray.core.batching import Batch
 from zero_ray.checkpoint.format import Manifest
 from zero_ray.checkpoint.store import CheckpointReader
+from zero_ray.checkpoint.tools import export_pretrained
 from zero_ray.core.optim import AdamW, Optimizer, optimizer_from_record, optimizer_record
 from zero_ray.core.precision import parse_dtype
 from zero_ray.core.stages import stage_plan
 from zero_ray.control.auth import Credentials, new_token, write_token_file
-from zero_ray.control.handlers import JobStatus, MetricsEvent, RankStatus, StepArgs
+from zero_ray.control.handlers import EvaluateArgs, JobStatus, MetricsEvent, RankStatus, StepArgs, combine
 from zero_ray.control.server import ServerConfig, serve_coordinator
 from zero_ray.core.policy import FailurePolicy, ScalingPolicy
 from zero_ray.driver.checkpointer import Checkpointer, RunPosition
 from zero_ray.driver.coordinator import Coordinator
+from zero_ray.driver.data import GlobalBatch, StagedBatch
+from zero_ray.driver.fit import fit
 from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport
 from zero_ray.driver.metrics import RunMetrics
 from zero_ray.driver.pool import OwnerPool, PoolSpec, _cluster_is_local
@@ -65,17 +68,6 @@ def _ensure_ray() -> None:
     # otherwise starts a local one in-process.
     if not ray.is_initialized():
         ray.init()
-
-
-def _unpin(refs: list[ray.ObjectRef]) -> None:
-    """Serializing an ObjectRef out of band (into a gRPC message) pins it for the life of the
-    driver; once the step is over the owners are done with it, so take that pin back."""
-    core_worker = ray._private.worker.global_worker.core_worker
-    for ref in refs:
-        try:
-            core_worker.remove_object_ref_reference(ref)
-        except Exception:  # best effort: a leak of one batch is not worth failing a step for
-            log.debug("could not unpin %s", ref, exc_info=True)
 
 
 def _resolve_device(config: ZeroConfig) -> tuple[str, str]:
@@ -126,7 +118,9 @@ class ZeroTrainer:
         self._run_metrics = RunMetrics(run_id=self._credentials.job_id)
         self._scaling = ScalingPolicy(min_world_size=cfg.elastic.min_world_size,
                                       max_world_size=cfg.elastic.max_world_size)
-        self._replay: dict[int, Batch] = {}  # global batches of recent steps, by index, to replay after a restore
+        # Global batches of recent steps, by index, to replay after a restore (fit keeps indices only).
+        self._replay: dict[int, GlobalBatch] = {}
+        self._evaluations = 0  # staging keys of evaluate() calls
         self._last_grow_check = 0.0
         self.recoveries: list[RecoveryReport] = []
         self._lock = threading.Lock()
@@ -141,6 +135,10 @@ class ZeroTrainer:
         self.last_metrics: dict[str, Any] = {}
         self.stop_reason: str | None = None
         self.events: list[str] = []  # membership changes and failure decisions, for operators
+        # What checkpoints record beside the state (fit()'s data order), and what the checkpoint
+        # this run resumed from recorded (checked by the next fit, then dropped).
+        self.run_extra: dict[str, Any] = {}
+        self.resumed: dict[str, Any] = {}
         self._pool = OwnerPool(pool, engine, credentials=self._credentials)
         self._checkpointer = Checkpointer(self._pool, keep=cfg.checkpoint.keep, timeout_s=cfg.checkpoint.timeout_s)
         self._recovery = RecoveryController(
@@ -228,23 +226,25 @@ class ZeroTrainer:
     def step(self, batch: Batch) -> dict[str, Any]:
         """One optimizer step on the global ``batch`` (split along dim 0 across the owners).
 
-        Returns metrics: ``loss`` (mean over the global batch, before the update), ``grad_norm``
-        (before clipping), ``lr``, ``skipped`` (fp16 overflow), ``loss_scale``, ``samples``,
+        Returns metrics: ``loss`` (mean over the global batch before the update: over items when
+        ``loss_fn`` returns ``(loss_sum, count)``, else over samples), ``grad_norm`` (before
+        clipping), ``lr``, ``skipped`` (fp16 overflow), ``loss_scale``, ``samples``, ``items``
+        (the count, or tokens of an integer batch, or samples) and ``items_per_second``,
         ``step_seconds``.
         """
         with self._step_mutex:
-            return self._step(batch)
+            return self._step(StagedBatch(batch))
 
-    def _step(self, batch: Batch) -> dict[str, Any]:
+    def _step(self, work: GlobalBatch) -> dict[str, Any]:
         self._require_ready()
         cfg = self.config
-        n = batch_size(batch)
+        n = work.samples
         if n < self.world_size * cfg.grad_accum_steps:
             raise ConfigError(f"global batch of {n} samples is smaller than world_size * grad_accum_steps = "
                               f"{self.world_size} * {cfg.grad_accum_steps}; every rank needs at least one sample "
                               "per micro-batch")
         index = self._submitted  # the user's step: a restore may have rewound step_count below it
-        self._replay[index] = batch
+        self._replay[index] = work
         while len(self._replay) > cfg.elastic.max_replay_steps:
             del self._replay[min(self._replay)]
         start = time.perf_counter()
@@ -252,7 +252,7 @@ class ZeroTrainer:
             try:
                 while self.step_count < index:  # a restore rewound the state: catch up first
                     self._execute(self._replay[self.step_count])
-                lr, results = self._execute(batch)
+                lr, results = self._execute(work)
                 break
             except ZeroRayError as err:
                 if not self._recover(err, failed_step=self.step_count, replay_until=index + 1, started=start):
@@ -262,46 +262,110 @@ class ZeroTrainer:
         if self.recoveries and self.recoveries[-1].replay_s < 0:  # this call recovered: time its replay
             self.recoveries[-1].replay_s = time.perf_counter() - self._restored_at
             self.events[-1] = self.recoveries[-1].summary()
-        loss = sum(r.loss_sum for r in results) / n
+        seconds = time.perf_counter() - start
+        totals = combine([r.totals for r in results])
         metrics = {
             "step": self.step_count,
-            "loss": loss,
+            "loss": totals["loss"],
             "grad_norm": results[0].grad_norm,
             "lr": lr,
             "skipped": results[0].skipped,
             "loss_scale": results[0].loss_scale,
             "samples": n,
-            "step_seconds": time.perf_counter() - start,
+            "items": totals["items"],
+            "items_per_second": totals["items"] / seconds if seconds > 0 else 0.0,
+            "step_seconds": seconds,
             "owner_compute_seconds": max(r.compute_seconds for r in results),
             "bytes_sent": sum(sum(r.bytes_sent.values()) for r in results),
         }
+        if "count" in totals:
+            metrics["count"] = totals["count"]
         self.last_metrics = metrics
         self._run_metrics.record_step(metrics, results)
-        self._coordinator.publish(MetricsEvent(step=self.step_count, loss=loss, step_seconds=metrics["step_seconds"],
-                                               tokens_per_second=0.0, values={"grad_norm": metrics["grad_norm"],
-                                                                               "lr": lr}))
+        self._coordinator.publish(MetricsEvent(step=self.step_count, loss=metrics["loss"], step_seconds=seconds,
+                                               tokens_per_second=metrics["items_per_second"],
+                                               values={"grad_norm": metrics["grad_norm"], "lr": lr,
+                                                       "items": metrics["items"]}))
         self._maybe_grow()
         return metrics
 
-    def _execute(self, batch: Batch) -> tuple[float, list[Any]]:
-        """Run step ``step_count`` on ``batch`` on every owner and count it."""
-        n = batch_size(batch)
+    def _execute(self, work: GlobalBatch) -> tuple[float, list[Any]]:
+        """Run step ``step_count`` on ``work`` on every owner and count it."""
+        n = work.samples
         lr = self.optimizer.lr * float(self._schedule(self.step_count))
-        pieces = [ray.put(p) for p in split_batch(batch, split_sizes(n, self.world_size))]
-        args = [StepArgs(step=self.step_count, lr=lr, batch_ref=cloudpickle.dumps(ref), global_samples=n,
-                         generation=self._pool.generation) for ref in pieces]
+        generation = self._pool.generation
+        pieces, held = work.send(self._pool, world_size=self.world_size, key=f"{generation}:{self.step_count}")
+        args = [StepArgs(step=self.step_count, lr=lr, piece=piece, global_samples=n, generation=generation)
+                for piece in pieces]
         with self._lock:
             self._state = TrainerState.STEPPING
-        try:
-            results = self._pool.step(args, timeout_s=self.config.step_timeout_s)
-        finally:
-            _unpin(pieces)
+        results = self._pool.step(args, timeout_s=self.config.step_timeout_s)
+        del held  # the owners are done with the staged pieces: the object store frees them
         with self._lock:
             if self._state is TrainerState.STEPPING:
                 self._state = TrainerState.READY
         self.step_count += 1
         self.samples_seen += n
         return lr, results
+
+    def evaluate(self, batch: Batch) -> dict[str, float]:
+        """The loss on the global ``batch`` at the current parameters, forward only on every
+        owner (module in eval mode, no gradients, nothing changes). Returns ``loss`` (the mean
+        over items when ``loss_fn`` returns ``(loss_sum, count)``, else over samples),
+        ``samples`` and ``items``, and ``count`` for the pair form."""
+        with self._step_mutex:
+            return self._evaluate(StagedBatch(batch))
+
+    def fit(self, dataset: Any, *, global_batch_size: int, steps: int, seed: int = 0,
+            collate_fn: Callable[[list[Any]], Any] | None = None, eval_dataset: Any = None,
+            eval_every: int | None = None, checkpoint_every: int | None = None,
+            progress: bool = True, callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Train until ``step_count`` reaches ``steps`` on a map-style ``dataset`` (``__len__`` and
+        ``__getitem__``: a ``torch.utils.data.Dataset``, a Hugging Face ``datasets.Dataset``) or a
+        zero-argument factory building one, which goes to every owner once; each owner builds
+        its own piece of every global batch with ``collate_fn`` (default
+        ``torch.utils.data.default_collate``). The step RPC carries indices only.
+
+        Order (fixed): epoch ``e`` is ``torch.randperm(len(dataset),
+        generator=torch.Generator().manual_seed(seed + e))``; global batches are consecutive
+        slices of ``global_batch_size``; a partial last batch is dropped; a global batch is split
+        among ranks as ``step()`` splits one. So it matches single-process training on that
+        order, survives resizes and lost owners (a replay re-reads the same indices), and after
+        ``from_checkpoint`` continues at the right epoch and offset.
+
+        ``eval_dataset`` is evaluated (``evaluate``, every sample once, in order) every
+        ``eval_every`` steps and at the end; ``checkpoint_every`` saves under
+        ``config.checkpoint.dir``. Shows a progress bar (loss, items/s, eval loss) unless
+        ``progress=False``; ``callback(metrics)`` is called after every step (with ``eval_loss``
+        when it evaluated). Returns the last ``loss``, ``eval_loss``, ``items_per_second``,
+        ``step`` and ``epoch``."""
+        return fit(self, dataset, global_batch_size=global_batch_size, steps=steps, seed=seed, collate_fn=collate_fn,
+                   eval_dataset=eval_dataset, eval_every=eval_every, checkpoint_every=checkpoint_every,
+                   progress=progress, callback=callback)
+
+    def _evaluate(self, work: GlobalBatch) -> dict[str, float]:
+        self._require_ready()
+        if work.samples < self.world_size * self.config.grad_accum_steps:
+            raise ConfigError(f"an evaluation batch of {work.samples} samples is smaller than world_size * "
+                              f"grad_accum_steps = {self.world_size} * {self.config.grad_accum_steps}")
+        while True:
+            try:
+                generation = self._pool.generation
+                self._evaluations += 1
+                pieces, held = work.send(self._pool, world_size=self.world_size,
+                                         key=f"{generation}:eval{self._evaluations}")
+                results = self._pool.evaluate([EvaluateArgs(piece=p, generation=generation) for p in pieces],
+                                              timeout_s=self.config.step_timeout_s)
+                del held
+                return combine([r.totals for r in results])
+            except ZeroRayError as err:  # an owner lost during evaluation: recover, then evaluate again
+                if self._recover(err, failed_step=self.step_count, replay_until=self._submitted,
+                                 started=time.perf_counter()):
+                    while self.step_count < self._submitted:
+                        self._execute(self._replay[self.step_count])
+                elif self._state is TrainerState.FAILED:
+                    self._raise_failed(err)
+                    raise
 
     def _recover(self, err: ZeroRayError, *, failed_step: int, replay_until: int, started: float) -> bool:
         """Carry out the policies' decision after a failure in step ``failed_step`` (or between
@@ -323,7 +387,7 @@ class ZeroTrainer:
                                  f"{self.config.elastic.max_replay_steps}); resume with from_checkpoint")
                 restored = False
             else:
-                self.samples_seen -= sum(batch_size(self._replay[i]) for i in range(report.resume_step, before))
+                self.samples_seen -= sum(self._replay[i].samples for i in range(report.resume_step, before))
                 self.step_count = report.resume_step
                 report.replayed_steps = replay_until - report.resume_step
                 report.replay_s = -1.0  # measured when the replay is done
@@ -485,17 +549,33 @@ class ZeroTrainer:
                               "start it with ZeroConfig(checkpoint=CheckpointConfig(dir=...))")
         return self._save(os.fspath(root), wait=False)
 
-    def _save(self, root: str, *, wait: bool) -> tuple[str, int]:
+    def _save(self, root: str, *, wait: bool, remember: bool = True) -> tuple[str, int]:
         with self._step_mutex:
             self._require_ready()
             cfg = self.config
             position = RunPosition(step=self.step_count, samples_seen=self.samples_seen, world_size=self.world_size,
                                    stage=cfg.stage, compute_dtype=cfg.dtype, seed=cfg.seed,
-                                   optimizer=optimizer_record(self.optimizer))
-            target = self._checkpointer.save(root, position)
+                                   optimizer=optimizer_record(self.optimizer), extra=dict(self.run_extra))
+            target = self._checkpointer.save(root, position, remember=remember)
         if wait:
             self.wait_for_checkpoint()
         return target, position.step
+
+    def export_pretrained(self, directory: str | os.PathLike[str], *, max_shard_size: str | int = "5GB",
+                          dtype: str | None = None) -> list[str]:
+        """Write the current weights into ``directory`` as Hugging Face ``save_pretrained``
+        writes them (``model.safetensors``, or shards and ``model.safetensors.index.json`` above
+        ``max_shard_size``); with the model's ``config.json`` there, ``from_pretrained`` loads it.
+        Memory stays bounded: every owner writes its shard to a checkpoint under ``directory``
+        (removed afterwards) and the files are streamed from it. Returns the files written."""
+        target = os.fspath(directory)
+        os.makedirs(target, exist_ok=True)
+        scratch = tempfile.mkdtemp(prefix=".zero_ray-export-", dir=target)
+        try:
+            saved = self._save(scratch, wait=True, remember=False)[0]
+            return export_pretrained(saved, target, max_shard_size=max_shard_size, dtype=dtype)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def wait_for_checkpoint(self, timeout_s: float | None = None) -> str | None:
         """Block until the save in flight is committed; returns the newest committed directory.
@@ -541,6 +621,8 @@ class ZeroTrainer:
                     self._state = TrainerState.FAILED
                 raise
             self.step_count, self.samples_seen = m.step, m.samples_seen
+            self._submitted = m.step
+            self.run_extra, self.resumed = dict(m.extra), dict(m.extra)
         return m.step
 
     def _load_into_owners(self, path: str) -> Manifest:

@@ -25,6 +25,7 @@ from zero_ray.collective.ray_group import destroy_group, form_group
 from zero_ray.control.auth import Credentials
 from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
 from zero_ray.owner.checkpointing import ShardSaver
+from zero_ray.owner.data import PieceSource
 from zero_ray.owner.control import OwnerControl
 from zero_ray.core.reshard import plan_moves
 from zero_ray.errors import CollectiveError
@@ -65,6 +66,7 @@ class PartitionOwner:
         self._group: Collective | None = None
         self.saver = ShardSaver()
         self.snapshots = PeerSnapshots()
+        self.data = PieceSource()
         self.backup = self.ward = rank  # peers for snapshots, set by the driver
         self.step_lock = threading.Lock()  # held by a step; recovery waits for it
         torch.set_num_threads(max(1, options.threads))
@@ -97,6 +99,16 @@ class PartitionOwner:
                 "buckets": len(layout.buckets), "shapes": {p.name: list(p.shape) for p in layout.params},
                 "trainable": {p.name: trainable[p.index] for p in layout.params}}
 
+    # -- data ----------------------------------------------------------------------------------------
+    def stage_batch(self, key: str, piece: Any) -> None:
+        """Hold this owner's piece of a global batch until the Step or Evaluate naming ``key``
+        takes it (Ray resolved the driver's object reference into ``piece``)."""
+        self.data.stage(key, piece)
+
+    def register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int:
+        """Hold a dataset (or build it with the factory ``source``) for fit(); returns its length."""
+        return self.data.register(name, source, factory=factory, collate=collate)
+
     @property
     def engine(self) -> OwnerEngine:
         if self._engine is None:
@@ -125,6 +137,7 @@ class PartitionOwner:
         if self._group is not None:
             self._group.abort()
         with self._locked("re-form"):
+            self.data.drop_staged()
             self.generation = generation
             consistent = self.engine.discard_step()
             self.snapshots.drop_pending()
@@ -177,6 +190,7 @@ class PartitionOwner:
             self._group.abort()
             self._group = None
         with self._locked("rebuild"):
+            self.data.drop_staged()
             sources = ({r: s.slices for r, s in self.snapshots.sources().items()} if restore is not None else {})
             self._engine = None
             self.rank, self.world_size, self.generation = position, world_size, generation
@@ -210,6 +224,7 @@ class PartitionOwner:
         ``new_world`` one (every actor of either calls this concurrently; see owner/resize.py).
         Returns bytes sent. Afterwards a surplus actor (index >= new_world) holds nothing."""
         with self._locked("reshard"):  # a recovery after a failed transfer waits for it to give up
+            self.data.drop_staged()
             return self._reshard(old_world=old_world, new_world=new_world, generation=generation, info=info)
 
     def _reshard(self, *, old_world: int, new_world: int, generation: int, info: dict[str, Any]) -> int:

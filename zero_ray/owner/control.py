@@ -12,12 +12,10 @@ import traceback
 import threading
 from typing import Protocol
 
-import ray
-from ray import cloudpickle
-
 from zero_ray.control import handlers as h
 from zero_ray.errors import CollectiveError, domain_error
 from zero_ray.owner.checkpointing import ShardSaver, restore, shard_record_json
+from zero_ray.owner.data import PieceSource
 from zero_ray.owner.engine import OwnerEngine
 from zero_ray.owner.redundancy import PeerSnapshots
 
@@ -30,6 +28,7 @@ class OwnerHost(Protocol):
     generation: int
     saver: ShardSaver
     snapshots: PeerSnapshots
+    data: PieceSource
     step_lock: threading.Lock
 
     @property
@@ -72,21 +71,33 @@ class OwnerControl:
 
     def step(self, args: h.StepArgs) -> h.StepResult:
         owner = self._owner
-        if args.generation != owner.generation:
-            raise CollectiveError(f"step of generation {args.generation} sent to rank {owner.rank}, "
-                                  f"which is at generation {owner.generation}")
+        self._check_generation(args.generation, "step")
         with self._lock:
             try:
                 owner.snapshots.commit_upto(args.step - 1)  # the driver saw every rank finish that step
-                ref = cloudpickle.loads(args.batch_ref)
-                piece = ray.get(ref, timeout=self._fetch_timeout_s)
-                r = owner.engine.step(piece, lr=args.lr, global_samples=args.global_samples)
+                piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s)
+                result = owner.engine.step(piece, lr=args.lr, global_samples=args.global_samples)
                 owner.after_step(args.step)
             except Exception as err:
                 raise _with_traceback(err, owner.rank) from err
-        return h.StepResult(loss_sum=r.loss_sum, samples=r.samples, grad_norm=r.grad_norm, skipped=r.skipped,
-                            loss_scale=r.loss_scale, compute_seconds=r.compute_seconds, rank=r.rank,
-                            bytes_sent=dict(r.bytes_sent))
+        return result
+
+    def evaluate(self, args: h.EvaluateArgs) -> h.EvaluateResult:
+        owner = self._owner
+        self._check_generation(args.generation, "evaluate")
+        with self._lock:
+            try:
+                piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s)
+                totals = owner.engine.evaluate(piece)
+            except Exception as err:
+                raise _with_traceback(err, owner.rank) from err
+        return h.EvaluateResult(totals=totals, rank=owner.rank)
+
+    def _check_generation(self, generation: int, what: str) -> None:
+        owner = self._owner
+        if generation != owner.generation:
+            raise CollectiveError(f"{what} of generation {generation} sent to rank {owner.rank}, "
+                                  f"which is at generation {owner.generation}")
 
     def save(self, path: str, step: int, phase: h.SavePhase) -> h.SaveResult:
         owner = self._owner

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from zero_ray.collective.group import Collective
-from zero_ray.control.handlers import StepResult
+from zero_ray.control.handlers import LossTotals, StepResult
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes, to_device
 from zero_ray.core.precision import LossScaler
 from zero_ray.core.usage import pack_marks, unpack_marks
@@ -38,6 +38,69 @@ class StepPhase(enum.Enum):
     IDLE = "idle"
     COMPUTING = "computing"  # forward, backward and gradient reduction: weights untouched
     UPDATING = "updating"  # the optimizer is changing weights / gathering updated parameters
+
+
+def loss_terms(out: Any) -> tuple[torch.Tensor, float | None]:
+    """``loss_fn``'s result as (loss, count): a scalar mean (count None) or the pair
+    ``(loss_sum, count)`` with count an int or a 0-d tensor."""
+    count: float | None = None
+    loss = out
+    if isinstance(out, (tuple, list)):
+        if len(out) != 2:
+            raise ModelError(f"loss_fn returned a {type(out).__name__} of {len(out)} items; return the mean loss, "
+                             "or the pair (loss_sum, count)")
+        loss, raw = out
+        if isinstance(raw, torch.Tensor):
+            if raw.numel() != 1:
+                raise ModelError(f"loss_fn's count must be an int or a 0-d tensor; got shape {tuple(raw.shape)}")
+            raw = raw.item()
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not (math.isfinite(raw) and raw >= 0):
+            raise ModelError(f"loss_fn's count={raw!r} must be a finite number of items >= 0")
+        count = float(raw)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        what = "loss_sum" if count is not None else "loss"
+        raise ModelError(f"loss_fn's {what} must be a scalar tensor; got {shape}")
+    return loss.reshape(()), count
+
+
+def items_of(piece: Batch, samples: int, count: float | None) -> float:
+    """The throughput unit of a piece: its count, else the tokens of an integer (token) batch,
+    else its samples."""
+    if count is not None:
+        return count
+    first = piece if isinstance(piece, torch.Tensor) else next(iter(piece.values() if isinstance(piece, Mapping)
+                                                                    else piece), None)
+    if isinstance(first, torch.Tensor) and not first.is_floating_point() and first.dim() >= 2:
+        return float(first.numel())
+    return float(samples)
+
+
+class _Tally:
+    """A loss summed over micro-batches: per-item sums and counts, or per-sample means."""
+
+    def __init__(self) -> None:
+        self.loss_sum = 0.0
+        self.count = 0.0
+        self.counted: bool | None = None
+
+    def add(self, loss: torch.Tensor, count: float | None, samples: int) -> None:
+        counted = count is not None
+        if self.counted is not None and counted != self.counted:
+            raise ModelError("loss_fn returned a pair (loss_sum, count) for some micro-batches and a mean for others; "
+                             "return one form throughout")
+        self.counted = counted
+        value = float(loss.detach().float())
+        if count is None:
+            self.loss_sum += value * samples
+        else:
+            self.loss_sum += value
+            self.count += count
+
+    def totals(self, samples: int, piece: Batch) -> LossTotals:
+        counted = bool(self.counted)
+        return LossTotals(loss_sum=self.loss_sum, samples=samples, count=self.count if counted else 0.0,
+                          counted=counted, items=items_of(piece, samples, self.count if counted else None))
 
 
 class OwnerEngine:
@@ -58,39 +121,66 @@ class OwnerEngine:
         self.phase = StepPhase.IDLE
 
     # -- the step -------------------------------------------------------------------------------
+    def _micro_batches(self, piece: Batch) -> tuple[int, list[int]]:
+        samples = batch_size(piece)
+        sizes = split_sizes(samples, self.spec.grad_accum_steps)
+        if min(sizes) == 0:
+            raise ConfigError(f"this rank's {samples} samples cannot fill grad_accum_steps={self.spec.grad_accum_steps} "
+                              "micro-batches; use a global batch of at least world_size * grad_accum_steps")
+        return samples, sizes
+
     def step(self, piece: Batch, *, lr: float, global_samples: int) -> StepResult:
+        """Forward and backward over this rank's piece of the global batch, then the update.
+
+        ``loss_fn`` returns the mean loss over its batch, or the pair ``(loss_sum, count)``: the
+        sum of per-item losses and the number of items. A mean is weighted by ``samples /
+        global_samples``; a sum is differentiated as ``loss_sum / global_samples`` and the
+        reduced gradient rescaled by ``global_samples / global_count`` once the step's count is
+        summed over every rank and micro-batch: the gradient of the single-process mean over
+        all items, uneven splits and accumulation included."""
         self.group.counters.reset()
         spec = self.spec
-        samples = batch_size(piece)
-        sizes = split_sizes(samples, spec.grad_accum_steps)
-        if min(sizes) == 0:
-            raise ConfigError(f"this rank's {samples} samples cannot fill {spec.grad_accum_steps=} micro-batches; "
-                              "use a global batch of at least world_size * grad_accum_steps")
+        samples, sizes = self._micro_batches(piece)
         scale = self.scaler.scale
         self.phase = StepPhase.COMPUTING
-        loss_sum = 0.0
+        tally = _Tally()
         compute = 0.0
         self.module.train()
         for i, micro in enumerate(split_batch(piece, sizes)):
             t0 = time.perf_counter()
             self.state.begin_micro_batch()
-            loss = spec.loss_fn(self.module, to_device(micro, self.device, spec.compute_dtype))
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise ModelError(f"loss_fn must return a scalar tensor (the mean loss over the batch); got {shape}")
-            weight = sizes[i] / global_samples
-            (loss.reshape(()).float() * (weight * scale)).backward()
+            loss, count = loss_terms(spec.loss_fn(self.module, to_device(micro, self.device, spec.compute_dtype)))
+            weight = (sizes[i] if count is None else 1.0) / global_samples
+            (loss.float() * (weight * scale)).backward()
             compute += time.perf_counter() - t0
             self.state.end_micro_batch(last=i == len(sizes) - 1)
-            loss_sum += float(loss.detach().float()) * sizes[i]
-        norm, skipped = self._update(lr=lr, inv_scale=1.0 / scale)
+            tally.add(loss, count, sizes[i])
+        norm, skipped = self._update(lr=lr, inv_scale=1.0 / scale, count=tally.count if tally.counted else None,
+                                     global_samples=global_samples)
         self.state.end_step()
         self.phase = StepPhase.IDLE
         self.last_bytes = self.group.counters.snapshot()
-        return StepResult(rank=self.rank, loss_sum=loss_sum, samples=samples, grad_norm=norm, skipped=skipped,
+        return StepResult(rank=self.rank, totals=tally.totals(samples, piece), grad_norm=norm, skipped=skipped,
                           loss_scale=scale, compute_seconds=compute, bytes_sent=self.last_bytes)
 
-    def _update(self, *, lr: float, inv_scale: float) -> tuple[float, bool]:
+    def evaluate(self, piece: Batch) -> LossTotals:
+        """This rank's loss on ``piece``, forward only: the module in eval mode (dropout off),
+        no gradients, no change to any state (at stage 3 units are gathered and freed)."""
+        _, sizes = self._micro_batches(piece)
+        tally = _Tally()
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad(), self.state.forward_only():
+                for size, micro in zip(sizes, split_batch(piece, sizes)):
+                    loss, count = loss_terms(self.spec.loss_fn(self.module, to_device(micro, self.device,
+                                                                                     self.spec.compute_dtype)))
+                    tally.add(loss, count, size)
+        finally:
+            self.module.train(was_training)
+        return tally.totals(batch_size(piece), piece)
+
+    def _update(self, *, lr: float, inv_scale: float, count: float | None, global_samples: int) -> tuple[float, bool]:
         spec = self.spec
         fp32 = spec.compute_dtype == torch.float32
         grads: list[torch.Tensor] = []
@@ -101,15 +191,26 @@ class OwnerEngine:
             grads.append(g)
         # Each rank's update slice is either the whole buffer (replicated optimizer: every rank
         # already has the full reduced gradient) or its shard (the squares are summed across
-        # ranks), in the same all-reduce as the marks of the parameters that got a gradient.
+        # ranks), in one all-reduce with the items counted and the marks of the parameters that
+        # got a gradient.
         sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
         whole = spec.plan.updates_whole_buffer
         marks = self.state.used_marks()
-        values = ([] if whole else [sq]) + pack_marks(marks, self.world_size)
+        head = ([] if whole else [sq]) + ([] if count is None else [count])
+        values = head + pack_marks(marks, self.world_size)
         summed = self.group.all_reduce_values(values) if self.world_size > 1 else values
         if not whole:
-            sq, summed = summed[0], summed[1:]
-        used = self.state.expand_marks(unpack_marks(summed, len(marks), self.world_size))
+            sq = summed[0]
+        used = self.state.expand_marks(unpack_marks(summed[len(head):], len(marks), self.world_size))
+        if count is not None:
+            total = summed[len(head) - 1]
+            if not total > 0:
+                raise ModelError(f"the step's loss covers {total:g} items over every rank and micro-batch; "
+                                 "loss_fn's (loss_sum, count) needs a positive total count")
+            factor = global_samples / total  # the step differentiated loss_sum / global_samples
+            for g in grads:
+                g.mul_(factor)
+            sq *= factor * factor
         norm = math.sqrt(sq) if math.isfinite(sq) else math.inf
         if self.scaler.update(found_inf=not math.isfinite(norm)):
             return norm, True

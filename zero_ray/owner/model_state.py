@@ -13,6 +13,9 @@ What differs between stages is in the groups' policies; this class only wires th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -213,6 +216,15 @@ class ModelState:
         if self.scheduler is not None:
             self.scheduler.end_micro_batch()
         self.reducer.end_micro_batch(last=last)
+
+    @contextmanager
+    def forward_only(self) -> Iterator[None]:
+        """Around a forward that is not part of a step (evaluation)."""
+        if self.scheduler is None:
+            yield
+            return
+        with self.scheduler.forward_only():
+            yield
 
     def update_grads(self) -> list[torch.Tensor]:
         """One reduced gradient per trainable group (compute dtype, over its update slice)."""

@@ -27,7 +27,9 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -359,6 +361,20 @@ class UnitScheduler:
             self._complete(u)
         for u in self.units:
             self._release(u)
+
+    @contextmanager
+    def forward_only(self) -> Iterator[None]:
+        """A forward outside training (evaluation): its units are gathered and freed as usual,
+        and the execution order recorded for training's prefetch is left as it was."""
+        seen = {p: list(v) for p, v in self._seen.items()}
+        cursor = dict(self._cursor)
+        self._seen[Pass.FORWARD], self._cursor[Pass.FORWARD] = [], 0
+        try:
+            yield
+        finally:
+            for u in self.units:
+                self._release(u)
+            self._seen, self._cursor = seen, cursor
 
     def discard(self) -> None:
         """Forget an interrupted micro-batch: wait out queued collectives, free every buffer."""

@@ -3,7 +3,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -17,24 +17,48 @@ SAVE_PHASE_UNSPECIFIED: SavePhase
 SAVE_PHASE_SNAPSHOT: SavePhase
 SAVE_PHASE_AWAIT: SavePhase
 
+class Piece(_message.Message):
+    __slots__ = ("batch_key", "dataset", "indices")
+    BATCH_KEY_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    batch_key: str
+    dataset: str
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch_key: _Optional[str] = ..., dataset: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StepRequest(_message.Message):
-    __slots__ = ("header", "step", "lr", "batch_ref", "global_samples", "generation")
+    __slots__ = ("header", "step", "lr", "piece", "global_samples", "generation")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
-    BATCH_REF_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     step: int
     lr: float
-    batch_ref: bytes
+    piece: Piece
     global_samples: int
     generation: int
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., step: _Optional[int] = ..., lr: _Optional[float] = ..., batch_ref: _Optional[bytes] = ..., global_samples: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., step: _Optional[int] = ..., lr: _Optional[float] = ..., piece: _Optional[_Union[Piece, _Mapping]] = ..., global_samples: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class LossTotals(_message.Message):
+    __slots__ = ("loss_sum", "samples", "count", "counted", "items")
+    LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    loss_sum: float
+    samples: int
+    count: float
+    counted: bool
+    items: float
+    def __init__(self, loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., count: _Optional[float] = ..., counted: _Optional[bool] = ..., items: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("loss_sum", "samples", "grad_norm", "skipped", "loss_scale", "compute_seconds", "bytes_sent", "rank")
+    __slots__ = ("totals", "grad_norm", "skipped", "loss_scale", "compute_seconds", "bytes_sent", "rank")
     class BytesSentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -42,23 +66,39 @@ class StepReply(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
-    LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
-    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
-    loss_sum: float
-    samples: int
+    totals: LossTotals
     grad_norm: float
     skipped: bool
     loss_scale: float
     compute_seconds: float
     bytes_sent: _containers.ScalarMap[str, int]
     rank: int
-    def __init__(self, loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., rank: _Optional[int] = ...) -> None: ...
+    def __init__(self, totals: _Optional[_Union[LossTotals, _Mapping]] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class EvaluateRequest(_message.Message):
+    __slots__ = ("header", "piece", "generation")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    piece: Piece
+    generation: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., piece: _Optional[_Union[Piece, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class EvaluateReply(_message.Message):
+    __slots__ = ("totals", "rank")
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    totals: LossTotals
+    rank: int
+    def __init__(self, totals: _Optional[_Union[LossTotals, _Mapping]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
     __slots__ = ("header", "path", "step", "phase")

@@ -27,8 +27,9 @@ if _version_not_supported:
 
 class PartitionOwnerStub:
     """Served by each partition owner (one Ray actor holding one shard of the model
-    state) to the driver. Tensors never travel here: a step's batch is named by
-    an opaque reference the owner resolves itself.
+    state) to the driver. Tensors never travel here: a step's piece of the batch is
+    either staged on the owner through Ray's object store under a key, or read by
+    the owner from a dataset it holds, by index.
     """
 
     def __init__(self, channel):
@@ -41,6 +42,11 @@ class PartitionOwnerStub:
                 '/zero_ray.v1.PartitionOwner/Step',
                 request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.StepRequest.SerializeToString,
                 response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.StepReply.FromString,
+                _registered_method=True)
+        self.Evaluate = channel.unary_unary(
+                '/zero_ray.v1.PartitionOwner/Evaluate',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.EvaluateRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.EvaluateReply.FromString,
                 _registered_method=True)
         self.Save = channel.unary_unary(
                 '/zero_ray.v1.PartitionOwner/Save',
@@ -71,12 +77,20 @@ class PartitionOwnerStub:
 
 class PartitionOwnerServicer:
     """Served by each partition owner (one Ray actor holding one shard of the model
-    state) to the driver. Tensors never travel here: a step's batch is named by
-    an opaque reference the owner resolves itself.
+    state) to the driver. Tensors never travel here: a step's piece of the batch is
+    either staged on the owner through Ray's object store under a key, or read by
+    the owner from a dataset it holds, by index.
     """
 
     def Step(self, request, context):
         """Run one training step on this owner's shard.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Evaluate(self, request, context):
+        """Forward only: this owner's loss on its piece, no gradients, no state change.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -125,6 +139,11 @@ def add_PartitionOwnerServicer_to_server(servicer, server):
                     request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.StepRequest.FromString,
                     response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.StepReply.SerializeToString,
             ),
+            'Evaluate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evaluate,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.EvaluateRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.EvaluateReply.SerializeToString,
+            ),
             'Save': grpc.unary_unary_rpc_method_handler(
                     servicer.Save,
                     request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.SaveRequest.FromString,
@@ -160,8 +179,9 @@ def add_PartitionOwnerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class PartitionOwner:
     """Served by each partition owner (one Ray actor holding one shard of the model
-    state) to the driver. Tensors never travel here: a step's batch is named by
-    an opaque reference the owner resolves itself.
+    state) to the driver. Tensors never travel here: a step's piece of the batch is
+    either staged on the owner through Ray's object store under a key, or read by
+    the owner from a dataset it holds, by index.
     """
 
     @staticmethod
@@ -181,6 +201,33 @@ class PartitionOwner:
             '/zero_ray.v1.PartitionOwner/Step',
             zero__ray_dot_control_dot___generated_dot_owner__pb2.StepRequest.SerializeToString,
             zero__ray_dot_control_dot___generated_dot_owner__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evaluate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zero_ray.v1.PartitionOwner/Evaluate',
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.EvaluateRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.EvaluateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,177 @@
+"""``ZeroTrainer.fit``: training over a dataset that every owner holds.
+
+The dataset (or a factory for it) goes to every owner once; each step sends each owner its
+indices only (``core/epochs.EpochOrder`` fixes which) and the owner builds its piece. The driver
+holds indices, never samples, so a replay after a lost owner, a resize or a resume from a
+checkpoint reads exactly the same samples. A checkpoint records the order's parameters so that
+``fit`` after ``from_checkpoint`` continues at the right epoch and offset.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import ray
+
+from zero_ray.config import ZeroConfig
+from zero_ray.core.epochs import EpochOrder, evaluation_chunks
+from zero_ray.driver.data import GlobalBatch, IndexedBatch
+from zero_ray.errors import ConfigError
+
+
+class DatasetPool(Protocol):
+    def register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int: ...
+
+
+class Trainer(Protocol):
+    """What fit needs of ``ZeroTrainer``."""
+
+    config: ZeroConfig
+    step_count: int
+    run_extra: dict[str, Any]
+    resumed: dict[str, Any]
+    _pool: DatasetPool
+    _step_mutex: threading.RLock
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def stop_requested(self) -> bool: ...
+
+    def _step(self, work: GlobalBatch) -> dict[str, Any]: ...
+
+    def _evaluate(self, work: GlobalBatch) -> dict[str, float]: ...
+
+    def save_checkpoint(self, path: Any = None, *, wait: bool = False) -> str: ...
+
+log = logging.getLogger(__name__)
+
+TRAIN, EVAL = "train", "eval"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitPlan:
+    """A fit's arguments, checked."""
+
+    global_batch_size: int
+    steps: int
+    seed: int = 0
+    eval_every: int | None = None
+    checkpoint_every: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "steps", "eval_every", "checkpoint_every"):
+            value = getattr(self, name)
+            if value is None and name in ("eval_every", "checkpoint_every"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"fit({name}={value!r}): must be an integer >= 1")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"fit(seed={self.seed!r}): must be an integer")
+
+
+def _ship(trainer: Trainer, name: str, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> int:
+    """Register ``dataset`` (a map-style dataset, or a zero-argument factory) on every owner;
+    returns its length."""
+    if collate_fn is not None and not callable(collate_fn):
+        raise ConfigError(f"collate_fn={collate_fn!r} must be callable: list of samples -> batch")
+    factory = callable(dataset) and not hasattr(dataset, "__getitem__")
+    if not factory and not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ConfigError(f"{name} dataset is a {type(dataset).__name__}; pass a map-style dataset (__len__ and "
+                          "__getitem__, e.g. torch.utils.data.TensorDataset or datasets.Dataset) or a zero-argument "
+                          "factory that builds one on each owner")
+    source = dataset if factory else ray.put(dataset)  # the object store ships it to each owner once
+    return trainer._pool.register_dataset(name, source, factory=factory, collate=collate_fn)
+
+
+def fit(trainer: Trainer, dataset: Any, *, global_batch_size: int, steps: int, seed: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None, eval_dataset: Any = None,
+        eval_every: int | None = None, checkpoint_every: int | None = None, progress: bool = True,
+        callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """See ``ZeroTrainer.fit``."""
+    if callback is not None and not callable(callback):
+        raise ConfigError(f"callback={callback!r} must be callable: metrics dict -> None")
+    plan = FitPlan(global_batch_size=global_batch_size, steps=steps, seed=seed, eval_every=eval_every,
+                   checkpoint_every=checkpoint_every)
+    if plan.eval_every is not None and eval_dataset is None:
+        raise ConfigError(f"fit(eval_every={plan.eval_every}) needs an eval_dataset")
+    root = trainer.config.checkpoint.dir
+    if plan.checkpoint_every is not None and root is None:
+        raise ConfigError(f"fit(checkpoint_every={plan.checkpoint_every}) needs "
+                          "ZeroConfig(checkpoint=CheckpointConfig(dir=...))")
+    order = EpochOrder(length=_ship(trainer, TRAIN, dataset, collate_fn), global_batch_size=plan.global_batch_size,
+                       seed=plan.seed)
+    record = {"global_batch_size": order.global_batch_size, "seed": order.seed, "length": order.length}
+    saved = trainer.resumed.pop("fit", None)  # the order of the fit a loaded checkpoint came from
+    if saved is not None and saved != record:
+        raise ConfigError(f"the checkpoint this run resumed from was saved by a fit over {saved} but this fit reads "
+                          f"{record}: it would not continue the same sample order; pass the same dataset, "
+                          "global_batch_size and seed")
+    trainer.run_extra["fit"] = record
+    eval_length = _ship(trainer, EVAL, eval_dataset, collate_fn) if eval_dataset is not None else 0
+    bar = _progress(plan.steps, trainer.step_count) if progress else None
+    result: dict[str, Any] = {}
+    start, start_step, items = time.perf_counter(), trainer.step_count, 0.0
+    try:
+        while trainer.step_count < plan.steps and not trainer.stop_requested:
+            k = trainer.step_count
+            with trainer._step_mutex:
+                metrics = trainer._step(IndexedBatch(TRAIN, order.indices(k)))
+            items += metrics["items"]
+            result.update(step=trainer.step_count, loss=metrics["loss"], epoch=order.position(k)[0],
+                          items_per_second=items / max(time.perf_counter() - start, 1e-9))
+            done = trainer.step_count
+            if plan.eval_every is not None and (done % plan.eval_every == 0 or done == plan.steps):
+                result["eval_loss"] = metrics["eval_loss"] = evaluate_dataset(trainer, eval_length,
+                                                                             plan.global_batch_size)["loss"]
+            if plan.checkpoint_every is not None and done % plan.checkpoint_every == 0:
+                result["checkpoint"] = trainer.save_checkpoint(root)
+            if callback is not None:
+                callback(metrics)
+            if bar is not None:
+                bar.set_postfix(_postfix(result))
+                bar.update(1)
+            else:
+                log.info("step %d/%d: %s", done, plan.steps, _postfix(result))
+    finally:
+        if bar is not None:
+            bar.close()
+    result.setdefault("step", trainer.step_count)
+    result["steps_run"] = trainer.step_count - start_step
+    result["order"] = asdict(order)
+    return result
+
+
+def evaluate_dataset(trainer: Trainer, length: int, global_batch_size: int) -> dict[str, float]:
+    """The loss over the whole registered evaluation dataset, forward only: every sample once,
+    in index order, in chunks of ``global_batch_size``."""
+    loss_sum, weight, samples, items = 0.0, 0.0, 0, 0.0
+    for chunk in evaluation_chunks(length, global_batch_size, trainer.world_size):
+        with trainer._step_mutex:
+            out = trainer._evaluate(IndexedBatch(EVAL, chunk))
+        per = out.get("count", out["samples"])  # the mean is over items when counted, else samples
+        loss_sum += out["loss"] * per
+        weight += per
+        samples += int(out["samples"])
+        items += out["items"]
+    return {"loss": loss_sum / weight if weight else math.nan, "samples": samples, "items": items}
+
+
+def _postfix(result: dict[str, Any]) -> dict[str, str]:
+    out = {"loss": f"{result.get('loss', math.nan):.4f}", "items/s": f"{result.get('items_per_second', 0):,.0f}"}
+    if "eval_loss" in result:
+        out["eval"] = f"{result['eval_loss']:.4f}"
+    return out
+
+
+def _progress(total: int, initial: int):  # type: ignore[no-untyped-def]
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="fit", unit="step", dynamic_ncols=True)

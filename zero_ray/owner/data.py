@@ -1,0 +1,103 @@
+"""Where an owner's pieces of global batches come from.
+
+Two sources, named by the ``Piece`` a Step or Evaluate request carries:
+
+- staged batches: ``ZeroTrainer.step(batch)`` puts each owner's piece in Ray's object store and
+  hands the reference to the owner in a Ray call (``PartitionOwner.stage_batch``), which Ray
+  resolves and reference-counts (no out-of-band ObjectRef, so nothing stays pinned); the
+  request names it by key and the owner takes it, waiting a bounded time for it to arrive.
+- datasets: ``ZeroTrainer.fit`` ships a map-style dataset (or a factory for one) to every owner
+  once; a request carries indices and the owner builds its piece with ``collate_fn``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from zero_ray.control.handlers import Piece
+from zero_ray.errors import CollectiveError, ConfigError
+
+Collate = Callable[[list[Any]], Any]
+
+
+def default_collate(samples: list[Any]) -> Any:
+    """``torch.utils.data.default_collate``: stacks tensors and numbers, recursing into tuples,
+    lists and dicts (a ``TensorDataset``'s ``(x, y)`` items become ``[X, Y]``)."""
+    from torch.utils.data import default_collate as collate
+
+    return collate(samples)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldDataset:
+    """A dataset an owner holds and how it turns samples into a piece."""
+
+    dataset: Any
+    collate: Collate
+
+
+class PieceSource:
+    """An owner's staged batches and datasets."""
+
+    def __init__(self) -> None:
+        self._staged: dict[str, Any] = {}
+        self._arrived = threading.Condition()
+        self._datasets: dict[str, HeldDataset] = {}
+
+    # -- staged batches ----------------------------------------------------------------------------
+    def stage(self, key: str, piece: Any) -> None:
+        with self._arrived:
+            self._staged[key] = piece
+            self._arrived.notify_all()
+
+    def drop_staged(self, *, keep_generation: int | None = None) -> None:
+        """Forget staged pieces (of generations other than ``keep_generation``): after an
+        interrupted step nothing will take them."""
+        with self._arrived:
+            self._staged = {k: v for k, v in self._staged.items()
+                            if keep_generation is not None and k.split(":", 1)[0] == str(keep_generation)}
+
+    # -- datasets -----------------------------------------------------------------------------------
+    def register(self, name: str, source: Any, *, factory: bool, collate: Collate | None) -> int:
+        """Hold ``source`` (a dataset, or a zero-argument factory returning one) as ``name``;
+        returns its length."""
+        dataset = source() if factory else source
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise ConfigError(f"dataset {name!r} is a {type(dataset).__name__}; fit() needs a map-style dataset "
+                              "(__len__ and __getitem__), such as a torch.utils.data.Dataset or a datasets.Dataset")
+        self._datasets[name] = HeldDataset(dataset=dataset, collate=collate or default_collate)
+        return len(dataset)
+
+    def has(self, name: str) -> bool:
+        return name in self._datasets
+
+    # -- pieces -----------------------------------------------------------------------------------
+    def take(self, piece: Piece, *, timeout_s: float) -> Any:
+        """The batch ``piece`` names: a staged batch (removed once taken) or the collated samples."""
+        if piece.batch_key:
+            deadline = time.monotonic() + timeout_s
+            with self._arrived:
+                while piece.batch_key not in self._staged:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise CollectiveError(f"the batch staged as {piece.batch_key!r} did not reach this owner "
+                                              f"within {timeout_s:g}s")
+                    self._arrived.wait(left)
+                return self._staged.pop(piece.batch_key)
+        held = self._datasets.get(piece.dataset)
+        if held is None:
+            raise ConfigError(f"this owner holds no dataset named {piece.dataset!r} (it holds "
+                              f"{sorted(self._datasets)}); register it with fit() first")
+        return held.collate(_samples(held.dataset, piece.indices, piece.dataset))
+
+
+def _samples(dataset: Any, indices: Sequence[int], name: str) -> list[Any]:
+    size = len(dataset)
+    bad = [i for i in indices if i >= size]
+    if bad:
+        raise ConfigError(f"indices {bad[:5]} are outside dataset {name!r} of {size} samples")
+    return [dataset[i] for i in indices]
