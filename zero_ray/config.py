@@ -89,17 +89,27 @@ REDUNDANCY = ("none", "peer")
 class ElasticConfig:
     """Surviving lost owners and changing the pool's size.
 
+    The run has a desired size: ``ZeroConfig.world_size``, or what the last ``resize`` asked
+    for. It grows beyond it only by ``resize()``. After a loss it continues with the survivors
+    plus as many replacements as the cluster has room for (the lost owners' slots are freed at
+    once), up to the desired size, and grows back to it when room appears (``grow_back``);
+    never beyond it, whatever ``max_world_size`` allows.
+
     redundancy: "peer" keeps, in every owner's host memory, a copy of its own shard and of one
         peer's (on another node when there is one), refreshed every ``snapshot_every`` steps, so
         a lost owner's partition comes back with no storage round trip; "none" restores from the
         last committed checkpoint only (``CheckpointConfig.dir`` or the last save's root).
     snapshot_every: steps between peer snapshots; the steps since are replayed after a loss.
-    min_world_size / max_world_size: bounds on the pool after a loss and when growing back
-        (max None: the starting size). A loss that leaves fewer than min_world_size fails.
-    grow_back: after a loss, grow again when the cluster has room (a replaced node), checking
-        Ray's free resources at most every ``grow_check_s`` seconds.
+    min_world_size / max_world_size: the smallest size a loss may leave (fewer fails the run)
+        and the largest ``resize`` may ask for (None: no bound).
+    grow_back: after a loss, grow again to the desired size when the cluster has room (a
+        replaced node), checking Ray's free resources at most every ``grow_check_s`` seconds.
     max_replay_steps: global batches the driver keeps to replay after a restore.
     backoff_s: wait this long times (failures - 1) before acting on a failure.
+    detached: the owners are detached, named Ray actors: they outlive the driver's process, and a
+        new driver continues the run from their memory with ``ZeroTrainer.attach(run_id, ...)``.
+    orphan_timeout_s: a detached run's owners end themselves when no driver has been in touch
+        for this long.
     """
 
     redundancy: str = "none"
@@ -110,6 +120,8 @@ class ElasticConfig:
     grow_check_s: float = 5.0
     max_replay_steps: int = 100
     backoff_s: float = 0.0
+    detached: bool = False
+    orphan_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.redundancy not in REDUNDANCY:
@@ -122,6 +134,10 @@ class ElasticConfig:
             raise ConfigError(f"max_world_size={self.max_world_size} is below min_world_size={self.min_world_size}")
         if not (self.backoff_s >= 0 and self.grow_check_s >= 0):
             raise ConfigError(f"backoff_s={self.backoff_s!r} and grow_check_s={self.grow_check_s!r} must be >= 0")
+        if not isinstance(self.detached, bool):
+            raise ConfigError(f"detached={self.detached!r} must be True or False")
+        if not (self.orphan_timeout_s > 0 and math.isfinite(self.orphan_timeout_s)):
+            raise ConfigError(f"orphan_timeout_s={self.orphan_timeout_s!r} must be a finite number of seconds > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,7 +203,10 @@ class ZeroConfig:
     step_timeout_s / init_timeout_s: bounds on the driver's waits for a step / for start-up.
     num_cpus_per_owner: logical CPUs each owner asks Ray for (CPU device), also its torch
         thread count.
-    placement_strategy: Ray placement-group strategy for the owners.
+    placement_strategy: where owners go, with Ray placement-group strategy names: PACK and SPREAD
+        are Ray's own scheduling (best effort), STRICT_PACK puts every owner on one node,
+        STRICT_SPREAD each on a node of its own. Each owner asks Ray for its own slot, so a lost
+        or removed owner's slot goes back to the cluster at once (core/placement.py).
     loss_scale: dynamic loss scaling settings (float16 only).
     health_interval_s / health_timeout_s: owners send heartbeats every interval over gRPC; one
         silent for the timeout (a frozen process) or whose stream breaks (a dead one) is lost.
@@ -277,3 +296,5 @@ class ZeroConfig:
             raise ConfigError(f"elastic={self.elastic!r} must be an ElasticConfig")
         if self.elastic.min_world_size > self.world_size:
             raise ConfigError(f"elastic.min_world_size={self.elastic.min_world_size} is above {self.world_size=}")
+        if self.elastic.max_world_size is not None and self.elastic.max_world_size < self.world_size:
+            raise ConfigError(f"elastic.max_world_size={self.elastic.max_world_size} is below {self.world_size=}")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from zero_ray.core.policy import Action, FailurePolicy
+from zero_ray.errors import ConfigError
 
 
 def test_a_lost_rank_fails_the_run_without_a_restore_source() -> None:
@@ -43,9 +46,22 @@ def test_scaling_policy_bounds_the_size() -> None:
     from zero_ray.core.policy import ScalingPolicy
 
     p = ScalingPolicy(min_world_size=2)
-    assert p.after_loss(survivors=3, free_slots=0, initial=4) == 3
-    assert p.after_loss(survivors=3, free_slots=5, initial=4) == 4  # replaced, up to the starting size
-    assert p.after_loss(survivors=1, free_slots=0, initial=4) is None
-    assert p.grow_to(current=3, free_slots=1, initial=4) == 4
-    assert p.grow_to(current=4, free_slots=3, initial=4) is None
-    assert ScalingPolicy(max_world_size=6).grow_to(current=4, free_slots=3, initial=4) == 6
+    assert p.after_loss(survivors=3, free_slots=0, desired=4) == 3
+    assert p.after_loss(survivors=3, free_slots=5, desired=4) == 4  # replaced, up to the desired size
+    assert p.after_loss(survivors=1, free_slots=0, desired=4) is None
+    assert p.grow_to(current=3, free_slots=1, desired=4) == 4
+    assert p.grow_to(current=4, free_slots=3, desired=4) is None
+
+
+def test_room_in_the_cluster_never_grows_a_run_beyond_its_desired_size() -> None:
+    from zero_ray.core.policy import ScalingPolicy
+
+    p = ScalingPolicy(max_world_size=6)
+    assert p.grow_to(current=3, free_slots=3, desired=3) is None  # started at 3: stays at 3 before any loss
+    assert p.after_loss(survivors=2, free_slots=4, desired=3) == 3  # a lost owner is replaced, not more
+    assert p.grow_to(current=4, free_slots=2, desired=6) == 6  # after resize(6) shrank by a loss: back to 6
+    p.check_resize(6)
+    with pytest.raises(ConfigError, match="above elastic.max_world_size=6"):
+        p.check_resize(7)
+    with pytest.raises(ConfigError, match="below elastic.min_world_size=2"):
+        ScalingPolicy(min_world_size=2).check_resize(1)

@@ -39,7 +39,7 @@ def test_the_per_rank_mean_is_not_the_global_token_mean() -> None:
     ((torch.tensor(1.0), True), "count=True"),
     ((torch.ones(2), 4), "loss_sum must be a scalar tensor"),
     ((torch.tensor(1.0), 2, 3), "tuple of 3 items"),
-    (torch.ones(3), "loss must be a scalar tensor"),
+    (torch.ones(3), r"must return a scalar tensor \(the mean loss over the batch\) or the pair"),
 ])
 def test_bad_loss_returns_name_the_value(out: object, message: str) -> None:
     with pytest.raises(zr.ModelError, match=message):

@@ -1,5 +1,6 @@
 """Operator commands for a running job, spoken to its driver's Coordinator service:
 
+    zero-ray status          [--ray-address A]                  the detached runs on a Ray cluster
     zero-ray status          --address HOST:PORT --token-file F
     zero-ray checkpoint now  --address HOST:PORT --token-file F [--path P]
     zero-ray stop            --address HOST:PORT --token-file F [--reason R]
@@ -27,9 +28,9 @@ _DEFAULT_TIMEOUT_S = 10.0
 _CHECKPOINT_TIMEOUT_S = 600.0
 
 
-def _connection_arguments(parser: argparse.ArgumentParser, *, timeout_s: float) -> None:
-    parser.add_argument("--address", required=True, metavar="HOST:PORT", help="the driver's control address")
-    parser.add_argument("--token-file", required=True, metavar="FILE", help="the token file the driver wrote")
+def _connection_arguments(parser: argparse.ArgumentParser, *, timeout_s: float, required: bool = True) -> None:
+    parser.add_argument("--address", required=required, metavar="HOST:PORT", help="the driver's control address")
+    parser.add_argument("--token-file", required=required, metavar="FILE", help="the token file the driver wrote")
     parser.add_argument("--timeout", type=float, default=timeout_s, metavar="SECONDS",
                         help=f"deadline of the call (default {timeout_s:g})")
     parser.add_argument("--tls-ca", metavar="FILE", help="CA certificate to verify the driver (turns TLS on)")
@@ -40,8 +41,11 @@ def _connection_arguments(parser: argparse.ArgumentParser, *, timeout_s: float) 
 
 def register(subparsers: SubParsers) -> None:
     """Add ``status``, ``checkpoint now``, ``stop`` and ``resize``."""
-    status = subparsers.add_parser("status", help="show a running job's step, loss and per-rank health")
-    _connection_arguments(status, timeout_s=_DEFAULT_TIMEOUT_S)
+    status = subparsers.add_parser("status", help="show a running job's step, loss and per-rank health; without "
+                                                  "--address, the detached runs whose owners are alive")
+    _connection_arguments(status, timeout_s=_DEFAULT_TIMEOUT_S, required=False)
+    status.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                        help="the Ray cluster to list detached runs of (default: RAY_ADDRESS, else a running one)")
     status.set_defaults(func=_status, command_name="status")
 
     checkpoint = subcommand_group(subparsers, "checkpoint", help="write, inspect and convert checkpoints")
@@ -125,7 +129,46 @@ def format_status(status: JobStatus, now: float | None = None) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
+    if args.address is None and args.token_file is None:
+        return _detached(args)
+    if args.address is None or args.token_file is None:
+        print("zero-ray status: error: give both --address and --token-file (a job's driver), or neither (the "
+              "detached runs on the Ray cluster)", file=sys.stderr)
+        return 2
     return _run(args, lambda client: format_status(client.status()))
+
+
+def format_detached(runs: Mapping[str, list[dict[str, object]]]) -> str:
+    """The text ``zero-ray status`` prints for the detached runs (``driver.attach.detached_runs``)."""
+    if not runs:
+        return "no detached runs"
+    rows = [("run id", "owners", "steps done", "generation", "state", "nodes")]
+    for run, owners in sorted(runs.items()):
+        steps = sorted({int(o["completed_steps"]) for o in owners})  # type: ignore[call-overload]
+        phases = sorted({str(o["phase"]) for o in owners})
+        rows.append((run, str(len(owners)), "/".join(map(str, steps)), str(max(int(o["generation"]) for o in owners)),  # type: ignore[call-overload]
+                     ",".join(phases), ",".join(sorted({str(o["ip"]) for o in owners}))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["detached runs (attach with ZeroTrainer.attach(run_id, model_fn, loss_fn))", ""]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _detached(args: argparse.Namespace) -> int:
+    import ray
+
+    from zero_ray.driver.attach import detached_runs
+
+    try:
+        if not ray.is_initialized():
+            ray.init(address=args.ray_address or "auto", log_to_driver=False, logging_level="ERROR")
+        runs = detached_runs(timeout_s=args.timeout)
+    except (ConnectionError, RuntimeError, ZeroRayError) as err:
+        print(f"zero-ray status: error: {_one_line(err)} (is a Ray cluster running? pass --ray-address or "
+              "RAY_ADDRESS)", file=sys.stderr)
+        return 1
+    print(format_detached(runs))
+    return 0
 
 
 def _checkpoint_now(args: argparse.Namespace) -> int:

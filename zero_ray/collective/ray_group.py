@@ -13,9 +13,11 @@ are rings already.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -224,8 +226,24 @@ class NcclGroup:
         self.destroy()
 
 
+@contextlib.contextmanager
+def _formation_timeout(seconds: float) -> Iterator[None]:
+    """Bound torch.distributed's rendezvous (its store and the gloo mesh), which
+    ``ray.util.collective`` starts without a timeout of its own: torch's default is 30 minutes,
+    read when the group is formed."""
+    import torch.distributed.distributed_c10d as c10d
+
+    saved = c10d.default_pg_timeout
+    c10d.default_pg_timeout = datetime.timedelta(seconds=seconds)
+    try:
+        yield
+    finally:
+        c10d.default_pg_timeout = saved
+
+
 def form_group(*, backend: str, group_name: str, rank: int, world_size: int, timeout_s: float) -> Collective:
-    """Join ``group_name`` (all ranks call this concurrently, each in its own actor)."""
+    """Join ``group_name`` (all ranks call this concurrently, each in its own actor); every
+    wait, the rendezvous included, is bounded by ``timeout_s``."""
     if world_size == 1:
         return SoloGroup()
     if backend not in BACKENDS:
@@ -233,8 +251,9 @@ def form_group(*, backend: str, group_name: str, rank: int, world_size: int, tim
     import ray.util.collective as col
 
     try:
-        col.init_collective_group(world_size, rank, backend=backend, group_name=group_name,
-                                  gloo_timeout=int(timeout_s * 1000))
+        with _formation_timeout(timeout_s):
+            col.init_collective_group(world_size, rank, backend=backend, group_name=group_name,
+                                      gloo_timeout=int(timeout_s * 1000))
     except Exception as err:  # rendezvous failures come back as assorted exception types
         raise CollectiveError(f"rank {rank} could not join collective group {group_name!r}: {err}") from err
     cls = RingGroup if backend == "gloo" else NcclGroup

@@ -73,8 +73,12 @@ class FailurePolicy:
 
 @dataclass(frozen=True, kw_only=True)
 class ScalingPolicy:
-    """How many owners to run: never fewer than ``min_world_size``, never more than
-    ``max_world_size`` (default: the size the run started with)."""
+    """How many owners to run. The run has a desired size: the one it started with, or the one
+    the last ``resize`` asked for. After a loss it continues with the survivors plus as many
+    replacements as the cluster has room for, up to the desired size, never fewer than
+    ``min_world_size``; it grows back to the desired size when room appears, never beyond.
+    ``resize`` may ask for any size in ``[min_world_size, max_world_size]`` (no upper bound
+    when ``max_world_size`` is None)."""
 
     min_world_size: int = 1
     max_world_size: int | None = None
@@ -85,16 +89,22 @@ class ScalingPolicy:
         if self.max_world_size is not None and self.max_world_size < self.min_world_size:
             raise ConfigError(f"max_world_size={self.max_world_size} is below min_world_size={self.min_world_size}")
 
-    def ceiling(self, initial: int) -> int:
-        return self.max_world_size if self.max_world_size is not None else initial
+    def check_resize(self, world_size: int) -> None:
+        """A size ``resize`` may ask for, or ConfigError naming the bound."""
+        if world_size < self.min_world_size:
+            raise ConfigError(f"resize to {world_size} owners is below elastic.min_world_size={self.min_world_size}")
+        if self.max_world_size is not None and world_size > self.max_world_size:
+            raise ConfigError(f"resize to {world_size} owners is above elastic.max_world_size={self.max_world_size}; "
+                              "raise max_world_size to grow further")
 
-    def after_loss(self, *, survivors: int, free_slots: int, initial: int) -> int | None:
-        """The size to restore to: survivors plus as many new owners as fit, up to the ceiling;
+    def after_loss(self, *, survivors: int, free_slots: int, desired: int) -> int | None:
+        """The size to restore to: survivors plus as many new owners as fit, up to ``desired``;
         None when even that is below ``min_world_size``."""
-        target = min(self.ceiling(initial), survivors + max(0, free_slots))
+        target = min(desired, survivors + max(0, free_slots))
         return target if target >= self.min_world_size else None
 
-    def grow_to(self, *, current: int, free_slots: int, initial: int) -> int | None:
-        """A larger size when the cluster has room again (a replaced node), else None."""
-        target = min(self.ceiling(initial), current + max(0, free_slots))
+    def grow_to(self, *, current: int, free_slots: int, desired: int) -> int | None:
+        """A larger size when the cluster has room again (a replaced node), else None: never
+        beyond ``desired``."""
+        target = min(desired, current + max(0, free_slots))
         return target if target > current else None

@@ -1,25 +1,24 @@
-"""OwnerPool: the partition-owner actors of one run, their placement and their calls.
+"""OwnerPool: the run's membership. Which actors are the owners, in rank order, where they are,
+their control clients and health; starting, adopting, resizing, rebuilding and stopping them.
 
-Remote failures come back as domain errors: a Ray task error becomes the cause's own domain
-type (ConfigError, ModelError, ...) or an OwnerError, always with the remote traceback; a dead
-actor becomes OwnerLostError naming its rank and node. Every wait is bounded.
+Placement follows membership (``core/placement.py``): each owner is a plain Ray actor asking for
+its own slot, so the slot is the cluster's again the moment the owner is gone (lost, shrunk away
+or shut down) and a replacement can take it. Every call to the owners goes through ``FanOut``
+(one bounded wait that aborts the survivors on a loss).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-import grpc
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from zero_ray.config import ControlTLS
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient
 from zero_ray.control.handlers import (
@@ -27,31 +26,27 @@ from zero_ray.control.handlers import (
     EvaluateResult,
     LoadResult,
     OwnerStats,
+    RankStatus,
     SavePhase,
     SaveResult,
     StepArgs,
     StepResult,
 )
-from zero_ray.driver.health import HealthMonitor
-
-from zero_ray import errors
-from zero_ray.config import ControlTLS
-from zero_ray.errors import (
-    ConfigError,
-    ControlError,
-    OwnerError,
-    OwnerLostError,
-    ResourceError,
-    ZeroRayError,
-    domain_error,
-)
+from zero_ray.core.placement import NodeRoom, Target, place
 from zero_ray.core.reshard import backup_peers
+from zero_ray.driver.fanout import FanOut
+from zero_ray.driver.health import HealthMonitor
+from zero_ray.errors import ConfigError, OwnerLostError, ResourceError
 from zero_ray.owner.actor import OwnerOptions, RemotePartitionOwner
 from zero_ray.owner.spec import EngineSpec
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
+NAMESPACE = "zero_ray"  # owners are named actors here, so that a new driver can find a detached run
+
+
+def owner_name(run_id: str, rank: int, generation: int) -> str:
+    return f"zero_ray-{run_id}-rank{rank}-g{generation}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +64,20 @@ class PoolSpec:
     health_timeout_s: float
     tls: ControlTLS | None = None
     snapshot_every: int = 0  # peer snapshots every this many steps; 0: none
+    detached: bool = False
+    orphan_timeout_s: float = 300.0
+    fault: str | None = None  # zero_ray.owner.faults, forwarded from the driver's environment
+    run: dict[str, Any] | None = None  # what an attaching driver reads back (config, optimizer)
+
+    @property
+    def demand(self) -> dict[str, float]:
+        """One owner's slot."""
+        return {"GPU": 1.0, "CPU": 1.0} if self.use_gpu else {"CPU": self.num_cpus_per_owner}
+
+    @property
+    def settle_timeout_s(self) -> float:
+        """After an abort, how long an owner may take to leave the aborted operation."""
+        return max(2 * self.health_timeout_s, 5.0)
 
     def server_tls(self) -> dict[str, str | None]:
         """The TLS arguments of a control ServerConfig."""
@@ -100,100 +109,117 @@ def check_resources(*, world_size: int, use_gpu: bool, num_cpus_per_owner: float
                             f"per partition owner) but the Ray cluster has {have:g} {what}; {hint}")
 
 
-def _remote_error(err: Exception, rank: int, method: str, nodes: Sequence[dict[str, Any]]) -> ZeroRayError:
-    node = nodes[rank] if rank < len(nodes) else {}
-    where = f"rank {rank}" + (f" on node {node.get('ip')} (pid {node.get('pid')})" if node else "")
-    if isinstance(err, ray.exceptions.RayActorError):
-        return OwnerLostError(f"partition owner {where} died during {method}: {err}", rank=rank)
-    if isinstance(err, ray.exceptions.RayTaskError):
-        cause = err.cause
-        tb = str(err)
-        return domain_error(type(cause), f"{where} failed in {method}: {cause}\n\nRemote traceback:\n{tb}", rank=rank,
-                            fallback=f"{where} failed in {method}: {cause!r}", remote_traceback=tb)
-    return OwnerError(f"{where} failed in {method}: {err!r}", rank=rank)
+def cluster_is_local() -> bool:
+    """Every node of the cluster is this machine: the control plane can stay on loopback."""
+    try:
+        here = ray.util.get_node_ip_address()
+        return all(n.get("NodeManagerAddress") == here for n in ray.nodes() if n.get("Alive"))
+    except Exception:
+        return False
 
 
-def _step_error(err: ControlError, where: str, rank: int, what: str = "step") -> ZeroRayError:
-    """Rebuild the owner's domain error from the gRPC status ("Step: TypeName: message")."""
-    cause = err.__cause__
-    details = cause.details() if isinstance(cause, grpc.Call) else ""
-    match = re.match(r"^[\w.]+: (\w+): (.*)$", details or "", flags=re.S)
-    if match:
-        return domain_error(getattr(errors, match.group(1), None), f"{where} failed in {what}: {match.group(2)}",
-                            rank=rank)
-    return OwnerError(f"{where} failed in {what}: {err}", rank=rank)
+@dataclass(frozen=True, kw_only=True)
+class Adopted:
+    """Owners already running (a detached run a new driver attaches to), in rank order."""
+
+    actors: list[Any]
+    generation: int
+    info: dict[str, Any]
 
 
 class OwnerPool:
-    """The actors in rank order, their control clients and health, and bounded calls to them."""
+    """The owners in rank order, their placement, control clients and health."""
 
-    def __init__(self, spec: PoolSpec, engine: EngineSpec, *, credentials: Credentials) -> None:
+    def __init__(self, spec: PoolSpec, engine: EngineSpec, *, credentials: Credentials,
+                 adopt: Adopted | None = None) -> None:
         self.spec = spec
         self.run_id = credentials.job_id
         self.credentials = credentials
-        self.generation = 0
-        self.actors: list[ray.actor.ActorHandle] = []
+        self.generation = adopt.generation if adopt is not None else 0
+        self.actors: list[Any] = []
         self.nodes: list[dict[str, Any]] = []
         self.clients: list[OwnerClient] = []
         self.health: HealthMonitor | None = None
-        self._pg: Any = None
-        self._extra_pgs: list[Any] = []  # placement groups of owners added by resize()
         # fit()'s datasets (name -> source, factory?, collate), registered on owners started later too
         self.datasets: dict[str, tuple[Any, bool, Any]] = {}
-        # Steps may block for their whole deadline; aborts and stats must never queue behind them.
-        self._executor = ThreadPoolExecutor(max_workers=3 * spec.world_size + 2, thread_name_prefix="zero_ray-rpc")
-        check_resources(world_size=spec.world_size, use_gpu=spec.use_gpu, num_cpus_per_owner=spec.num_cpus_per_owner)
-        bundle = {"GPU": 1.0, "CPU": 1.0} if spec.use_gpu else {"CPU": spec.num_cpus_per_owner}
-        self._pg = placement_group([dict(bundle) for _ in range(spec.world_size)], strategy=spec.placement_strategy)
-        try:
-            ray.get(self._pg.ready(), timeout=spec.init_timeout_s)
-        except ray.exceptions.GetTimeoutError as err:
-            remove_placement_group(self._pg)
-            self._pg = None
-            raise ResourceError(f"could not reserve {spec.world_size} x {bundle} within {spec.init_timeout_s:g}s "
-                                f"(available now: {ray.available_resources()}); free resources or lower world_size") from err
+        self.fan = FanOut(workers=3 * spec.world_size + 8, lost=self._lost, abort=self.abort, where=self.where)
         self._options = OwnerOptions(backend=spec.backend, group_prefix=f"zero_ray-{self.run_id}",
                                      collective_timeout_s=spec.collective_timeout_s,
                                      threads=max(1, int(spec.num_cpus_per_owner)), credentials=credentials,
-                                     control_host=None, local_cluster=_cluster_is_local(), server_tls=spec.server_tls(),
-                                     snapshot_every=spec.snapshot_every)
+                                     control_host=None, local_cluster=cluster_is_local(), server_tls=spec.server_tls(),
+                                     snapshot_every=spec.snapshot_every, settle_timeout_s=spec.settle_timeout_s,
+                                     detached=spec.detached, orphan_timeout_s=spec.orphan_timeout_s,
+                                     fault=spec.fault, run=spec.run)
         self._engine = engine
         try:
-            self._start_owners(range(spec.world_size), world_size=spec.world_size, pg=self._pg)
-            self.info = self.call("setup", timeout_s=spec.init_timeout_s)
+            if adopt is not None:
+                self._connect(adopt.actors)
+                self.info = [adopt.info]
+            else:
+                check_resources(world_size=spec.world_size, use_gpu=spec.use_gpu,
+                                num_cpus_per_owner=spec.num_cpus_per_owner)
+                self._start_owners(range(spec.world_size), world_size=spec.world_size)
+                self.info = self.call("setup", timeout_s=spec.init_timeout_s)
             if spec.snapshot_every:
                 self.assign_peers()
         except BaseException:
             self.shutdown()
             raise
 
-    def _start_owners(self, ranks: range, *, world_size: int, pg: Any) -> None:
-        """Start owners for ``ranks`` (bundle i of ``pg`` for the i-th), connect their control
-        clients and (re)start the health monitor over every owner."""
+    # -- membership ---------------------------------------------------------------------------------
+    def _targets(self, count: int) -> list[Target]:
+        nodes = [NodeRoom(node_id=n["NodeID"], total=n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+        return place(self.spec.placement_strategy, count=count, demand=self.spec.demand, nodes=nodes,
+                     occupied=[n.get("node_id", "") for n in self.nodes])
+
+    def _start_owners(self, ranks: range, *, world_size: int) -> None:
+        """Start owners for ``ranks`` (each asking Ray for its own slot), connect their control
+        clients and restart the health monitor over every owner. Owners that cannot be placed
+        within the start-up timeout are ended and ResourceError raised: nothing is kept."""
         spec = self.spec
-        new = [RemotePartitionOwner.options(
-            num_cpus=1.0 if spec.use_gpu else spec.num_cpus_per_owner,
-            num_gpus=1.0 if spec.use_gpu else 0.0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            max_concurrency=4,  # reports, re-forming and consolidation beside a step
-            name=f"zero_ray-{self.run_id}-rank{rank}-g{self.generation}",
-        ).remote(rank=rank, world_size=world_size, spec=self._engine, options=self._options)
-            for i, rank in enumerate(ranks)]
-        self.actors += new
-        nodes = self._call_on(new, "node", timeout_s=spec.init_timeout_s, watch=False)
+        new = []
+        for rank, target in zip(ranks, self._targets(len(ranks))):
+            strategy: Any = "DEFAULT"
+            if target.node is not None:
+                strategy = NodeAffinitySchedulingStrategy(target.node, soft=False)
+            elif target.spread:
+                strategy = "SPREAD"
+            new.append(RemotePartitionOwner.options(
+                num_cpus=spec.demand["CPU"], num_gpus=spec.demand.get("GPU", 0.0), scheduling_strategy=strategy,
+                max_concurrency=4,  # reports, re-forming and consolidation beside a step
+                name=owner_name(self.run_id, rank, self.generation), namespace=NAMESPACE,
+                lifetime="detached" if spec.detached else None,
+            ).remote(rank=rank, world_size=world_size, spec=self._engine, options=self._options))
+        try:
+            nodes = self.fan.ray(new, "node", timeout_s=spec.init_timeout_s, watch=False, ranks=list(ranks))
+        except OwnerLostError as err:
+            for actor in new:
+                ray.kill(actor, no_restart=True)
+            raise ResourceError(f"{len(new)} new owners of {spec.demand} could not all start within "
+                                f"{spec.init_timeout_s:g}s (free now: {ray.available_resources()}): {err}") from err
+        self._connect(new, nodes)
+
+    def _connect(self, actors: list[Any], nodes: list[dict[str, Any]] | None = None) -> None:
+        spec = self.spec
+        if nodes is None:
+            nodes = self.fan.ray(actors, "node", timeout_s=spec.init_timeout_s, watch=False)
+        self.actors += actors
         self.nodes += nodes
         self.clients += [OwnerClient(ClientConfig(address=n["control_address"], credentials=self.credentials,
                                                   timeout_s=spec.init_timeout_s, **spec.client_tls()))
                          for n in nodes]
         self._restart_health()
         if self.datasets:
-            self._register_datasets(new, self.datasets)
+            self._register_datasets(actors, self.datasets)
 
     def _restart_health(self) -> None:
         if self.health is not None:
             self.health.close()
         self.health = HealthMonitor(self.clients, interval_s=self.spec.health_interval_s,
                                     timeout_s=self.spec.health_timeout_s)
+
+    def _lost(self) -> dict[int, str]:
+        return self.health.lost() if self.health is not None else {}
 
     @property
     def world_size(self) -> int:
@@ -203,53 +229,33 @@ class OwnerPool:
         node = self.nodes[rank] if rank < len(self.nodes) else {}
         return f"rank {rank}" + (f" on node {node.get('ip')} (pid {node.get('pid')})" if node else "")
 
-    # -- Ray calls (lifecycle, reports) -----------------------------------------------------------
-    def call(self, method: str, *args: Any, timeout_s: float, per_rank: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
-        """Call ``method`` on every owner through Ray; return results in rank order. The first
-        failure is raised at once (the other ranks may be blocked on the failed one)."""
-        return self._call_on(self.actors, method, *args, timeout_s=timeout_s, per_rank=per_rank)
+    def free_slots(self) -> int:
+        """How many more owners the cluster could host right now."""
+        free = ray.available_resources()
+        return int(min(free.get(k, 0.0) // v for k, v in self.spec.demand.items()))
 
-    def _call_on(self, actors: Sequence[Any], method: str, *args: Any, timeout_s: float,
-                 per_rank: Sequence[tuple[Any, ...]] | None = None, kwargs: Sequence[dict[str, Any]] | None = None,
-                 watch: bool = True) -> list[Any]:
-        refs = [getattr(a, method).remote(*(per_rank[r] if per_rank else args), **(kwargs[r] if kwargs else {}))
-                for r, a in enumerate(actors)]
-        rank_of = {ref: r for r, ref in enumerate(refs)}
-        results: dict[int, Any] = {}
-        pending = list(refs)
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                ranks = sorted(rank_of[r] for r in pending)
-                raise OwnerLostError(f"ranks {ranks} did not finish {method} within {timeout_s:g}s", rank=ranks[0])
-            ready, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, 0.5))
-            for ref in ready:
-                rank = rank_of[ref]
-                try:
-                    results[rank] = ray.get(ref)
-                except Exception as err:
-                    raise _remote_error(err, rank, method, self.nodes) from err
-            if watch:
-                self._raise_if_lost(method)
-        return [results[r] for r in range(len(refs))]
+    # -- calls ---------------------------------------------------------------------------------------
+    def call(self, method: str, *args: Any, timeout_s: float, per_rank: Sequence[tuple[Any, ...]] | None = None,
+             watch: bool = True) -> list[Any]:
+        """``method`` on every owner through Ray; results in rank order."""
+        return self.fan.ray(self.actors, method, *args, timeout_s=timeout_s, per_rank=per_rank, watch=watch)
 
-    def _raise_if_lost(self, method: str) -> None:
-        lost = self.health.lost() if self.health is not None else {}
-        if lost:
-            rank = min(lost)
-            raise OwnerLostError(f"partition owner {self.where(rank)} stopped answering during {method}: {lost[rank]}",
-                                 rank=rank)
-
-    # -- gRPC calls (the per-step loop) -----------------------------------------------------------
     def step(self, args: Sequence[StepArgs], *, timeout_s: float) -> list[StepResult]:
-        """Run one step on every owner over gRPC, each call with a deadline. The first failure
-        (an owner's error, a lost owner, the deadline) is raised at once."""
-        return self._on_all("step", lambda c, r: c.step(args[r], timeout_s=timeout_s))
+        """One step on every owner over gRPC, each call with a deadline."""
+        return self.fan.grpc(self.clients, "step", lambda c, r: c.step(args[r], timeout_s=timeout_s))
 
     def evaluate(self, args: Sequence[EvaluateArgs], *, timeout_s: float) -> list[EvaluateResult]:
         """A forward-only pass on every owner over gRPC (all take part: stage 3 gathers)."""
-        return self._on_all("evaluate", lambda c, r: c.evaluate(args[r], timeout_s=timeout_s))
+        return self.fan.grpc(self.clients, "evaluate", lambda c, r: c.evaluate(args[r], timeout_s=timeout_s))
+
+    def save(self, directory: str, step: int, *, phase: SavePhase, timeout_s: float) -> list[SaveResult]:
+        """Every owner's half of a save into ``directory`` (see ``SavePhase``)."""
+        return self.fan.grpc(self.clients, "save", lambda c, r: c.save(directory, step, phase=phase,
+                                                                         timeout_s=timeout_s))
+
+    def load(self, path: str, *, timeout_s: float) -> list[LoadResult]:
+        """Every owner restores its partition from the checkpoint at ``path``."""
+        return self.fan.grpc(self.clients, "load", lambda c, r: c.load(path, 0, timeout_s=timeout_s))
 
     def stage(self, key: str, pieces: Sequence[ray.ObjectRef]) -> list[ray.ObjectRef]:
         """Hand owner r its piece ``pieces[r]`` under ``key``, through a Ray call (Ray resolves
@@ -261,124 +267,62 @@ class OwnerPool:
     def register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int:
         """Have every owner (and every owner started later) hold dataset ``name``; its length."""
         self.datasets[name] = (source, factory, collate)
-        lengths = self._register_datasets(self.actors, {name: self.datasets[name]})
-        return lengths[0]
+        return self._register_datasets(self.actors, {name: self.datasets[name]})[0]
 
     def _register_datasets(self, actors: Sequence[Any], datasets: dict[str, tuple[Any, bool, Any]]) -> list[int]:
         lengths: list[int] = []
         for name, (source, factory, collate) in datasets.items():
-            got = self._call_on(actors, "register_dataset", name, source, timeout_s=self.spec.init_timeout_s,
-                                kwargs=[{"factory": factory, "collate": collate}] * len(actors), watch=False)
+            got = self.fan.ray(actors, "register_dataset", name, source, timeout_s=self.spec.init_timeout_s,
+                               kwargs=[{"factory": factory, "collate": collate}] * len(actors), watch=False)
             if len(set(got)) > 1:
                 raise ConfigError(f"dataset {name!r} has different lengths on the owners: {got}; a factory must "
                                   "build the same dataset everywhere")
             lengths += got[:1]
         return lengths
 
-    def save(self, directory: str, step: int, *, phase: SavePhase, timeout_s: float) -> list[SaveResult]:
-        """Every owner's half of a save into ``directory`` (see ``SavePhase``)."""
-        return self._on_all("save", lambda c, r: c.save(directory, step, phase=phase, timeout_s=timeout_s))
+    def rank_statuses(self) -> list[RankStatus]:
+        """Each owner's node, health and memory, for an operator's status."""
+        health = self.health.snapshot() if self.health else []
+        stats = self.stats(timeout_s=2.0)
+        ranks = []
+        for r, node in enumerate(self.nodes):
+            hr = health[r] if r < len(health) else None
+            st = stats[r] if r < len(stats) else None
+            ranks.append(RankStatus(rank=r, node=f"{node.get('ip')} pid {node.get('pid')}",
+                                    healthy=hr.healthy if hr else False,
+                                    state=(hr.state if hr and hr.healthy else f"lost: {hr.lost_reason}") if hr else "?",
+                                    last_heartbeat=hr.last_beat if hr else 0.0,
+                                    memory=dict(st.memory_bytes) if st else {}))
+        return ranks
 
-    def load(self, path: str, *, timeout_s: float) -> list[LoadResult]:
-        """Every owner restores its partition from the checkpoint at ``path``."""
-        return self._on_all("load", lambda c, r: c.load(path, 0, timeout_s=timeout_s))
+    def stats(self, *, timeout_s: float) -> list[OwnerStats | None]:
+        futures = [self.fan.executor.submit(c.stats, timeout_s=timeout_s) for c in self.clients]
+        out: list[OwnerStats | None] = []
+        for fut in futures:
+            try:
+                out.append(fut.result(timeout=timeout_s + 1))
+            except Exception:  # a status query must not fail because one owner is busy or gone
+                out.append(None)
+        return out
 
-    def _on_all(self, what: str, call: Callable[[OwnerClient, int], T]) -> list[T]:
-        futures = {self._executor.submit(call, c, r): r for r, c in enumerate(self.clients)}
-        results: dict[int, T] = {}
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
-            for fut in done:
-                rank = futures[fut]
-                try:
-                    results[rank] = fut.result()
-                except ControlError as err:
-                    raise _step_error(err, self.where(rank), rank, what) from err
-            self._raise_if_lost(what)
-        return [results[r] for r in range(len(futures))]
-
+    # -- failures -------------------------------------------------------------------------------------
     def abort(self, reason: str) -> None:
         """Abort the current generation's collectives on every owner that still answers."""
-        lost = self.health.lost() if self.health is not None else {}
-        calls = [self._executor.submit(c.abort, reason, self.generation, timeout_s=5.0)
+        lost = self._lost()
+        calls = [self.fan.executor.submit(c.abort, reason, self.generation, timeout_s=5.0)
                  for r, c in enumerate(self.clients) if r not in lost]
-        wait(calls, timeout=10.0)
-
-    def reform(self) -> bool:
-        """Re-form the collective group as the next generation; returns whether every rank's
-        model state is intact (no rank had begun its update)."""
-        self.generation += 1
-        consistent = self.call("reform", self.generation, timeout_s=self.spec.init_timeout_s)
-        return all(consistent)
-
-    def _reserve(self, count: int, *, timeout_s: float) -> Any:
-        """A placement group for ``count`` more owners, or ResourceError (nothing reserved)."""
-        bundle = {"GPU": 1.0, "CPU": 1.0} if self.spec.use_gpu else {"CPU": self.spec.num_cpus_per_owner}
-        pg = placement_group([dict(bundle) for _ in range(count)], strategy=self.spec.placement_strategy)
-        try:
-            ray.get(pg.ready(), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as err:
-            remove_placement_group(pg)
-            raise ResourceError(f"could not reserve {count} more x {bundle} within {timeout_s:g}s "
-                                f"(available now: {ray.available_resources()})") from err
-        self._extra_pgs.append(pg)
-        return pg
-
-    def resize_info(self, rank: int) -> dict[str, Any]:
-        """The layout facts every actor of a reshard needs (from a live owner)."""
-        return self._call_on(self.actors[rank:rank + 1], "resize_info", timeout_s=self.spec.init_timeout_s,
-                             watch=False)[0]
-
-    def resize(self, world_size: int) -> dict[str, Any]:
-        """Continue with ``world_size`` owners: start the extra ones (growing), move every
-        partition range whose owner changes directly between actors, stop the surplus ones
-        (shrinking). Returns what moved and how long it took."""
-        old = self.world_size
-        start = time.perf_counter()
-        lost = self.find_lost(timeout_s=min(2.0, self.spec.health_timeout_s))
-        if lost:  # every owner must take part in the transfer: recover first
-            rank = min(lost)
-            raise OwnerLostError(f"cannot resize: partition owner {self.where(rank)} is gone ({lost[rank]})", rank=rank)
-        info = self.resize_info(0)
-        if world_size > old:
-            check_resources(world_size=world_size, use_gpu=self.spec.use_gpu,
-                            num_cpus_per_owner=self.spec.num_cpus_per_owner)  # raises before anything changes
-            pg = self._reserve(world_size - old, timeout_s=self.spec.init_timeout_s)
-            self._start_owners(range(old, world_size), world_size=world_size, pg=pg)
-        self.generation += 1
-        kwargs = [{"old_world": old, "new_world": world_size, "generation": self.generation, "info": info}
-                  for _ in self.actors]
-        sent = self._call_on(self.actors, "reshard", timeout_s=self.spec.init_timeout_s, kwargs=kwargs)
-        if world_size < old:
-            self.generation += 1  # the survivors re-formed a group of their own after the transfer
-            surplus, clients = self.actors[world_size:], self.clients[world_size:]
-            del self.actors[world_size:], self.clients[world_size:], self.nodes[world_size:]
-            self._restart_health()  # before they stop, so their ending streams are not losses
-            self._call_on(surplus, "close", timeout_s=30.0, watch=False)
-            for actor in surplus:
-                ray.kill(actor, no_restart=True)
-            for client in clients:
-                client.close()
-        if self.spec.snapshot_every:
-            self.assign_peers()
-        return {"previous_world_size": old, "world_size": world_size, "bytes_sent": sum(sent),
-                "seconds": time.perf_counter() - start}
-
-    # -- membership after a loss --------------------------------------------------------------------
-    def free_slots(self) -> int:
-        """How many more owners the cluster could host right now."""
-        free = ray.available_resources()
-        if self.spec.use_gpu:
-            return int(min(free.get("GPU", 0.0), free.get("CPU", 0.0)))
-        return int(free.get("CPU", 0.0) // self.spec.num_cpus_per_owner)
+        for call in calls:
+            try:
+                call.result(timeout=10.0)
+            except Exception:  # an owner that cannot take the abort is found lost next
+                log.debug("abort did not reach an owner", exc_info=True)
 
     def find_lost(self, *, timeout_s: float) -> dict[int, str]:
         """Ranks that are gone: those the health monitor lost, and those that do not answer a
         control call within ``timeout_s`` (a dead process refuses at once; its heartbeat stream
         may not have noticed yet). Served on gRPC threads, so a rank blocked in a collective
         still answers."""
-        lost = dict(self.health.lost()) if self.health is not None else {}
+        lost = dict(self._lost())
         # Ray knows an actor is dead (ray.kill, node loss) before its process has gone.
         refs = {a.node.remote(): r for r, a in enumerate(self.actors) if r not in lost}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
@@ -387,7 +331,7 @@ class OwnerPool:
                 ray.get(ref)
             except ray.exceptions.RayActorError as err:
                 lost[refs[ref]] = f"Ray reports the actor dead: {str(err).splitlines()[0]}"
-        futures = {r: self._executor.submit(c.stats, timeout_s=timeout_s) for r, c in enumerate(self.clients)
+        futures = {r: self.fan.executor.submit(c.stats, timeout_s=timeout_s) for r, c in enumerate(self.clients)
                    if r not in lost}
         for r, fut in futures.items():
             try:
@@ -396,6 +340,19 @@ class OwnerPool:
                 lost[r] = f"no answer to a control call within {timeout_s:g}s: {err}"
         return lost
 
+    def kill(self, ranks: Sequence[int]) -> None:
+        """End these owners (their slots go back to the cluster)."""
+        for rank in ranks:
+            ray.kill(self.actors[rank], no_restart=True)
+
+    def reform(self) -> bool:
+        """Re-form the collective group as the next generation; returns whether every rank's
+        model state is intact (no rank had begun its update)."""
+        self.generation += 1
+        consistent = self.call("reform", self.generation, timeout_s=self.spec.init_timeout_s)
+        return all(consistent)
+
+    # -- changing the size --------------------------------------------------------------------------------
     def assign_peers(self) -> list[int]:
         """Tell every owner which peer keeps its snapshots (another node when there is one)."""
         backup = backup_peers([n.get("node_id", "") for n in self.nodes])
@@ -405,10 +362,63 @@ class OwnerPool:
         self.call("set_peers", timeout_s=self.spec.init_timeout_s, per_rank=list(zip(backup, ward)))
         return backup
 
+    def resize(self, world_size: int) -> dict[str, Any]:
+        """Continue with ``world_size`` owners: start the extra ones (growing), move every
+        partition range whose owner changes directly between actors, stop the surplus ones
+        (shrinking: their slots go back to the cluster). Returns what moved and how long it
+        took. New owners of a transfer that fails are ended again."""
+        old = self.world_size
+        start = time.perf_counter()
+        lost = self.find_lost(timeout_s=min(2.0, self.spec.health_timeout_s))
+        if lost:  # every owner must take part in the transfer: recover first
+            rank = min(lost)
+            raise OwnerLostError(f"cannot resize: partition owner {self.where(rank)} is gone ({lost[rank]})", rank=rank)
+        info = self.fan.ray(self.actors[:1], "resize_info", timeout_s=self.spec.init_timeout_s, watch=False)[0]
+        if world_size > old:
+            check_resources(world_size=world_size, use_gpu=self.spec.use_gpu,
+                            num_cpus_per_owner=self.spec.num_cpus_per_owner)
+            if self.free_slots() < world_size - old:
+                raise ResourceError(f"growing to {world_size} owners needs {world_size - old} more slots of "
+                                    f"{self.spec.demand} but the cluster has {self.free_slots()} free "
+                                    f"({ray.available_resources()})")
+            self._start_owners(range(old, world_size), world_size=world_size)
+        self.generation += 1
+        kwargs = [{"old_world": old, "new_world": world_size, "generation": self.generation, "info": info}
+                  for _ in self.actors]
+        try:
+            sent = self.fan.ray(self.actors, "reshard", kwargs=kwargs,
+                                timeout_s=self.spec.init_timeout_s + self.spec.collective_timeout_s)
+        except BaseException:
+            if world_size > old:  # the owners this resize added hold nothing: end them
+                self.remove(range(old, self.world_size))
+            raise
+        if world_size < old:
+            self.generation += 1  # the survivors re-formed a group of their own after the transfer
+            self.remove(range(world_size, old), close=True)
+        if self.spec.snapshot_every:
+            self.assign_peers()
+        return {"previous_world_size": old, "world_size": world_size, "bytes_sent": sum(sent),
+                "seconds": time.perf_counter() - start}
+
+    def remove(self, ranks: range, *, close: bool = False) -> None:
+        """End the owners of ``ranks`` (the last ones) and forget them."""
+        surplus, clients = self.actors[ranks.start:], self.clients[ranks.start:]
+        del self.actors[ranks.start:], self.clients[ranks.start:], self.nodes[ranks.start:]
+        self._restart_health()  # before they stop, so their ending streams are not losses
+        if close:
+            try:
+                self.fan.ray(surplus, "close", timeout_s=30.0, watch=False)
+            except Exception:  # they are killed next either way
+                log.debug("surplus owners did not close cleanly", exc_info=True)
+        for actor in surplus:
+            ray.kill(actor, no_restart=True)
+        for client in clients:
+            client.close()
+
     def snapshot_info(self, ranks: Sequence[int], committed_step: int) -> dict[int, dict[int, Any]]:
         """Per surviving rank: the committed snapshots it holds (by the rank they belong to)."""
-        infos = self._call_on([self.actors[r] for r in ranks], "snapshot_info", committed_step,
-                              timeout_s=self.spec.collective_timeout_s + 30, watch=False)
+        infos = self.fan.ray([self.actors[r] for r in ranks], "snapshot_info", committed_step, ranks=list(ranks),
+                             timeout_s=self.spec.settle_timeout_s + 30, watch=False)
         return dict(zip(ranks, infos))
 
     def rebuild(self, survivors: Sequence[int], world_size: int, *,
@@ -417,8 +427,9 @@ class OwnerPool:
         ``world_size``; ``restore(position_of_old_rank)`` gives the snapshot transfer (or None for
         fresh state, a checkpoint being loaded next)."""
         position = {old: new for new, old in enumerate(survivors)}
-        pg = self._reserve(world_size - len(survivors), timeout_s=min(self.spec.init_timeout_s, 5.0)) \
-            if world_size > len(survivors) else None
+        if world_size > len(survivors) and self.free_slots() < world_size - len(survivors):
+            raise ResourceError(f"no room for {world_size - len(survivors)} replacements of {self.spec.demand} "
+                                f"(free: {ray.available_resources()})")
         keep = set(survivors)
         for r, client in enumerate(self.clients):
             if r not in keep:
@@ -427,36 +438,24 @@ class OwnerPool:
         self.nodes = [self.nodes[r] for r in survivors]
         self.clients = [self.clients[r] for r in survivors]
         self.generation += 1
-        if pg is not None:
-            self._start_owners(range(len(survivors), world_size), world_size=world_size, pg=pg)
+        if world_size > len(survivors):
+            self._start_owners(range(len(survivors), world_size), world_size=world_size)
         else:
             self._restart_health()
         plan = restore(position)
         kwargs = [{"position": p, "world_size": world_size, "generation": self.generation, "restore": plan}
                   for p in range(world_size)]
-        self._call_on(self.actors, "rebuild", timeout_s=self.spec.init_timeout_s, kwargs=kwargs)
+        self.fan.ray(self.actors, "rebuild", timeout_s=self.spec.init_timeout_s + self.spec.collective_timeout_s,
+                     kwargs=kwargs)
         if self.spec.snapshot_every:
             self.assign_peers()
 
-    def stats(self, *, timeout_s: float) -> list[OwnerStats | None]:
-        futures = [self._executor.submit(c.stats, timeout_s=timeout_s) for c in self.clients]
-        out: list[OwnerStats | None] = []
-        for fut in futures:
-            try:
-                out.append(fut.result(timeout=timeout_s + 1))
-            except Exception:  # a status query must not fail because one owner is busy or gone
-                out.append(None)
-        return out
-
-    def kill(self, ranks: Sequence[int]) -> None:
-        for rank in ranks:
-            ray.kill(self.actors[rank], no_restart=True)
-
+    # -- the end ----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the owners and release their placement group."""
+        """Stop the owners (their slots go back to the cluster)."""
         if self.health is not None:
             self.health.close()
-        lost = self.health.lost() if self.health is not None else {}
+        lost = self._lost()
         live = [a for r, a in enumerate(self.actors) if r not in lost]
         if live:
             try:
@@ -469,17 +468,4 @@ class OwnerPool:
         for client in self.clients:
             client.close()
         self.clients = []
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        for pg in [self._pg, *self._extra_pgs]:
-            if pg is not None:
-                remove_placement_group(pg)
-        self._pg, self._extra_pgs = None, []
-
-
-def _cluster_is_local() -> bool:
-    """Every node of the cluster is this machine: the control plane can stay on loopback."""
-    try:
-        here = ray.util.get_node_ip_address()
-        return all(n.get("NodeManagerAddress") == here for n in ray.nodes() if n.get("Alive"))
-    except Exception:
-        return False
+        self.fan.close()

@@ -1,10 +1,15 @@
-"""Recovery: carrying out the failure policy's decision after a failed step.
+"""Recovery: carrying out the failure policy's decision after a failed step or operation.
 
 The FailurePolicy and ScalingPolicy (``core/policy.py``) decide; this controller acts: it ends
-lost owners, aborts the survivors' collectives, and then either re-forms the group (nothing
-lost, nothing updated), or rebuilds the pool at the size the scaling policy allows and restores
-every partition — from the peers' in-memory snapshots when they hold a complete, common step,
-else from the last committed checkpoint — reporting the step the trainer must replay from.
+lost owners (their slots go back to the cluster), aborts the survivors' collectives, and then
+either re-forms the group (nothing lost, nothing updated), or rebuilds the pool at the size the
+scaling policy allows (replacements in freed slots, up to the size before the loss) and
+restores every partition (from the peers' in-memory snapshots when they hold a complete, common
+step, else from the last committed checkpoint), reporting the step to replay from. An owner
+lost or stuck while that restore runs is ended too and the restore tried again from what is
+left, without replacements (the run grows back later), as long as ``max_failures`` allows.
+
+``Replay`` keeps the recent global batches (indices only, for ``fit``) by step, for the replay.
 """
 
 from __future__ import annotations
@@ -12,13 +17,14 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from zero_ray.checkpoint import store
 from zero_ray.core.policy import Action, Decision, FailurePolicy, ScalingPolicy, Source
+from zero_ray.driver.data import GlobalBatch
 from zero_ray.driver.pool import OwnerPool
-from zero_ray.errors import CheckpointError, ResourceError, ZeroRayError
+from zero_ray.errors import CheckpointError, CollectiveError, OwnerError, ResourceError, ZeroRayError
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +65,70 @@ class RecoveryReport:
                 + (f", replay {self.replay_s:.2f}s" if self.replay_s >= 0 else ", replaying"))
 
 
-class RecoveryController:
-    """Acts on failure decisions for one run."""
+class Replay:
+    """The global batches of the last ``keep`` steps, by step index."""
 
-    def __init__(self, pool: OwnerPool, *, failure: FailurePolicy, scaling: ScalingPolicy, initial_world_size: int,
-                 peer_redundancy: bool, checkpoint_root: Any, probe_timeout_s: float = 2.0) -> None:
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._batches: dict[int, GlobalBatch] = {}
+
+    def add(self, index: int, work: GlobalBatch) -> None:
+        self._batches[index] = work
+        while len(self._batches) > self._keep:
+            del self._batches[min(self._batches)]
+
+    def __getitem__(self, index: int) -> GlobalBatch:
+        return self._batches[index]
+
+    def missing(self, start: int, end: int) -> list[int]:
+        return [i for i in range(start, end) if i not in self._batches]
+
+    def samples(self, start: int, end: int) -> int:
+        return sum(self._batches[i].samples for i in range(start, end))
+
+    def covers(self, report: RecoveryReport, replay_until: int, keep: int) -> bool:
+        """Whether the batches from ``report``'s restored step up to ``replay_until`` are still
+        kept; if not, the report becomes a failure saying so (resume with from_checkpoint)."""
+        assert report.resume_step is not None
+        missing = self.missing(report.resume_step, replay_until)
+        if missing:
+            report.outcome, report.decision = Outcome.FAILED, "fail"
+            report.reason = (f"the restored state is at step {report.resume_step} but the batches of steps "
+                             f"{missing[0] + 1}..{missing[-1] + 1} are no longer kept (elastic.max_replay_steps="
+                             f"{keep}); resume with from_checkpoint")
+            return False
+        report.replayed_steps = replay_until - report.resume_step
+        report.replay_s = -1.0  # measured when the replay is done
+        return True
+
+
+def failed_error(err: ZeroRayError, report: RecoveryReport) -> ZeroRayError | None:
+    """``err`` again, saying why the run ended (its own message first, so it still reads as what
+    went wrong); None for an error type that cannot be rebuilt from a message."""
+    text = (f"{err}\n\nThe run failed at step {report.failed_step + 1}: {report.reason}"
+            + (f" ({'; '.join(report.notes)})" if report.notes else ""))
+    try:
+        if isinstance(err, OwnerError):
+            return type(err)(text, rank=err.rank)
+        return type(err)(text)
+    except TypeError:
+        return None
+
+
+class RecoveryController:
+    """Acts on failure decisions for one run. ``desired`` is the size the run should have: where
+    it started, or what the last ``resize`` asked for; a run shrunk by a loss grows back to it,
+    never beyond."""
+
+    def __init__(self, pool: OwnerPool, *, failure: FailurePolicy, scaling: ScalingPolicy, desired: int,
+                 peer_redundancy: bool, checkpoint_root: Callable[[], str | None],
+                 probe_timeout_s: float = 2.0) -> None:
         self._pool = pool
         self._failure = failure
-        self._scaling = scaling
-        self._initial = initial_world_size
+        self.scaling = scaling
+        self.desired = desired
         self._peer = peer_redundancy
-        self._checkpoint_root = checkpoint_root  # () -> str | None: the root of the last committed save
+        self._checkpoint_root = checkpoint_root  # the root of the last committed save, or None
         self._probe_timeout_s = probe_timeout_s
         self.failures = 0
 
@@ -80,9 +139,16 @@ class RecoveryController:
             out.append(Source.CHECKPOINT)
         return out
 
+    def _end(self, lost: dict[int, str], reason: str) -> None:
+        """End the lost owners (a frozen process holds its sockets open; its slot is freed) and
+        abort the survivors' collectives."""
+        if lost:
+            self._pool.kill(sorted(lost))
+        self._pool.abort(reason)
+
     def recover(self, err: ZeroRayError, *, failed_step: int, step_started: float,
-                load_checkpoint: Any) -> RecoveryReport:
-        """Decide and act after step ``failed_step`` raised ``err``."""
+                load_checkpoint: Callable[[], int]) -> RecoveryReport:
+        """Decide and act after step ``failed_step`` (or an operation between steps) raised ``err``."""
         t0 = time.time()
         self.failures += 1
         pool = self._pool
@@ -99,9 +165,7 @@ class RecoveryController:
                     decision.reason)
         if decision.backoff_s:
             time.sleep(decision.backoff_s)  # policy back-off, not synchronisation
-        if lost:
-            pool.kill(sorted(lost))  # a frozen process holds its sockets open: end it first
-        pool.abort(f"step {failed_step + 1} failed: {err}")
+        self._end(lost, f"step {failed_step + 1} failed: {err}")
         report.abort_s = time.time() - t0
         if decision.action is Action.REFORM:
             try:
@@ -113,7 +177,7 @@ class RecoveryController:
                 lost = pool.find_lost(timeout_s=self._probe_timeout_s)  # a rank may have died meanwhile
                 if lost:
                     report.lost = dict(lost)
-                    pool.kill(sorted(lost))
+                    self._end(lost, f"re-forming failed: {reform_err}")
             decision = self._failure.after_reform(consistent=consistent, sources=sources)
             report.decision, report.reason = decision.action.value, decision.reason
             if decision.action is Action.REFORM:
@@ -127,32 +191,59 @@ class RecoveryController:
         return report
 
     def _restore(self, decision: Decision, report: RecoveryReport, *, lost: set[int], committed_step: int,
-                 sources: list[Source], load_checkpoint: Any) -> None:
+                 sources: list[Source], load_checkpoint: Callable[[], int]) -> None:
         pool = self._pool
         t0 = time.time()
         survivors = [r for r in range(pool.world_size) if r not in lost]
-        target = self._scaling.after_loss(survivors=len(survivors), free_slots=pool.free_slots(),
-                                          initial=self._initial)
-        if target is None:
-            report.reason = (f"only {len(survivors)} owners survive, below min_world_size="
-                             f"{self._scaling.min_world_size}")
-            return
-        generation = pool.generation
-        for source in sources[sources.index(decision.source):] if decision.source in sources else []:
+        order = sources[sources.index(decision.source):] if decision.source in sources else []
+        attempt, replacements = 0, True
+        while order:
+            target = self.scaling.after_loss(survivors=len(survivors), desired=self.desired,
+                                              free_slots=pool.free_slots() if replacements else 0)
+            if target is None:
+                report.reason = (f"only {len(survivors)} owners survive, below min_world_size="
+                                 f"{self.scaling.min_world_size}")
+                return
+            generation = pool.generation
+            source = order[0]
             try:
-                try:
-                    report.resume_step = self._restore_from(source, survivors, target, committed_step, load_checkpoint)
-                except ResourceError as err:  # no room for replacements after all: carry on without them
-                    report.notes.append(f"no replacements ({err}); continuing with {len(survivors)} owners")
-                    target = len(survivors)
-                    if target < self._scaling.min_world_size:
-                        raise
-                    report.resume_step = self._restore_from(source, survivors, target, committed_step, load_checkpoint)
-            except (ZeroRayError, ResourceError) as err:
+                report.resume_step = self._restore_from(source, survivors, target, committed_step, load_checkpoint)
+            except ResourceError as err:  # no room for replacements after all: carry on without them
+                report.notes.append(f"no replacements ({err}); continuing with {len(survivors)} owners")
+                if not replacements:
+                    order.pop(0)
+                replacements = False
+                continue
+            except (OwnerError, CollectiveError) as err:
+                # An owner was lost or got stuck while restoring: end it and try again with the rest.
+                attempt += 1
+                if pool.generation != generation:  # the pool was rebuilt: everyone in it is a survivor
+                    survivors = list(range(pool.world_size))
+                again = pool.find_lost(timeout_s=self._probe_timeout_s)
+                if isinstance(err, OwnerError) and err.rank is not None and err.rank < pool.world_size:
+                    again.setdefault(err.rank, str(err).splitlines()[0])
+                report.notes.append(f"restoring from {source.value} failed (lost {sorted(again)}): "
+                                    f"{str(err).splitlines()[0]}")
+                log.error("restoring from %s failed: %s", source.value, err)
+                self.failures += 1
+                if self.failures > self._failure.max_failures or attempt > self._failure.max_failures:
+                    report.reason = f"restoring failed {attempt} times: {err}"
+                    return
+                self._end(again, f"restoring failed: {err}")
+                survivors = [r for r in survivors if r not in again]
+                # Try again with the survivors alone: starting replacements again would double
+                # the time to the next step; the run grows back once it trains (grow_back).
+                replacements = False
+                if not survivors:
+                    report.reason = "every owner was lost while restoring"
+                    return
+                continue
+            except (ZeroRayError, CheckpointError) as err:
                 report.notes.append(f"restoring from {source.value} failed: {err}")
                 log.error("restoring from %s failed: %s", source.value, err)
-                if pool.generation != generation:  # the pool was rebuilt: everyone in it is a survivor
-                    survivors, generation = list(range(pool.world_size)), pool.generation
+                if pool.generation != generation:
+                    survivors = list(range(pool.world_size))
+                order.pop(0)
                 continue
             report.source, report.outcome = source.value, Outcome.RESTORED
             report.world_size_after = pool.world_size
@@ -160,7 +251,7 @@ class RecoveryController:
             return
 
     def _restore_from(self, source: Source, survivors: list[int], target: int, committed_step: int,
-                      load_checkpoint: Any) -> int:
+                      load_checkpoint: Callable[[], int]) -> int:
         if source is Source.PEER:
             return self._restore_from_peers(survivors, target, committed_step)
         self._pool.rebuild(survivors, target, restore=lambda position: None)
@@ -187,3 +278,9 @@ class RecoveryController:
                 "old_world": old_world, "holders": [holder[r] for r in range(old_world)], "scalars": scalars}
         pool.rebuild(survivors, target, restore=lambda position: plan)
         return step + 1
+
+    def grow_target(self, current: int) -> int | None:
+        """A larger size to grow back to when the cluster has room again (never beyond the size
+        the run should have), else None."""
+        return self.scaling.grow_to(current=current, free_slots=self._pool.free_slots(), desired=self.desired)
+

@@ -1,13 +1,16 @@
-"""ZeroTrainer: what users call. It starts the partition owners, splits each global batch
-among them through Ray's object store, and combines their replies into a step's metrics."""
+"""ZeroTrainer: what users call, and the controller that runs a step.
+
+It composes the driver's parts (Ray Train v2's split): the lifecycle state machine
+(``lifecycle.py``), the owners' membership and placement (``pool.py``, calls through
+``fanout.py``), failure handling (``recovery.py``: policies decide, the controller acts), the
+checkpoint API (``checkpoints.py``) and the data path (``data.py``, ``fit.py``).
+"""
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -18,49 +21,39 @@ from typing import Any
 import ray
 import torch
 
-from zero_ray.config import ZeroConfig
-from zero_ray.core.batching import Batch
-from zero_ray.checkpoint.format import Manifest
 from zero_ray.checkpoint.store import CheckpointReader
-from zero_ray.checkpoint.tools import export_pretrained
+from zero_ray.config import ZeroConfig
+from zero_ray.control.auth import Credentials, new_token, write_token_file
+from zero_ray.control.handlers import EvaluateArgs, JobStatus, MetricsEvent, StepArgs, combine
+from zero_ray.control.server import ServerConfig, serve_coordinator
+from zero_ray.core.batching import Batch
 from zero_ray.core.optim import AdamW, Optimizer, optimizer_from_record, optimizer_record
+from zero_ray.core.policy import FailurePolicy, ScalingPolicy
 from zero_ray.core.precision import parse_dtype
 from zero_ray.core.stages import stage_plan
-from zero_ray.control.auth import Credentials, new_token, write_token_file
-from zero_ray.control.handlers import EvaluateArgs, JobStatus, MetricsEvent, RankStatus, StepArgs, combine
-from zero_ray.control.server import ServerConfig, serve_coordinator
-from zero_ray.core.policy import FailurePolicy, ScalingPolicy
-from zero_ray.driver.checkpointer import Checkpointer, RunPosition
+from zero_ray.driver.attach import FoundRun, check_layout, find_run
+from zero_ray.driver.checkpointer import RunPosition
+from zero_ray.driver.checkpoints import CheckpointAPI
 from zero_ray.driver.coordinator import Coordinator
 from zero_ray.driver.data import GlobalBatch, StagedBatch
 from zero_ray.driver.fit import fit
-from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport
+from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.metrics import RunMetrics
-from zero_ray.driver.pool import OwnerPool, PoolSpec, _cluster_is_local
+from zero_ray.driver.pool import Adopted, OwnerPool, PoolSpec, cluster_is_local
+from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport, Replay, failed_error
 from zero_ray.errors import (
-    CheckpointError,
+    CollectiveError,
     ConfigError,
-    OwnerError,
     ResizeInterrupted,
     ResourceError,
-    StopRequested,
     ZeroRayError,
 )
+from zero_ray.owner.faults import ENV as FAULT_ENV
 from zero_ray.owner.spec import EngineSpec, LossFn, ModelFn
 
 log = logging.getLogger(__name__)
 
-
-class TrainerState(enum.Enum):
-    """The run's lifecycle, as the controller moves it."""
-
-    READY = "ready"
-    STEPPING = "stepping"
-    RECOVERING = "recovering"  # aborting collectives and re-forming the group after a failure
-    RESIZING = "resizing"  # moving partitions to a new number of owners
-    STOPPING = "stopping"  # an operator asked the run to stop; step() refuses new steps
-    FAILED = "failed"  # the owners' state can no longer be trusted
-    SHUT_DOWN = "shut_down"
+__all__ = ["TrainerState", "ZeroTrainer"]
 
 
 def _ensure_ray() -> None:
@@ -85,68 +78,76 @@ class ZeroTrainer:
 
     model_fn: zero-argument callable returning a ``torch.nn.Module``; runs on every actor after
         ``torch.manual_seed(config.seed)``, so every rank starts from identical parameters.
-    loss_fn: ``(module, batch) -> scalar tensor``, the mean loss over that batch.
+        Parameters with ``requires_grad=False`` are frozen (held, never updated).
+    loss_fn: ``(module, batch) -> loss``: the mean loss over that batch, or the pair
+        ``(loss_sum, count)`` (the sum of per-item losses and how many items it covers: the step
+        then trains on the exact mean over every item of the global batch).
     optimizer: ``zr.AdamW(...)`` (default) or ``zr.SGD(...)``.
     config: a ``zr.ZeroConfig``.
     """
 
     def __init__(self, model_fn: ModelFn, loss_fn: LossFn, *, optimizer: Optimizer | None = None,
-                 config: ZeroConfig | None = None) -> None:
+                 config: ZeroConfig | None = None, _found: FoundRun | None = None) -> None:
         if not callable(model_fn):
             raise ConfigError(f"model_fn={model_fn!r} must be a zero-argument callable returning a torch.nn.Module")
         if not callable(loss_fn):
-            raise ConfigError(f"loss_fn={loss_fn!r} must be a callable (module, batch) -> scalar tensor")
-        self.config = config if config is not None else ZeroConfig()
+            raise ConfigError(f"loss_fn={loss_fn!r} must be a callable (module, batch) -> loss or (loss_sum, count)")
+        self.config = cfg = config if config is not None else ZeroConfig()
         self.optimizer = optimizer if optimizer is not None else AdamW()
-        self._schedule: Callable[[int], float] = self.config.lr_schedule or (lambda step: 1.0)
+        self._schedule: Callable[[int], float] = cfg.lr_schedule or (lambda step: 1.0)
         _ensure_ray()
-        device, backend = _resolve_device(self.config)
-        self.device = device
-        cfg = self.config
-        engine = EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=self.optimizer, plan=stage_plan(cfg.stage),
-                            compute_dtype=parse_dtype(cfg.dtype), device=device, seed=cfg.seed,
-                            bucket_bytes=cfg.bucket_bytes, grad_accum_steps=cfg.grad_accum_steps,
-                            max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.loss_scale, stage3=cfg.stage3,
-                            init_state_dict=cfg.init_state_dict)
-        pool = PoolSpec(world_size=cfg.world_size, use_gpu=device == "cuda", num_cpus_per_owner=cfg.num_cpus_per_owner,
-                        backend=backend, placement_strategy=cfg.placement_strategy,
-                        collective_timeout_s=cfg.collective_timeout_s, init_timeout_s=cfg.init_timeout_s,
-                        health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s,
-                        tls=cfg.control_tls,
-                        snapshot_every=cfg.elastic.snapshot_every if cfg.elastic.redundancy == "peer" else 0)
-        self._credentials = Credentials(job_id=uuid.uuid4().hex[:12], token=new_token())
+        self.device, backend = _resolve_device(cfg)
+        self._engine = EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=self.optimizer,
+                                  plan=stage_plan(cfg.stage), compute_dtype=parse_dtype(cfg.dtype), device=self.device,
+                                  seed=cfg.seed, bucket_bytes=cfg.bucket_bytes, grad_accum_steps=cfg.grad_accum_steps,
+                                  max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.loss_scale, stage3=cfg.stage3,
+                                  init_state_dict=cfg.init_state_dict)
+        if _found is not None:
+            self._credentials = ray.get(_found.actors[0].credentials.remote(), timeout=cfg.init_timeout_s)
+        else:
+            self._credentials = Credentials(job_id=uuid.uuid4().hex[:12], token=new_token())
+        elastic = cfg.elastic
+        pool = PoolSpec(world_size=cfg.world_size, use_gpu=self.device == "cuda",
+                        num_cpus_per_owner=cfg.num_cpus_per_owner, backend=backend,
+                        placement_strategy=cfg.placement_strategy, collective_timeout_s=cfg.collective_timeout_s,
+                        init_timeout_s=cfg.init_timeout_s, health_interval_s=cfg.health_interval_s,
+                        health_timeout_s=cfg.health_timeout_s, tls=cfg.control_tls,
+                        snapshot_every=elastic.snapshot_every if elastic.redundancy == "peer" else 0,
+                        detached=elastic.detached, orphan_timeout_s=elastic.orphan_timeout_s,
+                        fault=os.environ.get(FAULT_ENV),
+                        run={"detached": elastic.detached, "config": cfg, "optimizer": self.optimizer})
         self._run_metrics = RunMetrics(run_id=self._credentials.job_id)
-        self._scaling = ScalingPolicy(min_world_size=cfg.elastic.min_world_size,
-                                      max_world_size=cfg.elastic.max_world_size)
-        # Global batches of recent steps, by index, to replay after a restore (fit keeps indices only).
-        self._replay: dict[int, GlobalBatch] = {}
+        self._life = Lifecycle()
+        self.step_count = 0  # steps completed in the owners' state
+        self._submitted = 0  # steps the user has asked for (equal to step_count except during a replay)
+        self._replay = Replay(elastic.max_replay_steps)  # batches (fit: indices) to replay after a restore
         self._evaluations = 0  # staging keys of evaluate() calls
         self._last_grow_check = 0.0
+        self._restored_at = 0.0
         self.recoveries: list[RecoveryReport] = []
-        self._lock = threading.Lock()
         # Held for a whole step and for a save's snapshot, so that an operator's checkpoint
         # (a gRPC thread) lands between steps on every rank alike.
         self._step_mutex = threading.RLock()
-        self._state = TrainerState.READY
-        self.step_count = 0  # steps completed in the owners' state
-        self._submitted = 0  # steps the user has asked for (equal to step_count except during a replay)
-        self._restored_at = 0.0
         self.samples_seen = 0
         self.last_metrics: dict[str, Any] = {}
-        self.stop_reason: str | None = None
         self.events: list[str] = []  # membership changes and failure decisions, for operators
         # What checkpoints record beside the state (fit()'s data order), and what the checkpoint
         # this run resumed from recorded (checked by the next fit, then dropped).
         self.run_extra: dict[str, Any] = {}
         self.resumed: dict[str, Any] = {}
-        self._pool = OwnerPool(pool, engine, credentials=self._credentials)
-        self._checkpointer = Checkpointer(self._pool, keep=cfg.checkpoint.keep, timeout_s=cfg.checkpoint.timeout_s)
+        adopt = None
+        if _found is not None:
+            check_layout(_found, model_fn, seed=cfg.seed)
+            adopt = Adopted(actors=_found.actors, generation=_found.generation, info=_found.statuses[0])
+        self._pool = OwnerPool(pool, self._engine, credentials=self._credentials, adopt=adopt)
+        self._checkpoints = CheckpointAPI(self._pool, cfg.checkpoint)
         self._recovery = RecoveryController(
-            self._pool, failure=FailurePolicy(max_failures=cfg.max_failures, backoff_s=cfg.elastic.backoff_s),
-            scaling=self._scaling, initial_world_size=cfg.world_size,
-            peer_redundancy=cfg.elastic.redundancy == "peer", checkpoint_root=self._checkpoint_root)
+            self._pool, failure=FailurePolicy(max_failures=cfg.max_failures, backoff_s=elastic.backoff_s),
+            scaling=ScalingPolicy(min_world_size=elastic.min_world_size, max_world_size=elastic.max_world_size),
+            desired=cfg.world_size, peer_redundancy=elastic.redundancy == "peer",
+            checkpoint_root=self._checkpoints.recovery_root)
         self._coordinator = Coordinator(self)
-        host = "127.0.0.1" if _cluster_is_local() else ray.util.get_node_ip_address()
+        host = "127.0.0.1" if cluster_is_local() else ray.util.get_node_ip_address()
         self._server = serve_coordinator(self._coordinator, ServerConfig(host=host, credentials=self._credentials,
                                                                                **pool.server_tls()))
         token_dir = cfg.control_token_dir or tempfile.mkdtemp(prefix="zero_ray-")
@@ -155,12 +156,47 @@ class ZeroTrainer:
         info = self._pool.info[0]
         self.num_params: int = info["numel"]
         self.num_trainable_params: int = sum(math.prod(info["shapes"][n]) for n, t in info["trainable"].items() if t)
-        log.info("zero_ray: stage %d, %d owners on %s/%s, %d parameters", cfg.stage, cfg.world_size, device, backend,
-                 self.num_params)
+        if _found is not None:
+            self._take_over(_found)
+        log.info("zero_ray: stage %d, %d owners on %s/%s, %d parameters", cfg.stage, self.world_size, self.device,
+                 backend, self.num_params)
         try:  # model-state bytes are on the metrics endpoint from the start; best effort
             self.memory_report()
         except ZeroRayError as err:
             log.warning("could not record the start-up memory report: %s", err)
+
+    # -- a driver taking over a detached run ----------------------------------------------------------
+    @classmethod
+    def attach(cls, run_id: str, model_fn: ModelFn, loss_fn: LossFn, *, optimizer: Optimizer | None = None,
+               timeout_s: float = 60.0) -> ZeroTrainer:
+        """Continue a detached run (``ElasticConfig(detached=True)``) whose driver is gone, from
+        its owners' memory (no storage is read): from a new driver process, such as a
+        resubmitted Ray job. ``model_fn`` must build the same model (checked against the owners'
+        layout); ``optimizer`` defaults to the run's. The run's ``ZeroConfig`` comes from the
+        owners. ``step_count`` says how many steps the owners completed: feed the batches from
+        there on (``fit`` does so by itself). Owners caught in the middle of a step are aborted
+        and re-formed (or restored from peer copies when a rank had begun its update)."""
+        _ensure_ray()
+        found = find_run(run_id, timeout_s=timeout_s)
+        run = found.run
+        config: ZeroConfig = run["config"]
+        return cls(model_fn, loss_fn, optimizer=optimizer if optimizer is not None else run["optimizer"],
+                   config=config, _found=found)
+
+    def _take_over(self, found: FoundRun) -> None:
+        """Settle an adopted pool: nothing to do if every owner is idle at one step; else abort
+        and re-form (or restore) as after a failed step."""
+        done = min(s["completed_steps"] for s in found.statuses)
+        self.step_count = self._submitted = done
+        if found.settled:
+            self.events.append(f"attached to run {found.run_id} at step {done} ({self.world_size} owners)")
+            return
+        err = CollectiveError(f"the previous driver left run {found.run_id} in the middle of step {done + 1}")
+        if not self._recover(err, failed_step=done, replay_until=done, started=time.perf_counter()):
+            if self._life.state is TrainerState.FAILED:
+                self._raise_failed(err)
+                raise err
+        self.events.append(f"attached to run {found.run_id} at step {self.step_count} ({self.world_size} owners)")
 
     # -- properties for operators ---------------------------------------------------------------
     @property
@@ -170,57 +206,47 @@ class ZeroTrainer:
 
     @property
     def run_id(self) -> str:
-        """The ``run_id`` tag on this run's Ray metrics (also its control-plane job id)."""
+        """The ``run_id`` tag on this run's Ray metrics (also its control-plane job id, and what
+        ``ZeroTrainer.attach`` takes)."""
         return self._credentials.job_id
 
     @property
     def state(self) -> TrainerState:
-        return self._state
+        return self._life.state
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._life.stop_reason
 
     @property
     def stop_requested(self) -> bool:
         """An operator asked the run to stop (``zero-ray stop``); the loop should end."""
-        return self.stop_reason is not None
+        return self._life.stop_reason is not None
 
     def request_stop(self, reason: str) -> str:
         """Ask the run to stop after the step in flight; returns the state afterwards."""
-        with self._lock:
-            self.stop_reason = reason or "stop requested"
-            if self._state in (TrainerState.READY, TrainerState.STEPPING):
-                self._state = TrainerState.STOPPING
-            return self._state.value
-
-    def job_status(self) -> JobStatus:
-        """A snapshot for the Coordinator's Status call (thread-safe)."""
-        health = self._pool.health.snapshot() if self._pool.health else []
-        stats = self._pool.stats(timeout_s=2.0)
-        ranks = []
-        for r, node in enumerate(self._pool.nodes):
-            hr = health[r] if r < len(health) else None
-            st = stats[r] if r < len(stats) else None
-            ranks.append(RankStatus(rank=r, node=f"{node.get('ip')} pid {node.get('pid')}",
-                                    healthy=hr.healthy if hr else False,
-                                    state=(hr.state if hr and hr.healthy else f"lost: {hr.lost_reason}") if hr else "?",
-                                    last_heartbeat=hr.last_beat if hr else 0.0,
-                                    memory=dict(st.memory_bytes) if st else {}))
-        return JobStatus(world_size=self.world_size, stage=self.config.stage, step=self.step_count,
-                         last_loss=float(self.last_metrics.get("loss", float("nan"))), state=self._state.value,
-                         ranks=tuple(ranks), events=tuple(self.events[-20:]))
+        return self._life.request_stop(reason)
 
     @property
     def world_size(self) -> int:
         return len(self._pool.actors)
 
     @property
+    def desired_world_size(self) -> int:
+        """The size the run should have (where it started, or the last resize); a loss may leave
+        it smaller until the cluster has room again."""
+        return self._recovery.desired
+
+    @property
     def actors(self) -> list[Any]:
         """The partition owners' Ray actor handles, in rank order."""
         return list(self._pool.actors)
 
-    def _require_ready(self) -> None:
-        if self._state is TrainerState.STOPPING:
-            raise StopRequested(f"the run was asked to stop: {self.stop_reason}")
-        if self._state is not TrainerState.READY:
-            raise ZeroRayError(f"the trainer is {self._state.value}; create a new ZeroTrainer")
+    def job_status(self) -> JobStatus:
+        """A snapshot for the Coordinator's Status call (thread-safe)."""
+        return JobStatus(world_size=self.world_size, stage=self.config.stage, step=self.step_count,
+                         last_loss=float(self.last_metrics.get("loss", float("nan"))), state=self._life.state.value,
+                         ranks=tuple(self._pool.rank_statuses()), events=tuple(self.events[-20:]))
 
     # -- training ---------------------------------------------------------------------------------
     def step(self, batch: Batch) -> dict[str, Any]:
@@ -236,7 +262,7 @@ class ZeroTrainer:
             return self._step(StagedBatch(batch))
 
     def _step(self, work: GlobalBatch) -> dict[str, Any]:
-        self._require_ready()
+        self._life.require_ready()
         cfg = self.config
         n = work.samples
         if n < self.world_size * cfg.grad_accum_steps:
@@ -244,9 +270,7 @@ class ZeroTrainer:
                               f"{self.world_size} * {cfg.grad_accum_steps}; every rank needs at least one sample "
                               "per micro-batch")
         index = self._submitted  # the user's step: a restore may have rewound step_count below it
-        self._replay[index] = work
-        while len(self._replay) > cfg.elastic.max_replay_steps:
-            del self._replay[min(self._replay)]
+        self._replay.add(index, work)
         start = time.perf_counter()
         while True:
             try:
@@ -297,13 +321,9 @@ class ZeroTrainer:
         pieces, held = work.send(self._pool, world_size=self.world_size, key=f"{generation}:{self.step_count}")
         args = [StepArgs(step=self.step_count, lr=lr, piece=piece, global_samples=n, generation=generation)
                 for piece in pieces]
-        with self._lock:
-            self._state = TrainerState.STEPPING
-        results = self._pool.step(args, timeout_s=self.config.step_timeout_s)
+        with self._life.during(TrainerState.STEPPING):
+            results = self._pool.step(args, timeout_s=self.config.step_timeout_s)
         del held  # the owners are done with the staged pieces: the object store frees them
-        with self._lock:
-            if self._state is TrainerState.STEPPING:
-                self._state = TrainerState.READY
         self.step_count += 1
         self.samples_seen += n
         return lr, results
@@ -315,6 +335,30 @@ class ZeroTrainer:
         ``samples`` and ``items``, and ``count`` for the pair form."""
         with self._step_mutex:
             return self._evaluate(StagedBatch(batch))
+
+    def _evaluate(self, work: GlobalBatch) -> dict[str, float]:
+        self._life.require_ready()
+        if work.samples < self.world_size * self.config.grad_accum_steps:
+            raise ConfigError(f"an evaluation batch of {work.samples} samples is smaller than world_size * "
+                              f"grad_accum_steps = {self.world_size} * {self.config.grad_accum_steps}")
+        while True:
+            try:
+                generation = self._pool.generation
+                self._evaluations += 1
+                pieces, held = work.send(self._pool, world_size=self.world_size,
+                                         key=f"{generation}:eval{self._evaluations}")
+                results = self._pool.evaluate([EvaluateArgs(piece=p, generation=generation) for p in pieces],
+                                              timeout_s=self.config.step_timeout_s)
+                del held
+                return combine([r.totals for r in results])
+            except ZeroRayError as err:  # an owner lost during evaluation: recover, then evaluate again
+                if self._recover(err, failed_step=self.step_count, replay_until=self._submitted,
+                                 started=time.perf_counter()):
+                    while self.step_count < self._submitted:
+                        self._execute(self._replay[self.step_count])
+                elif self._life.state is TrainerState.FAILED:
+                    self._raise_failed(err)
+                    raise
 
     def fit(self, dataset: Any, *, global_batch_size: int, steps: int, seed: int = 0,
             collate_fn: Callable[[list[Any]], Any] | None = None, eval_dataset: Any = None,
@@ -343,133 +387,70 @@ class ZeroTrainer:
                    eval_dataset=eval_dataset, eval_every=eval_every, checkpoint_every=checkpoint_every,
                    progress=progress, callback=callback)
 
-    def _evaluate(self, work: GlobalBatch) -> dict[str, float]:
-        self._require_ready()
-        if work.samples < self.world_size * self.config.grad_accum_steps:
-            raise ConfigError(f"an evaluation batch of {work.samples} samples is smaller than world_size * "
-                              f"grad_accum_steps = {self.world_size} * {self.config.grad_accum_steps}")
-        while True:
-            try:
-                generation = self._pool.generation
-                self._evaluations += 1
-                pieces, held = work.send(self._pool, world_size=self.world_size,
-                                         key=f"{generation}:eval{self._evaluations}")
-                results = self._pool.evaluate([EvaluateArgs(piece=p, generation=generation) for p in pieces],
-                                              timeout_s=self.config.step_timeout_s)
-                del held
-                return combine([r.totals for r in results])
-            except ZeroRayError as err:  # an owner lost during evaluation: recover, then evaluate again
-                if self._recover(err, failed_step=self.step_count, replay_until=self._submitted,
-                                 started=time.perf_counter()):
-                    while self.step_count < self._submitted:
-                        self._execute(self._replay[self.step_count])
-                elif self._state is TrainerState.FAILED:
-                    self._raise_failed(err)
-                    raise
-
+    # -- failures ---------------------------------------------------------------------------------
     def _recover(self, err: ZeroRayError, *, failed_step: int, replay_until: int, started: float) -> bool:
         """Carry out the policies' decision after a failure in step ``failed_step`` (or between
         steps); True when the state was restored (``step_count`` rewound) and steps up to
         ``replay_until`` must be replayed from the kept batches. Every outcome is recorded."""
-        with self._lock:
-            self._state = TrainerState.RECOVERING
-        before = self.step_count
+        self._life.move(TrainerState.RECOVERING)
         report = self._recovery.recover(err, failed_step=failed_step, step_started=time.time() - (
-            time.perf_counter() - started), load_checkpoint=self._load_latest)
-        restored = report.outcome is Outcome.RESTORED
+            time.perf_counter() - started), load_checkpoint=lambda: self._checkpoints.load_latest().step)
+        restored = report.outcome is Outcome.RESTORED and self._replay.covers(report, replay_until,
+                                                                             self.config.elastic.max_replay_steps)
         if restored:
             assert report.resume_step is not None
-            missing = [i for i in range(report.resume_step, replay_until) if i not in self._replay]
-            if missing:
-                report.outcome, report.decision = Outcome.FAILED, "fail"
-                report.reason = (f"the restored state is at step {report.resume_step} but the batches of steps "
-                                 f"{missing[0] + 1}..{missing[-1] + 1} are no longer kept (elastic.max_replay_steps="
-                                 f"{self.config.elastic.max_replay_steps}); resume with from_checkpoint")
-                restored = False
-            else:
-                self.samples_seen -= sum(self._replay[i].samples for i in range(report.resume_step, before))
-                self.step_count = report.resume_step
-                report.replayed_steps = replay_until - report.resume_step
-                report.replay_s = -1.0  # measured when the replay is done
-                self._restored_at = time.perf_counter()
+            self.samples_seen -= self._replay.samples(report.resume_step, self.step_count)
+            self.step_count = report.resume_step
+            self._restored_at = time.perf_counter()
         self.recoveries.append(report)
         self.events.append(report.summary())
+        self._last_grow_check = time.monotonic()  # grow back grow_check_s later, not on top of the replay
         log.warning("recovery: %s (%s)", report.summary(), report.reason)
-        with self._lock:
-            if report.outcome is Outcome.FAILED:
-                self._state = TrainerState.FAILED
-            else:
-                self._state = TrainerState.READY
+        self._life.move(TrainerState.FAILED if report.outcome is Outcome.FAILED else TrainerState.READY)
         return restored
 
     def _raise_failed(self, err: ZeroRayError) -> None:
         """After a failure the policies could not recover from: the same error, saying why the
         run ended (its own message first, so it still reads as what went wrong)."""
-        if self._state is not TrainerState.FAILED or not self.recoveries:
-            return
-        report = self.recoveries[-1]
-        text = (f"{err}\n\nThe run failed at step {report.failed_step + 1}: {report.reason}"
-                + (f" ({'; '.join(report.notes)})" if report.notes else ""))
-        try:
-            if isinstance(err, OwnerError):
-                new: ZeroRayError = type(err)(text, rank=err.rank)
-            else:
-                new = type(err)(text)
-        except TypeError:  # an error type with another constructor: raise it as it is
-            return
-        raise new from err
-
-    def _load_latest(self) -> int:
-        root = self._checkpoint_root()
-        if root is None:
-            raise CheckpointError("no checkpoint has been committed for this run")
-        return self._load_into_owners(root).step
-
-    def _checkpoint_root(self) -> str | None:
-        last = self._checkpointer.last_committed
-        if last is not None:
-            return os.path.dirname(last)
-        return os.fspath(self.config.checkpoint.dir) if self.config.checkpoint.dir else None
+        if self._life.state is TrainerState.FAILED and self.recoveries:
+            new = failed_error(err, self.recoveries[-1])
+            if new is not None:
+                raise new from err
 
     def _maybe_grow(self) -> None:
-        """Grow back towards the starting size when the cluster has room again (checked at most
+        """Grow back towards the desired size when the cluster has room again (checked at most
         every ``elastic.grow_check_s``: it asks Ray for its free resources)."""
         cfg = self.config.elastic
-        if not cfg.grow_back or self.world_size >= self._scaling.ceiling(self.config.world_size):
+        if not cfg.grow_back or self.world_size >= self._recovery.desired:
             return
         now = time.monotonic()
         if now - self._last_grow_check < cfg.grow_check_s:
             return
         self._last_grow_check = now
-        target = self._scaling.grow_to(current=self.world_size, free_slots=self._pool.free_slots(),
-                                       initial=self.config.world_size)
+        target = self._recovery.grow_target(self.world_size)
         if target is not None:
             log.info("the cluster has room again: growing %d -> %d owners", self.world_size, target)
             try:
-                self.resize(target)
+                self._resize(target, desired=self._recovery.desired)
             except ResourceError as err:  # the room went to someone else: try again later
                 log.info("growing back deferred: %s", err)
             except ResizeInterrupted as err:
                 log.warning("growing back was interrupted and recovered: %s", err)
 
     # -- reports and consolidation ------------------------------------------------------------------
-    def _require_alive(self) -> None:
-        if self._state in (TrainerState.FAILED, TrainerState.SHUT_DOWN):
-            raise ZeroRayError(f"the trainer is {self._state.value}")
-
     def memory_report(self) -> list[dict[str, int]]:
         """Per rank, model-state bytes by category, measured from the tensors at the last step's
-        peak (every gradient present: the paper's per-device figure). Stages 0-2 release their
-        gradients after each update, so between steps a rank holds ``total`` less ``grads``
+        peak (every gradient present: the paper's per-device figure). Gradients are released
+        after each update, so between steps a rank holds ``total`` less ``grads``
         (``grads_between_steps`` says what stays)."""
-        self._require_alive()
+        self._life.require_alive()
         reports = self._pool.call("memory_report", timeout_s=self.config.init_timeout_s)
         self._run_metrics.record_memory(reports)
         return reports
 
     def comm_report(self) -> list[dict[str, int]]:
         """Per rank, bytes sent in the last step by collective."""
-        self._require_alive()
+        self._life.require_alive()
         return self._pool.call("comm_report", timeout_s=self.config.init_timeout_s)
 
     def full_state_dict(self, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -477,7 +458,7 @@ class ZeroTrainer:
         ``model_fn().named_parameters()``. This is the explicit consolidation: the whole model
         passes through the driver. ``trainable_only``: just the parameters with
         ``requires_grad=True`` (a PEFT adapter's weights, without the frozen base model)."""
-        self._require_alive()
+        self._life.require_alive()
         info = self._pool.info[0]
         shapes: dict[str, list[int]] = {n: s for n, s in info["shapes"].items()
                                         if info["trainable"][n] or not trainable_only}
@@ -492,41 +473,51 @@ class ZeroTrainer:
     # -- elasticity -------------------------------------------------------------------------------------
     def resize(self, world_size: int) -> dict[str, Any]:
         """Continue with ``world_size`` partition owners, live: new owners start (or surplus ones
-        stop) and every partition range whose owner changes moves directly between actors
-        through collectives; nothing goes through storage or the driver. The global batch stays
-        as it is (each rank's share changes), so training continues as the uninterrupted run.
-        Returns the sizes, bytes sent and seconds taken."""
+        stop, their slots going back to the cluster) and every partition range whose owner
+        changes moves directly between actors through collectives; nothing goes through
+        storage or the driver. The global batch stays as it is (each rank's share changes), so
+        training continues as the uninterrupted run. ``world_size`` becomes the run's desired
+        size (what it grows back to after a loss). Returns the sizes, bytes sent and seconds
+        taken. A loss during the transfer aborts it at once: the run is recovered (peer copies
+        or a checkpoint) and ``ResizeInterrupted`` raised, or the run fails with the reason."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size={world_size!r} must be an integer >= 1")
+        self._recovery.scaling.check_resize(world_size)
+        return self._resize(world_size, desired=world_size)
+
+    def _resize(self, world_size: int, *, desired: int) -> dict[str, Any]:
         with self._step_mutex:
-            self._require_ready()
+            self._life.require_ready()
             if world_size == self.world_size:
+                self._recovery.desired = desired
                 return {"previous_world_size": world_size, "world_size": world_size, "bytes_sent": 0, "seconds": 0.0}
-            self._checkpointer.wait(raise_error=False)  # a save in flight reads the current owners
-            with self._lock:
-                self._state = TrainerState.RESIZING
+            self._checkpoints.wait(raise_error=False)  # a save in flight reads the current owners
             try:
-                report = self._pool.resize(world_size)
+                with self._life.during(TrainerState.RESIZING):
+                    report = self._pool.resize(world_size)
             except ResourceError:  # refused before any owner changed: the run goes on as it was
-                with self._lock:
-                    self._state = TrainerState.READY
                 raise
             except ZeroRayError as err:
                 log.error("resize to %d owners failed: %s", world_size, err)
                 if not self._recover(err, failed_step=self.step_count, replay_until=self._submitted,
-                                     started=time.perf_counter()):
+                                     started=time.perf_counter()) and self._life.state is TrainerState.FAILED:
                     self._raise_failed(err)
                     raise
                 raise ResizeInterrupted(f"resizing to {world_size} owners failed ({err}); the run was restored "
                                         f"at {self.world_size} owners and continues with the next step") from err
-            with self._lock:
-                self._state = TrainerState.READY
+            self._recovery.desired = desired
         self.events.append(f"step {self.step_count}: resized {report['previous_world_size']} -> {world_size} owners "
                            f"({report['bytes_sent']} bytes moved in {report['seconds']:.2f}s)")
         log.info(self.events[-1])
         return report
 
     # -- checkpoints -----------------------------------------------------------------------------------
+    def _position(self) -> RunPosition:
+        cfg = self.config
+        return RunPosition(step=self.step_count, samples_seen=self.samples_seen, world_size=self.world_size,
+                           stage=cfg.stage, compute_dtype=cfg.dtype, seed=cfg.seed,
+                           optimizer=optimizer_record(self.optimizer), extra=dict(self.run_extra))
+
     def save_checkpoint(self, path: str | os.PathLike[str] | None = None, *, wait: bool = False) -> str:
         """Save a sharded checkpoint under the root ``path`` (default ``config.checkpoint.dir``)
         and return its directory (``path/step-NNNNNNNN``).
@@ -536,30 +527,26 @@ class ZeroTrainer:
         once every rank's file is durable. ``wait=True`` (or ``wait_for_checkpoint()``) blocks
         until then. A crash before the commit leaves the previous checkpoint the latest.
         """
-        root = path if path is not None else self.config.checkpoint.dir
-        if root is None:
-            raise ConfigError("save_checkpoint() needs a path, or ZeroConfig(checkpoint=CheckpointConfig(dir=...))")
-        return self._save(os.fspath(root), wait=wait)[0]
+        return self._save(self._checkpoints.root_for(path, what="save_checkpoint()"), wait=wait)[0]
 
     def checkpoint_now(self, path: str | None) -> tuple[str, int]:
         """The Coordinator's Checkpoint call: save after the step in flight; (directory, step)."""
-        root = path or self.config.checkpoint.dir
-        if root is None:
-            raise ConfigError("this job has no checkpoint directory: pass a path (zero-ray checkpoint now PATH) or "
-                              "start it with ZeroConfig(checkpoint=CheckpointConfig(dir=...))")
-        return self._save(os.fspath(root), wait=False)
+        return self._save(self._checkpoints.root_for(path or None, what="this job's checkpoint (zero-ray checkpoint "
+                                                                         "now PATH)"), wait=False)
 
-    def _save(self, root: str, *, wait: bool, remember: bool = True) -> tuple[str, int]:
+    def _save(self, root: str, *, wait: bool) -> tuple[str, int]:
         with self._step_mutex:
-            self._require_ready()
-            cfg = self.config
-            position = RunPosition(step=self.step_count, samples_seen=self.samples_seen, world_size=self.world_size,
-                                   stage=cfg.stage, compute_dtype=cfg.dtype, seed=cfg.seed,
-                                   optimizer=optimizer_record(self.optimizer), extra=dict(self.run_extra))
-            target = self._checkpointer.save(root, position, remember=remember)
+            self._life.require_ready()
+            position = self._position()
+            target = self._checkpoints.save(root, position)
         if wait:
             self.wait_for_checkpoint()
         return target, position.step
+
+    def wait_for_checkpoint(self, timeout_s: float | None = None) -> str | None:
+        """Block until the save in flight is committed; returns the newest committed directory.
+        Raises CheckpointError if that save was abandoned (the previous one stays latest)."""
+        return self._checkpoints.wait(timeout_s)
 
     def export_pretrained(self, directory: str | os.PathLike[str], *, max_shard_size: str | int = "5GB",
                           dtype: str | None = None) -> list[str]:
@@ -568,19 +555,9 @@ class ZeroTrainer:
         ``max_shard_size``); with the model's ``config.json`` there, ``from_pretrained`` loads it.
         Memory stays bounded: every owner writes its shard to a checkpoint under ``directory``
         (removed afterwards) and the files are streamed from it. Returns the files written."""
-        target = os.fspath(directory)
-        os.makedirs(target, exist_ok=True)
-        scratch = tempfile.mkdtemp(prefix=".zero_ray-export-", dir=target)
-        try:
-            saved = self._save(scratch, wait=True, remember=False)[0]
-            return export_pretrained(saved, target, max_shard_size=max_shard_size, dtype=dtype)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-
-    def wait_for_checkpoint(self, timeout_s: float | None = None) -> str | None:
-        """Block until the save in flight is committed; returns the newest committed directory.
-        Raises CheckpointError if that save was abandoned (the previous one stays latest)."""
-        return self._checkpointer.wait(timeout_s=timeout_s)
+        with self._step_mutex:
+            self._life.require_ready()
+            return self._checkpoints.export(directory, self._position(), max_shard_size=max_shard_size, dtype=dtype)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str], model_fn: ModelFn, loss_fn: LossFn, *,
@@ -613,40 +590,30 @@ class ZeroTrainer:
         verifies all its ranges before changing anything; if a rank still fails (a corrupt block)
         others may have loaded, so the trainer is then marked failed."""
         with self._step_mutex:
-            self._require_ready()
+            self._life.require_ready()
             try:
-                m = self._load_into_owners(os.fspath(path))
+                m = self._checkpoints.load(os.fspath(path))
             except BaseException:
-                with self._lock:
-                    self._state = TrainerState.FAILED
+                self._life.move(TrainerState.FAILED)
                 raise
             self.step_count, self.samples_seen = m.step, m.samples_seen
             self._submitted = m.step
             self.run_extra, self.resumed = dict(m.extra), dict(m.extra)
         return m.step
 
-    def _load_into_owners(self, path: str) -> Manifest:
-        """Check the checkpoint at ``path`` (manifest, file sizes), then have every owner load
-        its ranges; returns the manifest."""
-        reader = CheckpointReader(path)
-        m = reader.manifest
-        reader.check_files()
-        self._pool.load(reader.path, timeout_s=self.config.checkpoint.timeout_s)
-        log.info("loaded %s: step %d (saved at stage %d x %d, now stage %d x %d)", reader.path, m.step, m.stage,
-                 m.world_size, self.config.stage, self.world_size)
-        return m
-
+    # -- the end ---------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the owners and the control server (after a save in flight commits). Idempotent."""
-        if self._state is TrainerState.SHUT_DOWN:
+        """Stop the owners (a detached run's too) and the control server, after a save in flight
+        commits. Idempotent."""
+        if self._life.state is TrainerState.SHUT_DOWN:
             return
         try:
-            self._checkpointer.wait(raise_error=False)
+            self._checkpoints.wait(raise_error=False)
         except ZeroRayError as err:
             log.error("shutting down with a checkpoint still being written: %s", err)
         self._server.stop(grace_s=0.5)
         self._pool.shutdown()
-        self._state = TrainerState.SHUT_DOWN
+        self._life.move(TrainerState.SHUT_DOWN)
         try:
             os.unlink(self.control_token_file)
         except OSError:

@@ -4,6 +4,16 @@ The actor is a thin shell: it serves the gRPC control plane (step, abort, health
 its own threads, joins the collective group of the current generation, builds an OwnerEngine
 and forwards calls to it. Model state never leaves it except through collectives (and the
 explicit consolidation ``master_fragments``).
+
+Membership operations (re-forming the group, a live reshard, a rebuild after a loss) run under
+the step lock and can be aborted like a step: ``abort`` tears down the group of its generation,
+and an abort for a generation the owner has not reached yet is remembered, so the owner refuses
+to join it. After an abort, an operation that waits for the lock gives up after
+``settle_timeout_s``: an owner still stuck inside the aborted operation is reported, and the
+driver treats it as lost rather than wait out ``collective_timeout_s``.
+
+A detached run's owners (``ElasticConfig(detached=True)``) outlive the driver; each ends itself
+when no driver has been in touch for ``orphan_timeout_s`` (``ZeroTrainer.attach`` reattaches).
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,8 +39,9 @@ from zero_ray.owner.checkpointing import ShardSaver
 from zero_ray.owner.data import PieceSource
 from zero_ray.owner.control import OwnerControl
 from zero_ray.core.reshard import plan_moves
-from zero_ray.errors import CollectiveError
+from zero_ray.errors import CollectiveError, OwnerError
 from zero_ray.owner.engine import OwnerEngine, StepPhase
+from zero_ray.owner.faults import FaultPlan
 from zero_ray.owner.spec import EngineSpec
 from zero_ray.owner.redundancy import PeerSnapshots
 from zero_ray.owner.resize import bucket_numels, exchange, install, slice_kinds, stage_buffers
@@ -51,6 +63,11 @@ class OwnerOptions:
     server_tls: dict[str, str | None]  # ServerConfig's tls_cert / tls_key / tls_client_ca
     save_timeout_s: float = 600.0  # how long a Save may wait for this rank's file to be durable
     snapshot_every: int = 0  # peer snapshots every this many steps; 0: no in-memory redundancy
+    settle_timeout_s: float = 10.0  # after an abort: how long an operation waits for the aborted one to end
+    detached: bool = False  # the owners outlive the driver (ElasticConfig.detached)
+    orphan_timeout_s: float = 300.0  # a detached owner no driver has reached for this long ends itself
+    fault: str | None = None  # zero_ray.owner.faults: a planned kill (tests and the recovery benchmark)
+    run: dict[str, Any] | None = None  # what a driver attaching to a detached run needs (config, optimizer)
 
 
 class PartitionOwner:
@@ -69,11 +86,17 @@ class PartitionOwner:
         self.data = PieceSource()
         self.backup = self.ward = rank  # peers for snapshots, set by the driver
         self.step_lock = threading.Lock()  # held by a step; recovery waits for it
+        self.completed_steps = 0  # driver steps this owner has finished (where an attaching driver resumes)
+        self._aborted = -1  # the newest generation an abort was asked for
+        self.faults = FaultPlan.parse(options.fault)
+        self.last_contact = time.monotonic()  # of a driver: any control call, a heartbeat served
         torch.set_num_threads(max(1, options.threads))
         host = options.control_host or ("127.0.0.1" if options.local_cluster else ray.util.get_node_ip_address())
         self._server: ControlServer = serve_owner(
             OwnerControl(self, fetch_timeout_s=options.collective_timeout_s, save_timeout_s=options.save_timeout_s),
             ServerConfig(host=host, credentials=options.credentials, **options.server_tls))
+        if options.detached:
+            threading.Thread(target=self._watch_for_driver, name="zero_ray-orphan", daemon=True).start()
 
     def node(self) -> dict[str, Any]:
         """Where this owner runs: Ray node id, host, IP, process id and control address."""
@@ -85,14 +108,27 @@ class PartitionOwner:
         return f"{self._options.group_prefix}-g{self.generation}"
 
     def _join(self) -> Collective:
+        if self._aborted >= self.generation:
+            raise CollectiveError(f"rank {self.rank}: generation {self.generation} was aborted before it formed")
         o = self._options
         self._group = form_group(backend=o.backend, group_name=self._group_name(), rank=self.rank,
                                  world_size=self.world_size, timeout_s=o.collective_timeout_s)
         return self._group
 
+    def fault(self, point: str) -> None:
+        """A named point of this owner's work (zero_ray.owner.faults); nothing unless planned."""
+        if self.faults is not None:
+            self.faults.reached(point, self.rank, self.completed_steps)
+
+    def _new_engine(self, group: Collective) -> OwnerEngine:
+        engine = OwnerEngine(self._spec, rank=self.rank, group=group)
+        if self.faults is not None:
+            engine.on_backward = lambda: self.fault("backward")
+        return engine
+
     def setup(self) -> dict[str, Any]:
         """Join the group (all ranks concurrently) and build the model state."""
-        self._engine = OwnerEngine(self._spec, rank=self.rank, group=self._join())
+        self._engine = self._new_engine(self._join())
         layout = self._engine.layout
         trainable = self._engine.state.trainable
         return {"rank": self.rank, "numel": layout.numel, "padded_numel": layout.padded_numel,
@@ -121,7 +157,9 @@ class PartitionOwner:
 
     def abort(self, *, reason: str, generation: int) -> bool:
         """Tear down this generation's group so that collectives blocked on it fail (called
-        from a gRPC thread). Returns whether a step was in flight."""
+        from a gRPC thread); remember an abort of a generation not yet reached, so that it is
+        never joined. Returns whether a step was in flight."""
+        self._aborted = max(self._aborted, generation)
         if generation != self.generation or self._group is None:
             return False
         log.warning("rank %d aborting generation %d: %s", self.rank, generation, reason)
@@ -136,7 +174,7 @@ class PartitionOwner:
         the interrupted step. Returns whether the model state is still consistent."""
         if self._group is not None:
             self._group.abort()
-        with self._locked("re-form"):
+        with self._locked("re-form", settle=True):
             self.data.drop_staged()
             self.generation = generation
             consistent = self.engine.discard_step()
@@ -157,6 +195,7 @@ class PartitionOwner:
         if every and (step + 1) % every == 0 and self._group is not None:
             engine = self.engine
             engine.phase = StepPhase.UPDATING
+            self.fault("peer_snapshot")
             self.snapshots.take(engine, self._group, step=step, backup=self.backup, ward=self.ward,
                                 timeout_s=self._options.collective_timeout_s)
             engine.phase = StepPhase.IDLE
@@ -164,17 +203,21 @@ class PartitionOwner:
     def snapshot_info(self, committed_step: int) -> dict[int, Any]:
         """The committed snapshots held (by rank), once the driver says ``committed_step`` was
         finished everywhere; a pending snapshot of a later, interrupted step is dropped."""
-        with self._locked("snapshot_info"):
+        with self._locked("snapshot_info", settle=True):
             self.snapshots.commit_upto(committed_step)
             self.snapshots.drop_pending()
             return self.snapshots.info()
 
     @contextmanager
-    def _locked(self, what: str) -> Iterator[None]:
-        """The step lock, waiting (bounded) for an aborted step's thread to give up."""
-        if not self.step_lock.acquire(timeout=self._options.collective_timeout_s):
-            raise CollectiveError(f"rank {self.rank}: the interrupted step did not end within "
-                                  f"{self._options.collective_timeout_s:g}s; cannot {what}")
+    def _locked(self, what: str, *, settle: bool = False) -> Iterator[None]:
+        """The step lock, waiting (bounded) for an aborted operation's thread to give up: up to
+        ``settle_timeout_s`` after an abort (``settle``), else ``collective_timeout_s``."""
+        o = self._options
+        timeout = o.settle_timeout_s if settle else o.collective_timeout_s
+        if not self.step_lock.acquire(timeout=timeout):
+            # An OwnerError names this owner, so the driver treats it as lost rather than wait on.
+            raise OwnerError(f"rank {self.rank}: the interrupted operation did not end within {timeout:g}s "
+                             f"after the abort (stuck, e.g. in forming a group); cannot {what}", rank=self.rank)
         try:
             yield
         finally:
@@ -189,7 +232,7 @@ class PartitionOwner:
         if self._group is not None:  # first: a step blocked on it then fails and lets go of the lock
             self._group.abort()
             self._group = None
-        with self._locked("rebuild"):
+        with self._locked("rebuild", settle=True):
             self.data.drop_staged()
             sources = ({r: s.slices for r, s in self.snapshots.sources().items()} if restore is not None else {})
             self._engine = None
@@ -202,15 +245,18 @@ class PartitionOwner:
                                    whole=whole)
                 staged = stage_buffers(restore["buckets"], rank=position, world_size=world_size, whole=whole,
                                        kinds=kinds)
+                self.fault("restore_transfer")
                 sent = exchange(moves, me=position, sources=sources, senders=restore["holders"], staged=staged,
                                 kinds=kinds, group=group, timeout_s=self._options.collective_timeout_s)
-            self.snapshots = PeerSnapshots()  # the old layout's copies are spent
-            engine = OwnerEngine(self._spec, rank=position, group=group)
+            engine = self._new_engine(group)
             if staged is not None and restore is not None:
                 install(staged, engine.state.optimizer_slices())
                 engine.set_counters(restore["scalars"])
                 engine.state.publish_masters()
             self._engine = engine
+            # The old layout's copies are spent only now: a rebuild cut short by another loss
+            # (even after this rank's transfers finished) is tried again from them.
+            self.snapshots = PeerSnapshots()
             return sent
 
     def resize_info(self) -> dict[str, Any]:
@@ -225,7 +271,11 @@ class PartitionOwner:
         Returns bytes sent. Afterwards a surplus actor (index >= new_world) holds nothing."""
         with self._locked("reshard"):  # a recovery after a failed transfer waits for it to give up
             self.data.drop_staged()
-            return self._reshard(old_world=old_world, new_world=new_world, generation=generation, info=info)
+            try:
+                return self._reshard(old_world=old_world, new_world=new_world, generation=generation, info=info)
+            except BaseException:
+                self.world_size = old_world  # the old layout's state (if any) stays; a recovery decides
+                raise
 
     def _reshard(self, *, old_world: int, new_world: int, generation: int, info: dict[str, Any]) -> int:
         me, kinds, whole = self.rank, info["kinds"], bool(info["whole"])
@@ -239,6 +289,7 @@ class PartitionOwner:
         staged = (stage_buffers(info["buckets"], rank=me, world_size=new_world, whole=whole, kinds=kinds)
                   if me < new_world else None)
         sources = {me: old.state.optimizer_slices()} if old is not None else {}
+        self.fault("resize_transfer")
         sent = exchange(moves, me=me, sources=sources, senders=list(range(old_world)), staged=staged,
                         kinds=kinds, group=transfer, timeout_s=self._options.collective_timeout_s)
         self._engine = old = None  # the old state is no longer needed: free it before building the new
@@ -252,7 +303,7 @@ class PartitionOwner:
             group = self._join()
         else:
             group = transfer
-        engine = OwnerEngine(self._spec, rank=me, group=group)
+        engine = self._new_engine(group)
         assert staged is not None
         install(staged, engine.state.optimizer_slices())
         engine.set_counters(info)
@@ -260,6 +311,40 @@ class PartitionOwner:
         self._engine = engine
         self.snapshots = PeerSnapshots()  # of the old layout
         return sent
+
+    # -- a driver reattaching ------------------------------------------------------------------------
+    def credentials(self) -> Credentials:
+        """The control plane's credentials, for a driver attaching through Ray (an authenticated
+        channel: whoever may call this actor may already stop it)."""
+        return self._options.credentials
+
+    def status(self) -> dict[str, Any]:
+        """Where this owner stands, for ``ZeroTrainer.attach`` and ``zero-ray status``."""
+        engine = self._engine
+        return {**self.node(), "world_size": self.world_size, "generation": self.generation,
+                "completed_steps": self.completed_steps, "phase": engine.phase.value if engine else "starting",
+                "steps_done": engine.steps_done if engine else 0, "run": self._options.run,
+                "busy": self.step_lock.locked(),
+                "numel": engine.layout.numel if engine else 0,
+                "shapes": {p.name: list(p.shape) for p in engine.layout.params} if engine else {},
+                "trainable": ({p.name: engine.state.trainable[p.index] for p in engine.layout.params}
+                              if engine else {})}
+
+    def touch(self) -> None:
+        """A driver is in touch (a control call, a heartbeat served)."""
+        self.last_contact = time.monotonic()
+
+    def _watch_for_driver(self) -> None:
+        """A detached owner that no driver has reached for ``orphan_timeout_s`` ends itself."""
+        limit = self._options.orphan_timeout_s
+        stop = threading.Event()
+        while not stop.wait(min(1.0, limit / 10)):
+            if time.monotonic() - self.last_contact > limit:
+                log.warning("rank %d: no driver for %.0fs (orphan_timeout_s); ending", self.rank, limit)
+                try:
+                    self.close()
+                finally:
+                    os._exit(0)
 
     def memory_report(self) -> dict[str, int]:
         return {**self.engine.memory_report(), "redundancy_host": self.snapshots.nbytes}

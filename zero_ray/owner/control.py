@@ -37,9 +37,15 @@ class OwnerHost(Protocol):
     @property
     def engine_or_none(self) -> OwnerEngine | None: ...
 
+    completed_steps: int
+
     def abort(self, *, reason: str, generation: int) -> bool: ...
 
     def after_step(self, step: int) -> None: ...
+
+    def touch(self) -> None: ...
+
+    def fault(self, point: str) -> None: ...
 
 
 def _with_traceback(err: Exception, rank: int) -> Exception:
@@ -71,6 +77,7 @@ class OwnerControl:
 
     def step(self, args: h.StepArgs) -> h.StepResult:
         owner = self._owner
+        owner.touch()
         self._check_generation(args.generation, "step")
         with self._lock:
             try:
@@ -78,6 +85,7 @@ class OwnerControl:
                 piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s)
                 result = owner.engine.step(piece, lr=args.lr, global_samples=args.global_samples)
                 owner.after_step(args.step)
+                owner.completed_steps = args.step + 1
             except Exception as err:
                 raise _with_traceback(err, owner.rank) from err
         return result
@@ -106,6 +114,7 @@ class OwnerControl:
             if phase is not h.SavePhase.AWAIT:
                 with self._lock:  # a consistent snapshot: never in the middle of a step
                     written = owner.saver.start(owner.engine, path)
+                owner.fault("checkpoint_save")  # while the file is being written
             if phase is h.SavePhase.SNAPSHOT:
                 return h.SaveResult(path=path, step=step, bytes_written=written)
             record, model = owner.saver.wait(path, timeout_s=self._save_timeout_s)
@@ -128,6 +137,7 @@ class OwnerControl:
 
     def heartbeat(self) -> h.Heartbeat:
         owner = self._owner
+        owner.touch()
         engine = owner.engine_or_none
         return h.Heartbeat(rank=owner.rank, step=engine.steps_done if engine else 0,
                            state=engine.phase.value if engine else "starting", timestamp=time.time(),

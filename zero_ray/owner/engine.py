@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -59,8 +59,10 @@ def loss_terms(out: Any) -> tuple[torch.Tensor, float | None]:
         count = float(raw)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        what = "loss_sum" if count is not None else "loss"
-        raise ModelError(f"loss_fn's {what} must be a scalar tensor; got {shape}")
+        if count is not None:
+            raise ModelError(f"loss_fn's loss_sum must be a scalar tensor (the sum of per-item losses); got {shape}")
+        raise ModelError(f"loss_fn must return a scalar tensor (the mean loss over the batch) or the pair "
+                         f"(loss_sum, count); got {shape}")
     return loss.reshape(()), count
 
 
@@ -119,6 +121,7 @@ class OwnerEngine:
         self.steps_done = 0
         self.last_bytes: dict[str, int] = {}
         self.phase = StepPhase.IDLE
+        self.on_backward: Callable[[], None] | None = None  # called as each backward begins (fault injection)
 
     # -- the step -------------------------------------------------------------------------------
     def _micro_batches(self, piece: Batch) -> tuple[int, list[int]]:
@@ -151,7 +154,11 @@ class OwnerEngine:
             self.state.begin_micro_batch()
             loss, count = loss_terms(spec.loss_fn(self.module, to_device(micro, self.device, spec.compute_dtype)))
             weight = (sizes[i] if count is None else 1.0) / global_samples
-            (loss.float() * (weight * scale)).backward()
+            scaled = loss.float() * (weight * scale)
+            if self.on_backward is not None:
+                hook = self.on_backward
+                scaled.register_hook(lambda grad: hook())
+            scaled.backward()
             compute += time.perf_counter() - t0
             self.state.end_micro_batch(last=i == len(sizes) - 1)
             tally.add(loss, count, sizes[i])

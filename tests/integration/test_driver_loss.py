@@ -1,0 +1,92 @@
+"""A driver SIGKILLed mid-run on a `ray start` cluster, with no checkpoint directory: its detached
+owners keep the run, `zero-ray status` lists it, a second driver process attaches and finishes,
+and the parameters equal the uninterrupted run's. Owners no driver reattaches end themselves
+after orphan_timeout_s. Uses a Ray head of its own (not the session's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero_ray as zr
+from ray_head import Head, ray_head
+from tests_paths import REPO_ROOT
+from zero_ray.bench.baselines import single_process
+from zero_ray.models import mse_loss
+
+SCRIPT = os.path.join(REPO_ROOT, "tests", "integration", "detached_run.py")
+ORPHAN_S = 8.0
+
+
+def _env(head: Head) -> dict[str, str]:
+    env = head.env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def _start_first(head: Head, out: Path, orphan_s: float) -> tuple[subprocess.Popen[bytes], dict]:
+    out.mkdir()
+    log = (out / "first.log").open("wb")
+    proc = subprocess.Popen([sys.executable, SCRIPT, "first", str(out), str(orphan_s)], env=_env(head), cwd=REPO_ROOT,
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while not (out / "run.json").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the first driver never wrote run.json:\n{(out / 'first.log').read_text()[-4000:]}")
+        time.sleep(0.2)  # polling for a file another process writes
+    return proc, json.loads((out / "run.json").read_text())
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    os.kill(proc.pid, signal.SIGKILL)  # mid-run: it is stepping
+    proc.wait(timeout=30)
+
+
+def _status(head: Head) -> str:
+    out = subprocess.run([sys.executable, "-m", "zero_ray.cli", "status"], env=_env(head), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.timeout(900)
+def test_a_second_driver_attaches_and_finishes_the_run(tmp_path: Path) -> None:
+    import detached_run as run
+
+    batches = [run.batch(k) for k in range(run.STEPS)]
+    ref, _ = single_process(run.model, mse_loss, zr.SGD(lr=0.1, momentum=0.9), batches)
+    with ray_head(num_cpus=4) as head:
+        first, info = _start_first(head, tmp_path / "a", orphan_s=120.0)
+        _kill(first)
+        listing = _status(head)
+        assert info["run_id"] in listing, listing
+        second = subprocess.run([sys.executable, SCRIPT, "second", str(tmp_path / "a"), info["run_id"]],
+                                env=_env(head), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+        assert second.returncode == 0, f"{second.stdout[-3000:]}\n{second.stderr[-6000:]}"
+        summary = json.loads([line for line in second.stdout.splitlines() if line.startswith("{")][-1])
+        print(json.dumps(summary, indent=1))
+        got = torch.load(tmp_path / "a" / "final.pt")
+        assert summary["step"] == run.STEPS and summary["resumed"] >= run.STEPS_BEFORE
+        assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
+        assert info["run_id"] not in _status(head)  # the second driver shut the run down
+
+        # A run no driver reattaches: its owners end themselves after orphan_timeout_s.
+        orphan, info = _start_first(head, tmp_path / "b", orphan_s=ORPHAN_S)
+        _kill(orphan)
+        killed = time.monotonic()
+        assert info["run_id"] in _status(head)
+        deadline = killed + ORPHAN_S + 60
+        while info["run_id"] in _status(head):
+            assert time.monotonic() < deadline, f"the orphaned owners of {info['run_id']} are still alive"
+            time.sleep(1.0)  # polling another process's state
+        print(f"orphaned owners gone {time.monotonic() - killed:.1f}s after their driver was killed "
+              f"(orphan_timeout_s={ORPHAN_S:g})")

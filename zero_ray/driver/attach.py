@@ -1,0 +1,116 @@
+"""Detached runs: owners that outlive their driver (``ElasticConfig(detached=True)``), found by
+name in the ``zero_ray`` namespace and taken over by a new driver (``ZeroTrainer.attach``).
+
+A new driver reads the owners' state through Ray (their credentials included: Ray is the
+authenticated channel), checks that they form one complete pool of one layout, and continues
+from their memory: no storage is read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from zero_ray.driver.pool import NAMESPACE
+from zero_ray.errors import ConfigError, ModelError, OwnerLostError
+
+_NAME = re.compile(r"^zero_ray-(?P<run>[0-9a-f]+)-rank(?P<rank>\d+)-g(?P<gen>\d+)$")
+
+
+def _owner_names() -> dict[str, list[str]]:
+    """The live owners' actor names, by run id."""
+    runs: dict[str, list[str]] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name, namespace = (entry["name"], entry["namespace"]) if isinstance(entry, dict) else (entry, NAMESPACE)
+        match = _NAME.match(name)
+        if namespace == NAMESPACE and match:
+            runs.setdefault(match["run"], []).append(name)
+    return runs
+
+
+def _statuses(names: list[str], *, timeout_s: float) -> list[tuple[Any, dict[str, Any]]]:
+    handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+    try:
+        statuses = ray.get([h.status.remote() for h in handles], timeout=timeout_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+        raise OwnerLostError(f"an owner of {names} did not answer within {timeout_s:g}s: {err}", rank=None) from err
+    return list(zip(handles, statuses))
+
+
+def detached_runs(*, timeout_s: float = 10.0) -> dict[str, list[dict[str, Any]]]:
+    """Every run whose owners are alive and detached, by run id: each owner's status (rank,
+    node, generation, completed steps, phase), in rank order. Needs ``ray.init()``."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for run, names in _owner_names().items():
+        try:
+            statuses = [s for _, s in _statuses(names, timeout_s=timeout_s)]
+        except OwnerLostError:
+            continue  # a run whose owners are ending: not attachable
+        if any((s.get("run") or {}).get("detached") for s in statuses):
+            out[run] = sorted(statuses, key=lambda s: s["rank"])
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class FoundRun:
+    """A detached run's owners in rank order, and what they report."""
+
+    run_id: str
+    actors: list[Any]
+    statuses: list[dict[str, Any]]
+
+    @property
+    def run(self) -> dict[str, Any]:
+        return self.statuses[0]["run"] or {}
+
+    @property
+    def generation(self) -> int:
+        return max(s["generation"] for s in self.statuses)
+
+    @property
+    def settled(self) -> bool:
+        """Every owner idle at the same step, in the same generation: nothing to re-form."""
+        return (len({s["completed_steps"] for s in self.statuses}) == 1
+                and len({s["generation"] for s in self.statuses}) == 1
+                and all(s["phase"] == "idle" and not s["busy"] for s in self.statuses))
+
+
+def find_run(run_id: str, *, timeout_s: float) -> FoundRun:
+    """The owners of detached run ``run_id``, checked to form one complete pool."""
+    names = _owner_names().get(run_id)
+    if not names:
+        known = sorted(_owner_names())
+        raise ConfigError(f"no owners of run {run_id!r} are alive in namespace {NAMESPACE!r} (runs with live owners: "
+                          f"{known}); a run's owners outlive its driver only with ElasticConfig(detached=True), for "
+                          "orphan_timeout_s")
+    found = sorted(_statuses(names, timeout_s=timeout_s), key=lambda hs: hs[1]["rank"])
+    statuses = [s for _, s in found]
+    sizes = {s["world_size"] for s in statuses}
+    ranks = [s["rank"] for s in statuses]
+    if len(sizes) != 1 or ranks != list(range(len(statuses))) or sizes != {len(statuses)}:
+        raise ConfigError(f"the owners of run {run_id!r} do not form one pool: ranks {ranks}, world sizes "
+                          f"{sorted(sizes)}; the run cannot be attached (restore it from a checkpoint)")
+    if not (statuses[0].get("run") or {}).get("detached"):
+        raise ConfigError(f"run {run_id!r} is not detached; only ElasticConfig(detached=True) runs can be attached")
+    return FoundRun(run_id=run_id, actors=[h for h, _ in found], statuses=statuses)
+
+
+def check_layout(found: FoundRun, model_fn: Any, *, seed: int) -> None:
+    """``model_fn`` builds the model the owners hold (names and shapes), on the meta device."""
+    from zero_ray.owner.materialize import build_recorded
+    from zero_ray.owner.sources import build_module, param_specs
+
+    try:
+        module, _ = build_recorded(model_fn, seed=seed, record=False)
+    except ModelError:  # buffers computed from parameters need a real build
+        module = build_module(model_fn, seed)
+    mine = {name: list(shape) for name, shape, _ in param_specs(module)}
+    theirs = found.statuses[0]["shapes"]
+    if mine != theirs:
+        only = sorted(set(mine) ^ set(theirs))[:10]
+        shapes = [(n, mine[n], theirs[n]) for n in mine if n in theirs and mine[n] != theirs[n]][:10]
+        raise ConfigError(f"model_fn does not build the model run {found.run_id!r} holds: names on one side only "
+                          f"{only}, shapes (name, model_fn, owners) {shapes}")
