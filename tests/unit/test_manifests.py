@@ -323,6 +323,19 @@ def test_dockerfile_base_image_matches_pyproject() -> None:
             f"deploy/Dockerfile: base image {base!r} is not Ray {pyproject_ray_version()}.x"
 
 
+def test_dockerfile_installs_the_gpu_extra_and_pyproject_pins_cupy() -> None:
+    import tomllib
+
+    dockerfile = (DEPLOY / "Dockerfile").read_text(encoding="utf-8")
+    installs = re.findall(r"pip install[^\n]*", dockerfile)
+    assert any('".[gpu]"' in line or "'.[gpu]'" in line for line in installs), installs
+    with (Path(REPO_ROOT) / "pyproject.toml").open("rb") as fh:
+        extras = tomllib.load(fh)["project"]["optional-dependencies"]
+    cupy = [r for r in extras["gpu"] if r.startswith("cupy-cuda")]
+    assert len(cupy) == 1 and "==" in cupy[0], extras["gpu"]  # one CuPy build, pinned
+    assert cupy[0].startswith("cupy-cuda13x")  # torch 2.13's wheels are CUDA 13 builds
+
+
 def test_rayjob_runs_on_the_same_cluster_spec_as_the_raycluster() -> None:
     assert load_one("rayjob.yaml")["spec"]["rayClusterSpec"] == load_one("raycluster.yaml")["spec"], \
         "deploy/kuberay/rayjob.yaml's rayClusterSpec has drifted from raycluster.yaml's spec"

@@ -6,6 +6,10 @@ one at a time, in submission order, on a single thread. Every rank submits the s
 collectives in the same order (the decisions are made on the compute thread from state that
 is identical on every rank), which is all a ring needs. With world size 1 nothing is sent and
 jobs run inline.
+
+Every collective of a step runs on that thread, whoever asks for it (a job, or the compute
+thread through ``run``), and ``DeviceSync`` orders each job against compute: on CUDA after the
+kernels that produced its input, and its future resolved only once its result is on the device.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from zero_ray.collective.device_sync import DeviceSync, HostSync
 from zero_ray.collective.group import Collective
 
 T = TypeVar("T")
@@ -30,8 +35,9 @@ class CommStream:
     """A FIFO of collective jobs on one daemon thread (a daemon, so that a job blocked on a dead
     peer cannot keep the process alive; every collective wait is bounded anyway)."""
 
-    def __init__(self, group: Collective, *, name: str = "zero_ray-comm") -> None:
+    def __init__(self, group: Collective, *, sync: DeviceSync | None = None, name: str = "zero_ray-comm") -> None:
         self.group = group
+        self.sync: DeviceSync = sync if sync is not None else HostSync()
         self._name = name
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending: deque[Future[Any]] = deque()
@@ -49,7 +55,7 @@ class CommStream:
             job = self._jobs.get()
             if job is _STOP:
                 return
-            fn, future = job
+            fn, future, token = job
             if not future.set_running_or_notify_cancel():
                 continue
             if self._failure is not None:
@@ -58,7 +64,10 @@ class CommStream:
                 future.set_exception(self._failure)
                 continue
             try:
-                future.set_result(fn())
+                self.sync.before(token)
+                result = fn()
+                self.sync.after()
+                future.set_result(result)
             except BaseException as err:  # delivered to whoever waits on the future
                 self._failure = err
                 future.set_exception(err)
@@ -79,7 +88,7 @@ class CommStream:
                 and self._pending[0].exception() is None:
             self._pending.popleft()
         self._pending.append(future)
-        self._jobs.put((fn, future))
+        self._jobs.put((fn, future, self.sync.mark()))
         return future
 
     def run(self, fn: Callable[[], T]) -> T:
@@ -118,11 +127,24 @@ class CommStream:
         self.drain_quietly()
 
     # -- collectives by label -------------------------------------------------------------------
+    def _here(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def all_gather(self, buf: torch.Tensor, *, op: str) -> None:
-        """All-gather ``buf`` in place, counting the bytes under ``op`` (on the stream, or on the
-        compute thread while the stream is idle)."""
-        if self.group.world_size > 1:
+        """All-gather ``buf`` in place, counting the bytes under ``op`` (inside a job, or from
+        the compute thread: then as a job of its own, waited for)."""
+        if self.group.world_size == 1:
+            return
+        if self._here():
             self.group.all_gather_(buf, op=op)
+        else:
+            self.run(lambda: self.group.all_gather_(buf, op=op))
+
+    def all_reduce_values(self, values: list[float]) -> list[float]:
+        """Sum a few control scalars across ranks (from the compute thread; waited for)."""
+        if self.group.world_size == 1:
+            return list(values)
+        return self.run(lambda: self.group.all_reduce_values(values))
 
     def reduce_scatter(self, buf: torch.Tensor, *, op: str) -> torch.Tensor:
         """Reduce-scatter ``buf`` in place; this rank's summed chunk (call on the stream)."""

@@ -27,6 +27,7 @@ from zero_ray.control.auth import Credentials, new_token, write_token_file
 from zero_ray.control.handlers import EvaluateArgs, JobStatus, MetricsEvent, StepArgs, combine
 from zero_ray.control.server import ServerConfig, serve_coordinator
 from zero_ray.core.batching import Batch
+from zero_ray.core.devices import resolve_device
 from zero_ray.core.optim import AdamW, Optimizer, optimizer_from_record, optimizer_record
 from zero_ray.core.policy import FailurePolicy, ScalingPolicy
 from zero_ray.core.precision import parse_dtype
@@ -64,13 +65,8 @@ def _ensure_ray() -> None:
 
 
 def _resolve_device(config: ZeroConfig) -> tuple[str, str]:
-    device = config.device
-    if device == "auto":
-        device = "cuda" if ray.cluster_resources().get("GPU", 0.0) >= config.world_size else "cpu"
-    backend = config.backend
-    if backend == "auto":
-        backend = "nccl" if device == "cuda" else "gloo"
-    return device, backend
+    return resolve_device(device=config.device, backend=config.backend, world_size=config.world_size,
+                          cluster_gpus=ray.cluster_resources().get("GPU", 0.0))
 
 
 class ZeroTrainer:
@@ -442,7 +438,9 @@ class ZeroTrainer:
         """Per rank, model-state bytes by category, measured from the tensors at the last step's
         peak (every gradient present: the paper's per-device figure). Gradients are released
         after each update, so between steps a rank holds ``total`` less ``grads``
-        (``grads_between_steps`` says what stays)."""
+        (``grads_between_steps`` says what stays). On CUDA each report adds the caching
+        allocator's figures (``cuda_allocated``, ``cuda_reserved``, their peaks and
+        ``cuda_fragmentation``: reserved but unallocated at the peak), which include activations."""
         self._life.require_alive()
         reports = self._pool.call("memory_report", timeout_s=self.config.init_timeout_s)
         self._run_metrics.record_memory(reports)

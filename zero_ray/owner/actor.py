@@ -37,6 +37,7 @@ from zero_ray.control.auth import Credentials
 from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
 from zero_ray.owner.checkpointing import ShardSaver
 from zero_ray.owner.data import PieceSource
+from zero_ray.owner.device import setup_device
 from zero_ray.owner.control import OwnerControl
 from zero_ray.core.reshard import plan_moves
 from zero_ray.errors import CollectiveError, OwnerError
@@ -81,6 +82,7 @@ class PartitionOwner:
         self._options = options
         self._engine: OwnerEngine | None = None
         self._group: Collective | None = None
+        self._device_ready = False  # setup_device() has checked the device and made it current
         self.saver = ShardSaver()
         self.snapshots = PeerSnapshots()
         self.data = PieceSource()
@@ -111,6 +113,9 @@ class PartitionOwner:
         if self._aborted >= self.generation:
             raise CollectiveError(f"rank {self.rank}: generation {self.generation} was aborted before it formed")
         o = self._options
+        if not self._device_ready:  # before any group: NCCL forms on the current device
+            setup_device(device=self._spec.device, backend=o.backend, rank=self.rank)
+            self._device_ready = True
         self._group = form_group(backend=o.backend, group_name=self._group_name(), rank=self.rank,
                                  world_size=self.world_size, timeout_s=o.collective_timeout_s)
         return self._group

@@ -45,8 +45,9 @@ class PoolBuffer:
 
 
 class BufferPool:
-    """At most ``count`` buffers of ``numel`` elements, allocated up front (``preallocate``) or
-    on first need."""
+    """At most ``count`` buffers of ``numel`` elements: allocated up front as views of one
+    contiguous block (``preallocate``: ZeRO-R's M_D, nothing for the allocator to fragment), or
+    each on first need."""
 
     def __init__(self, *, name: str, count: int, numel: int, dtype: torch.dtype, device: torch.device,
                  preallocate: bool) -> None:
@@ -58,16 +59,30 @@ class BufferPool:
         self._free: list[PoolBuffer] = []  # released pool buffers, oldest first
         self._temporary_bytes = 0
         self.peak_bytes = 0  # pool buffers plus the temporary ones in use, at most
-        if preallocate:
-            for _ in range(count):
-                self._free.append(self._allocate())
+        self.block: torch.Tensor | None = None  # the contiguous block of a preallocated pool
+        if preallocate and count and numel:
+            self.block = torch.zeros(count * numel, dtype=dtype, device=device)
+            for view in self.block.view(count, numel):
+                self._free.append(self._add(view))
 
-    def _allocate(self) -> PoolBuffer:
-        buf = PoolBuffer(index=len(self.buffers), tensor=torch.zeros(self.numel, dtype=self._dtype,
-                                                                     device=self._device))
+    def _add(self, tensor: torch.Tensor) -> PoolBuffer:
+        buf = PoolBuffer(index=len(self.buffers), tensor=tensor)
         self.buffers.append(buf)
         self._note_peak()
         return buf
+
+    def _allocate(self) -> PoolBuffer:
+        return self._add(torch.zeros(self.numel, dtype=self._dtype, device=self._device))
+
+    def buffer_of(self, t: torch.Tensor) -> PoolBuffer | None:
+        """The pool buffer whose memory ``t`` views, if any."""
+        ptr = t.untyped_storage().data_ptr()
+        for b in self.buffers:
+            if b.tensor.untyped_storage().data_ptr() == ptr:
+                start = b.tensor.data_ptr()
+                if start <= t.data_ptr() < start + b.nbytes:
+                    return b
+        return None
 
     def _note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.nbytes + self._temporary_bytes)

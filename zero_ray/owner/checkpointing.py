@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.core.optim import takes_weight_decay
 from zero_ray.errors import CheckpointError
 from zero_ray.owner.engine import OwnerEngine
+from zero_ray.owner.host_copy import host_copies
 
 
 def _param_aliases(module: torch.nn.Module) -> dict[int, list[str]]:
@@ -55,6 +56,7 @@ def snapshot(engine: OwnerEngine) -> list[Item]:
     owns, its RNG state, and (rank 0) the module's buffers."""
     rank, layout = engine.rank, engine.layout
     items: list[Item] = []
+    sources: list[torch.Tensor] = []
     for s in engine.state.optimizer_slices():
         own_lo, own_hi = s.bucket.shard_range(rank)
         lo, hi = max(own_lo, s.start), min(own_hi, s.end)
@@ -62,9 +64,11 @@ def snapshot(engine: OwnerEngine) -> list[Item]:
             name = layout.params[f.param].name
             at = lo - s.start
             for kind, tensor in ((MASTER, s.master), *s.moments.items()):
-                value = tensor[at + f.local_start:at + f.local_end].detach().to("cpu", torch.float32, copy=True)
+                sources.append(tensor[at + f.local_start:at + f.local_end])
                 items.append(Item(key=f"{kind}/{name}/{f.param_start}", kind=kind, name=name, start=f.param_start,
-                                  end=f.param_end, tensor=value))
+                                  end=f.param_end, tensor=sources[-1]))
+    # One pass of (pinned, non-blocking on a GPU) copies: training goes on while they are written.
+    items = [replace(item, tensor=value) for item, value in zip(items, host_copies(sources, dtype=torch.float32))]
     items.append(Item(key=f"{RNG}/torch/{rank}", kind=RNG, name=f"torch/{rank}", start=0, end=0,
                       tensor=torch.get_rng_state().clone()))
     if rank == 0:

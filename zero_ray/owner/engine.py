@@ -24,6 +24,7 @@ import torch
 
 from zero_ray.collective.group import Collective
 from zero_ray.control.handlers import LossTotals, StepResult
+from zero_ray.core.devices import allocator_figures
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes, to_device
 from zero_ray.core.precision import LossScaler
 from zero_ray.core.usage import pack_marks, unpack_marks
@@ -149,22 +150,23 @@ class OwnerEngine:
         tally = _Tally()
         compute = 0.0
         self.module.train()
-        for i, micro in enumerate(split_batch(piece, sizes)):
-            t0 = time.perf_counter()
-            self.state.begin_micro_batch()
-            loss, count = loss_terms(spec.loss_fn(self.module, to_device(micro, self.device, spec.compute_dtype)))
-            weight = (sizes[i] if count is None else 1.0) / global_samples
-            scaled = loss.float() * (weight * scale)
-            if self.on_backward is not None:
-                hook = self.on_backward
-                scaled.register_hook(lambda grad: hook())
-            scaled.backward()
-            compute += time.perf_counter() - t0
-            self.state.end_micro_batch(last=i == len(sizes) - 1)
-            tally.add(loss, count, sizes[i])
-        norm, skipped = self._update(lr=lr, inv_scale=1.0 / scale, count=tally.count if tally.counted else None,
-                                     global_samples=global_samples)
-        self.state.end_step()
+        with self.state.sync.computing():
+            for i, micro in enumerate(split_batch(piece, sizes)):
+                t0 = time.perf_counter()
+                self.state.begin_micro_batch()
+                loss, count = loss_terms(spec.loss_fn(self.module, to_device(micro, self.device, spec.compute_dtype)))
+                weight = (sizes[i] if count is None else 1.0) / global_samples
+                scaled = loss.float() * (weight * scale)
+                if self.on_backward is not None:
+                    hook = self.on_backward
+                    scaled.register_hook(lambda grad: hook())
+                scaled.backward()
+                compute += time.perf_counter() - t0
+                self.state.end_micro_batch(last=i == len(sizes) - 1)
+                tally.add(loss, count, sizes[i])
+            norm, skipped = self._update(lr=lr, inv_scale=1.0 / scale, count=tally.count if tally.counted else None,
+                                         global_samples=global_samples)
+            self.state.end_step()
         self.phase = StepPhase.IDLE
         self.last_bytes = self.group.counters.snapshot()
         return StepResult(rank=self.rank, totals=tally.totals(samples, piece), grad_norm=norm, skipped=skipped,
@@ -178,7 +180,7 @@ class OwnerEngine:
         was_training = self.module.training
         self.module.eval()
         try:
-            with torch.no_grad(), self.state.forward_only():
+            with torch.no_grad(), self.state.sync.computing(), self.state.forward_only():
                 for size, micro in zip(sizes, split_batch(piece, sizes)):
                     loss, count = loss_terms(self.spec.loss_fn(self.module, to_device(micro, self.device,
                                                                                      self.spec.compute_dtype)))
@@ -205,7 +207,7 @@ class OwnerEngine:
         marks = self.state.used_marks()
         head = ([] if whole else [sq]) + ([] if count is None else [count])
         values = head + pack_marks(marks, self.world_size)
-        summed = self.group.all_reduce_values(values) if self.world_size > 1 else values
+        summed = self.state.stream.all_reduce_values(values)
         if not whole:
             sq = summed[0]
         used = self.state.expand_marks(unpack_marks(summed[len(head):], len(marks), self.world_size))
@@ -259,6 +261,8 @@ class OwnerEngine:
         report = {"rank": self.rank, **self.state.memory_report()}
         report["numel"] = self.layout.numel
         report["padded_numel"] = self.layout.padded_numel
+        if self.device.type == "cuda":  # the allocator's view beside the tensor count
+            report.update(allocator_figures(torch.cuda.memory_stats(self.device)).report())
         return report
 
     def comm_report(self) -> dict[str, int]:

@@ -19,7 +19,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from zero_ray.collective.device_sync import DeviceSync, device_sync
 from zero_ray.collective.group import Collective
+from zero_ray.collective.stream import CommStream
 from zero_ray.core.groups import GradFlow, GroupSpec, ParamResidency, plan_groups
 from zero_ray.core.layout import FlatLayout
 from zero_ray.core.stages import Residency
@@ -59,6 +61,7 @@ class ModelState:
         self.dtype = spec.compute_dtype
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         self.device = self._empty.device  # with its index ("cuda:0"), as tensors report it
+        self.sync: DeviceSync = device_sync(self.device)
         self._collective = group
         self.layout: FlatLayout
         self.module: nn.Module
@@ -129,7 +132,7 @@ class ModelState:
         self.param_steps = [0] * len(named)
         staging = [p for p in self.pools if p.name.endswith(("staging", "reduce"))]
         self.reducer = GradReducer(self.groups, self._collective, rank=self.rank,
-                                   micro_batches=spec.grad_accum_steps, staging=staging)
+                                   micro_batches=spec.grad_accum_steps, staging=staging, sync=self.sync)
         if units is not None:
             self.units = [Unit(spec=u, module=module.get_submodule(u.path), pool=gather_of[u.index],
                                groups=sorted((g for g in self.groups if g.spec.unit == u.index),
@@ -168,8 +171,10 @@ class ModelState:
         whole = [g for g in specs if g.policy.params is ParamResidency.WHOLE
                  and g.policy.grads is GradFlow.PER_MICRO_BATCH]
         if whole:
+            # On a GPU up front, one contiguous block (M_D: the allocator cannot fragment it);
+            # on a CPU on first need, so that a model too small to need both holds one.
             pool = BufferPool(name="staging", count=STAGING_BUFFERS, numel=max(padded(g) for g in whole),
-                              dtype=self.dtype, device=self.device, preallocate=False)
+                              dtype=self.dtype, device=self.device, preallocate=self.device.type == "cuda")
             self.pools.append(pool)
             staging_of.update({g.index: pool for g in whole})
         gather_of: dict[int, BufferPool] = {}
@@ -203,6 +208,11 @@ class ModelState:
         return gather_of, staging_of
 
     # -- the step ---------------------------------------------------------------------------------------
+    @property
+    def stream(self) -> CommStream:
+        """Where this rank's collectives run (the gradient reducer's communication thread)."""
+        return self.reducer.stream
+
     @property
     def trainable_groups(self) -> list[ParamGroup]:
         return [g for g in self.groups if g.policy.trainable]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from zero_ray.collective.device_sync import DeviceSync
 from zero_ray.collective.group import Collective
 from zero_ray.collective.stream import CommStream
 from zero_ray.core.groups import GradFlow, ParamResidency
@@ -34,9 +35,9 @@ class GradReducer:
     """The gradient reduction of one rank's trainable groups."""
 
     def __init__(self, groups: Sequence[ParamGroup], collective: Collective, *, rank: int,
-                 micro_batches: int | None, staging: Sequence[BufferPool] = ()) -> None:
+                 micro_batches: int | None, staging: Sequence[BufferPool] = (), sync: DeviceSync | None = None) -> None:
         self.groups = [g for g in groups if g.policy.trainable]
-        self.stream = CommStream(collective, name=f"zero_ray-grads-{rank}")
+        self.stream = CommStream(collective, sync=sync, name=f"zero_ray-grads-{rank}")
         self._staging = list(staging)
         per_use = any(g.policy.params is ParamResidency.PER_USE for g in self.groups)
         whole = [g for g in self.groups if g.policy.params is ParamResidency.WHOLE]

@@ -19,6 +19,7 @@ import torch
 
 from zero_ray.collective.group import Collective
 from zero_ray.owner.engine import OwnerEngine
+from zero_ray.owner.host_copy import host_copies
 from zero_ray.owner.param_group import OptimizerSlice
 from zero_ray.owner.resize import run_p2p, slice_kinds
 
@@ -47,9 +48,11 @@ def _own_slices(engine: OwnerEngine, rank: int, *, clone: bool) -> list[Optimize
         lo, hi = b.shard_range(rank)
         s = live[b.index]  # every rank has the same buckets, trainable or frozen alike
         if clone:
-            master = s.master[lo - s.start:hi - s.start].detach().to("cpu", torch.float32, copy=True)
-            moments = {k: m[lo - s.start:hi - s.start].detach().to("cpu", torch.float32, copy=True)
-                       for k, m in s.moments.items()}
+            names = list(s.moments)
+            master, *rest = host_copies([s.master[lo - s.start:hi - s.start],
+                                         *(s.moments[k][lo - s.start:hi - s.start] for k in names)],
+                                        dtype=torch.float32)
+            moments = dict(zip(names, rest))
         else:
             master = torch.zeros(hi - lo, dtype=torch.float32)
             moments = {k: torch.zeros(hi - lo, dtype=torch.float32) for k in s.moments}

@@ -124,7 +124,7 @@ class _SavedView:
     unit: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    offset: int
+    offset: int  # elements from the start of the unit's buffer
 
 
 class UnitScheduler:
@@ -144,7 +144,7 @@ class UnitScheduler:
         self._live_bytes = 0
         self.peak_gathered_bytes = 0
         self._saving: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._buffer_at = {b.tensor.untyped_storage().data_ptr(): b for pool in pools for b in pool.buffers}
+        self._pool_at = {b.tensor.untyped_storage().data_ptr(): pool for pool in pools for b in pool.buffers}
         root.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
         root.register_forward_hook(self._root_post_forward, always_call=True)
         for u in units:
@@ -326,10 +326,14 @@ class UnitScheduler:
     def _pack(self, t: torch.Tensor) -> Any:
         if t.device != self.device or t.layout is not torch.strided:
             return t
-        buf = self._buffer_at.get(t.untyped_storage().data_ptr())
+        pool = self._pool_at.get(t.untyped_storage().data_ptr())
+        buf = pool.buffer_of(t) if pool is not None else None
         if buf is None or buf.holder is None:
             return t
-        return _SavedView(unit=buf.holder, size=tuple(t.shape), stride=tuple(t.stride()), offset=t.storage_offset())
+        # The offset within the unit's buffer: backward may find the unit gathered into another
+        # buffer of the pool (another part of the same storage).
+        return _SavedView(unit=buf.holder, size=tuple(t.shape), stride=tuple(t.stride()),
+                          offset=t.storage_offset() - buf.tensor.storage_offset())
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _SavedView):
@@ -342,7 +346,8 @@ class UnitScheduler:
             else:
                 self._begin_backward(u)
         assert u.buffer is not None
-        return u.buffer.tensor.as_strided(saved.size, saved.stride, saved.offset)
+        buf = u.buffer.tensor
+        return buf.as_strided(saved.size, saved.stride, buf.storage_offset() + saved.offset)
 
     # -- the micro-batch ------------------------------------------------------------------------------
     def begin_micro_batch(self) -> None:

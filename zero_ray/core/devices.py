@@ -1,0 +1,104 @@
+"""Device facts and what they allow: the start-up checks of an owner's device and backend, the
+driver's choice of device, and the allocator's figures. Pure: the owner probes torch and cupy
+into ``DeviceFacts``; nothing here imports ray, grpc, torch or cupy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from zero_ray.errors import ConfigError, ResourceError
+
+GPU_EXTRA = "pip install 'zero-ray[gpu]'"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceFacts:
+    """What an owner's process can see.
+
+    cuda_available / visible_gpus: torch's view (Ray sets ``CUDA_VISIBLE_DEVICES`` to the GPUs
+        it assigned the actor, so an owner that asked for one GPU sees exactly one).
+    visible_env: ``CUDA_VISIBLE_DEVICES`` as set (None when unset), for the error text.
+    cupy_error: why ``import cupy`` (and its NCCL bindings) failed; None when it worked.
+    """
+
+    cuda_available: bool
+    visible_gpus: int
+    visible_env: str | None = None
+    cupy_error: str | None = None
+
+
+def check_owner_device(facts: DeviceFacts, *, device: str, backend: str, rank: int) -> None:
+    """Raise a ``ConfigError`` naming the fix unless ``device`` and ``backend`` can run here: a
+    CUDA owner sees exactly one GPU; NCCL has cupy with its NCCL bindings (Ray's NCCL backend
+    imports them)."""
+    if device == "cuda":
+        if not facts.cuda_available or facts.visible_gpus == 0:
+            raise ConfigError(f"rank {rank}: device='cuda' but torch sees no GPU (CUDA_VISIBLE_DEVICES="
+                              f"{facts.visible_env!r}); give each owner a GPU (Ray num_gpus=1 per owner), or use "
+                              "device='cpu'")
+        if facts.visible_gpus != 1:
+            raise ConfigError(f"rank {rank}: the owner sees {facts.visible_gpus} GPUs (CUDA_VISIBLE_DEVICES="
+                              f"{facts.visible_env!r}); each owner must own exactly one. Start owners through Ray, "
+                              "which assigns each its GPU, and do not set CUDA_VISIBLE_DEVICES by hand")
+    if backend == "nccl":
+        if device != "cuda":
+            raise ConfigError(f"rank {rank}: backend='nccl' needs device='cuda' (got {device=}); use backend='gloo'")
+        if facts.cupy_error is not None:
+            raise ConfigError(f"rank {rank}: backend='nccl' needs cupy with NCCL, which Ray's NCCL backend imports: "
+                              f"{facts.cupy_error}. Install it with {GPU_EXTRA} (or use backend='gloo')")
+
+
+def resolve_device(*, device: str, backend: str, cluster_gpus: float, world_size: int) -> tuple[str, str]:
+    """The device and backend a run uses: "auto" means CUDA when the cluster has a GPU for every
+    owner, and NCCL on CUDA. An explicit "cuda" on a cluster with too few GPUs fails here, where
+    waiting for the owners' slots would otherwise hang until the start-up timeout."""
+    if device == "auto":
+        device = "cuda" if cluster_gpus >= world_size else "cpu"
+    elif device == "cuda" and cluster_gpus < world_size:
+        raise ResourceError(f"device='cuda' with world_size={world_size} needs {world_size} GPUs; the cluster has "
+                            f"{cluster_gpus:g}. Add GPU nodes, lower world_size, or use device='cpu'")
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    return device, backend
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllocatorFigures:
+    """The CUDA caching allocator's figures, in bytes (``torch.cuda.memory_stats``).
+
+    allocated / reserved: held by tensors / by the allocator from the driver, now.
+    peak_allocated / peak_reserved: their highest values since the peaks were last reset.
+    fragmentation: reserved but unallocated bytes when allocation peaked, i.e. what the
+        allocator held beyond the tensors: ``peak_reserved - peak_allocated`` (the reserved
+        peak is reached no earlier than the allocated one, and reserved memory is only given back
+        on ``empty_cache``).
+    """
+
+    allocated: int
+    reserved: int
+    peak_allocated: int
+    peak_reserved: int
+
+    @property
+    def fragmentation(self) -> int:
+        return max(0, self.peak_reserved - self.peak_allocated)
+
+    def report(self) -> dict[str, int]:
+        """As ``memory_report()`` keys."""
+        return {"cuda_allocated": self.allocated, "cuda_reserved": self.reserved,
+                "cuda_peak_allocated": self.peak_allocated, "cuda_peak_reserved": self.peak_reserved,
+                "cuda_fragmentation": self.fragmentation}
+
+
+def allocator_figures(stats: Mapping[str, int]) -> AllocatorFigures:
+    """Read ``torch.cuda.memory_stats()``'s aggregate ("all" pools) counters."""
+    def get(key: str) -> int:
+        try:
+            return int(stats[key])
+        except KeyError as err:
+            raise ConfigError(f"allocator statistics lack {key!r}; is this torch.cuda.memory_stats()?") from err
+
+    return AllocatorFigures(allocated=get("allocated_bytes.all.current"), reserved=get("reserved_bytes.all.current"),
+                            peak_allocated=get("allocated_bytes.all.peak"), peak_reserved=get("reserved_bytes.all.peak"))
