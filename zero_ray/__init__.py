@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from zero_ray import memory
-from zero_ray.config import CheckpointConfig, ControlTLS, ElasticConfig, Stage3Config, ZeroConfig
+from zero_ray.config import (
+    ActivationCheckpointing,
+    CheckpointConfig,
+    ControlTLS,
+    ElasticConfig,
+    Stage3Config,
+    ZeroConfig,
+)
 from zero_ray.core.optim import SGD, AdamW
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.schedule import Constant, WarmupCosine
@@ -28,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SGD",
+    "ActivationCheckpointing",
     "AdamW",
     "CheckpointConfig",
     "Constant",

@@ -82,6 +82,42 @@ class Stage3Config:
             raise ConfigError(f"init={self.init!r} is not one of {INIT_MODES}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointing:
+    """Activation checkpointing (ZeRO-R's P_a; P_a+cpu with ``offload``), at any stage.
+
+    Each unit the wrap policy chooses (outermost ones; the root never) runs under torch's
+    non-reentrant ``checkpoint``: its forward keeps only its inputs, and backward recomputes it
+    (with the forward's RNG state, so dropout draws the same masks).
+
+    offload: keep those inputs in host memory (pinned, copied asynchronously, on a GPU) until
+        the unit's backward brings them back.
+    wrap_policy: which modules; None for the run's ``Stage3Config.wrap_policy`` (at stages 0-2,
+        the default policy: each transformer block). Same forms as that option.
+    """
+
+    offload: bool = False
+    wrap_policy: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload, bool):
+            raise ConfigError(f"offload={self.offload!r} must be True or False")
+        if self.wrap_policy is not None:
+            object.__setattr__(self, "wrap_policy", _wrap_policy(self.wrap_policy))
+
+
+def _activation_checkpointing(value: object) -> ActivationCheckpointing | None:
+    """None/False: off; True: on, inputs kept on the device; or an ActivationCheckpointing."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return ActivationCheckpointing()
+    if isinstance(value, ActivationCheckpointing):
+        return value
+    raise ConfigError(f"activation_checkpointing={value!r} must be True, False, None or an ActivationCheckpointing "
+                      "(e.g. ActivationCheckpointing(offload=True))")
+
+
 REDUNDANCY = ("none", "peer")
 
 
@@ -215,6 +251,9 @@ class ZeroConfig:
     control_token_dir: where the control token file is written (default: a private temp dir).
     control_tls: TLS / mTLS for every control-plane connection (``ControlTLS``), or None.
     stage3: stage-3 options (units, prefetch, persistence, construction); see ``Stage3Config``.
+    activation_checkpointing: recompute each unit's forward in backward instead of keeping its
+        activations: True, or ``ActivationCheckpointing(offload=True)`` to also keep the units'
+        inputs in host memory; see ``ActivationCheckpointing``.
     init_state_dict: start from these weights instead of ``model_fn()``'s (fine-tuning): a
         safetensors file (e.g. ``zero-ray checkpoint consolidate``'s output; read a slice at a
         time at stage 3) or a ``{name: tensor}`` dict (which travels to every rank whole).
@@ -244,6 +283,7 @@ class ZeroConfig:
     control_token_dir: str | None = None
     control_tls: ControlTLS | None = None
     stage3: Stage3Config = field(default_factory=Stage3Config)
+    activation_checkpointing: ActivationCheckpointing | bool | None = None
     init_state_dict: str | os.PathLike[str] | Mapping[str, Any] | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
@@ -252,6 +292,7 @@ class ZeroConfig:
         stage_plan(self.stage)  # raises ConfigError naming the stage
         if not isinstance(self.stage3, Stage3Config):
             raise ConfigError(f"stage3={self.stage3!r} must be a Stage3Config")
+        object.__setattr__(self, "activation_checkpointing", _activation_checkpointing(self.activation_checkpointing))
         if self.stage != 3 and self.stage3 != Stage3Config():
             raise ConfigError(f"stage3 options were given with stage={self.stage}; they apply to stage 3 only")
         if not isinstance(self.world_size, int) or self.world_size < 1:

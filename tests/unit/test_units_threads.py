@@ -20,7 +20,7 @@ import torch
 import zero_ray as zr
 from zero_ray.bench.baselines import single_process
 from zero_ray.collective.group import ByteCounters, chunks
-from zero_ray.config import Stage3Config
+from zero_ray.config import ActivationCheckpointing, Stage3Config
 from zero_ray.core.batching import batch_size, split_batch, split_sizes
 from zero_ray.core.precision import LossScaleConfig, parse_dtype
 from zero_ray.core.stages import stage_plan
@@ -94,16 +94,24 @@ class ThreadGroup:
 _BUILD_LOCK = threading.Lock()  # low_memory construction patches process-wide torch hooks
 
 
-def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any,
-              batches: list[Any], *, accum: int = 1, clip: float | None = None, dtype: str = "float32",
-              stage: int = 3, **stage3: Any) -> tuple[dict[str, torch.Tensor], list[OwnerEngine], list[list[dict[str, int]]]]:
-    """Train on ``world_size`` thread ranks; the consolidated fp32 parameters, the engines and
-    each step's bytes sent per rank."""
+def engine_spec(model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any, *, accum: int = 1,
+                clip: float | None = None, dtype: str = "float32", stage: int = 3,
+                checkpointing: ActivationCheckpointing | None = None, **stage3: Any) -> EngineSpec:
+    """The spec thread ranks build from (2 KiB buckets; at stage 3 every module a unit by default)."""
     stage3.setdefault("wrap_policy", WrapPolicy(min_numel=0))
-    spec = EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=optimizer, plan=stage_plan(stage),
+    return EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=optimizer, plan=stage_plan(stage),
                       compute_dtype=parse_dtype(dtype), device="cpu", seed=0, bucket_bytes=2048,
                       grad_accum_steps=accum, max_grad_norm=clip, loss_scale=LossScaleConfig(),
-                      stage3=Stage3Config(**stage3))
+                      stage3=Stage3Config(**stage3), activation_checkpointing=checkpointing)
+
+
+def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any,
+              batches: list[Any], *, accum: int = 1, clip: float | None = None, dtype: str = "float32",
+              stage: int = 3, checkpointing: ActivationCheckpointing | None = None, **stage3: Any) -> tuple[dict[str, torch.Tensor], list[OwnerEngine], list[list[dict[str, int]]]]:
+    """Train on ``world_size`` thread ranks; the consolidated fp32 parameters, the engines and
+    each step's bytes sent per rank."""
+    spec = engine_spec(model_fn, loss_fn, optimizer, accum=accum, clip=clip, dtype=dtype, stage=stage,
+                       checkpointing=checkpointing, **stage3)
     world = ThreadWorld(world_size)
     engines: list[OwnerEngine | None] = [None] * world_size
     sent: list[list[dict[str, int]]] = [[] for _ in range(world_size)]

@@ -97,7 +97,8 @@ class ZeroTrainer:
                                   plan=stage_plan(cfg.stage), compute_dtype=parse_dtype(cfg.dtype), device=self.device,
                                   seed=cfg.seed, bucket_bytes=cfg.bucket_bytes, grad_accum_steps=cfg.grad_accum_steps,
                                   max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.loss_scale, stage3=cfg.stage3,
-                                  init_state_dict=cfg.init_state_dict)
+                                  init_state_dict=cfg.init_state_dict,
+                                  activation_checkpointing=cfg.activation_checkpointing)
         if _found is not None:
             self._credentials = ray.get(_found.actors[0].credentials.remote(), timeout=cfg.init_timeout_s)
         else:

@@ -25,9 +25,10 @@ from zero_ray.collective.stream import CommStream
 from zero_ray.core.groups import GradFlow, GroupSpec, ParamResidency, plan_groups
 from zero_ray.core.layout import FlatLayout
 from zero_ray.core.stages import Residency
-from zero_ray.core.units import UnitPlan, plan_units
+from zero_ray.core.units import ModuleInfo, UnitPlan, plan_units
 from zero_ray.errors import ConfigError
 from zero_ray.owner.accounting import StateCounter, held_storage_bytes
+from zero_ray.owner.activations import apply_activation_checkpointing, checkpointed_paths
 from zero_ray.owner.buffers import BufferPool
 from zero_ray.owner.materialize import build_recorded
 from zero_ray.owner.param_group import OptimizerSlice, ParamGroup
@@ -71,6 +72,7 @@ class ModelState:
         self.trainable: list[bool] = []  # by layout parameter index
         self.param_steps: list[int] = []  # optimizer steps each parameter has taken (torch's state["step"])
         self.scheduler: UnitScheduler | None = None
+        self.checkpointed: list[str] = []  # paths of the units whose activations are recomputed
         self._in_step: dict[str, int] | None = None
         self._construct()
 
@@ -141,8 +143,25 @@ class ModelState:
             self.scheduler = UnitScheduler(self.units, root=module, config=spec.stage3, stream=self.reducer.stream,
                                            reducer=self.reducer, device=self.device,
                                            pools=[p for p in self.pools if p.name.endswith(("gather", "reduce"))])
+        self.checkpointed = self._checkpoint_activations(module, infos, sites, [p.numel() for _, p in named], units)
         for g in self.groups:
             g.acquire_grads()  # counted by memory_report() before the first step
+
+    def _checkpoint_activations(self, module: nn.Module, infos: list[ModuleInfo], sites: list[list[str]],
+                                numels: list[int], units: UnitPlan | None) -> list[str]:
+        """Wrap the units activation checkpointing chooses (the stage-3 units themselves unless
+        it names a policy of its own); returns their paths."""
+        ac = self.spec.activation_checkpointing
+        if ac is None:
+            return []
+        if units is None or ac.wrap_policy is not None:
+            units = plan_units(infos, numels, policy=ac.wrap_policy or self.spec.stage3.wrap_policy, sites=sites)
+        paths = checkpointed_paths(units)
+        if not paths:
+            raise ConfigError("activation_checkpointing found no module to checkpoint: the wrap policy chose no unit "
+                              "besides the root (by default, direct children with at least 2**16 elements). Name the "
+                              "blocks: ActivationCheckpointing(wrap_policy=(MyBlock,))")
+        return apply_activation_checkpointing(module, paths, offload=ac.offload)
 
     def _placeholders(self, module: nn.Module, params: list[nn.Parameter], names: list[list[str]]) -> list[nn.Parameter]:
         """The module's parameters, with those built on the meta device replaced (under every name

@@ -74,6 +74,7 @@ class Unit:
     gathered: Future[Any] | None = None
     users: int = 0  # forward calls in progress
     in_backward: bool = False  # gathered for backward, backward not past it yet
+    recomputed: bool = False  # gathered for activation checkpointing's recomputation, backward not past it
     done: bool = False  # its backward is over this micro-batch: gradients complete
     expected: int = 0  # end-of-backward signals to wait for this micro-batch (forward calls tracked)
     fired: int = 0
@@ -100,6 +101,12 @@ class Unit:
     @property
     def gathered_bytes(self) -> int:
         return self.numel * self.groups[0].dtype.itemsize
+
+
+def _recomputing() -> bool:
+    """Whether a forward runs inside backward: activation checkpointing's recomputation (the
+    only forward autograd runs while executing a graph)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _EndOfBackward(torch.autograd.Function):
@@ -195,7 +202,7 @@ class UnitScheduler:
     def _evict_for(self, u: Unit) -> PoolBuffer:
         for v in self.units:
             if (v is not u and v.pool is u.pool and v.state is not UnitState.SHARDED
-                    and v.users == 0 and not v.in_backward):
+                    and v.users == 0 and not v.in_backward and not v.recomputed):
                 self._release(v)  # prefetched but not started: its gather is simply overwritten
                 buf = u.pool.acquire(u.index)
                 assert buf is not None
@@ -241,6 +248,14 @@ class UnitScheduler:
         return self.units[0] if self.units and self.units[0].spec.path == "" else None
 
     def _unit_pre_forward(self, u: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if _recomputing():
+            # A unit inside a checkpointed one, run again by backward's recomputation: it needs
+            # its parameters, kept until its backward is over (the recomputed tensors autograd
+            # holds view them); its backward was set up by the real forward.
+            self._request(u, Pass.BACKWARD)
+            self._wait(u)
+            u.recomputed = True
+            return None
         self._seen[Pass.FORWARD].append(u.index)
         u.users += 1
         self._request(u, Pass.FORWARD)
@@ -258,6 +273,8 @@ class UnitScheduler:
         return tree_unflatten(flat, spec)
 
     def _unit_post_forward(self, u: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        if _recomputing():
+            return  # freed when its backward completes, like any unit gathered for backward
         if torch.is_grad_enabled() and output is not None:
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -316,7 +333,7 @@ class UnitScheduler:
         """Backward is past ``u``: reduce its gradients and free its parameters."""
         if u.done:
             return
-        u.done, u.in_backward = True, False
+        u.done, u.in_backward, u.recomputed = True, False, False
         group = u.trainable
         if group is not None:
             self.reducer.unit_done(group)
@@ -357,7 +374,7 @@ class UnitScheduler:
             self._seen[phase] = []
             self._cursor[phase] = 0
         for u in self.units:
-            u.in_backward, u.done, u.expected, u.fired = False, False, 0, 0
+            u.in_backward, u.done, u.recomputed, u.expected, u.fired = False, False, False, 0, 0
 
     def end_micro_batch(self) -> None:
         """Units whose backward never signalled its end (inputs that need no gradient) are
@@ -389,7 +406,7 @@ class UnitScheduler:
             self._saving = None
         for u in self.units:
             self._release(u)
-            u.users, u.in_backward, u.done, u.expected, u.fired = 0, False, False, 0, 0
+            u.users, u.in_backward, u.done, u.recomputed, u.expected, u.fired = 0, False, False, False, 0, 0
         for pool in self.pools:
             pool.reset()
         self._live_bytes = 0

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from zero_ray.config import Stage3Config
+from zero_ray.config import ActivationCheckpointing, Stage3Config
 from zero_ray.core.optim import Optimizer
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.stages import StagePlan
@@ -35,3 +35,4 @@ class EngineSpec:
     loss_scale: LossScaleConfig
     stage3: Stage3Config = field(default_factory=Stage3Config)
     init_state_dict: str | os.PathLike[str] | Mapping[str, Any] | None = None  # fine-tuning start
+    activation_checkpointing: ActivationCheckpointing | None = None
