@@ -20,7 +20,7 @@ from finetune_models import (
 )
 from safetensors.torch import load_file
 
-from zero_ray.bench.baselines import DDPRun, single_process
+from zero_ray.bench.baselines import ddp_params, single_process
 from zero_ray.checkpoint.tools import consolidate, reshard
 from zero_ray.core.memory import model_state_bytes, optimizer_bytes_per_param
 
@@ -88,13 +88,7 @@ def test_peft_lora_llama_with_adamw_is_as_close_as_ddp(stage: int) -> None:
     ref, _ = single_process(lora_llama, causal_lm_loss, opt, batches)
     got, _, _ = train(lora_llama, causal_lm_loss, opt, batches, stage=stage, world_size=2,
                       stage3=LLAMA_UNITS if stage == 3 else zr.Stage3Config())
-    ddp = DDPRun(lora_llama, causal_lm_loss, opt, world_size=2)
-    try:
-        for b in batches:
-            ddp.step(b)
-        ddp_dev = max_dev(ddp.state_dict(), ref)
-    finally:
-        ddp.shutdown()
+    ddp_dev = max_dev(ddp_params(lora_llama, causal_lm_loss, opt, batches, world_size=2), ref)
     zero_dev = max_dev(got, ref)
     print(f"LoRA Llama stage {stage} world 2 AdamW: zero_ray {zero_dev:.3g}, DDP {ddp_dev:.3g}")
     assert zero_dev <= max(2 * ddp_dev, 1e-6)

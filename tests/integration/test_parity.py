@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zero_ray as zr
-from zero_ray.bench.baselines import DDPRun, single_process
+from zero_ray.bench.baselines import ddp_params, single_process
 from zero_ray.models import GPT, GPTConfig, lm_loss, mlp, mse_loss
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -79,14 +79,8 @@ def test_adamw_is_as_close_to_single_process_as_ddp(stage: int, world_size: int)
     ref, _ = single_process(MLP_FN, mse_loss, opt, batches, max_grad_norm=1.0)
     params, _ = train_zero(MLP_FN, mse_loss, opt, batches, stage=stage, world_size=world_size, max_grad_norm=1.0,
                            bucket_bytes=2048)
-    ddp = DDPRun(MLP_FN, mse_loss, opt, world_size=world_size, max_grad_norm=1.0)
-    try:
-        for b in batches:
-            ddp.step(b)
-        ddp_params = ddp.state_dict()
-    finally:
-        ddp.shutdown()
-    zero_dev, ddp_dev = max_dev(params, ref), max_dev(ddp_params, ref)
+    ddp = ddp_params(MLP_FN, mse_loss, opt, batches, world_size=world_size, max_grad_norm=1.0)
+    zero_dev, ddp_dev = max_dev(params, ref), max_dev(ddp, ref)
     print(f"stage {stage} world {world_size} AdamW: zero_ray {zero_dev:.3g}, DDP {ddp_dev:.3g}")
     assert zero_dev <= max(2 * ddp_dev, 1e-6)
 
@@ -99,13 +93,7 @@ def test_gpt_with_tied_embeddings_and_accumulation(stage: int) -> None:
     params, metrics = train_zero(GPT_FN, lm_loss, opt, batches, stage=stage, world_size=2, grad_accum_steps=2,
                                  max_grad_norm=1.0, bucket_bytes=16 * 1024)
     assert "head.weight" not in params  # tied to wte.weight: one parameter, as named_parameters() says
-    ddp = DDPRun(GPT_FN, lm_loss, opt, world_size=2, max_grad_norm=1.0)
-    try:
-        for b in batches:
-            ddp.step(b)
-        ddp_dev = max_dev(ddp.state_dict(), ref)
-    finally:
-        ddp.shutdown()
+    ddp_dev = max_dev(ddp_params(GPT_FN, lm_loss, opt, batches, world_size=2, max_grad_norm=1.0), ref)
     zero_dev = max_dev(params, ref)
     print(f"GPT stage {stage} world 2 AdamW: zero_ray {zero_dev:.3g}, DDP {ddp_dev:.3g}")
     assert zero_dev <= max(2 * ddp_dev, 1e-6)

@@ -135,3 +135,15 @@ class DDPRun:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+
+def ddp_params(model_fn: ModelFn, loss_fn: LossFn, optimizer: AdamW | SGD, batches: Sequence[Batch], *,
+               world_size: int, max_grad_norm: float | None = None) -> dict[str, torch.Tensor]:
+    """Train ``batches`` with PyTorch DDP on ``world_size`` actors; the final parameters."""
+    ddp = DDPRun(model_fn, loss_fn, optimizer, world_size=world_size, max_grad_norm=max_grad_norm)
+    try:
+        for batch in batches:
+            ddp.step(batch)
+        return ddp.state_dict()
+    finally:
+        ddp.shutdown()
