@@ -18,6 +18,7 @@ import datetime
 import gc
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -69,11 +70,17 @@ class RingGroup:
         self.counters.add(op, sum(t.numel() * t.element_size() for t, _ in sends))
         if self._pg is None:  # a job queued on a communication thread after an abort
             raise CollectiveError(f"{op} on rank {self.rank} of {self.world_size}: the group was aborted")
+        # A gloo work keeps its group's sockets open, and an exception raised here keeps this
+        # frame: so the works are dropped on the way out, or an aborted group would stay open
+        # for the peers still blocked on it (measured: at 4 owners a survivor blocked on a failed
+        # one was dropped as stuck after settle_timeout_s; benchmarks.recovery_time).
+        works: list[Any] = []
         try:
-            works = [dist.isend(t, peer, group=self._pg) for t, peer in sends]
+            works += [dist.isend(t, peer, group=self._pg) for t, peer in sends]
             works += [dist.irecv(t, peer, group=self._pg) for t, peer in recvs]
-            for work in works:  # once each: a second wait on a gloo receive waits for another message
-                work.wait(timeout=self._timeout)
+            while works:  # each once: a second wait on a gloo receive waits for another message
+                works[0].wait(timeout=self._timeout)
+                works.pop(0)
         except RuntimeError as err:
             text = str(err)
             peers = sorted({peer for _, peer in sends + recvs})
@@ -83,6 +90,8 @@ class RingGroup:
                     f"{self._timeout.total_seconds():g}s waiting for ranks {peers}"
                 ) from err
             raise CollectiveError(f"{op} on rank {self.rank} of {self.world_size} failed: {text}") from err
+        finally:
+            works.clear()
 
     def _exchange(self, op: str, send: torch.Tensor, recv: torch.Tensor) -> None:
         """One ring step: send to the next rank while receiving from the previous one."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -102,11 +103,18 @@ def run_p2p(ops: list[object], *, me: int, pg: object, timeout_s: float, what: s
         return
     if pg is None:
         raise CollectiveError(f"actor {me} has {what} messages to exchange but no group")
+    # Pending works keep the group's sockets open; dropped on the way out, even on an error (whose
+    # traceback keeps this frame), so that an abort closes the group for the peers.
+    works: list[Any] = []
     try:
-        for work in dist.batch_isend_irecv(ops):  # type: ignore[arg-type]
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        works += dist.batch_isend_irecv(ops)  # type: ignore[arg-type]
+        while works:
+            works[0].wait(timeout=datetime.timedelta(seconds=timeout_s))
+            works.pop(0)
     except RuntimeError as err:
         raise CollectiveError(f"{what} on actor {me} failed: {err}") from err
+    finally:
+        works.clear()
 
 
 def install(staged: list[StagedRange], new: list[OptimizerSlice]) -> None:
