@@ -190,9 +190,7 @@ class ZeroTrainer:
             return
         err = CollectiveError(f"the previous driver left run {found.run_id} in the middle of step {done + 1}")
         if not self._recover(err, failed_step=done, replay_until=done, started=time.perf_counter()):
-            if self._life.state is TrainerState.FAILED:
-                self._raise_failed(err)
-                raise err
+            self._raise_if_failed(err)
         self.events.append(f"attached to run {found.run_id} at step {self.step_count} ({self.world_size} owners)")
 
     # -- properties for operators ---------------------------------------------------------------
@@ -271,13 +269,12 @@ class ZeroTrainer:
         start = time.perf_counter()
         while True:
             try:
-                while self.step_count < index:  # a restore rewound the state: catch up first
-                    self._execute(self._replay[self.step_count])
+                self._catch_up(index)
                 lr, results = self._execute(work)
                 break
             except ZeroRayError as err:
                 if not self._recover(err, failed_step=self.step_count, replay_until=index + 1, started=start):
-                    self._raise_failed(err)
+                    self._raise_if_failed(err)
                     raise
         self._submitted = index + 1
         if self.recoveries and self.recoveries[-1].replay_s < 0:  # this call recovered: time its replay
@@ -309,6 +306,11 @@ class ZeroTrainer:
                                                        "items": metrics["items"]}))
         self._maybe_grow()
         return metrics
+
+    def _catch_up(self, until: int) -> None:
+        """Replay the kept batches until ``step_count`` reaches ``until`` (after a restore rewound it)."""
+        while self.step_count < until:
+            self._execute(self._replay[self.step_count])
 
     def _execute(self, work: GlobalBatch) -> tuple[float, list[Any]]:
         """Run step ``step_count`` on ``work`` on every owner and count it."""
@@ -351,11 +353,9 @@ class ZeroTrainer:
             except ZeroRayError as err:  # an owner lost during evaluation: recover, then evaluate again
                 if self._recover(err, failed_step=self.step_count, replay_until=self._submitted,
                                  started=time.perf_counter()):
-                    while self.step_count < self._submitted:
-                        self._execute(self._replay[self.step_count])
-                elif self._life.state is TrainerState.FAILED:
-                    self._raise_failed(err)
-                    raise
+                    self._catch_up(self._submitted)
+                else:
+                    self._raise_if_failed(err)  # else re-formed: evaluate again
 
     def fit(self, dataset: Any, *, global_batch_size: int, steps: int, seed: int = 0,
             collate_fn: Callable[[list[Any]], Any] | None = None, eval_dataset: Any = None,
@@ -406,13 +406,15 @@ class ZeroTrainer:
         self._life.move(TrainerState.FAILED if report.outcome is Outcome.FAILED else TrainerState.READY)
         return restored
 
-    def _raise_failed(self, err: ZeroRayError) -> None:
-        """After a failure the policies could not recover from: the same error, saying why the
-        run ended (its own message first, so it still reads as what went wrong)."""
-        if self._life.state is TrainerState.FAILED and self.recoveries:
-            new = failed_error(err, self.recoveries[-1])
-            if new is not None:
-                raise new from err
+    def _raise_if_failed(self, err: ZeroRayError) -> None:
+        """When the policies could not recover (the run FAILED): raise ``err`` again, saying why
+        the run ended (its own message first, so it still reads as what went wrong)."""
+        if self._life.state is not TrainerState.FAILED:
+            return
+        new = failed_error(err, self.recoveries[-1]) if self.recoveries else None
+        if new is not None:
+            raise new from err
+        raise err
 
     def _maybe_grow(self) -> None:
         """Grow back towards the desired size when the cluster has room again (checked at most
@@ -499,9 +501,8 @@ class ZeroTrainer:
             except ZeroRayError as err:
                 log.error("resize to %d owners failed: %s", world_size, err)
                 if not self._recover(err, failed_step=self.step_count, replay_until=self._submitted,
-                                     started=time.perf_counter()) and self._life.state is TrainerState.FAILED:
-                    self._raise_failed(err)
-                    raise
+                                     started=time.perf_counter()):
+                    self._raise_if_failed(err)
                 raise ResizeInterrupted(f"resizing to {world_size} owners failed ({err}); the run was restored "
                                         f"at {self.world_size} owners and continues with the next step") from err
             self._recovery.desired = desired

@@ -32,7 +32,12 @@ class Fault:
 
     @property
     def marker(self) -> str:
-        return os.path.join(self.dir, f"fault-{self.point}")
+        return _marker(self.dir, self.point)
+
+
+def _marker(directory: str, point: str) -> str:
+    """The file a fault at ``point`` creates when it happens (holding the time)."""
+    return os.path.join(directory, f"fault-{point}")
 
 
 class FaultPlan:
@@ -77,7 +82,7 @@ def plan(*faults: Fault) -> str:
 def killed_at(directory: str, point: str) -> float | None:
     """When the planned kill at ``point`` happened (Unix time), or None if it has not."""
     try:
-        with open(os.path.join(directory, f"fault-{point}"), encoding="ascii") as fh:
+        with open(_marker(directory, point), encoding="ascii") as fh:
             return float(fh.read())
     except (OSError, ValueError):
         return None
