@@ -13,7 +13,7 @@ from zero_ray.config import (
 )
 from zero_ray.core.optim import SGD, AdamW
 from zero_ray.core.precision import LossScaleConfig
-from zero_ray.core.schedule import Constant, WarmupCosine
+from zero_ray.core.schedule import WarmupCosine
 from zero_ray.core.units import WrapPolicy
 from zero_ray.driver.trainer import ZeroTrainer
 from zero_ray.errors import (
@@ -38,7 +38,6 @@ __all__ = [
     "ActivationCheckpointing",
     "AdamW",
     "CheckpointConfig",
-    "Constant",
     "ControlTLS",
     "ElasticConfig",
     "LossScaleConfig",

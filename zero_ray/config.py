@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from zero_ray.core.optim import declared_kinds
 from zero_ray.core.precision import LossScaleConfig, parse_dtype
 from zero_ray.core.stages import stage_plan
 from zero_ray.core.units import WrapPolicy
@@ -230,11 +231,17 @@ class ZeroConfig:
     backend: "gloo", "nccl" or "auto" (NCCL on CUDA, gloo on CPU).
     dtype: compute dtype, "float32" (default), "bfloat16" or "float16"; master weights and
         optimizer state are float32 whatever this is. float16 uses dynamic loss scaling.
+    reduce_dtype: the dtype gradients are accumulated and reduced in (FSDP2's
+        ``MixedPrecisionPolicy.reduce_dtype``): None (default) for ``dtype``, or e.g. "float32"
+        to reduce bfloat16 gradients in fp32 (twice the gradient bytes sent and held).
     grad_accum_steps: micro-batches each rank's piece of the global batch is split into.
     max_grad_norm: clip the global gradient norm (across all partitions) to this, or None.
     seed: ``torch.manual_seed`` before ``model_fn()`` on every rank.
     bucket_bytes: size of the flat gradient/parameter buckets (constant-size fused buffers).
-    lr_schedule: callable ``step -> multiplier`` of the optimizer's lr (see core.schedule).
+    optimizer_kinds: optimizer classes zero_ray does not know, declared ``{cls: "elementwise"}``
+        (every state tensor shaped like its parameter, updated element by element: run over
+        the partition) or ``{cls: "whole_tensor"}`` (each parameter stepped whole on one
+        owner); classes or "module.Class" names.
     collective_timeout_s: every collective wait is bounded by this.
     step_timeout_s / init_timeout_s: bounds on the driver's waits for a step / for start-up.
     num_cpus_per_owner: logical CPUs each owner asks Ray for (CPU device), also its torch
@@ -266,11 +273,12 @@ class ZeroConfig:
     device: str = "auto"
     backend: str = "auto"
     dtype: str = "float32"
+    reduce_dtype: str | None = None
     grad_accum_steps: int = 1
     max_grad_norm: float | None = None
     seed: int = 0
     bucket_bytes: int = 25 * 2**20
-    lr_schedule: Callable[[int], float] | None = None
+    optimizer_kinds: Mapping[Any, str] | tuple[tuple[str, str], ...] | None = None
     collective_timeout_s: float = 300.0
     step_timeout_s: float = 900.0
     init_timeout_s: float = 120.0
@@ -304,14 +312,15 @@ class ZeroConfig:
         if self.device == "cpu" and self.backend == "nccl":
             raise ConfigError("backend='nccl' needs device='cuda'; use backend='gloo' on CPU")
         parse_dtype(self.dtype)
+        if self.reduce_dtype is not None:
+            parse_dtype(self.reduce_dtype)
+        object.__setattr__(self, "optimizer_kinds", declared_kinds(self.optimizer_kinds))
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
             raise ConfigError(f"grad_accum_steps={self.grad_accum_steps!r} must be an integer >= 1")
         if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
             raise ConfigError(f"max_grad_norm={self.max_grad_norm!r} must be a positive number or None")
         if self.bucket_bytes < 1024:
             raise ConfigError(f"bucket_bytes={self.bucket_bytes} is too small; use at least 1024 (default 25 MiB)")
-        if self.lr_schedule is not None and not callable(self.lr_schedule):
-            raise ConfigError(f"lr_schedule={self.lr_schedule!r} must be callable: step -> lr multiplier")
         if self.max_failures < 0:
             raise ConfigError(f"max_failures={self.max_failures!r} must be >= 0")
         if not self.health_interval_s < self.health_timeout_s:

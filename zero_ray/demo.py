@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--reduce-dtype", default=None,
+                        help="dtype gradients are reduced in (default: --dtype), e.g. float32 under bfloat16")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--grad-accum-steps", type=int, default=1)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -139,16 +141,15 @@ def run(args: argparse.Namespace) -> int:
     train, held_out = CorpusWindows(stdlib_corpus(args.corpus_bytes), args.block_size).split(args.eval_fraction)
     config = zr.ZeroConfig(stage=args.stage, world_size=args.world_size, dtype=args.dtype, device=args.device,
                            grad_accum_steps=args.grad_accum_steps, max_grad_norm=args.max_grad_norm, seed=args.seed,
-                           lr_schedule=zr.WarmupCosine(warmup_steps=max(1, args.steps // 20), total_steps=args.steps,
-                                                       min_ratio=0.1),
-                           checkpoint=zr.CheckpointConfig(dir=args.checkpoint_dir))
+                           reduce_dtype=args.reduce_dtype, checkpoint=zr.CheckpointConfig(dir=args.checkpoint_dir))
     model_fn, optimizer = functools.partial(GPT, gpt), zr.AdamW(lr=args.lr, weight_decay=0.1)
+    schedule = zr.WarmupCosine(warmup_steps=max(1, args.steps // 20), total_steps=args.steps, min_ratio=0.1)
     if args.checkpoint_dir and not args.no_resume and _has_checkpoint(args.checkpoint_dir):
         trainer = zr.ZeroTrainer.from_checkpoint(args.checkpoint_dir, model_fn, lm_loss_sum, optimizer=optimizer,
-                                                 config=config)
+                                                 lr_scheduler=schedule, config=config)
         print(f"resumed from {args.checkpoint_dir} at step {trainer.step_count}")
     else:
-        trainer = zr.ZeroTrainer(model_fn, lm_loss_sum, optimizer=optimizer, config=config)
+        trainer = zr.ZeroTrainer(model_fn, lm_loss_sum, optimizer=optimizer, lr_scheduler=schedule, config=config)
     print(f"zero_ray: stage {args.stage}, {trainer.world_size} actors on {trainer.device}, "
           f"{trainer.num_params / 1e6:.2f}M parameters, global batch {args.batch_size} x {args.block_size} tokens; "
           f"{len(train)} training windows, {len(held_out)} held out")

@@ -38,7 +38,7 @@ from zero_ray.control.server import ControlServer, ServerConfig
 WAIT_S = 10.0
 LOOPBACK = "127.0.0.1"
 # A dataset piece: names and indices (up to 2**64 - 1) must arrive unchanged.
-ARGS = StepArgs(step=7, lr=3e-4, piece=Piece(dataset="train", indices=(0, 5, 2**40, 2**64 - 1)), global_samples=256,
+ARGS = StepArgs(step=7, piece=Piece(dataset="train", indices=(0, 5, 2**40, 2**64 - 1)), global_samples=256,
                 generation=2)
 TOTALS = LossTotals(loss_sum=2.5, samples=128, count=1536.0, counted=True, items=1536.0)
 

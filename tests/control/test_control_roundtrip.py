@@ -112,8 +112,8 @@ def test_missing_checkpoint_is_not_found(owner: Served) -> None:
 
 
 def test_invalid_arguments_are_refused_before_the_handler(coordinator: Served) -> None:
-    with pytest.raises(ConfigError, match="lr=nan"):
-        StepArgs(step=1, lr=float("nan"), piece=Piece(batch_key="0:1"), global_samples=1, generation=0)
+    with pytest.raises(ConfigError, match="global_samples=-1"):
+        StepArgs(step=1, piece=Piece(batch_key="0:1"), global_samples=-1, generation=0)
     with pytest.raises(ConfigError, match="world_size=0"):
         coordinator.client.resize(0)
     # The server checks as well, for clients that skip the local check.

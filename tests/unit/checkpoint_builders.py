@@ -1,6 +1,7 @@
 """Checkpoints written as a run's owners would write them, without Ray: a module's parameters laid
 out with ``FlatLayout`` at world size N, each rank's file holding its shard range's fragments of
-master weights and moments (plus its RNG state, and the buffers on rank 0), then committed."""
+master weights and element-wise optimizer state (plus its RNG state, and the buffers on rank 0),
+then committed."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from zero_ray.checkpoint import store
-from zero_ray.checkpoint.format import BUFFER, MASTER, RNG, build_manifest, shard_file_name
+from zero_ray.checkpoint.format import BUFFER, MASTER, RNG, build_manifest, shard_file_name, state_kind
 from zero_ray.checkpoint.shardfile import Item, write_shard
 from zero_ray.checkpoint.storage import LocalStorage, Storage
 from zero_ray.core.layout import FlatLayout
 
-ADAM = ("exp_avg", "exp_avg_sq")
+ADAM = (state_kind("exp_avg"), state_kind("exp_avg_sq"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +64,8 @@ def _rank_items(layout: FlatLayout, rank: int, values: dict[tuple[str, str], tor
 
 
 def describe(module: torch.nn.Module, layout: FlatLayout, moments: tuple[str, ...]) -> dict:
-    """The ``model`` description an owner reports for the manifest."""
+    """The ``model`` description an owner reports for the manifest (an AdamW with decay and
+    no-decay groups that has stepped every parameter three times)."""
     aliases: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -73,9 +75,16 @@ def describe(module: torch.nn.Module, layout: FlatLayout, moments: tuple[str, ..
                     "bucket": p.bucket, "offset": p.offset} for p in layout.params],
         "buckets": [{"index": b.index, "params": list(b.params), "numel": b.numel, "padded_numel": b.padded_numel,
                      "shard_numel": b.shard_numel} for b in layout.buckets],
-        "param_groups": {"decay": [p.name for p in layout.params if len(p.shape) > 1],
-                         "no_decay": [p.name for p in layout.params if len(p.shape) <= 1]},
-        "moments": list(moments), "optimizer_steps": 3, "loss_scaler": {"scale": 1.0, "growth_tracker": 0},
+        "optimizers": [{"type": "torch.optim.adamw.AdamW", "kind": "elementwise", "defaults": {"lr": 1e-3},
+                        "groups": [{"hyper": {"weight_decay": 0.01},
+                                    "params": [p.name for p in layout.params if len(p.shape) > 1]},
+                                   {"hyper": {"weight_decay": 0.0},
+                                    "params": [p.name for p in layout.params if len(p.shape) <= 1]}]}],
+        "hyper": {"optimizers": [[{"lr": 1e-3}, {"lr": 1e-3}]], "schedulers": []},
+        "param_state": {p.name: {"scalars": {"step": ["tensor", "float32", 3.0, False]},
+                                 "elementwise": [k.removeprefix("state.") for k in moments], "whole": {}}
+                        for p in layout.params},
+        "optimizer_steps": 3, "loss_scaler": {"scale": 1.0, "growth_tracker": 0},
     }
 
 
@@ -96,9 +105,9 @@ def save(module: torch.nn.Module, root: str | os.PathLike[str], *, world_size: i
         name = shard_file_name(rank, world_size)
         files.append(write_shard(storage, storage.join(pending.tmp, name), _rank_items(layout, rank, values, moments),
                                  rank=rank, name=name, chunk_bytes=chunk_bytes))
-    manifest = build_manifest(model=describe(module, layout, moments), files=files, step=step,
+    manifest = build_manifest(models=[describe(module, layout, moments)], files=files, step=step,
                               samples_seen=12 * step, world_size=world_size, stage=2, compute_dtype="float32",
-                              seed=0, optimizer={"type": "AdamW", "lr": 1e-3, "betas": [0.9, 0.999]})
+                              seed=0)
     return Saved(path=store.commit(pending, manifest, keep=keep, storage=storage), layout=layout, values=values)
 
 

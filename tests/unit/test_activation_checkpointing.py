@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import zero_ray as zr
-from test_units_threads import ThreadGroup, ThreadWorld, engine_spec, run_ranks
+from thread_ranks import ThreadGroup, ThreadWorld, engine_spec, run_ranks
 from zero_ray.config import ActivationCheckpointing, ZeroConfig
 from zero_ray.core.units import WrapPolicy
 from zero_ray.owner import activations
@@ -137,10 +137,10 @@ def _peak_step_bytes(layers: int, checkpointing: ActivationCheckpointing | None,
     buffers that last)."""
     engine = _engine(layers, checkpointing)
     n = tokens.shape[0]
-    engine.step(tokens, lr=0.1, global_samples=n)
+    engine.step(tokens, global_samples=n)
     mode = _LiveBytes()
     with mode:
-        engine.step(tokens, lr=0.1, global_samples=n)
+        engine.step(tokens, global_samples=n)
     return mode.peak
 
 

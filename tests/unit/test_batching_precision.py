@@ -70,6 +70,7 @@ def test_config_is_frozen_and_keyword_only() -> None:
 def test_dtype_names_and_schedule() -> None:
     assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype(torch.float16) is torch.float16
     sched = WarmupCosine(warmup_steps=2, total_steps=10, min_ratio=0.1)
-    assert sched(0) == pytest.approx(1 / 3) and sched(2) == pytest.approx(1.0) and sched(10) == pytest.approx(0.1)
+    assert sched.multiplier(0) == pytest.approx(1 / 3) and sched.multiplier(2) == pytest.approx(1.0)
+    assert sched.multiplier(10) == pytest.approx(0.1)
     with pytest.raises(ConfigError, match="total_steps=2"):
         WarmupCosine(warmup_steps=2, total_steps=2)

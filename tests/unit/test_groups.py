@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 
 from zero_ray.core.groups import GradFlow, ParamResidency, group_policy, plan_groups, size_buckets
 from zero_ray.core.stages import GradReduction, stage_plan
 from zero_ray.core.units import UnitPlan, UnitSpec
-from zero_ray.core.usage import digits_per_value, pack_marks, unpack_marks, update_runs
+from zero_ray.core.usage import digits_per_value, pack_marks, unpack_marks
 from zero_ray.errors import ConfigError
 
 W, P, A, B = ParamResidency.WHOLE, ParamResidency.PER_USE, GradFlow.ACCUMULATE, GradFlow.PER_MICRO_BATCH
@@ -93,24 +92,3 @@ def test_a_few_marks_cost_one_float() -> None:
         unpack_marks([0.0], 100, 2)
 
 
-def test_one_update_covers_the_slice_when_every_parameter_steps_together() -> None:
-    pieces = [(0, 0, 4), (1, 4, 10)]
-    assert [(r.start, r.end, r.step) for r in update_runs(pieces, numel=12, used=[True, True], steps=[3, 3])] == \
-        [(0, 12, 4)]  # padding included: one optimizer call, as before
-
-
-def test_unused_parameters_are_skipped_and_each_takes_its_own_step() -> None:
-    pieces = [(0, 0, 4), (1, 4, 10), (2, 10, 11), (3, 11, 12)]
-    runs = update_runs(pieces, numel=12, used=[True, False, True, True], steps=[3, 9, 5, 5])
-    assert [(r.start, r.end, r.step) for r in runs] == [(0, 4, 4), (10, 12, 6)]
-    assert update_runs(pieces, numel=12, used=[False] * 4, steps=[0] * 4) == []
-    assert update_runs([], numel=6, used=[], steps=[]) == []  # a shard of padding only
-
-
-def test_every_combination_of_usage_updates_exactly_the_used_elements() -> None:
-    pieces = [(0, 0, 2), (1, 2, 5), (2, 5, 6)]
-    for used in itertools.product([False, True], repeat=3):
-        runs = update_runs(pieces, numel=8, used=list(used), steps=[1, 1, 2])
-        covered = {i for r in runs for i in range(r.start, r.end)}
-        assert covered == {i for p, s, e in pieces if used[p] for i in range(s, e)}
-        assert all(r.step == (3 if r.start >= 5 else 2) for r in runs)

@@ -14,7 +14,7 @@ from tests_paths import REPO_ROOT
 
 PACKAGE = os.path.join(REPO_ROOT, "zero_ray")
 PURE = ("core.layout", "core.reshard", "core.memory", "core.policy", "core.units", "core.stages", "core.groups",
-        "core.usage", "core.schedule", "checkpoint.format")
+        "core.usage", "core.assign", "core.optim_state", "checkpoint.format")
 # package -> packages it must never import (directly or lazily)
 FORBIDDEN = {
     "core": ("driver", "owner", "collective", "control", "checkpoint", "bench", "cli", "config"),

@@ -10,147 +10,14 @@ tests/integration/test_stage3*.py.
 from __future__ import annotations
 
 import functools
-import threading
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 
 import zero_ray as zr
+from thread_ranks import run_ranks
 from zero_ray.bench.baselines import single_process
-from zero_ray.collective.group import ByteCounters, chunks
-from zero_ray.config import ActivationCheckpointing, Stage3Config
-from zero_ray.core.batching import batch_size, split_batch, split_sizes
-from zero_ray.core.precision import LossScaleConfig, parse_dtype
-from zero_ray.core.stages import stage_plan
-from zero_ray.core.units import WrapPolicy
 from zero_ray.models import GPT, GPTConfig, lm_loss, mlp, mse_loss
-from zero_ray.owner.engine import OwnerEngine
-from zero_ray.owner.spec import EngineSpec
-
-
-class ThreadWorld:
-    """Shared slots and a barrier: what the ranks exchange."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.barrier = threading.Barrier(n, timeout=60)
-        self.slots: list[Any] = [None] * n
-
-
-class ThreadGroup:
-    """The Collective protocol between threads; counts bytes as a ring would send them."""
-
-    def __init__(self, world: ThreadWorld, rank: int) -> None:
-        self.world, self.rank, self.world_size = world, rank, world.n
-        self.counters = ByteCounters()
-
-    def _exchange(self, value: Any) -> list[Any]:
-        self.world.slots[self.rank] = value
-        self.world.barrier.wait()
-        values = list(self.world.slots)
-        self.world.barrier.wait()
-        return values
-
-    def _count(self, op: str, buf: torch.Tensor) -> None:
-        self.counters.add(op, (self.world_size - 1) * (buf.numel() // self.world_size) * buf.element_size())
-
-    def reduce_scatter_(self, buf: torch.Tensor, *, op: str = "reduce_scatter") -> torch.Tensor:
-        mine = chunks(buf, self.world_size)[self.rank]
-        parts = [chunks(b, self.world_size)[self.rank] for b in self._exchange(buf.clone())]
-        total = parts[0].clone()
-        for p in parts[1:]:
-            total.add_(p)
-        mine.copy_(total)
-        self._count(op, buf)
-        return mine
-
-    def all_gather_(self, buf: torch.Tensor, *, op: str = "all_gather") -> None:
-        parts = chunks(buf, self.world_size)
-        for r, value in enumerate(self._exchange(parts[self.rank].clone())):
-            parts[r].copy_(value)
-        self._count(op, buf)
-
-    def all_reduce_(self, buf: torch.Tensor) -> None:
-        total = sum(self._exchange(buf.clone()))
-        buf.copy_(total)
-
-    def all_reduce_values(self, values: list[float]) -> list[float]:
-        rows = self._exchange(list(values))
-        self.counters.add("scalars", 8 * len(values))
-        return [sum(col) for col in zip(*rows)]
-
-    def barrier(self) -> None:
-        self._exchange(None)
-
-    def destroy(self) -> None:
-        return None
-
-    def abort(self) -> None:
-        return None
-
-
-_BUILD_LOCK = threading.Lock()  # low_memory construction patches process-wide torch hooks
-
-
-def engine_spec(model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any, *, accum: int = 1,
-                clip: float | None = None, dtype: str = "float32", stage: int = 3,
-                checkpointing: ActivationCheckpointing | None = None, **stage3: Any) -> EngineSpec:
-    """The spec thread ranks build from (2 KiB buckets; at stage 3 every module a unit by default)."""
-    stage3.setdefault("wrap_policy", WrapPolicy(min_numel=0))
-    return EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=optimizer, plan=stage_plan(stage),
-                      compute_dtype=parse_dtype(dtype), device="cpu", seed=0, bucket_bytes=2048,
-                      grad_accum_steps=accum, max_grad_norm=clip, loss_scale=LossScaleConfig(),
-                      stage3=Stage3Config(**stage3), activation_checkpointing=checkpointing)
-
-
-def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any,
-              batches: list[Any], *, accum: int = 1, clip: float | None = None, dtype: str = "float32",
-              stage: int = 3, checkpointing: ActivationCheckpointing | None = None, **stage3: Any) -> tuple[dict[str, torch.Tensor], list[OwnerEngine], list[list[dict[str, int]]]]:
-    """Train on ``world_size`` thread ranks; the consolidated fp32 parameters, the engines and
-    each step's bytes sent per rank."""
-    spec = engine_spec(model_fn, loss_fn, optimizer, accum=accum, clip=clip, dtype=dtype, stage=stage,
-                       checkpointing=checkpointing, **stage3)
-    world = ThreadWorld(world_size)
-    engines: list[OwnerEngine | None] = [None] * world_size
-    sent: list[list[dict[str, int]]] = [[] for _ in range(world_size)]
-    errors: list[BaseException] = []
-
-    def rank_main(rank: int) -> None:
-        try:
-            group = ThreadGroup(world, rank)
-            # Stages 0-2 seed the process-wide RNG and build the whole module: one rank at a time.
-            if stage < 3 or spec.stage3.init == "low_memory" or spec.init_state_dict is not None:
-                with _BUILD_LOCK:
-                    engine = OwnerEngine(spec, rank=rank, group=group)
-            else:
-                engine = OwnerEngine(spec, rank=rank, group=group)
-            engines[rank] = engine
-            for batch in batches:
-                n = batch_size(batch)
-                piece = split_batch(batch, split_sizes(n, world_size))[rank]
-                engine.step(piece, lr=optimizer.lr, global_samples=n)
-                sent[rank].append(dict(engine.last_bytes))
-        except BaseException as err:  # reported by the test thread
-            errors.append(err)
-            world.barrier.abort()
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
-    full: dict[str, torch.Tensor] = {}
-    ready = [e for e in engines if e is not None]
-    for engine in ready:
-        for name, (lo, hi, values) in engine.master_fragments().items():
-            shape = engine.layout.param(name).shape
-            full.setdefault(name, torch.empty(shape).reshape(-1))[lo:hi] = values
-    shapes = {p.name: p.shape for p in ready[0].layout.params}
-    return {n: v.view(shapes[n]) for n, v in full.items()}, ready, sent
 
 
 def _mlp_batches(steps: int = 3, n: int = 13) -> list[tuple[torch.Tensor, torch.Tensor]]:

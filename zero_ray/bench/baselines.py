@@ -15,31 +15,40 @@ import ray
 import torch
 
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes
-from zero_ray.core.optim import SGD, AdamW, torch_optimizer
+from zero_ray.core.optim import OptimizerFactory, SchedulerFactory
 
 ModelFn = Callable[[], torch.nn.Module]
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+Factories = OptimizerFactory | Sequence[OptimizerFactory]
 
 
-def single_process(model_fn: ModelFn, loss_fn: LossFn, optimizer: AdamW | SGD, batches: Sequence[Batch], *,
+def build_optimizers(optimizer: Factories, module: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """The optimizers the factory (or each of the factories) builds over ``module``."""
+    factories = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    return [f(module) for f in factories]
+
+
+def single_process(model_fn: ModelFn, loss_fn: LossFn, optimizer: Factories, batches: Sequence[Batch], *,
                    seed: int = 0, max_grad_norm: float | None = None,
-                   lr_schedule: Callable[[int], float] | None = None,
+                   lr_scheduler: SchedulerFactory | None = None,
                    pieces: tuple[int, int] = (1, 1)) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Train ``torch.manual_seed(seed); model_fn()`` with ``torch.optim`` on whole batches;
-    return the final parameters and the per-step losses.
+    """Train ``torch.manual_seed(seed); model_fn()`` with the optimizers ``optimizer`` builds
+    (a factory or a list of them, as a ZeroTrainer takes) on whole batches, the scheduler
+    factory applied to each; return the final parameters and the per-step losses.
 
     ``pieces=(ranks, micro_batches)``: run each batch as that many ranks and micro-batches split
     it, accumulating each piece's loss weighted by its share of the batch: the distributed
     computation in one process, for models whose forward depends on the piece it sees (a branch
-    only some ranks take)."""
+    only some ranks take), and the measure of data-parallel noise."""
     torch.manual_seed(seed)
     module = model_fn()
-    opt = torch_optimizer(optimizer, list(module.named_parameters()))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule) if lr_schedule else None
+    opts = build_optimizers(optimizer, module)
+    scheds = [lr_scheduler(o) for o in opts] if lr_scheduler is not None else []
     losses = []
     ranks, micro = pieces
     for batch in batches:
-        opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
         if ranks * micro > 1:
             n = batch_size(batch)
             total = 0.0
@@ -54,8 +63,9 @@ def single_process(model_fn: ModelFn, loss_fn: LossFn, optimizer: AdamW | SGD, b
             loss.backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), max_grad_norm)
-        opt.step()
-        if sched is not None:
+        for opt in opts:
+            opt.step()
+        for sched in scheds:
             sched.step()
         losses.append(float(loss.detach()))
     return {n: p.detach().clone() for n, p in module.named_parameters()}, losses
@@ -65,7 +75,7 @@ class DDPWorker:
     """One rank of PyTorch DistributedDataParallel on the gloo group Ray forms."""
 
     def __init__(self, *, rank: int, world_size: int, group_name: str, model_fn: ModelFn, loss_fn: LossFn,
-                 optimizer: AdamW | SGD, seed: int, max_grad_norm: float | None, threads: int = 1) -> None:
+                 optimizer: Factories, seed: int, max_grad_norm: float | None, threads: int = 1) -> None:
         torch.set_num_threads(threads)
         self.rank, self.world_size, self.group_name = rank, world_size, group_name
         self._model_fn, self._loss_fn, self._optimizer = model_fn, loss_fn, optimizer
@@ -79,17 +89,19 @@ class DDPWorker:
         pg = col.collective.get_group_handle(self.group_name)._pg
         torch.manual_seed(self._seed)
         self.module = DistributedDataParallel(self._model_fn(), process_group=pg)
-        self.opt = torch_optimizer(self._optimizer, list(self.module.module.named_parameters()))
+        self.opts = build_optimizers(self._optimizer, self.module.module)
 
     def step(self, piece: Batch, global_samples: int) -> tuple[float, float]:
         start = time.perf_counter()
-        self.opt.zero_grad()
+        for opt in self.opts:
+            opt.zero_grad()
         n = batch_size(piece)
         loss = self._loss_fn(self.module, piece)
         (loss * (self.world_size * n / global_samples)).backward()
         if self._max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self._max_grad_norm)
-        self.opt.step()
+        for opt in self.opts:
+            opt.step()
         return float(loss) * n, time.perf_counter() - start
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -104,7 +116,7 @@ class DDPWorker:
 class DDPRun:
     """``world_size`` DDPWorker actors trained on the same global batches as a ZeroTrainer."""
 
-    def __init__(self, model_fn: ModelFn, loss_fn: LossFn, optimizer: AdamW | SGD, *, world_size: int,
+    def __init__(self, model_fn: ModelFn, loss_fn: LossFn, optimizer: Factories, *, world_size: int,
                  seed: int = 0, max_grad_norm: float | None = None, num_cpus: float = 1.0,
                  timeout_s: float = 300.0) -> None:
         import uuid
@@ -137,7 +149,7 @@ class DDPRun:
         self.workers = []
 
 
-def ddp_params(model_fn: ModelFn, loss_fn: LossFn, optimizer: AdamW | SGD, batches: Sequence[Batch], *,
+def ddp_params(model_fn: ModelFn, loss_fn: LossFn, optimizer: Factories, batches: Sequence[Batch], *,
                world_size: int, max_grad_norm: float | None = None) -> dict[str, torch.Tensor]:
     """Train ``batches`` with PyTorch DDP on ``world_size`` actors; the final parameters."""
     ddp = DDPRun(model_fn, loss_fn, optimizer, world_size=world_size, max_grad_norm=max_grad_norm)

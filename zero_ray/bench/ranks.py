@@ -32,7 +32,7 @@ from zero_ray.bench.probe import (
 )
 from zero_ray.bench.workloads import Workload
 from zero_ray.core.batching import Batch, batch_size
-from zero_ray.core.optim import AdamW, torch_optimizer
+from zero_ray.core.optim import AdamW
 from zero_ray.errors import ConfigError
 
 
@@ -104,7 +104,7 @@ class SingleRecipe:
     def build(self, ctx: RankContext) -> None:
         self.ctx = ctx
         self.module = ctx.build_module()
-        self.opt = torch_optimizer(ctx.optimizer, list(self.module.named_parameters()))
+        self.opt = ctx.optimizer(self.module)
 
     def step(self, piece: Batch, global_samples: int) -> float:
         self.opt.zero_grad()
@@ -137,8 +137,8 @@ class TorchZeroRecipe:
         self.ctx = ctx
         self.module = DistributedDataParallel(ctx.build_module())
         inner = self.module.module
-        # The same weight-decay groups as torch_optimizer builds for every other system.
-        groups = torch_optimizer(ctx.optimizer, list(inner.named_parameters())).param_groups
+        # The same weight-decay groups as the AdamW factory builds for every other system.
+        groups = ctx.optimizer(inner).param_groups
         cfg = ctx.optimizer
         self.opt = ZeroRedundancyOptimizer(
             [{"params": list(g["params"]), "weight_decay": g["weight_decay"]} for g in groups],
@@ -179,7 +179,7 @@ class FSDP2Recipe:
         self.module = module
         # Parameters are DTensors now, whose .shape is the global one, so the decay rule
         # (>= 2-D and not a bias) sees what it sees everywhere else.
-        self.opt = torch_optimizer(ctx.optimizer, list(module.named_parameters()))
+        self.opt = ctx.optimizer(module)
 
     def step(self, piece: Batch, global_samples: int) -> float:
         return _weighted_step(self.ctx, self.module, self.opt, piece, global_samples)
@@ -214,7 +214,7 @@ class DeepSpeedRecipe:
         stage = int(ctx.options["stage"])
         per_rank = ctx.workload.per_rank_batch
         module = ctx.build_module()
-        opt = torch_optimizer(ctx.optimizer, list(module.named_parameters()))
+        opt = ctx.optimizer(module)
         config = {
             "train_batch_size": per_rank * ctx.world_size,
             "train_micro_batch_size_per_gpu": per_rank,

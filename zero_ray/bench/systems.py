@@ -27,6 +27,7 @@ from zero_ray.bench.ranks import (
     SingleRecipe,
     TorchZeroRecipe,
 )
+from zero_ray.bench.handwritten import HandWrittenAdamW, handwritten_adamw
 from zero_ray.bench.workloads import Workload
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes
 from zero_ray.core.optim import AdamW
@@ -299,17 +300,25 @@ class DDPSystem:
             self._run = None
 
 
+#: zero_ray's optimizer variants for the A/B: the benchmark's AdamW as built (torch's default:
+#: the single-tensor loop on CPU), with foreach or fused kernels, and the pre-torch.optim arithmetic
+OPTIMIZER_VARIANTS = ("", "foreach", "fused", "hand")
+
+
 class ZeroRaySystem:
-    """zero_ray's ``ZeroTrainer`` at one stage."""
+    """zero_ray's ``ZeroTrainer`` at one stage (with one of the ``OPTIMIZER_VARIANTS``)."""
 
     availability_by_trial = False
 
-    def __init__(self, *, stage: int) -> None:
+    def __init__(self, *, stage: int, variant: str = "") -> None:
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_ray {stage=} must be 0, 1, 2 or 3")
+        if variant not in OPTIMIZER_VARIANTS:
+            raise ConfigError(f"optimizer variant {variant!r} is not one of {OPTIMIZER_VARIANTS}")
         self.stage = stage
-        self.name = f"zero{stage}"
-        self.label = f"zero_ray stage {stage}"
+        self.variant = variant
+        self.name = f"zero{stage}" + (f"-{variant}" if variant else "")
+        self.label = f"zero_ray stage {stage}" + (f" ({variant} AdamW)" if variant else "")
         self.paper_stage: int | None = stage
         # Stage 3 is accepted by ZeroConfig before it is implemented; trying it is the test.
         self.availability_by_trial = stage == 3
@@ -334,10 +343,18 @@ class ZeroRaySystem:
         cfg = zr.ZeroConfig(stage=self.stage, world_size=ctx.world_size, device="cpu", backend="gloo",
                             seed=ctx.seed, num_cpus_per_owner=1.0, init_timeout_s=ctx.timeout_s,
                             step_timeout_s=ctx.timeout_s, collective_timeout_s=ctx.timeout_s)
-        self._trainer = zr.ZeroTrainer(ctx.workload.model_fn, ctx.workload.loss_fn, optimizer=ctx.optimizer,
-                                       config=cfg)
+        self._trainer = zr.ZeroTrainer(ctx.workload.model_fn, ctx.workload.loss_fn, optimizer=self._optimizer(ctx),
+                                       config=replace(cfg, optimizer_kinds={HandWrittenAdamW: "elementwise"}))
         if self.stage == 3 and ctx.world_size > 1:
             self._check_parameters_partitioned()
+
+    def _optimizer(self, ctx: SystemContext) -> Any:
+        opt = ctx.optimizer
+        if self.variant == "hand":
+            return handwritten_adamw(opt.lr, opt.weight_decay)
+        if self.variant:
+            return replace(opt, **{self.variant: True})
+        return opt
 
     def _check_parameters_partitioned(self) -> None:
         # A stage that claims to partition parameters must hold less than a whole replica of
@@ -401,6 +418,8 @@ SYSTEMS: Mapping[str, Callable[[], System]] = MappingProxyType({
     "zero1": _factory(ZeroRaySystem, stage=1),
     "zero2": _factory(ZeroRaySystem, stage=2),
     "zero3": _factory(ZeroRaySystem, stage=3),
+    **{f"zero{stage}-{variant}": _factory(ZeroRaySystem, stage=stage, variant=variant)
+       for stage in (1, 2, 3) for variant in OPTIMIZER_VARIANTS if variant},
 })
 
 

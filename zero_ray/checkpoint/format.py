@@ -8,8 +8,10 @@ A checkpoint is a directory::
         ...
 
 Each rank file holds 1-D fp32 tensors, one per (kind, parameter fragment): ``master`` weights and
-each optimizer moment (``exp_avg``, ...) over elements ``[start, end)`` of the flattened
-parameter, plus ``rng/torch`` (the rank's RNG state) and, on rank 0, ``buffer`` tensors. Because
+each element-wise optimizer state (``state.exp_avg``, ...) over elements ``[start, end)`` of the
+flattened parameter; the whole-tensor optimizer state of the parameters it updated whole
+(``whole.momentum_buffer``, ...: all of it, flattened); ``rng/torch`` (the rank's RNG state)
+and, on rank 0, ``buffer`` tensors. Because
 entries are addressed by parameter name and element range, not by the saving run's buckets, any
 layout (stage, world size, bucket size) reads exactly the ranges it needs: that is resharding.
 
@@ -29,7 +31,7 @@ from typing import Any
 
 from zero_ray.errors import CheckpointError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the user's torch.optim optimizers (state by name, whole-tensor state, schedulers)
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 DEFAULT_CHUNK_BYTES = 4 * 2**20
@@ -37,6 +39,16 @@ DEFAULT_CHUNK_BYTES = 4 * 2**20
 MASTER = "master"
 BUFFER = "buffer"
 RNG = "rng"
+STATE_PREFIX = "state."  # element-wise optimizer state, by element range like the master
+WHOLE_PREFIX = "whole."  # whole-tensor optimizer state, whole
+
+
+def state_kind(name: str) -> str:
+    return STATE_PREFIX + name
+
+
+def whole_kind(name: str) -> str:
+    return WHOLE_PREFIX + name
 
 
 def shard_file_name(rank: int, world_size: int) -> str:
@@ -82,7 +94,7 @@ class ShardFile:
 class ParamRecord:
     """A parameter of the saved model: ``name`` as in ``named_parameters()``, every name it has in
     ``state_dict()`` (tied weights have several), shape, dtype, where the saving layout put it,
-    and whether it was trained (a frozen parameter has master values only, no moments)."""
+    and whether it was trained (a frozen parameter has master values only, no optimizer state)."""
 
     name: str
     aliases: tuple[str, ...]
@@ -95,10 +107,6 @@ class ParamRecord:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-    def kinds(self, moments: Sequence[str]) -> tuple[str, ...]:
-        """The kinds saved for this parameter: master, and the moments when it was trained."""
-        return (MASTER, *moments) if self.trainable else (MASTER,)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,22 +127,27 @@ class Manifest:
     format_version: int
     step: int  # trainer steps completed: the data position is step * global batch
     samples_seen: int
-    optimizer_steps: int  # updates applied (fp16 overflow skips excluded): Adam's bias correction
+    optimizer_steps: int  # updates applied (fp16 overflow skips excluded)
     world_size: int
     stage: int
     compute_dtype: str
     seed: int
     params: tuple[ParamRecord, ...]
     buckets: tuple[BucketRecord, ...]
-    optimizer: Mapping[str, Any]  # {"type": "AdamW", hyperparameters...}
-    param_groups: Mapping[str, tuple[str, ...]]  # "decay" / "no_decay" -> parameter names
-    moments: tuple[str, ...]  # the optimizer state saved per element
+    # The user's optimizers: per optimizer its class ("type"), how it ran ("kind"), constructor
+    # defaults and groups (hyperparameters as built, parameters by name).
+    optimizers: tuple[Mapping[str, Any], ...]
+    # What every rank held alike: each optimizer's current group hyperparameters (a scheduler
+    # changes lr) and each scheduler's class and state_dict.
+    hyper: Mapping[str, Any]
+    # Per parameter with optimizer state: its scalars (e.g. step), element-wise state names and
+    # whole-tensor state shapes (core/optim_state.py); a parameter without an entry had none.
+    param_state: Mapping[str, Mapping[str, Any]]
     loss_scaler: Mapping[str, float]
     files: tuple[ShardFile, ...]
     extra: Mapping[str, Any] = field(default_factory=dict)
-    # Parameters whose own optimizer step count differs from optimizer_steps (a parameter no rank
-    # had a gradient for in some steps is skipped, as torch.optim skips grad=None): name -> steps.
-    param_steps: Mapping[str, int] = field(default_factory=dict)
+    # The run's settings that change the math (what a resume without a config restores).
+    training: Mapping[str, Any] = field(default_factory=dict)
     # Not an __init__ argument, so dataclasses.replace() builds a fresh index for the new files.
     _index: dict[tuple[str, str], list[tuple[int, Entry]]] = field(default_factory=dict, init=False, compare=False,
                                                                    repr=False)
@@ -162,18 +175,27 @@ class Manifest:
             files = tuple(shard_file_from_data(f) for f in data.pop("files"))
             params = _param_records(data.pop("params"))
             buckets = _bucket_records(data.pop("buckets"))
-            groups = {k: tuple(v) for k, v in data.pop("param_groups").items()}
-            return cls(**{**data, "files": files, "params": params, "buckets": buckets, "param_groups": groups,
-                          "moments": tuple(data["moments"])})
+            return cls(**{**data, "files": files, "params": params, "buckets": buckets,
+                          "optimizers": tuple(data["optimizers"])})
         except (KeyError, TypeError) as err:
             raise CheckpointError(f"{where} lacks or misnames a field ({err!r}); the checkpoint is corrupt") from err
 
     # -- queries ------------------------------------------------------------------------------
-    def steps_of(self, name: str) -> int:
-        """Optimizer steps parameter ``name`` has taken (0 when it was saved frozen)."""
-        if not self.param(name).trainable:
-            return 0
-        return int(self.param_steps.get(name, self.optimizer_steps))
+    def kinds(self, name: str) -> tuple[str, ...]:
+        """The kinds saved by element range for parameter ``name``: master, and its element-wise
+        optimizer state (none when frozen or never stepped)."""
+        entry = self.param_state.get(name, {})
+        return (MASTER, *(state_kind(k) for k in entry.get("elementwise", ())))
+
+    def whole_kinds(self, name: str) -> dict[str, tuple[int, ...]]:
+        """Parameter ``name``'s whole-tensor state saved: kind -> shape."""
+        entry = self.param_state.get(name, {})
+        return {whole_kind(k): tuple(v["shape"]) for k, v in entry.get("whole", {}).items()}
+
+    @property
+    def optimizer_types(self) -> list[str]:
+        """The saved optimizers' classes, short names (for messages)."""
+        return [str(o.get("type", "?")).rsplit(".", 1)[-1] for o in self.optimizers]
 
     def param(self, name: str) -> ParamRecord:
         if not self._by_name:
@@ -232,20 +254,25 @@ def shard_file_from_data(data: Mapping[str, Any]) -> ShardFile:
                         "entries": tuple(Entry(**{**e, "shape": tuple(e["shape"])}) for e in data["entries"])})
 
 
-def build_manifest(*, model: Mapping[str, Any], files: Sequence[ShardFile], step: int, samples_seen: int,
-                   world_size: int, stage: int, compute_dtype: str, seed: int, optimizer: Mapping[str, Any],
-                   extra: Mapping[str, Any] | None = None) -> Manifest:
-    """The manifest of a save: ``model`` is rank 0's description of the layout (parameters,
-    buckets, groups, moments, optimizer steps, loss scaler), ``files`` every rank's record."""
+def build_manifest(*, models: Sequence[Mapping[str, Any]], files: Sequence[ShardFile], step: int,
+                   samples_seen: int, world_size: int, stage: int, compute_dtype: str, seed: int,
+                   extra: Mapping[str, Any] | None = None, training: Mapping[str, Any] | None = None) -> Manifest:
+    """The manifest of a save: ``models`` are every rank's description (``models[0]``'s layout,
+    optimizers and counters, which every rank shares; the parameters' optimizer state entries
+    merged over ranks, each rank knowing those of what it updates), ``files`` every rank's record."""
+    model = models[0]
+    param_state: dict[str, Any] = {}
+    for m in models:
+        for name, entry in m["param_state"].items():
+            param_state.setdefault(name, entry)
     return Manifest(
         format_version=FORMAT_VERSION, step=step, samples_seen=samples_seen,
         optimizer_steps=int(model["optimizer_steps"]), world_size=world_size, stage=stage,
         compute_dtype=compute_dtype, seed=seed,
         params=_param_records(model["params"]), buckets=_bucket_records(model["buckets"]),
-        optimizer=dict(optimizer), param_groups={k: tuple(v) for k, v in model["param_groups"].items()},
-        moments=tuple(model["moments"]), loss_scaler=dict(model["loss_scaler"]),
-        files=tuple(sorted(files, key=lambda f: f.rank)), extra=dict(extra or {}),
-        param_steps=dict(model.get("param_steps", {})))
+        optimizers=tuple(model["optimizers"]), hyper=dict(model["hyper"]),
+        param_state=dict(sorted(param_state.items())), loss_scaler=dict(model["loss_scaler"]),
+        files=tuple(sorted(files, key=lambda f: f.rank)), extra=dict(extra or {}), training=dict(training or {}))
 
 
 @dataclass(frozen=True, kw_only=True)

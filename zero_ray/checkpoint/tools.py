@@ -21,7 +21,17 @@ from typing import Any
 import torch
 
 from zero_ray.checkpoint import store
-from zero_ray.checkpoint.format import BUFFER, DEFAULT_CHUNK_BYTES, MASTER, RNG, BucketRecord, Manifest, shard_file_name
+from zero_ray.checkpoint.format import (
+    BUFFER,
+    DEFAULT_CHUNK_BYTES,
+    MASTER,
+    RNG,
+    STATE_PREFIX,
+    WHOLE_PREFIX,
+    BucketRecord,
+    Manifest,
+    shard_file_name,
+)
 from zero_ray.checkpoint.shardfile import Item, safetensors_header, tensor_bytes, write_shard
 from zero_ray.checkpoint.storage import Storage, fsync_dir
 from zero_ray.checkpoint.store import CheckpointReader
@@ -53,8 +63,9 @@ def inspect_checkpoint(path: str, *, verify: bool = False, storage: Storage | No
         "world_size": m.world_size,
         "compute_dtype": m.compute_dtype,
         "seed": m.seed,
-        "optimizer": dict(m.optimizer),
-        "moments": list(m.moments),
+        "optimizers": [{"type": o["type"], "kind": o["kind"], "groups": len(o["groups"])} for o in m.optimizers],
+        "schedulers": [s["type"] for s in m.hyper.get("schedulers", [])],
+        "state": sorted({k for e in m.param_state.values() for k in (*e.get("elementwise", ()), *e.get("whole", {}))}),
         "loss_scaler": dict(m.loss_scaler),
         "params": len(m.params),
         "elements": sum(p.numel for p in m.params),
@@ -77,17 +88,24 @@ def layout_of(manifest: Manifest, world_size: int) -> FlatLayout:
 
 def _rank_items(reader: CheckpointReader, layout: FlatLayout, rank: int) -> list[Item]:
     """Everything rank ``rank`` of ``layout`` would have saved, read from ``reader``: master and
-    moments of its shard range (in the order an owner writes them), its RNG state if the saving
-    run had that rank, and on rank 0 the module's buffers and the RNG states of saving ranks the
-    new layout lacks (kept so that resharding back restores them)."""
+    element-wise optimizer state of its shard range (in the order an owner writes them), on the
+    rank its parameters' bucket shards put first the whole-tensor state (where it lands matters
+    not: readers find it by name), its RNG state if the saving run had that rank, and on rank 0
+    the module's buffers and the RNG states of saving ranks the new layout lacks (kept so that
+    resharding back restores them)."""
     m = reader.manifest
     items: list[Item] = []
     for bucket in layout.buckets:
         for f in layout.shard_fragments(bucket.index, rank):
             name = layout.params[f.param].name
-            for kind in m.params[f.param].kinds(m.moments):
+            for kind in m.kinds(name):
                 items.append(Item(key=f"{kind}/{name}/{f.param_start}", kind=kind, name=name, start=f.param_start,
                                   end=f.param_end, tensor=reader.read(kind, name, f.param_start, f.param_end)))
+            if f.param_start == 0:  # the rank holding a parameter's first element takes its whole state
+                for kind, shape in m.whole_kinds(name).items():
+                    numel = math.prod(shape)
+                    items.append(Item(key=f"{kind}/{name}/0", kind=kind, name=name, start=0, end=numel,
+                                      tensor=reader.read(kind, name, 0, numel)))
     copied = list(m.entries(RNG, f"torch/{rank}"))  # a copy: entries() returns the manifest's own index
     if rank == 0:
         copied += [(i, e) for i, e in m.entries_of_kind(RNG) if e.name not in _rng_names(layout.world_size)]
@@ -116,8 +134,8 @@ def reshard(path: str, out: str, *, world_size: int, keep: int | None = None,
         raise CheckpointError(f"reshard's output {out} is the checkpoint being read; pass a checkpoint root such as "
                               "its parent or a new directory")
     m = reader.manifest
-    known = {MASTER, RNG, BUFFER, *m.moments}
-    unknown = sorted({e.kind for f in m.files for e in f.entries} - known)
+    unknown = sorted({e.kind for f in m.files for e in f.entries if e.kind not in (MASTER, RNG, BUFFER)
+                      and not e.kind.startswith((STATE_PREFIX, WHOLE_PREFIX))})
     if unknown:
         raise CheckpointError(f"{reader.path} holds entries of kinds {unknown} this zero_ray cannot place in a new "
                               "layout; reshard it with the zero_ray version that wrote it")

@@ -70,8 +70,8 @@ def _run(args: argparse.Namespace, action: Callable[[], str]) -> int:
 
 def format_inspection(info: dict[str, Any]) -> str:
     """The text ``zero-ray checkpoint inspect`` prints for ``inspect_checkpoint``'s result."""
-    opt = dict(info["optimizer"])
-    hyper = " ".join(f"{k}={v}" for k, v in sorted(opt.items()) if k != "type")
+    optimizers = ", ".join(f"{o['type'].rsplit('.', 1)[-1]} ({o['kind']}, {o['groups']} groups)"
+                           for o in info["optimizers"])
     lines = [
         f"checkpoint      {info['path']}",
         f"format version  {info['format_version']}",
@@ -79,8 +79,9 @@ def format_inspection(info: dict[str, Any]) -> str:
         f"stage           {info['stage']}",
         f"world size      {info['world_size']}",
         f"compute dtype   {info['compute_dtype']}",
-        f"optimizer       {opt.get('type', '?')} {hyper}".rstrip(),
-        f"moments         {', '.join(info['moments']) or '-'}",
+        f"optimizers      {optimizers or '-'}",
+        f"scheduler       {', '.join(t.rsplit('.', 1)[-1] for t in info['schedulers']) or '-'}",
+        f"state           {', '.join(info['state']) or '-'}",
         f"loss scaler     {' '.join(f'{k}={v}' for k, v in sorted(info['loss_scaler'].items())) or '-'}",
         f"parameters      {info['params']} ({info['elements']:,} elements in {info['buckets']} buckets; "
         f"{info['trainable_elements']:,} trainable), {info['buffers']} buffers",

@@ -52,6 +52,13 @@ class Collective(Protocol):
         """Sum a few control scalars (norms, overflow flags) across ranks."""
         ...
 
+    def send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], *,
+                  op: str) -> None:
+        """Point to point: send each ``(tensor, peer)`` and receive into each ``(tensor, peer)``,
+        all at once, counting the bytes sent under ``op``. Messages between two ranks pair up
+        in the order each side lists them."""
+        ...
+
     def barrier(self) -> None: ...
 
     def destroy(self) -> None: ...
@@ -87,6 +94,11 @@ class SoloGroup:
 
     def all_reduce_values(self, values: list[float]) -> list[float]:
         return list(values)
+
+    def send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], *,
+                  op: str) -> None:
+        if sends or recvs:
+            raise ValueError(f"{op}: a world of one rank has no peer to exchange {len(sends) + len(recvs)} messages with")
 
     def barrier(self) -> None:
         return None

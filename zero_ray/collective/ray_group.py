@@ -168,6 +168,11 @@ class RingGroup:
             total.add_(row)
         return total[: len(values)].tolist()
 
+    def send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], *,
+                  op: str) -> None:
+        if sends or recvs:
+            self._round(op, sends, recvs)
+
     def barrier(self) -> None:
         self.all_reduce_values([0.0])
 
@@ -224,6 +229,25 @@ class NcclGroup:
         t = torch.tensor(values, dtype=torch.float64, device="cuda")
         self._col.allreduce(t, group_name=self.group_name)
         return t.tolist()
+
+    def send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], *,
+                  op: str) -> None:
+        # ray.util.collective's NCCL send/recv block one message at a time, so every pair of
+        # ranks exchanges in one global order (pairs by (low, high) rank; the lower rank sends
+        # first): the earliest unfinished pair always has both ranks waiting on it.
+        peers = sorted({p for _, p in sends} | {p for _, p in recvs},
+                       key=lambda p: (min(p, self.rank), max(p, self.rank)))
+        for peer in peers:
+            out = [t for t, p in sends if p == peer]
+            into = [t for t, p in recvs if p == peer]
+            steps = [("send", out), ("recv", into)] if self.rank < peer else [("recv", into), ("send", out)]
+            for what, tensors in steps:
+                for t in tensors:
+                    if what == "send":
+                        self._col.send(t, peer, group_name=self.group_name)
+                        self.counters.add(op, t.numel() * t.element_size())
+                    else:
+                        self._col.recv(t, peer, group_name=self.group_name)
 
     def barrier(self) -> None:
         self._col.barrier(group_name=self.group_name)

@@ -146,6 +146,12 @@ class CommStream:
             return list(values)
         return self.run(lambda: self.group.all_reduce_values(values))
 
+    def send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], *,
+                  op: str) -> None:
+        """Point-to-point messages (``Collective.send_recv``), as a job waited for."""
+        if sends or recvs:
+            self.run(lambda: self.group.send_recv(sends, recvs, op=op))
+
     def reduce_scatter(self, buf: torch.Tensor, *, op: str) -> torch.Tensor:
         """Reduce-scatter ``buf`` in place; this rank's summed chunk (call on the stream)."""
         if self.group.world_size == 1:

@@ -9,7 +9,7 @@ for a refused token), naming the method, the address and the status; the
 Example::
 
     client = OwnerClient(ClientConfig(address="10.0.0.5:41003", credentials=creds))
-    result = client.step(StepArgs(step=7, lr=1e-4, piece=Piece(batch_key="0:7"), global_samples=256, generation=0),
+    result = client.step(StepArgs(step=7, piece=Piece(batch_key="0:7"), global_samples=256, generation=0),
                          timeout_s=600)
     client.close()
 """
@@ -296,12 +296,12 @@ class OwnerClient(_Client):
 
     def step(self, args: StepArgs, *, timeout_s: float | None = None) -> StepResult:
         """Run one step on the owner; ``timeout_s`` should cover the step's compute."""
-        request = owner_pb2.StepRequest(header=self._header(), step=args.step, lr=args.lr, piece=_piece(args.piece),
+        request = owner_pb2.StepRequest(header=self._header(), step=args.step, piece=_piece(args.piece),
                                         global_samples=args.global_samples, generation=args.generation)
         reply = self._unary("Step", self._stub.Step, request, timeout_s)
         return StepResult(totals=_totals(reply.totals), grad_norm=reply.grad_norm,
                           skipped=reply.skipped, loss_scale=reply.loss_scale, compute_seconds=reply.compute_seconds,
-                          rank=reply.rank, bytes_sent=dict(reply.bytes_sent))
+                          rank=reply.rank, bytes_sent=dict(reply.bytes_sent), lr=reply.lr)
 
     def evaluate(self, args: EvaluateArgs, *, timeout_s: float | None = None) -> EvaluateResult:
         """The owner's loss on its piece, forward only."""

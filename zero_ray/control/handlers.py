@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import enum
 
-import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -99,7 +98,6 @@ class StepArgs:
     """One training step, as the driver asks an owner to run it."""
 
     step: int
-    lr: float
     piece: Piece
     global_samples: int
     # The driver's restart/resize generation; ``abort`` names the one it cancels.
@@ -107,8 +105,6 @@ class StepArgs:
 
     def __post_init__(self) -> None:
         _non_negative(step=self.step, global_samples=self.global_samples, generation=self.generation)
-        if not math.isfinite(self.lr):
-            raise ConfigError(f"lr={self.lr} must be finite")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +118,7 @@ class StepResult:
     compute_seconds: float
     rank: int
     bytes_sent: Mapping[str, int] = field(default_factory=dict)
+    lr: float = 0.0  # what the step used: the first optimizer's first param group
 
 
 @dataclass(frozen=True, kw_only=True)

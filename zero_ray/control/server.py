@@ -253,7 +253,7 @@ def _step_reply(result: StepResult) -> owner_pb2.StepReply:
     return owner_pb2.StepReply(totals=_totals(result.totals), grad_norm=result.grad_norm,
                                skipped=result.skipped, loss_scale=result.loss_scale,
                                compute_seconds=result.compute_seconds, bytes_sent=dict(result.bytes_sent),
-                               rank=result.rank)
+                               rank=result.rank, lr=result.lr)
 
 
 def _heartbeat(beat: Heartbeat) -> owner_pb2.Heartbeat:
@@ -290,7 +290,7 @@ class _OwnerServicer(owner_pb2_grpc.PartitionOwnerServicer):
     def Step(self, request: owner_pb2.StepRequest, context: grpc.ServicerContext) -> owner_pb2.StepReply:
         method = "PartitionOwner.Step"
         args = _serve(context, method, lambda: StepArgs(
-            step=request.step, lr=request.lr, piece=_piece(request.piece), global_samples=request.global_samples,
+            step=request.step, piece=_piece(request.piece), global_samples=request.global_samples,
             generation=request.generation), lambda a: a)
         return _serve(context, method, lambda: self._handler.step(args), _step_reply)
 

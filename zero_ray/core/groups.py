@@ -71,12 +71,14 @@ def group_policy(plan: StagePlan, *, trainable: bool, persistent: bool = False) 
 @dataclass(frozen=True, kw_only=True)
 class GroupSpec:
     """One group: its layout bucket (the same index), its parameters (layout indices, in bucket
-    order), the stage-3 unit it is gathered with (None: not gathered per use) and its policy."""
+    order), the stage-3 unit it is gathered with (None: not gathered per use), its policy and
+    the optimizer that steps it."""
 
     index: int
     params: tuple[int, ...]
     unit: int | None
     policy: GroupPolicy
+    optimizer: int | None = None  # which of the run's optimizers steps these parameters (None: none)
 
 
 def size_buckets(numels: Sequence[int], members: Sequence[int], *, bucket_numel: int) -> list[list[int]]:
@@ -99,37 +101,54 @@ def size_buckets(numels: Sequence[int], members: Sequence[int], *, bucket_numel:
     return groups
 
 
+def _by_optimizer(members: Sequence[int], optimizer_of: Sequence[int | None]) -> list[tuple[list[int], int | None]]:
+    """``members`` split by the optimizer that steps them, in optimizer order (None last), so a
+    group's state is all of one optimizer's kind."""
+    keys = sorted({optimizer_of[i] for i in members}, key=lambda o: (o is None, o or 0))
+    return [([i for i in members if optimizer_of[i] == o], o) for o in keys]
+
+
 def plan_groups(plan: StagePlan, *, shapes: Sequence[tuple[int, ...]], trainable: Sequence[bool],
-                bucket_numel: int, units: UnitPlan | None = None) -> list[GroupSpec]:
+                bucket_numel: int, units: UnitPlan | None = None,
+                optimizer_of: Sequence[int | None] | None = None) -> list[GroupSpec]:
     """Every group of a model, in layout-bucket order.
 
     Without units (parameters whole on every rank): trainable parameters in size buckets, then
     the frozen ones in size buckets of their own, so a bucket is all trainable or all frozen and
     the trainable buckets keep the order they would have without any frozen parameter. With
     units (stage 3): per unit its trainable parameters, then its frozen ones (gathered together,
-    reduced apart); then the persistent parameters, trainable then frozen.
+    reduced apart); then the persistent parameters, trainable then frozen. Trainable parameters
+    are further split by ``optimizer_of`` (which optimizer steps each; None: none), so each
+    group's optimizer state is of one optimizer.
     """
     if len(shapes) != len(trainable):
         raise ConfigError(f"{len(shapes)} parameter shapes but {len(trainable)} trainable flags")
+    of = list(optimizer_of) if optimizer_of is not None else [0 if t else None for t in trainable]
+    if len(of) != len(shapes):
+        raise ConfigError(f"{len(shapes)} parameter shapes but {len(of)} optimizer assignments")
     numels = [math.prod(s) for s in shapes]
     train = [i for i, t in enumerate(trainable) if t]
     frozen = [i for i, t in enumerate(trainable) if not t]
-    placed: list[tuple[list[int], int | None, GroupPolicy]] = []
+    placed: list[tuple[list[int], int | None, GroupPolicy, int | None]] = []
     if units is None:
         if plan.parameters is Residency.SHARDED:
             raise ConfigError(f"stage {plan.stage} partitions parameters: its groups need a unit plan")
-        for members, flag in ((train, True), (frozen, False)):
-            policy = group_policy(plan, trainable=flag)
-            placed += [(g, None, policy) for g in size_buckets(numels, members, bucket_numel=bucket_numel)]
+        policy = group_policy(plan, trainable=True)
+        for members, o in _by_optimizer(train, of):
+            placed += [(g, None, policy, o) for g in size_buckets(numels, members, bucket_numel=bucket_numel)]
+        policy = group_policy(plan, trainable=False)
+        placed += [(g, None, policy, None) for g in size_buckets(numels, frozen, bucket_numel=bucket_numel)]
     else:
         for u in units.units:
-            for flag in (True, False):
-                members = [i for i in u.params if trainable[i] == flag]
-                if members:
-                    placed.append((members, u.index, group_policy(plan, trainable=flag)))
-        for flag in (True, False):
-            members = [i for i in units.persistent if trainable[i] == flag]
+            for members, o in _by_optimizer([i for i in u.params if trainable[i]], of):
+                placed.append((members, u.index, group_policy(plan, trainable=True), o))
+            members = [i for i in u.params if not trainable[i]]
             if members:
-                placed.append((members, None, group_policy(plan, trainable=flag, persistent=True)))
-    return [GroupSpec(index=k, params=tuple(members), unit=unit, policy=policy)
-            for k, (members, unit, policy) in enumerate(placed)]
+                placed.append((members, u.index, group_policy(plan, trainable=False), None))
+        for members, o in _by_optimizer([i for i in units.persistent if trainable[i]], of):
+            placed.append((members, None, group_policy(plan, trainable=True, persistent=True), o))
+        members = [i for i in units.persistent if not trainable[i]]
+        if members:
+            placed.append((members, None, group_policy(plan, trainable=False, persistent=True), None))
+    return [GroupSpec(index=k, params=tuple(members), unit=unit, policy=policy, optimizer=o)
+            for k, (members, unit, policy, o) in enumerate(placed)]

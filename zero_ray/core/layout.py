@@ -149,6 +149,17 @@ class FlatLayout:
             groups.append(current)
         return cls.build(specs, world_size=world_size, groups=groups)
 
+    def describe(self) -> dict[str, list]:
+        """The parameters and bucket groups as plain data (``from_description`` rebuilds it at
+        any world size: buckets do not depend on it, only their padding does)."""
+        return {"specs": [[p.name, list(p.shape), p.dtype] for p in self.params],
+                "groups": [list(b.params) for b in self.buckets]}
+
+    @classmethod
+    def from_description(cls, data: dict[str, list], *, world_size: int) -> FlatLayout:
+        return cls.build([(name, tuple(shape), dtype) for name, shape, dtype in data["specs"]],
+                         world_size=world_size, groups=data["groups"])
+
     # -- queries ------------------------------------------------------------------------------
     def param(self, name: str) -> ParamSpec:
         try:

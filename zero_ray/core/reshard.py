@@ -13,8 +13,9 @@ Pure: imports neither ray nor grpc nor torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from zero_ray.errors import ConfigError
 
@@ -65,6 +66,33 @@ def plan_moves(bucket_numels: Sequence[int], *, old_world: int, new_world: int, 
                 end = min(hi, (src + 1) * old_shard)
                 moves.append(Move(bucket=index, start=pos, end=end, src=src, dst=dst))
                 pos = end
+    return moves
+
+
+@dataclass(frozen=True, kw_only=True)
+class WholeMove:
+    """Whole-tensor optimizer state ``key`` of parameter ``param`` (``shape``, ``dtype``) from
+    old rank ``src`` (its assignee) to new rank ``dst``."""
+
+    param: int
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    src: int
+    dst: int
+
+
+def plan_whole_moves(table: Mapping[int, Mapping[str, Any]], *, old_assignee: Mapping[int, int],
+                     new_assignee: Mapping[int, int], new_world: int, replicated: bool) -> list[WholeMove]:
+    """Every whole-tensor state tensor's move from the old layout's assignee of its parameter
+    to the new one's (to every new rank where the optimizer is replicated), in an order every
+    rank computes identically."""
+    moves = []
+    for param in sorted(table):
+        for key, desc in sorted(table[param].get("whole", {}).items()):
+            dsts = range(new_world) if replicated else [new_assignee[param]]
+            moves += [WholeMove(param=param, key=key, shape=tuple(desc["shape"]), dtype=desc["dtype"],
+                                src=old_assignee[param], dst=d) for d in dsts]
     return moves
 
 

@@ -1,8 +1,9 @@
-"""Learning-rate schedules: a step index in, a multiplier of the optimizer's ``lr`` out.
+"""A learning-rate schedule convenience: a factory of torch's own ``LambdaLR``.
 
-The driver evaluates the schedule and sends each step's lr with the step, so every rank uses
-the same value. Step ``t`` (0-based) uses ``lr * schedule(t)``, as ``torch.optim.lr_scheduler
-.LambdaLR`` does when ``scheduler.step()`` follows ``optimizer.step()``.
+``lr_scheduler=`` takes any factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``;
+``WarmupCosine(...)`` is one, for the common linear warm-up and cosine decay. Step ``t``
+(0-based, counting optimizer steps) uses ``lr * multiplier(t)``: ``LambdaLR`` stepped once after
+each ``optimizer.step()``.
 """
 
 from __future__ import annotations
@@ -10,20 +11,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from zero_ray.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)
-class Constant:
-    """The optimizer's lr at every step."""
-
-    def __call__(self, step: int) -> float:
-        return 1.0
-
-
-@dataclass(frozen=True, kw_only=True)
 class WarmupCosine:
-    """Linear warm-up from ``1/(warmup_steps+1)`` to 1, then cosine decay to ``min_ratio``."""
+    """Linear warm-up from ``1/(warmup_steps+1)`` to 1, then cosine decay to ``min_ratio``, as
+    a factory of ``torch.optim.lr_scheduler.LambdaLR``."""
 
     warmup_steps: int = 0
     total_steps: int
@@ -37,8 +33,11 @@ class WarmupCosine:
         if not 0.0 <= self.min_ratio <= 1.0:
             raise ConfigError(f"{self.min_ratio=} must be in [0, 1]")
 
-    def __call__(self, step: int) -> float:
+    def multiplier(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / (self.warmup_steps + 1)
         progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, self.multiplier)

@@ -3,9 +3,9 @@
 ``torch.optim`` skips a parameter whose ``.grad`` is None: no weight decay, no moment update,
 no step count. In data parallelism a parameter has a gradient when any rank produced one in
 any micro-batch (DDP with ``find_unused_parameters`` reduces the others' zeros). So every rank
-marks the parameters it saw a gradient for, one small all-reduce sums the marks, and each
-parameter keeps its own step count (Adam's bias correction and SGD's first momentum step
-read it), as torch keeps ``state["step"]`` per parameter.
+marks the parameters it saw a gradient for, one small all-reduce sums the marks, and the
+optimizer is given ``grad=None`` for the others on every rank (torch keeps each parameter's own
+``state["step"]``).
 
 The marks travel as float64 sums (``Collective.all_reduce_values``): a mark is 0 or 1 per rank,
 so a sum is at most ``world_size``, and several sums are packed into one float as digits of
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from zero_ray.errors import ConfigError
 
@@ -56,35 +55,3 @@ def unpack_marks(values: Sequence[float], count: int, world_size: int) -> list[b
     if len(out) != count:
         raise ConfigError(f"{len(values)} packed values hold {len(out)} marks, not {count}")
     return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class UpdateRun:
-    """A contiguous range ``[start, end)`` of an update slice whose parameters all take one
-    optimizer step numbered ``step``."""
-
-    start: int
-    end: int
-    step: int
-
-
-def update_runs(pieces: Sequence[tuple[int, int, int]], *, numel: int, used: Sequence[bool],
-                steps: Sequence[int]) -> list[UpdateRun]:
-    """How to update a slice of ``numel`` elements whose ``pieces`` are ``(parameter, start,
-    end)`` (slice coordinates, in order): the ranges of used parameters, each with the step
-    number its parameter takes (``steps[p] + 1``). When every parameter in the slice is used
-    and at the same step, one run covers the whole slice, padding included (updating padding's
-    zeros leaves them zero), which is the single optimizer call a step makes normally."""
-    if all(used[p] for p, _, _ in pieces) and len({steps[p] for p, _, _ in pieces}) <= 1:
-        step = steps[pieces[0][0]] + 1 if pieces else 1
-        return [UpdateRun(start=0, end=numel, step=step)] if pieces else []
-    runs: list[UpdateRun] = []
-    for p, start, end in pieces:
-        if not used[p]:
-            continue
-        step = steps[p] + 1
-        if runs and runs[-1].end == start and runs[-1].step == step:
-            runs[-1] = UpdateRun(start=runs[-1].start, end=end, step=step)
-        else:
-            runs.append(UpdateRun(start=start, end=end, step=step))
-    return runs

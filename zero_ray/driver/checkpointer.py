@@ -42,7 +42,6 @@ class RunPosition:
     stage: int
     compute_dtype: str
     seed: int
-    optimizer: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. fit()'s data order, to resume it
 
 
@@ -89,11 +88,11 @@ class Checkpointer:
         try:
             replies = self._pool.save(pending.tmp, position.step, phase=SavePhase.AWAIT, timeout_s=self._timeout_s)
             records = [json.loads(r.record_json) for r in replies]
-            manifest = build_manifest(model=records[0], files=[shard_file_from_data(r["file"]) for r in records],
+            manifest = build_manifest(models=records, files=[shard_file_from_data(r["file"]) for r in records],
                                       step=position.step, samples_seen=position.samples_seen,
                                       world_size=position.world_size, stage=position.stage,
                                       compute_dtype=position.compute_dtype, seed=position.seed,
-                                      optimizer=position.optimizer, extra=position.extra)
+                                      extra=position.extra)
             path = store.commit(pending, manifest, keep=self._keep)
         except BaseException as err:  # the previous checkpoint stays the committed one
             log.error("checkpoint %s abandoned: %s", pending.final, err)

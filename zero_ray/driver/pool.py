@@ -38,6 +38,7 @@ from zero_ray.driver.fanout import FanOut
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.errors import ConfigError, OwnerLostError, ResourceError
 from zero_ray.owner.actor import OwnerOptions, RemotePartitionOwner
+from zero_ray.owner.resize import merge_descriptions
 from zero_ray.owner.spec import EngineSpec
 
 log = logging.getLogger(__name__)
@@ -373,7 +374,8 @@ class OwnerPool:
         if lost:  # every owner must take part in the transfer: recover first
             rank = min(lost)
             raise OwnerLostError(f"cannot resize: partition owner {self.where(rank)} is gone ({lost[rank]})", rank=rank)
-        info = self.fan.ray(self.actors[:1], "resize_info", timeout_s=self.spec.init_timeout_s, watch=False)[0]
+        info = merge_descriptions(self.fan.ray(self.actors, "resize_info", timeout_s=self.spec.init_timeout_s,
+                                               watch=False))
         if world_size > old:
             check_resources(world_size=world_size, use_gpu=self.spec.use_gpu,
                             num_cpus_per_owner=self.spec.num_cpus_per_owner)

@@ -273,9 +273,8 @@ class RecoveryController:
         if missing:
             raise CheckpointError(f"no surviving peer holds a snapshot of ranks {missing} (their backups were lost "
                                   "too); restore from a checkpoint instead")
-        scalars = next(iter(held[survivors[0]].values()))["scalars"]
-        plan = {"buckets": scalars["buckets"], "whole": scalars["whole"], "kinds": scalars["kinds"],
-                "old_world": old_world, "holders": [holder[r] for r in range(old_world)], "scalars": scalars}
+        scalars = next(iter(held[survivors[0]].values()))["scalars"]  # with the layout and the merged state table
+        plan = {"old_world": old_world, "holders": [holder[r] for r in range(old_world)], "scalars": scalars}
         pool.rebuild(survivors, target, restore=lambda position: plan)
         return step + 1
 

@@ -28,7 +28,14 @@ from zero_ray.control.handlers import EvaluateArgs, JobStatus, MetricsEvent, Ste
 from zero_ray.control.server import ServerConfig, serve_coordinator
 from zero_ray.core.batching import Batch
 from zero_ray.core.devices import resolve_device
-from zero_ray.core.optim import AdamW, Optimizer, optimizer_from_record, optimizer_record
+from zero_ray.core.optim import (
+    AdamW,
+    OptimizerFactory,
+    SchedulerFactory,
+    check_optimizer_factories,
+    check_scheduler_factory,
+    recorded_factories,
+)
 from zero_ray.core.policy import FailurePolicy, ScalingPolicy
 from zero_ray.core.precision import parse_dtype
 from zero_ray.core.stages import stage_plan
@@ -78,27 +85,39 @@ class ZeroTrainer:
     loss_fn: ``(module, batch) -> loss``: the mean loss over that batch, or the pair
         ``(loss_sum, count)`` (the sum of per-item losses and how many items it covers: the step
         then trains on the exact mean over every item of the global batch).
-    optimizer: ``zr.AdamW(...)`` (default) or ``zr.SGD(...)``.
+    optimizer: a factory ``model -> torch.optim.Optimizer`` written as in one process (any param
+        groups and hyperparameters, from ``model.parameters()`` or ``named_parameters()``), or a
+        list of them (e.g. Muon for the hidden matrices, AdamW for the rest). Every owner calls
+        it on its own model and runs that class over its partition. Default ``zr.AdamW()``.
+    lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, applied to
+        each optimizer and stepped once per optimizer step; or None.
     config: a ``zr.ZeroConfig``.
     """
 
-    def __init__(self, model_fn: ModelFn, loss_fn: LossFn, *, optimizer: Optimizer | None = None,
-                 config: ZeroConfig | None = None, _found: FoundRun | None = None) -> None:
+    def __init__(self, model_fn: ModelFn, loss_fn: LossFn, *,
+                 optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
+                 lr_scheduler: SchedulerFactory | None = None, config: ZeroConfig | None = None,
+                 _found: FoundRun | None = None) -> None:
         if not callable(model_fn):
             raise ConfigError(f"model_fn={model_fn!r} must be a zero-argument callable returning a torch.nn.Module")
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn={loss_fn!r} must be a callable (module, batch) -> loss or (loss_sum, count)")
+        if config is not None and not isinstance(config, ZeroConfig):
+            raise ConfigError(f"config={config!r} must be a zr.ZeroConfig")
         self.config = cfg = config if config is not None else ZeroConfig()
         self.optimizer = optimizer if optimizer is not None else AdamW()
-        self._schedule: Callable[[int], float] = cfg.lr_schedule or (lambda step: 1.0)
+        factories = check_optimizer_factories(self.optimizer)
+        self.lr_scheduler = check_scheduler_factory(lr_scheduler)
         _ensure_ray()
         self.device, backend = _resolve_device(cfg)
-        self._engine = EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizer=self.optimizer,
+        self._engine = EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizers=factories,
                                   plan=stage_plan(cfg.stage), compute_dtype=parse_dtype(cfg.dtype), device=self.device,
                                   seed=cfg.seed, bucket_bytes=cfg.bucket_bytes, grad_accum_steps=cfg.grad_accum_steps,
                                   max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.loss_scale, stage3=cfg.stage3,
                                   init_state_dict=cfg.init_state_dict,
-                                  activation_checkpointing=cfg.activation_checkpointing)
+                                  activation_checkpointing=cfg.activation_checkpointing,
+                                  lr_scheduler=self.lr_scheduler, optimizer_kinds=cfg.optimizer_kinds,
+                                  reduce_dtype=parse_dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None)
         if _found is not None:
             self._credentials = ray.get(_found.actors[0].credentials.remote(), timeout=cfg.init_timeout_s)
         else:
@@ -112,7 +131,8 @@ class ZeroTrainer:
                         snapshot_every=elastic.snapshot_every if elastic.redundancy == "peer" else 0,
                         detached=elastic.detached, orphan_timeout_s=elastic.orphan_timeout_s,
                         fault=os.environ.get(FAULT_ENV),
-                        run={"detached": elastic.detached, "config": cfg, "optimizer": self.optimizer})
+                        run={"detached": elastic.detached, "config": cfg, "optimizer": self.optimizer,
+                             "lr_scheduler": self.lr_scheduler})
         self._run_metrics = RunMetrics(run_id=self._credentials.job_id)
         self._life = Lifecycle()
         self.step_count = 0  # steps completed in the owners' state
@@ -164,12 +184,14 @@ class ZeroTrainer:
 
     # -- a driver taking over a detached run ----------------------------------------------------------
     @classmethod
-    def attach(cls, run_id: str, model_fn: ModelFn, loss_fn: LossFn, *, optimizer: Optimizer | None = None,
-               timeout_s: float = 60.0) -> ZeroTrainer:
+    def attach(cls, run_id: str, model_fn: ModelFn, loss_fn: LossFn, *,
+               optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
+               lr_scheduler: SchedulerFactory | None = None, timeout_s: float = 60.0) -> ZeroTrainer:
         """Continue a detached run (``ElasticConfig(detached=True)``) whose driver is gone, from
         its owners' memory (no storage is read): from a new driver process, such as a
         resubmitted Ray job. ``model_fn`` must build the same model (checked against the owners'
-        layout); ``optimizer`` defaults to the run's. The run's ``ZeroConfig`` comes from the
+        layout); ``optimizer`` and ``lr_scheduler`` (the factories replacement owners build from)
+        default to the run's, whose state the owners keep. The run's ``ZeroConfig`` comes from the
         owners. ``step_count`` says how many steps the owners completed: feed the batches from
         there on (``fit`` does so by itself). Owners caught in the middle of a step are aborted
         and re-formed (or restored from peer copies when a rank had begun its update)."""
@@ -178,6 +200,7 @@ class ZeroTrainer:
         run = found.run
         config: ZeroConfig = run["config"]
         return cls(model_fn, loss_fn, optimizer=optimizer if optimizer is not None else run["optimizer"],
+                   lr_scheduler=lr_scheduler if lr_scheduler is not None else run.get("lr_scheduler"),
                    config=config, _found=found)
 
     def _take_over(self, found: FoundRun) -> None:
@@ -270,7 +293,7 @@ class ZeroTrainer:
         while True:
             try:
                 self._catch_up(index)
-                lr, results = self._execute(work)
+                results = self._execute(work)
                 break
             except ZeroRayError as err:
                 if not self._recover(err, failed_step=self.step_count, replay_until=index + 1, started=start):
@@ -286,7 +309,7 @@ class ZeroTrainer:
             "step": self.step_count,
             "loss": totals["loss"],
             "grad_norm": results[0].grad_norm,
-            "lr": lr,
+            "lr": results[0].lr,
             "skipped": results[0].skipped,
             "loss_scale": results[0].loss_scale,
             "samples": n,
@@ -302,7 +325,7 @@ class ZeroTrainer:
         self._run_metrics.record_step(metrics, results)
         self._coordinator.publish(MetricsEvent(step=self.step_count, loss=metrics["loss"], step_seconds=seconds,
                                                tokens_per_second=metrics["items_per_second"],
-                                               values={"grad_norm": metrics["grad_norm"], "lr": lr,
+                                               values={"grad_norm": metrics["grad_norm"], "lr": metrics["lr"],
                                                        "items": metrics["items"]}))
         self._maybe_grow()
         return metrics
@@ -312,20 +335,19 @@ class ZeroTrainer:
         while self.step_count < until:
             self._execute(self._replay[self.step_count])
 
-    def _execute(self, work: GlobalBatch) -> tuple[float, list[Any]]:
+    def _execute(self, work: GlobalBatch) -> list[Any]:
         """Run step ``step_count`` on ``work`` on every owner and count it."""
         n = work.samples
-        lr = self.optimizer.lr * float(self._schedule(self.step_count))
         generation = self._pool.generation
         pieces, held = work.send(self._pool, world_size=self.world_size, key=f"{generation}:{self.step_count}")
-        args = [StepArgs(step=self.step_count, lr=lr, piece=piece, global_samples=n, generation=generation)
+        args = [StepArgs(step=self.step_count, piece=piece, global_samples=n, generation=generation)
                 for piece in pieces]
         with self._life.during(TrainerState.STEPPING):
             results = self._pool.step(args, timeout_s=self.config.step_timeout_s)
         del held  # the owners are done with the staged pieces: the object store frees them
         self.step_count += 1
         self.samples_seen += n
-        return lr, results
+        return results
 
     def evaluate(self, batch: Batch) -> dict[str, float]:
         """The loss on the global ``batch`` at the current parameters, forward only on every
@@ -515,8 +537,7 @@ class ZeroTrainer:
     def _position(self) -> RunPosition:
         cfg = self.config
         return RunPosition(step=self.step_count, samples_seen=self.samples_seen, world_size=self.world_size,
-                           stage=cfg.stage, compute_dtype=cfg.dtype, seed=cfg.seed,
-                           optimizer=optimizer_record(self.optimizer), extra=dict(self.run_extra))
+                           stage=cfg.stage, compute_dtype=cfg.dtype, seed=cfg.seed, extra=dict(self.run_extra))
 
     def save_checkpoint(self, path: str | os.PathLike[str] | None = None, *, wait: bool = False) -> str:
         """Save a sharded checkpoint under the root ``path`` (default ``config.checkpoint.dir``)
@@ -561,21 +582,26 @@ class ZeroTrainer:
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str], model_fn: ModelFn, loss_fn: LossFn, *,
-                        optimizer: Optimizer | None = None, config: ZeroConfig | None = None) -> ZeroTrainer:
+                        optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
+                        lr_scheduler: SchedulerFactory | None = None,
+                        config: ZeroConfig | None = None) -> ZeroTrainer:
         """Resume from a checkpoint (a checkpoint directory, or a root whose ``latest`` is used) at
         any stage and world size: each owner reads only the ranges its new partition needs.
 
-        ``optimizer`` defaults to the checkpoint's (type and hyperparameters); ``config`` to
-        stage and world size as saved. ``step_count`` and ``samples_seen`` continue from the
-        checkpoint: feed the batches from there on to continue as the uninterrupted run.
+        ``optimizer`` defaults to the checkpoint's (its classes and groups, rebuilt by parameter
+        name); a different optimizer is refused, naming both. The optimizers' state, group
+        hyperparameters and the scheduler's state come from the checkpoint; a run saved with a
+        scheduler needs the same ``lr_scheduler`` factory again. ``config`` defaults to stage and
+        world size as saved. ``step_count`` and ``samples_seen`` continue from the checkpoint:
+        feed the batches from there on to continue as the uninterrupted run.
         """
         reader = CheckpointReader(os.fspath(path))  # the manifest only: checked before owners start
         m = reader.manifest
         reader.check_files()
         if config is None:
             config = ZeroConfig(stage=m.stage, world_size=m.world_size, dtype=m.compute_dtype, seed=m.seed)
-        opt = optimizer if optimizer is not None else optimizer_from_record(dict(m.optimizer))
-        trainer = cls(model_fn, loss_fn, optimizer=opt, config=config)
+        opt = optimizer if optimizer is not None else list(recorded_factories(m.optimizers))
+        trainer = cls(model_fn, loss_fn, optimizer=opt, lr_scheduler=lr_scheduler, config=config)
         try:
             trainer.load_checkpoint(reader.path)
         except BaseException:

@@ -8,7 +8,7 @@ import torch
 
 from zero_ray.core.memory import StateBytes
 
-CATEGORIES = ("params", "grads", "optimizer", "optimizer_master", "optimizer_moments",
+CATEGORIES = ("params", "grads", "optimizer", "optimizer_master", "optimizer_moments", "optimizer_scalars",
               "padding", "padding_params", "padding_grads", "padding_optimizer")
 
 
@@ -31,10 +31,12 @@ class StateCounter:
         self.report[category] = self.report.get(category, 0) + tensor.numel() * tensor.element_size()
 
     def finish(self) -> dict[str, int]:
-        """The report with ``optimizer`` (master + moments) and ``total`` filled in."""
+        """The report with ``optimizer`` (master + moments: the paper's K per element) and
+        ``total`` filled in; ``total`` also holds the optimizer's per-parameter scalars (e.g.
+        Adam's step counts: 4 bytes per parameter fragment, outside the paper's formula)."""
         r = self.report
         r["optimizer"] = r["optimizer_master"] + r["optimizer_moments"]
-        r["total"] = r["params"] + r["grads"] + r["optimizer"] + r["padding"]
+        r["total"] = r["params"] + r["grads"] + r["optimizer"] + r["padding"] + r["optimizer_scalars"]
         return r
 
 

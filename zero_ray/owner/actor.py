@@ -39,13 +39,12 @@ from zero_ray.owner.checkpointing import ShardSaver
 from zero_ray.owner.data import PieceSource
 from zero_ray.owner.device import setup_device
 from zero_ray.owner.control import OwnerControl
-from zero_ray.core.reshard import plan_moves
 from zero_ray.errors import CollectiveError, OwnerError
 from zero_ray.owner.engine import OwnerEngine, StepPhase
 from zero_ray.owner.faults import FaultPlan
 from zero_ray.owner.spec import EngineSpec
 from zero_ray.owner.redundancy import PeerSnapshots
-from zero_ray.owner.resize import bucket_numels, exchange, install, slice_kinds, stage_buffers
+from zero_ray.owner.resize import RankState, TransferPlan, describe_state, exchange, install
 
 log = logging.getLogger(__name__)
 
@@ -239,23 +238,20 @@ class PartitionOwner:
             self._group = None
         with self._locked("rebuild", settle=True):
             self.data.drop_staged()
-            sources = ({r: s.slices for r, s in self.snapshots.sources().items()} if restore is not None else {})
+            sources = ({r: s.state for r, s in self.snapshots.sources().items()} if restore is not None else {})
             self._engine = None
             self.rank, self.world_size, self.generation = position, world_size, generation
             group = self._join()
-            sent, staged = 0, None
+            sent, staged, plan = 0, None, None
             if restore is not None:
-                kinds, whole = restore["kinds"], bool(restore["whole"])
-                moves = plan_moves(restore["buckets"], old_world=restore["old_world"], new_world=world_size,
-                                   whole=whole)
-                staged = stage_buffers(restore["buckets"], rank=position, world_size=world_size, whole=whole,
-                                       kinds=kinds)
+                plan = TransferPlan.of(restore["scalars"], old_world=restore["old_world"], new_world=world_size)
+                staged = plan.staging(position, world_size)
                 self.fault("restore_transfer")
-                sent = exchange(moves, me=position, sources=sources, senders=restore["holders"], staged=staged,
-                                kinds=kinds, group=group, timeout_s=self._options.collective_timeout_s)
+                sent = exchange(plan, me=position, sources=sources, senders=restore["holders"], staged=staged,
+                                group=group, timeout_s=self._options.collective_timeout_s)
             engine = self._new_engine(group)
-            if staged is not None and restore is not None:
-                install(staged, engine.state.optimizer_slices())
+            if staged is not None and plan is not None and restore is not None:
+                install(staged, engine.state, plan.table)
                 engine.set_counters(restore["scalars"])
                 engine.state.publish_masters()
             self._engine = engine
@@ -265,10 +261,13 @@ class PartitionOwner:
             return sent
 
     def resize_info(self) -> dict[str, Any]:
-        """What every actor of a resize needs from the current layout (asked of rank 0)."""
+        """This rank's part of what every actor of a resize needs (the driver merges every
+        rank's: each knows the optimizer state entries of what it updates)."""
         engine = self.engine
-        return {"buckets": bucket_numels(engine.layout.buckets), "whole": engine.spec.plan.updates_whole_buffer,
-                "kinds": slice_kinds(engine.state.optimizer_slices()), **engine.counters()}
+        optimizer = engine.state.optimizer
+        return {**engine.counters(), **describe_state(engine.layout, whole_params=sorted(optimizer.whole_plan.assignee),
+                                                      replicated=engine.spec.plan.updates_whole_buffer,
+                                                      table=optimizer.table())}
 
     def reshard(self, *, old_world: int, new_world: int, generation: int, info: dict[str, Any]) -> int:
         """Move this actor's part of the model state from the ``old_world`` layout to the
@@ -283,20 +282,20 @@ class PartitionOwner:
                 raise
 
     def _reshard(self, *, old_world: int, new_world: int, generation: int, info: dict[str, Any]) -> int:
-        me, kinds, whole = self.rank, info["kinds"], bool(info["whole"])
-        moves = plan_moves(info["buckets"], old_world=old_world, new_world=new_world, whole=whole)
+        me = self.rank
+        plan = TransferPlan.of(info, old_world=old_world, new_world=new_world)
         old = self._engine
         if self._group is not None:
             self._group.destroy()
             self._group = None
         self.generation, self.world_size = generation, max(old_world, new_world)
         transfer = self._join()
-        staged = (stage_buffers(info["buckets"], rank=me, world_size=new_world, whole=whole, kinds=kinds)
-                  if me < new_world else None)
-        sources = {me: old.state.optimizer_slices()} if old is not None else {}
+        staged = plan.staging(me, new_world) if me < new_world else None
+        sources = ({me: RankState(slices=old.state.optimizer_slices(),
+                                  whole=old.state.optimizer.whole_state(saver_only=True))} if old is not None else {})
         self.fault("resize_transfer")
-        sent = exchange(moves, me=me, sources=sources, senders=list(range(old_world)), staged=staged,
-                        kinds=kinds, group=transfer, timeout_s=self._options.collective_timeout_s)
+        sent = exchange(plan, me=me, sources=sources, senders=list(range(old_world)), staged=staged,
+                        group=transfer, timeout_s=self._options.collective_timeout_s)
         self._engine = old = None  # the old state is no longer needed: free it before building the new
         self.world_size = new_world
         if new_world != transfer.world_size:
@@ -310,7 +309,7 @@ class PartitionOwner:
             group = transfer
         engine = self._new_engine(group)
         assert staged is not None
-        install(staged, engine.state.optimizer_slices())
+        install(staged, engine.state, plan.table)
         engine.set_counters(info)
         engine.state.publish_masters()
         self._engine = engine

@@ -13,6 +13,7 @@ cover it; everything is read and verified before any live tensor changes.
 from __future__ import annotations
 
 import json
+import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, replace
@@ -25,14 +26,17 @@ from zero_ray.checkpoint.format import (
     DEFAULT_CHUNK_BYTES,
     MASTER,
     RNG,
+    Manifest,
     ShardFile,
     model_mismatch,
     shard_file_name,
+    state_kind,
+    whole_kind,
 )
 from zero_ray.checkpoint.shardfile import Item, write_shard
 from zero_ray.checkpoint.storage import LocalStorage
 from zero_ray.checkpoint.store import CheckpointReader
-from zero_ray.core.optim import takes_weight_decay
+from zero_ray.core.optim_state import table_by_name, table_from_names
 from zero_ray.errors import CheckpointError
 from zero_ray.owner.engine import OwnerEngine
 from zero_ray.owner.host_copy import host_copies
@@ -52,9 +56,12 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def snapshot(engine: OwnerEngine) -> list[Item]:
-    """This rank's saved tensors as host copies: master weights and moments of every element it
-    owns, its RNG state, and (rank 0) the module's buffers."""
+    """This rank's saved tensors as host copies: master weights and element-wise optimizer state
+    of every element it owns, the whole-tensor state of the parameters it is the assignee of,
+    its RNG state, and (rank 0) the module's buffers."""
     rank, layout = engine.rank, engine.layout
+    optimizer = engine.state.optimizer
+    table = optimizer.table()
     items: list[Item] = []
     sources: list[torch.Tensor] = []
     for s in engine.state.optimizer_slices():
@@ -63,10 +70,18 @@ def snapshot(engine: OwnerEngine) -> list[Item]:
         for f in layout.fragments(s.bucket.index, lo, hi):
             name = layout.params[f.param].name
             at = lo - s.start
-            for kind, tensor in ((MASTER, s.master), *s.moments.items()):
+            names = table.get(f.param, {}).get("elementwise", ())
+            for kind, tensor in ((MASTER, s.master), *((state_kind(k), s.moments[k]) for k in names)):
                 sources.append(tensor[at + f.local_start:at + f.local_end])
                 items.append(Item(key=f"{kind}/{name}/{f.param_start}", kind=kind, name=name, start=f.param_start,
                                   end=f.param_end, tensor=sources[-1]))
+    for param, state in sorted(optimizer.whole_state(saver_only=True).items()):
+        name = layout.params[param].name
+        for key, tensor in sorted(state.items()):
+            kind = whole_kind(key)
+            sources.append(tensor.reshape(-1))
+            items.append(Item(key=f"{kind}/{name}/0", kind=kind, name=name, start=0, end=tensor.numel(),
+                              tensor=sources[-1]))
     # One pass of (pinned, non-blocking on a GPU) copies: training goes on while they are written.
     items = [replace(item, tensor=value) for item, value in zip(items, host_copies(sources, dtype=torch.float32))]
     items.append(Item(key=f"{RNG}/torch/{rank}", kind=RNG, name=f"torch/{rank}", start=0, end=0,
@@ -85,19 +100,16 @@ def describe_model(engine: OwnerEngine) -> dict[str, Any]:
     layout, module = engine.layout, engine.module
     aliases = _param_aliases(module)
     named = dict(module.named_parameters())
-    opt = engine.spec.optimizer
     state = engine.state
+    names = [p.name for p in layout.params]
     params = [{"name": p.name, "aliases": aliases.get(id(named[p.name]), [p.name]), "shape": list(p.shape),
                "dtype": p.dtype, "bucket": p.bucket, "offset": p.offset, "trainable": state.trainable[p.index]}
               for p in layout.params]
     buckets = [{"index": b.index, "params": list(b.params), "numel": b.numel, "padded_numel": b.padded_numel,
                 "shard_numel": b.shard_numel} for b in layout.buckets]
-    trained = [p for p in layout.params if state.trainable[p.index]]
-    decay = [p.name for p in trained if takes_weight_decay(p.name, p.shape, opt.no_decay)]
-    no_decay = sorted({p.name for p in trained} - set(decay))
-    steps = {p.name: state.param_steps[p.index] for p in trained if state.param_steps[p.index] != engine.steps_done}
-    return {"params": params, "buckets": buckets, "param_groups": {"decay": decay, "no_decay": no_decay},
-            "moments": list(opt.state_names), "optimizer_steps": engine.steps_done, "param_steps": steps,
+    return {"params": params, "buckets": buckets, "optimizers": state.optim_plan.records(names),
+            "hyper": state.optimizer.hyper_state(), "param_state": table_by_name(state.optimizer.table(), names),
+            "optimizer_steps": engine.steps_done,
             "loss_scaler": {"scale": engine.scaler.scale, "growth_tracker": engine.scaler.growth_tracker}}
 
 
@@ -143,6 +155,25 @@ def shard_record_json(record: ShardFile, extra: dict[str, Any]) -> str:
     return json.dumps({"file": asdict(record), **extra})
 
 
+def optimizer_mismatch(manifest: Manifest, engine: OwnerEngine) -> str | None:
+    """How this run's optimizers differ from those the checkpoint was saved with (classes,
+    groups and their parameters), or None when they agree."""
+    names = [p.name for p in engine.layout.params]
+    ours = engine.state.optim_plan.records(names)
+    saved = list(manifest.optimizers)
+    mine = [str(o["type"]).rsplit(".", 1)[-1] for o in ours]
+    if [o["type"] for o in saved] != [o["type"] for o in ours]:
+        return f"it was saved with optimizers {manifest.optimizer_types} and this run builds {mine}"
+    for k, (a, b) in enumerate(zip(saved, ours)):
+        groups_a = [sorted(g["params"]) for g in a["groups"]]
+        groups_b = [sorted(g["params"]) for g in b["groups"]]
+        if groups_a != groups_b:
+            return (f"optimizer {k} ({mine[k]}) was saved with {len(groups_a)} param groups of sizes "
+                    f"{[len(g) for g in groups_a]} and this run builds {len(groups_b)} of sizes "
+                    f"{[len(g) for g in groups_b]} (or other parameters in them)")
+    return None
+
+
 def restore(engine: OwnerEngine, path: str) -> int:
     """Overwrite this rank's state with the checkpoint at ``path``, read by the ranges this
     rank's layout needs. Returns bytes read. Nothing changes unless every read succeeded."""
@@ -152,25 +183,37 @@ def restore(engine: OwnerEngine, path: str) -> int:
     diff = model_mismatch(m, [(p.name, p.shape) for p in layout.params])
     if diff:
         raise CheckpointError(f"checkpoint {reader.path} is of a different model: {diff}")
-    needed = tuple(engine.spec.optimizer.state_names)
-    missing = [k for k in needed if k not in m.moments]
-    if missing:
-        raise CheckpointError(f"checkpoint {reader.path} has no optimizer state {missing} (it saved {list(m.moments)} "
-                              f"for {m.optimizer.get('type')}); resume with the same optimizer, or start from its "
-                              "consolidated weights (ZeroConfig(init_state_dict=...)) to change optimizers")
+    diff = optimizer_mismatch(m, engine)
+    if diff:
+        raise CheckpointError(f"checkpoint {reader.path} cannot resume this run's optimizers: {diff}. Pass the "
+                              "optimizer factory it was saved with (from_checkpoint without optimizer= rebuilds it), "
+                              "or start from its consolidated weights (ZeroConfig(init_state_dict=...)) to change "
+                              "optimizers")
     reader.check_files()
-    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for s in engine.state.optimizer_slices():
+    index = {p.name: p.index for p in layout.params}
+    optimizer = engine.state.optimizer
+    table = table_from_names(m.param_state, index)
+    # Everything is read (and verified) first; the live tensors change only afterwards.
+    masters: list[tuple[torch.Tensor, torch.Tensor]] = []
+    states: list[tuple[int, str, int, int, torch.Tensor]] = []  # group, state name, range, value
+    for g, s in zip(engine.state.groups, engine.state.optimizer_slices()):
         for f in layout.fragments(s.bucket.index, s.start, s.end):
             name = layout.params[f.param].name
-            saved = m.param(name).kinds(m.moments)
-            for kind, tensor in ((MASTER, s.master), *s.moments.items()):
-                dest = tensor[f.local_start:f.local_end]
-                # A parameter saved frozen and trained now starts its optimizer state afresh.
-                value = (reader.read(kind, name, f.param_start, f.param_end) if kind in saved
-                         else torch.zeros(dest.shape, dtype=torch.float32))
-                staged.append((dest, value))
+            masters.append((s.master[f.local_start:f.local_end], reader.read(MASTER, name, f.param_start,
+                                                                            f.param_end)))
+            if not g.policy.trainable:
+                continue  # a parameter saved trained and frozen now keeps its values only
+            for key in table.get(f.param, {}).get("elementwise", ()):
+                states.append((g.index, key, f.local_start, f.local_end,
+                               reader.read(state_kind(key), name, f.param_start, f.param_end)))
+    whole: dict[int, dict[str, torch.Tensor]] = {}
+    for param in optimizer.whole_params_here():
+        name = layout.params[param].name
+        for kind, shape in m.whole_kinds(name).items():
+            value = reader.read(kind, name, 0, math.prod(shape)).view(shape)
+            whole.setdefault(param, {})[kind.removeprefix(whole_kind(""))] = value
     buffers = persistent_buffers(engine.module)
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i, e in m.entries_of_kind(BUFFER):
         if e.name in buffers:
             value = reader.file(i).read_entry(e)
@@ -178,12 +221,16 @@ def restore(engine: OwnerEngine, path: str) -> int:
     rng = m.entries(RNG, f"torch/{rank}")
     rng_state = reader.file(rng[0][0]).read_entry(rng[0][1]) if rng else None
 
+    groups = {g.index: g for g in engine.state.groups}
     with torch.no_grad():
-        for dest, value in staged:
+        for dest, value in masters + staged:
             dest.copy_(value)
+        optimizer.reset()
+        for group, key, lo, hi, value in states:
+            groups[group].moment(key)[lo:hi].copy_(value)
+    optimizer.load(table, whole)
+    optimizer.load_hyper_state(m.hyper)
     engine.steps_done = m.optimizer_steps
-    state = engine.state
-    state.param_steps = [m.steps_of(p.name) if state.trainable[p.index] else 0 for p in layout.params]
     engine.scaler.scale = float(m.loss_scaler.get("scale", engine.scaler.scale))
     engine.scaler.growth_tracker = int(m.loss_scaler.get("growth_tracker", 0))
     if rng_state is not None:

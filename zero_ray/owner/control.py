@@ -83,7 +83,7 @@ class OwnerControl:
             try:
                 owner.snapshots.commit_upto(args.step - 1)  # the driver saw every rank finish that step
                 piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s)
-                result = owner.engine.step(piece, lr=args.lr, global_samples=args.global_samples)
+                result = owner.engine.step(piece, global_samples=args.global_samples)
                 owner.after_step(args.step)
                 owner.completed_steps = args.step + 1
             except Exception as err:
@@ -121,7 +121,9 @@ class OwnerControl:
         except Exception as err:
             raise _with_traceback(err, owner.rank) from err
         return h.SaveResult(path=f"{path}/{record.name}", step=step, bytes_written=record.size,
-                            record_json=shard_record_json(record, model if owner.rank == 0 else {}))
+                            # every rank knows the optimizer state entries of what it updates
+                            record_json=shard_record_json(record, model if owner.rank == 0
+                                                          else {"param_state": model["param_state"]}))
 
     def load(self, path: str, step: int) -> h.LoadResult:
         owner = self._owner

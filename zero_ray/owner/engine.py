@@ -133,7 +133,7 @@ class OwnerEngine:
                               "micro-batches; use a global batch of at least world_size * grad_accum_steps")
         return samples, sizes
 
-    def step(self, piece: Batch, *, lr: float, global_samples: int) -> StepResult:
+    def step(self, piece: Batch, *, global_samples: int) -> StepResult:
         """Forward and backward over this rank's piece of the global batch, then the update.
 
         ``loss_fn`` returns the mean loss over its batch, or the pair ``(loss_sum, count)``: the
@@ -164,12 +164,13 @@ class OwnerEngine:
                 compute += time.perf_counter() - t0
                 self.state.end_micro_batch(last=i == len(sizes) - 1)
                 tally.add(loss, count, sizes[i])
-            norm, skipped = self._update(lr=lr, inv_scale=1.0 / scale, count=tally.count if tally.counted else None,
+            lr = self.state.optimizer.lr()  # what this step uses; the scheduler moves it afterwards
+            norm, skipped = self._update(inv_scale=1.0 / scale, count=tally.count if tally.counted else None,
                                          global_samples=global_samples)
             self.state.end_step()
         self.phase = StepPhase.IDLE
         self.last_bytes = self.group.counters.snapshot()
-        return StepResult(rank=self.rank, totals=tally.totals(samples, piece), grad_norm=norm, skipped=skipped,
+        return StepResult(rank=self.rank, totals=tally.totals(samples, piece), grad_norm=norm, skipped=skipped, lr=lr,
                           loss_scale=scale, compute_seconds=compute, bytes_sent=self.last_bytes)
 
     def evaluate(self, piece: Batch) -> LossTotals:
@@ -189,12 +190,11 @@ class OwnerEngine:
             self.module.train(was_training)
         return tally.totals(batch_size(piece), piece)
 
-    def _update(self, *, lr: float, inv_scale: float, count: float | None, global_samples: int) -> tuple[float, bool]:
+    def _update(self, *, inv_scale: float, count: float | None, global_samples: int) -> tuple[float, bool]:
         spec = self.spec
-        fp32 = spec.compute_dtype == torch.float32
         grads: list[torch.Tensor] = []
         for g in self.state.update_grads():
-            g = g if fp32 else g.float()
+            g = g if g.dtype == torch.float32 else g.float()
             if inv_scale != 1.0:
                 g.mul_(inv_scale)
             grads.append(g)
@@ -229,7 +229,7 @@ class OwnerEngine:
                 g.mul_(coef)
         self.phase = StepPhase.UPDATING
         self.steps_done += 1
-        self.state.apply_update(grads, lr=lr, used=used)
+        self.state.apply_update(grads, used=used)
         return norm, False
 
     # -- recovery ---------------------------------------------------------------------------------
@@ -248,12 +248,12 @@ class OwnerEngine:
 
     def counters(self) -> dict[str, Any]:
         """The step counters a moved or restored model state continues from (equal on every rank)."""
-        return {"steps_done": self.steps_done, "param_steps": list(self.state.param_steps),
-                "scale": self.scaler.scale, "growth_tracker": self.scaler.growth_tracker}
+        return {"steps_done": self.steps_done, "scale": self.scaler.scale,
+                "growth_tracker": self.scaler.growth_tracker, "hyper": self.state.optimizer.hyper_state()}
 
     def set_counters(self, values: Mapping[str, Any]) -> None:
         self.steps_done = int(values["steps_done"])
-        self.state.param_steps = [int(v) for v in values["param_steps"]]
+        self.state.optimizer.load_hyper_state(values["hyper"])
         self.scaler.scale, self.scaler.growth_tracker = float(values["scale"]), int(values["growth_tracker"])
 
     # -- reports ----------------------------------------------------------------------------------

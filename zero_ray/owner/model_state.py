@@ -5,8 +5,11 @@ when parameters are partitioned; or with meta parameters, from recorded initiali
 state dict), ``core.groups.plan_groups`` splits its parameters into groups (size buckets, or per
 stage-3 unit; trainable and frozen apart), ``FlatLayout`` lays the groups out as buckets, and
 each ``ParamGroup`` takes its values from the source and binds the module's parameters to its
-storage. A ``GradReducer`` combines the trainable groups' gradients; where groups are gathered
-per use a ``UnitScheduler`` gathers and frees them around each unit.
+storage. The user's optimizer factories are called on the module first (``core/optim
+.plan_optimizers``): which optimizer steps each parameter splits the groups, and a
+``ShardOptimizer`` runs the user's classes over what this rank updates. A ``GradReducer``
+combines the trainable groups' gradients; where groups are gathered per use a
+``UnitScheduler`` gathers and frees them around each unit.
 
 What differs between stages is in the groups' policies; this class only wires the pieces.
 """
@@ -24,6 +27,7 @@ from zero_ray.collective.group import Collective
 from zero_ray.collective.stream import CommStream
 from zero_ray.core.groups import GradFlow, GroupSpec, ParamResidency, plan_groups
 from zero_ray.core.layout import FlatLayout
+from zero_ray.core.optim import OptimizersPlan, plan_optimizers
 from zero_ray.core.stages import Residency
 from zero_ray.core.units import ModuleInfo, UnitPlan, plan_units
 from zero_ray.errors import ConfigError
@@ -31,6 +35,7 @@ from zero_ray.owner.accounting import StateCounter, held_storage_bytes
 from zero_ray.owner.activations import apply_activation_checkpointing, checkpointed_paths
 from zero_ray.owner.buffers import BufferPool
 from zero_ray.owner.materialize import build_recorded
+from zero_ray.owner.optimizer import ShardOptimizer
 from zero_ray.owner.param_group import OptimizerSlice, ParamGroup
 from zero_ray.owner.reducer import GradReducer
 from zero_ray.owner.schedule import Unit, UnitScheduler
@@ -49,7 +54,8 @@ from zero_ray.owner.sources import (
 from zero_ray.owner.spec import EngineSpec
 
 #: staging buffers for gradients reduced per micro-batch from whole parameters (stage 2), each
-#: as large as the largest group: one being filled by backward while the other is reduced
+#: as large as the largest group: one being filled by backward while the other is reduced (per
+#: optimizer: each optimizer's groups fill in backward order of their own)
 STAGING_BUFFERS = 2
 
 
@@ -60,6 +66,7 @@ class ModelState:
         self.spec = spec
         self.rank = rank
         self.dtype = spec.compute_dtype
+        self.reduce_dtype = spec.reduce_dtype or spec.compute_dtype  # of gradient buffers and reductions
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         self.device = self._empty.device  # with its index ("cuda:0"), as tensors report it
         self.sync: DeviceSync = device_sync(self.device)
@@ -70,10 +77,12 @@ class ModelState:
         self.units: list[Unit] = []
         self.pools: list[BufferPool] = []
         self.trainable: list[bool] = []  # by layout parameter index
-        self.param_steps: list[int] = []  # optimizer steps each parameter has taken (torch's state["step"])
+        self.optim_plan: OptimizersPlan
+        self.optimizer: ShardOptimizer
         self.scheduler: UnitScheduler | None = None
         self.checkpointed: list[str] = []  # paths of the units whose activations are recomputed
         self._in_step: dict[str, int] | None = None
+        self._counted_state = -1  # the optimizer's state version _in_step was counted at
         self._construct()
 
     # -- construction ---------------------------------------------------------------------------------
@@ -109,20 +118,26 @@ class ModelState:
         infos, sites, names = describe_modules(module)
         named = list(module.named_parameters())
         self.trainable = [p.requires_grad for _, p in named]
+        # Before any parameter is bound: the factories see real shapes (meta where not materialised).
+        self.optim_plan = plan = plan_optimizers(spec.optimizers, module, declared=spec.optimizer_kinds)
         units: UnitPlan | None = None
         if spec.plan.parameters is Residency.SHARDED:
             units = plan_units(infos, [p.numel() for _, p in named], policy=spec.stage3.wrap_policy,
                                persistence_threshold=spec.stage3.persistence_threshold, sites=sites)
         element = torch.finfo(self.dtype).bits // 8
         specs = plan_groups(spec.plan, shapes=[tuple(p.shape) for _, p in named], trainable=self.trainable,
-                            bucket_numel=max(1, spec.bucket_bytes // element), units=units)
+                            bucket_numel=max(1, spec.bucket_bytes // element), units=units,
+                            optimizer_of=plan.of_param)
         self.layout = layout = FlatLayout.build(param_specs(module), world_size=n,
                                                 groups=[list(g.params) for g in specs])
         params = self._placeholders(module, [p for _, p in named], names)
         gather_of, staging_of = self._pools(specs, units, layout)
         self.groups = [ParamGroup(g, layout=layout, params=[params[i] for i in g.params], rank=self.rank,
-                                  dtype=self.dtype, device=self.device, optimizer=spec.optimizer, source=source,
-                                  empty=self._empty, staging=staging_of.get(g.index)) for g in specs]
+                                  dtype=self.dtype, device=self.device, source=source, empty=self._empty,
+                                  staging=staging_of.get(g.index), reduce_dtype=self.reduce_dtype) for g in specs]
+        self.optimizer = ShardOptimizer(plan, self.groups, layout=layout, rank=self.rank,
+                                        update_whole=spec.plan.updates_whole_buffer, scheduler=spec.lr_scheduler,
+                                        device=self.device)
         for name, buf in module.named_buffers():
             value = source.buffer(name)
             if value is not None:
@@ -131,7 +146,6 @@ class ModelState:
         module.to(self.device)
         cast_buffers(module, self.dtype)
         self.module = module
-        self.param_steps = [0] * len(named)
         staging = [p for p in self.pools if p.name.endswith(("staging", "reduce"))]
         self.reducer = GradReducer(self.groups, self._collective, rank=self.rank,
                                    micro_batches=spec.grad_accum_steps, staging=staging, sync=self.sync)
@@ -192,8 +206,11 @@ class ModelState:
         if whole:
             # On a GPU up front, one contiguous block (M_D: the allocator cannot fragment it);
             # on a CPU on first need, so that a model too small to need both holds one.
-            pool = BufferPool(name="staging", count=STAGING_BUFFERS, numel=max(padded(g) for g in whole),
-                              dtype=self.dtype, device=self.device, preallocate=self.device.type == "cuda")
+            # Each optimizer's groups fill in backward order, but two optimizers' groups fill at
+            # once (Muon's matrices and AdamW's vectors of one block): two buffers per optimizer.
+            streams = len({g.optimizer for g in whole})
+            pool = BufferPool(name="staging", count=STAGING_BUFFERS * streams, numel=max(padded(g) for g in whole),
+                              dtype=self.reduce_dtype, device=self.device, preallocate=self.device.type == "cuda")
             self.pools.append(pool)
             staging_of.update({g.index: pool for g in whole})
         gather_of: dict[int, BufferPool] = {}
@@ -219,7 +236,7 @@ class ModelState:
                                 dtype=self.dtype, device=self.device, preallocate=True)
             trained = [g for u in chosen for g in members(u.index) if g.policy.trainable]
             reduce = BufferPool(name=name + "reduce", count=n if trained else 0,
-                                numel=max((padded(g) for g in trained), default=0), dtype=self.dtype,
+                                numel=max((padded(g) for g in trained), default=0), dtype=self.reduce_dtype,
                                 device=self.device, preallocate=True)
             self.pools += [gather, reduce]
             gather_of.update({u.index: gather for u in chosen})
@@ -256,11 +273,7 @@ class ModelState:
             yield
 
     def update_grads(self) -> list[torch.Tensor]:
-        """One reduced gradient per trainable group (compute dtype, over its update slice)."""
-        # The step's peak of model state: every gradient reduced, none released yet. The
-        # tensors' sizes are fixed by the layout, so the first step's count holds for every step.
-        if self._in_step is None:
-            self._in_step = self._count()
+        """One reduced gradient per trainable group (reduce dtype, over its update slice)."""
         return [g.update_grad() for g in self.trainable_groups]
 
     def used_marks(self) -> list[bool]:
@@ -279,15 +292,18 @@ class ModelState:
                 out[i] = next(it)
         return out
 
-    def apply_update(self, grads: list[torch.Tensor], *, lr: float, used: list[bool]) -> None:
-        """Update the parameters some rank produced a gradient for (``used``, by layout index),
-        each with its own step count, and publish them."""
-        for g, grad in zip(self.trainable_groups, grads):
-            g.apply_update(self.spec.optimizer, grad, lr=lr, used=used, steps=self.param_steps)
-            g.publish(self.reducer.stream)
-        for i, u in enumerate(used):
-            if u:
-                self.param_steps[i] += 1
+    def apply_update(self, grads: list[torch.Tensor], *, used: list[bool]) -> None:
+        """Step the user's optimizers over the parameters some rank produced a gradient for
+        (``used``, by layout index; torch skips the others) and publish them."""
+        stream = self.reducer.stream
+        self.optimizer.step({g.index: grad for g, grad in zip(self.trainable_groups, grads)}, used, stream)
+        # The step's peak of model state: every gradient reduced, none released yet, the
+        # optimizer's state created. Sizes change only when torch creates state, so the count is
+        # taken again only then.
+        if self._counted_state != self.optimizer.version:
+            self._in_step, self._counted_state = self._count(), self.optimizer.version
+        for g in self.trainable_groups:
+            g.publish(stream)
 
     def publish_masters(self) -> None:
         """Make the compute-dtype parameters agree with the masters after they were overwritten
@@ -315,6 +331,7 @@ class ModelState:
         counter = StateCounter()
         for g in self.groups:
             g.count(counter)
+        self.optimizer.count(counter)
         report = counter.finish()
         for key in ("persistent_params", "persistent_grads"):
             report.setdefault(key, 0)
@@ -322,7 +339,7 @@ class ModelState:
         reduce = sum(p.nbytes for p in self.pools if p.name.endswith("reduce"))
         report["gather_buffers"], report["reduce_buffers"] = gathered, reduce
         report["total"] += report["persistent_params"] + report["persistent_grads"] + gathered + reduce
-        tensors = [t for g in self.groups for t in g.tensors()]
+        tensors = [t for g in self.groups for t in g.tensors()] + self.optimizer.tensors()
         tensors += [b.tensor for p in self.pools if p.name.endswith(("gather", "reduce")) for b in p.buffers]
         report["held_storage_bytes"] = held_storage_bytes(tensors)
         return report

@@ -2,10 +2,17 @@
 
 A group plays the role FSDP2's ``FSDPParamGroup`` plays. It owns its parameters' storage (the
 whole flat buffer, or this rank's shard and, while its unit is gathered, a region of a pool
-buffer), its gradient buffer or reduced gradient shard, its fp32 master slice and optimizer
-moments, the staging buffer it fills during backward, and the hooks on its parameters. How it
-behaves is its ``GroupPolicy`` (``core/groups.py``): data derived from the stage's plan and from
-whether its parameters are trainable. Nothing here reads a stage number.
+buffer), its gradient buffer or reduced gradient shard, its fp32 master slice and the flat
+buffers its element-wise optimizer state lives in (``moments``: one per state name, over the
+update slice; the optimizer's per-fragment state tensors are views of them), the staging buffer
+it fills during backward, and the hooks on its parameters. How it behaves is its
+``GroupPolicy`` (``core/groups.py``): data derived from the stage's plan and from whether its
+parameters are trainable. Nothing here reads a stage number. The optimizer itself is
+``owner/optimizer.py``'s.
+
+Gradients are kept in the reduce dtype (``ZeroConfig.reduce_dtype``, by default the compute
+dtype): where it differs, each backward's gradient is added into the flat buffer in that dtype
+instead of the parameters' ``.grad`` being views of it.
 
 Gradients live for one step (``zero_grad(set_to_none=True)``'s semantics): acquired when the
 step's first backward begins, released after the update, so between steps a rank holds
@@ -24,9 +31,7 @@ from torch import nn
 from zero_ray.collective.stream import CommStream
 from zero_ray.core.groups import GradFlow, GroupSpec, ParamResidency
 from zero_ray.core.layout import Bucket, FlatLayout
-from zero_ray.core.optim import Optimizer, takes_weight_decay
 from zero_ray.core.stages import GradReduction
-from zero_ray.core.usage import update_runs
 from zero_ray.errors import ModelError
 from zero_ray.owner.accounting import StateCounter
 from zero_ray.owner.buffers import BufferPool, PoolBuffer
@@ -36,31 +41,15 @@ from zero_ray.owner.sources import ParamSource
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSlice:
     """One flat range this rank updates (or, frozen, keeps): ``[start, end)`` of ``bucket``, its
-    fp32 master weights (the compute-dtype parameters of a frozen group) and optimizer moments
-    (none when frozen), as views of the live tensors. Checkpoints, resizes and peer snapshots
-    save and restore through these, whatever the stage."""
+    fp32 master weights (the compute-dtype parameters of a frozen group) and its element-wise
+    optimizer state by name (none when frozen or not yet stepped), as views of the live tensors.
+    Checkpoints, resizes and peer snapshots save and restore through these, whatever the stage."""
 
     bucket: Bucket
     start: int
     end: int
     master: torch.Tensor
     moments: dict[str, torch.Tensor]
-
-
-def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Coalesce adjacent ranges so an update touches as few slices as possible."""
-    merged: list[tuple[int, int]] = []
-    for start, end in ranges:
-        if merged and merged[-1][1] == start:
-            merged[-1] = (merged[-1][0], end)
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def _clip(ranges: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
-    """``ranges`` within ``[start, end)``, relative to ``start``."""
-    return [(max(a, start) - start, min(b, end) - start) for a, b in ranges if a < end and b > start]
 
 
 class GroupListener(Protocol):
@@ -73,13 +62,15 @@ class ParamGroup:
     """One group's tensors on this rank, bound to its module's parameters."""
 
     def __init__(self, spec: GroupSpec, *, layout: FlatLayout, params: list[nn.Parameter], rank: int,
-                 dtype: torch.dtype, device: torch.device, optimizer: Optimizer, source: ParamSource,
-                 empty: torch.Tensor, staging: BufferPool | None) -> None:
+                 dtype: torch.dtype, device: torch.device, source: ParamSource, empty: torch.Tensor,
+                 staging: BufferPool | None, reduce_dtype: torch.dtype | None = None) -> None:
         self.spec = spec
         self.policy = spec.policy
         self.bucket: Bucket = layout.buckets[spec.index]
         self.rank = rank
         self.dtype = dtype
+        self.reduce_dtype = reduce_dtype or dtype  # of the gradient buffers and their reduction
+        self.grad_views = self.reduce_dtype == dtype  # the parameters' .grad are views of the flat buffer
         self.params = params
         self.members: tuple[int, ...] = self.bucket.params  # layout indices, in bucket order
         self.names: list[str] = [layout.params[i].name for i in self.members]
@@ -92,10 +83,6 @@ class ParamGroup:
         self._fragments = frags
         self.pieces: list[tuple[int, int, int]] = [(f.param, f.local_start, f.local_end) for f in frags]
         trainable = self.policy.trainable
-        self.decay: list[tuple[int, int]] = merge_ranges([
-            (f.local_start, f.local_end) for f in frags
-            if trainable and takes_weight_decay(layout.params[f.param].name, layout.params[f.param].shape,
-                                                optimizer.no_decay)])
         self._empty = empty
         self._staging_pool = staging
         self.full: torch.Tensor | None = None  # the whole buffer (WHOLE) or the gathered region (PER_USE)
@@ -109,12 +96,12 @@ class ParamGroup:
         self.pending = 0
         self.arrived = [False] * len(params)
         self.used = [False] * len(params)  # a gradient arrived in any micro-batch of this step
-        self._fill(source, optimizer, device)
+        self._fill(source, device)
         self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, k))
                          for k, p in enumerate(params) if trainable]
 
     # -- construction ------------------------------------------------------------------------------
-    def _fill(self, source: ParamSource, optimizer: Optimizer, device: torch.device) -> None:
+    def _fill(self, source: ParamSource, device: torch.device) -> None:
         fp32, dtype, bucket = torch.float32, self.dtype, self.bucket
         start, end = self.update_start, self.update_end
         trainable = self.policy.trainable
@@ -141,8 +128,15 @@ class ParamGroup:
             self.shard = shard if dtype == fp32 else shard.to(dtype)
             self.master = shard if trainable else self.shard
             self.owns_master = self.master is not self.shard
-        self.moments: dict[str, torch.Tensor] = (
-            {k: torch.zeros(end - start, dtype=fp32, device=device) for k in optimizer.state_names} if trainable else {})
+        self.moments: dict[str, torch.Tensor] = {}  # created by the optimizer's first step (or a restore)
+
+    def moment(self, name: str) -> torch.Tensor:
+        """The flat fp32 buffer of element-wise optimizer state ``name`` over the update slice,
+        allocated (zeroed) on first use."""
+        t = self.moments.get(name)
+        if t is None:
+            t = self.moments[name] = torch.zeros(self.update_numel, dtype=torch.float32, device=self.master.device)
+        return t
 
     @property
     def index(self) -> int:
@@ -159,16 +153,18 @@ class ParamGroup:
 
     def acquire_grads(self) -> None:
         """Allocate this step's zeroed gradient buffers (a no-op while held): the full flat buffer
-        with the parameters' ``.grad`` as views (ACCUMULATE) or this rank's slice."""
+        (ACCUMULATE; the parameters' ``.grad`` are views of it where the dtypes agree) or this
+        rank's slice."""
         if self.grads_held or not self.policy.trainable:
             return
         if self.policy.grads is GradFlow.ACCUMULATE:
             assert self.full is not None
-            self.grads = torch.zeros(self.bucket.padded_numel, dtype=self.dtype, device=self.full.device)
-            for p, (off, stop, shape) in zip(self.params, self.views):
-                p.grad = self.grads[off:stop].view(shape)
+            self.grads = torch.zeros(self.bucket.padded_numel, dtype=self.reduce_dtype, device=self.full.device)
+            if self.grad_views:
+                for p, (off, stop, shape) in zip(self.params, self.views):
+                    p.grad = self.grads[off:stop].view(shape)
         else:
-            self.grad_shard = torch.zeros(self.shard_end - self.shard_start, dtype=self.dtype,
+            self.grad_shard = torch.zeros(self.shard_end - self.shard_start, dtype=self.reduce_dtype,
                                           device=self.master.device)
 
     def release_grads(self) -> None:
@@ -190,13 +186,17 @@ class ParamGroup:
 
     def _on_grad(self, k: int, param: torch.Tensor) -> None:
         self.used[k] = True
+        accumulate = self.policy.grads is GradFlow.ACCUMULATE
+        if accumulate and not self.grad_views:
+            self._add_cast(k)  # every micro-batch: the flat buffer is in the reduce dtype
         if not self.active:
             return  # accumulating (not the step's last micro-batch): autograd adds into the view
         if self.launched:
             raise ModelError(f"a gradient of {self.names[k]!r} arrived after its bucket was reduced: each parameter's "
                              "gradient must accumulate once per backward")
-        if self.policy.grads is GradFlow.ACCUMULATE:
-            self._fold(k)
+        if accumulate:
+            if self.grad_views:
+                self._fold(k)
         else:
             grad = param.grad
             if grad is None:
@@ -215,6 +215,15 @@ class ParamGroup:
         if self.pending == 0 and self.listener is not None:
             self.listener.group_ready(self)
 
+    def _add_cast(self, k: int) -> None:
+        """Add a backward's ``.grad`` into the flat buffer in the reduce dtype and drop it."""
+        assert self.grads is not None
+        p = self.params[k]
+        if p.grad is not None:
+            off, stop, _ = self.views[k]
+            self.grads[off:stop].add_(p.grad.reshape(-1))
+            p.grad = None
+
     def _fold(self, k: int) -> None:
         """A ``.grad`` replaced rather than accumulated in place (e.g. ``zero_grad(set_to_none=True)``
         inside ``loss_fn``) is copied back into the flat buffer and the view restored."""
@@ -229,7 +238,7 @@ class ParamGroup:
 
     def check_grad_views(self) -> None:
         """After a micro-batch: every ``.grad`` of an ACCUMULATE group is its view again."""
-        if self.grads is not None and self.policy.grads is GradFlow.ACCUMULATE:
+        if self.grads is not None and self.policy.grads is GradFlow.ACCUMULATE and self.grad_views:
             for k in range(len(self.params)):
                 if not self.arrived[k]:
                     self._fold(k)
@@ -283,19 +292,7 @@ class ParamGroup:
         assert self.grads is not None
         return self.grads[self.update_start:self.update_end]
 
-    # -- the update -----------------------------------------------------------------------------
-    def apply_update(self, optimizer: Optimizer, grad: torch.Tensor, *, lr: float, used: list[bool],
-                     steps: list[int]) -> None:
-        """Step the master slice over the parameters ``used`` this step (by layout index), each
-        with its own step number, as ``torch.optim`` skips a parameter whose grad is None."""
-        for run in update_runs(self.pieces, numel=self.update_numel, used=used, steps=steps):
-            if run.start == 0 and run.end == self.update_numel:
-                optimizer.update(self.master, grad, self.moments, step=run.step, lr=lr, decay=self.decay)
-                continue
-            s, e = run.start, run.end
-            optimizer.update(self.master[s:e], grad[s:e], {k: m[s:e] for k, m in self.moments.items()},
-                             step=run.step, lr=lr, decay=_clip(self.decay, s, e))
-
+    # -- after the update -----------------------------------------------------------------------
     def publish(self, stream: CommStream) -> None:
         """Make the compute-dtype parameters agree with the master slice: copy, and all-gather
         where whole parameters were updated on shards (run with the stream idle)."""

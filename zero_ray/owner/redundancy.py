@@ -7,7 +7,9 @@ its own to its backup. Pending becomes current only once the driver has seen eve
 that step (it says so by sending the next step, or ``commit_upto`` during recovery), so a
 failure in the middle of an exchange leaves every rank's current copies at one common step.
 Host memory: up to four shard copies (own and ward, current and pending) of 4 bytes x (1 +
-moments) per element, reported by ``nbytes``.
+element-wise states) per element, plus the whole-tensor state of the parameters the rank and
+its ward are the assignees of, reported by ``nbytes``. The optimizer's state table (scalars such
+as step counts) is merged over all ranks when a snapshot is taken, so any holder can restore it.
 """
 
 from __future__ import annotations
@@ -18,50 +20,65 @@ from typing import Any
 import torch
 
 from zero_ray.collective.group import Collective
+from zero_ray.core.optim_state import bucket_kinds, merge_tables
 from zero_ray.owner.engine import OwnerEngine
 from zero_ray.owner.host_copy import host_copies
 from zero_ray.owner.param_group import OptimizerSlice
-from zero_ray.owner.resize import run_p2p, slice_kinds
+from zero_ray.owner.resize import RankState, WholeState, describe_state, run_p2p
 
 
 @dataclass(kw_only=True)
 class Snapshot:
-    """One rank's optimizer slices over its own shard ranges, as of driver step ``step``."""
+    """One rank's optimizer state over its own shard ranges, as of driver step ``step``."""
 
     rank: int
     step: int
     world_size: int
-    slices: list[OptimizerSlice]
+    state: RankState
     scalars: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.slices for t in (s.master, *s.moments.values()))
+        return sum(t.numel() * t.element_size() for t in _tensors(self.state))
 
 
-def _own_slices(engine: OwnerEngine, rank: int, *, clone: bool) -> list[OptimizerSlice]:
-    """``rank``'s shard range of every bucket: cloned from this engine's state (``clone``), or
-    zeroed buffers of the same shape to receive into."""
+def _tensors(state: RankState) -> list[torch.Tensor]:
+    """Every tensor of ``state`` in the order both sides of an exchange list them."""
+    out = [t for s in state.slices for t in (s.master, *s.moments.values())]
+    out += [state.whole[p][k] for p in sorted(state.whole) for k in sorted(state.whole[p])]
+    return out
+
+
+def _slices(engine: OwnerEngine, rank: int, kinds: list[list[str]], *, clone: bool) -> list[OptimizerSlice]:
+    """``rank``'s shard range of every bucket with the state names ``kinds`` lists: cloned from
+    this engine's state (``clone``; a name it never created is zeros), or zeroed buffers of the
+    same shape to receive into."""
     out = []
     live = {s.bucket.index: s for s in engine.state.optimizer_slices()}
     for b in engine.layout.buckets:
         lo, hi = b.shard_range(rank)
         s = live[b.index]  # every rank has the same buckets, trainable or frozen alike
+        names = kinds[b.index][1:]
         if clone:
-            names = list(s.moments)
-            master, *rest = host_copies([s.master[lo - s.start:hi - s.start],
-                                         *(s.moments[k][lo - s.start:hi - s.start] for k in names)],
-                                        dtype=torch.float32)
-            moments = dict(zip(names, rest))
+            held = [s.master[lo - s.start:hi - s.start]]
+            held += [s.moments[k][lo - s.start:hi - s.start] if k in s.moments
+                     else torch.zeros(hi - lo, dtype=torch.float32) for k in names]
+            master, *rest = host_copies(held, dtype=torch.float32)
         else:
-            master = torch.zeros(hi - lo, dtype=torch.float32)
-            moments = {k: torch.zeros(hi - lo, dtype=torch.float32) for k in s.moments}
-        out.append(OptimizerSlice(bucket=b, start=lo, end=hi, master=master, moments=moments))
+            master, *rest = [torch.zeros(hi - lo, dtype=torch.float32) for _ in range(1 + len(names))]
+        out.append(OptimizerSlice(bucket=b, start=lo, end=hi, master=master, moments=dict(zip(names, rest))))
     return out
 
 
-def _tensors(slices: list[OptimizerSlice]) -> list[torch.Tensor]:
-    return [t for s in slices for t in (s.master, *s.moments.values())]
+def gather_objects(group: Collective, obj: Any) -> list[Any]:
+    """``obj`` from every rank of ``group`` (small, picklable data)."""
+    if group.world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * group.world_size
+    dist.all_gather_object(out, obj, group=getattr(group, "process_group", None))
+    return out
 
 
 class PeerSnapshots:
@@ -74,29 +91,38 @@ class PeerSnapshots:
 
     def take(self, engine: OwnerEngine, group: Collective, *, step: int, backup: int, ward: int,
              timeout_s: float) -> int:
-        """Snapshot after driver step ``step``: clone own slices, send them to ``backup`` while
+        """Snapshot after driver step ``step``: clone own state, send it to ``backup`` while
         receiving ``ward``'s. Returns bytes sent."""
         import torch.distributed as dist
 
         rank, n = engine.rank, engine.world_size
-        slices = engine.state.optimizer_slices()
-        scalars = {**engine.counters(),
-                   # the layout facts a restore needs, so it needs no live engine
-                   "buckets": [b.numel for b in engine.layout.buckets], "whole": engine.spec.plan.updates_whole_buffer,
-                   "kinds": slice_kinds(slices)}
-        own = Snapshot(rank=rank, step=step, world_size=n, slices=_own_slices(engine, rank, clone=True),
-                       scalars=scalars)
+        optimizer = engine.state.optimizer
+        table = merge_tables(gather_objects(group, optimizer.table()))
+        whole_plan = optimizer.whole_plan
+        kinds = bucket_kinds(engine.layout, table)
+        # What a restore needs without a live engine: the layout, the merged table, the counters.
+        scalars = {**engine.counters(), **describe_state(engine.layout, whole_params=sorted(whole_plan.assignee),
+                                                         replicated=engine.spec.plan.updates_whole_buffer,
+                                                         table=table)}
+        own_whole: WholeState = {p: dict(zip(sorted(st), host_copies([st[k] for k in sorted(st)])))
+                                 for p, st in optimizer.whole_state(saver_only=True).items()}
+        own = Snapshot(rank=rank, step=step, world_size=n, scalars=scalars,
+                       state=RankState(slices=_slices(engine, rank, kinds, clone=True), whole=own_whole))
         theirs = None
         sent = 0
         if backup != rank:
-            theirs = Snapshot(rank=ward, step=step, world_size=n, slices=_own_slices(engine, ward, clone=False),
-                              scalars=scalars)
+            ward_whole: WholeState = {}
+            for p in whole_plan.assigned_to(ward):
+                for key, desc in table.get(p, {}).get("whole", {}).items():
+                    ward_whole.setdefault(p, {})[key] = torch.zeros(desc["shape"], dtype=getattr(torch, desc["dtype"]))
+            theirs = Snapshot(rank=ward, step=step, world_size=n, scalars=scalars,
+                              state=RankState(slices=_slices(engine, ward, kinds, clone=False), whole=ward_whole))
             pg = getattr(group, "process_group", None)
             ops: list[object] = []
-            for i, t in enumerate(_tensors(own.slices)):
+            for i, t in enumerate(_tensors(own.state)):
                 ops.append(dist.P2POp(dist.isend, t, backup, group=pg, tag=i))
-                sent += t.numel() * 4
-            for i, t in enumerate(_tensors(theirs.slices)):
+                sent += t.numel() * t.element_size()
+            for i, t in enumerate(_tensors(theirs.state)):
                 ops.append(dist.P2POp(dist.irecv, t, ward, group=pg, tag=i))
             run_p2p(ops, me=rank, pg=pg, timeout_s=timeout_s, what="peer snapshot")
         self._pending = (own, theirs)
@@ -115,7 +141,7 @@ class PeerSnapshots:
         """The committed snapshots held, by the rank they belong to."""
         return {s.rank: s for s in (self.own, self.ward) if s is not None}
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[int, Any]:
         return {r: {"step": s.step, "world_size": s.world_size, "scalars": s.scalars} for r, s in self.sources().items()}
 
     @property

@@ -1,5 +1,5 @@
-"""Live resharding on one actor: move optimizer slices between the old layout (N ranks) and
-the new one (M ranks) by point-to-point transfers over a group of every actor involved.
+"""Live resharding on one actor: move optimizer state between the old layout (N ranks) and the
+new one (M ranks) by point-to-point transfers over a group of every actor involved.
 
 Only one torch.distributed group can live in a process at a time (ray.util.collective's gloo
 groups ride on the default process group, whose size is fixed), so the sequence is: leave the
@@ -7,22 +7,32 @@ old group; join a transfer group of max(N, M) actors (actor i is old rank i and 
 send the pieces ``core.reshard.plan_moves`` assigns to this actor and receive its new ranges
 into host staging buffers; then (shrinking) leave it and join the M-rank group; build the new
 model state and copy the staged ranges in. A rank sends only ranges whose owner changes.
+
+What moves: per bucket range the master weights and the element-wise optimizer state by name
+(``bucket_kinds``: the names any parameter of the bucket has); per whole-tensor parameter its
+state, from the old layout's assignee to the new one's (``plan_whole_moves``); and the merged
+``StateTable`` (scalars such as step counts), which travels in the transfer's description.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from zero_ray.collective.group import Collective
-from zero_ray.core.layout import Bucket
-from zero_ray.core.reshard import Move, bucket_range
+from zero_ray.core.assign import plan_whole_tensors
+from zero_ray.core.layout import FlatLayout
+from zero_ray.core.optim_state import StateTable, bucket_kinds, merge_tables
+from zero_ray.core.reshard import Move, WholeMove, bucket_range, plan_moves, plan_whole_moves
 from zero_ray.errors import CollectiveError
+from zero_ray.owner.model_state import ModelState
 from zero_ray.owner.param_group import OptimizerSlice
+
+WholeState = dict[int, dict[str, torch.Tensor]]  # parameter -> whole-tensor state by name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,65 +42,134 @@ class StagedRange:
     bucket: int
     start: int
     end: int
-    tensors: dict[str, torch.Tensor]  # "master" and each moment, fp32, end - start elements
-
-Kinds = Sequence[Sequence[str]]  # per bucket: "master" and, for trainable buckets, each moment
+    tensors: dict[str, torch.Tensor]  # "master" and each element-wise state, fp32, end - start elements
 
 
-def slice_kinds(slices: Sequence[OptimizerSlice]) -> list[list[str]]:
-    """What each bucket's slice holds: the master values and its moments (none when frozen)."""
-    return [["master", *s.moments] for s in slices]
+@dataclass(kw_only=True)
+class RankState:
+    """One old rank's state in transit: its optimizer slices and the whole-tensor state of the
+    parameters it was the assignee of."""
+
+    slices: list[OptimizerSlice]
+    whole: WholeState = field(default_factory=dict)
 
 
-def stage_buffers(bucket_numels: list[int], *, rank: int, world_size: int, whole: bool,
-                  kinds: Kinds) -> list[StagedRange]:
-    """Zeroed host buffers for every range ``rank`` will update in the new layout."""
-    out = []
-    for b, numel in enumerate(bucket_numels):
-        lo, hi = bucket_range(numel, world_size, rank, whole=whole)
-        out.append(StagedRange(bucket=b, start=lo, end=hi,
-                               tensors={k: torch.zeros(hi - lo, dtype=torch.float32) for k in kinds[b]}))
-    return out
+@dataclass(kw_only=True)
+class Staged:
+    """What this actor receives for its new rank."""
+
+    ranges: list[StagedRange]
+    whole: WholeState
 
 
-def exchange(moves: list[Move], *, me: int, sources: dict[int, list[OptimizerSlice]], senders: list[int],
-             staged: list[StagedRange] | None, kinds: Kinds, group: Collective | None,
-             timeout_s: float) -> int:
-    """Carry out this actor's part of ``moves``. ``moves`` name old ranks as sources;
-    ``senders[i]`` is the position of the actor holding old rank i's state (itself for a live
-    resize; a peer's copy after a loss) and ``sources`` the slices this actor holds, by old rank.
-    ``kinds[b]`` are the tensors bucket ``b`` holds. Local pieces are copied, others sent or
-    received into ``staged``. Returns bytes sent."""
+def describe_state(layout: FlatLayout, *, whole_params: Sequence[int], replicated: bool,
+                   table: StateTable) -> dict[str, Any]:
+    """What every actor of a transfer needs to plan it, as plain data: the layout, which
+    parameters are stepped whole, whether the optimizer is replicated, and the state table."""
+    return {"layout": layout.describe(), "whole_params": list(whole_params), "replicated": replicated,
+            "table": dict(table)}
+
+
+def merge_descriptions(infos: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One transfer description from every rank's (each knows the table entries of what it updates)."""
+    return {**infos[0], "table": merge_tables(i["table"] for i in infos)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferPlan:
+    """A transfer from ``old_world`` to ``new_world`` ranks, as every actor computes it."""
+
+    moves: list[Move]
+    kinds: list[list[str]]
+    whole_moves: list[WholeMove]
+    table: dict[int, Any]
+    buckets: list[int]
+    replicated: bool
+
+    @classmethod
+    def of(cls, info: Mapping[str, Any], *, old_world: int, new_world: int) -> TransferPlan:
+        table = merge_tables([info["table"]])
+        old = FlatLayout.from_description(info["layout"], world_size=old_world)
+        new = FlatLayout.from_description(info["layout"], world_size=new_world)
+        whole = list(info["whole_params"])
+        replicated = bool(info["replicated"])
+        numels = [b.numel for b in old.buckets]
+        return cls(moves=plan_moves(numels, old_world=old_world, new_world=new_world, whole=replicated),
+                   kinds=bucket_kinds(old, table), table=table, buckets=numels, replicated=replicated,
+                   whole_moves=plan_whole_moves(table, old_assignee=plan_whole_tensors(old, whole).assignee,
+                                                new_assignee=plan_whole_tensors(new, whole).assignee,
+                                                new_world=new_world, replicated=replicated))
+
+    def staging(self, rank: int, world_size: int) -> Staged:
+        """Zeroed host buffers for everything ``rank`` receives in the new layout."""
+        ranges = []
+        for b, numel in enumerate(self.buckets):
+            lo, hi = bucket_range(numel, world_size, rank, whole=self.replicated)
+            ranges.append(StagedRange(bucket=b, start=lo, end=hi,
+                                      tensors={k: torch.zeros(hi - lo, dtype=torch.float32) for k in self.kinds[b]}))
+        whole: WholeState = {}
+        for m in self.whole_moves:
+            if m.dst == rank:
+                whole.setdefault(m.param, {})[m.key] = torch.zeros(m.shape, dtype=getattr(torch, m.dtype))
+        return Staged(ranges=ranges, whole=whole)
+
+
+def exchange(plan: TransferPlan, *, me: int, sources: dict[int, RankState], senders: list[int],
+             staged: Staged | None, group: Collective | None, timeout_s: float) -> int:
+    """Carry out this actor's part of ``plan``. Moves name old ranks as sources; ``senders[i]``
+    is the position of the actor holding old rank i's state (itself for a live resize; a peer's
+    copy after a loss) and ``sources`` the state this actor holds, by old rank. Local pieces are
+    copied, others sent or received into ``staged``. Returns bytes sent."""
     import torch.distributed as dist
 
-    src_of = {rank: {s.bucket.index: s for s in slices} for rank, slices in sources.items()}
-    dst_of = {r.bucket: r for r in staged or []}
+    src_of = {rank: {s.bucket.index: s for s in state.slices} for rank, state in sources.items()}
+    dst_of = {r.bucket: r for r in (staged.ranges if staged is not None else [])}
     ops: list[object] = []
     keep: list[torch.Tensor] = []  # send buffers must outlive the transfer
     sent = 0
     pg = getattr(group, "process_group", None)
-    width = max((len(k) for k in kinds), default=1)
-    for i, m in enumerate(moves):
+    width = max((len(k) for k in plan.kinds), default=1)
+
+    def pair(sender: int, dst: int, tag: int, value: torch.Tensor | None, into: torch.Tensor | None) -> None:
+        nonlocal sent
+        if sender == dst:
+            assert into is not None and value is not None
+            into.copy_(value)
+        elif sender == me:
+            assert value is not None
+            buf = value.detach().to("cpu").contiguous()
+            keep.append(buf)
+            ops.append(dist.P2POp(dist.isend, buf, dst, group=pg, tag=tag))
+            sent += buf.numel() * buf.element_size()
+        else:
+            ops.append(dist.P2POp(dist.irecv, into, sender, group=pg, tag=tag))
+
+    for i, m in enumerate(plan.moves):
         sender = senders[m.src]
         if me not in (sender, m.dst):
             continue
-        for k, kind in enumerate(kinds[m.bucket]):
-            tag = i * width + k
+        for k, kind in enumerate(plan.kinds[m.bucket]):
+            value = into = None
             if sender == me:
                 s = src_of[m.src][m.bucket]
-                value = (s.master if kind == "master" else s.moments[kind])[m.start - s.start:m.end - s.start]
+                held = s.master if kind == "master" else s.moments.get(kind)
+                # A rank that never stepped a parameter of this bucket has no such state: zeros.
+                value = (held[m.start - s.start:m.end - s.start] if held is not None
+                         else torch.zeros(m.end - m.start, dtype=torch.float32))
+                value = value.float()
             if m.dst == me:
+                assert staged is not None
                 r = dst_of[m.bucket]
                 into = r.tensors[kind][m.start - r.start:m.end - r.start]
-            if sender == m.dst:
-                into.copy_(value)
-            elif sender == me:
-                buf = value.detach().to("cpu", torch.float32).contiguous()
-                keep.append(buf)
-                ops.append(dist.P2POp(dist.isend, buf, m.dst, group=pg, tag=tag))
-                sent += buf.numel() * 4
-            else:
-                ops.append(dist.P2POp(dist.irecv, into, sender, group=pg, tag=tag))
+            pair(sender, m.dst, i * width + k, value, into)
+    base = len(plan.moves) * width
+    for j, w in enumerate(plan.whole_moves):
+        sender = senders[w.src]
+        if me not in (sender, w.dst):
+            continue
+        value = sources[w.src].whole[w.param][w.key] if sender == me else None
+        into = staged.whole[w.param][w.key] if (w.dst == me and staged is not None) else None
+        pair(sender, w.dst, base + j, value, into)
     run_p2p(ops, me=me, pg=pg, timeout_s=timeout_s, what="resharding transfer")
     return sent
 
@@ -117,19 +196,20 @@ def run_p2p(ops: list[object], *, me: int, pg: object, timeout_s: float, what: s
         works.clear()
 
 
-def install(staged: list[StagedRange], new: list[OptimizerSlice]) -> None:
-    """Copy the staged ranges into the new model state's slices (same buckets and ranges)."""
-    by_bucket = {r.bucket: r for r in staged}
+def install(staged: Staged, state: ModelState, table: StateTable) -> None:
+    """Copy the staged ranges into a new model state (same buckets and ranges) and give its
+    optimizer the state ``table`` describes."""
+    by_bucket = {r.bucket: r for r in staged.ranges}
+    optimizer = state.optimizer
     with torch.no_grad():
-        for s in new:
-            r = by_bucket[s.bucket.index]
-            if (r.start, r.end) != (s.start, s.end):
-                raise CollectiveError(f"bucket {s.bucket.index}: staged range [{r.start}, {r.end}) differs from the "
-                                      f"new layout's [{s.start}, {s.end})")
-            s.master.copy_(r.tensors["master"])
-            for kind, t in s.moments.items():
-                t.copy_(r.tensors[kind])
-
-
-def bucket_numels(buckets: tuple[Bucket, ...]) -> list[int]:
-    return [b.numel for b in buckets]
+        optimizer.reset()
+        for g in state.groups:
+            r = by_bucket[g.index]
+            if (r.start, r.end) != (g.update_start, g.update_end):
+                raise CollectiveError(f"bucket {g.index}: staged range [{r.start}, {r.end}) differs from the new "
+                                      f"layout's [{g.update_start}, {g.update_end})")
+            g.master.copy_(r.tensors["master"])
+            for kind, t in r.tensors.items():
+                if kind != "master" and g.policy.trainable:
+                    g.moment(kind).copy_(t)
+    optimizer.load(table, staged.whole)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from zero_ray.config import ActivationCheckpointing, Stage3Config
-from zero_ray.core.optim import Optimizer
+from zero_ray.core.optim import OptimizerFactory, SchedulerFactory
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.stages import StagePlan
 
@@ -24,7 +24,7 @@ class EngineSpec:
 
     model_fn: ModelFn
     loss_fn: LossFn
-    optimizer: Optimizer
+    optimizers: tuple[OptimizerFactory, ...]  # each: module -> torch.optim.Optimizer
     plan: StagePlan
     compute_dtype: torch.dtype
     device: str
@@ -36,3 +36,6 @@ class EngineSpec:
     stage3: Stage3Config = field(default_factory=Stage3Config)
     init_state_dict: str | os.PathLike[str] | Mapping[str, Any] | None = None  # fine-tuning start
     activation_checkpointing: ActivationCheckpointing | None = None
+    lr_scheduler: SchedulerFactory | None = None  # optimizer -> LRScheduler, applied to each optimizer
+    optimizer_kinds: tuple[tuple[str, str], ...] = ()  # declared classes: (qualified name, kind)
+    reduce_dtype: torch.dtype | None = None  # of gradient reductions; None: the compute dtype

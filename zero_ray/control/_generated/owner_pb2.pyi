@@ -28,20 +28,18 @@ class Piece(_message.Message):
     def __init__(self, batch_key: _Optional[str] = ..., dataset: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("header", "step", "lr", "piece", "global_samples", "generation")
+    __slots__ = ("header", "step", "piece", "global_samples", "generation")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    LR_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     step: int
-    lr: float
     piece: Piece
     global_samples: int
     generation: int
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., step: _Optional[int] = ..., lr: _Optional[float] = ..., piece: _Optional[_Union[Piece, _Mapping]] = ..., global_samples: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., step: _Optional[int] = ..., piece: _Optional[_Union[Piece, _Mapping]] = ..., global_samples: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class LossTotals(_message.Message):
     __slots__ = ("loss_sum", "samples", "count", "counted", "items")
@@ -58,7 +56,7 @@ class LossTotals(_message.Message):
     def __init__(self, loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., count: _Optional[float] = ..., counted: _Optional[bool] = ..., items: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("totals", "grad_norm", "skipped", "loss_scale", "compute_seconds", "bytes_sent", "rank")
+    __slots__ = ("totals", "grad_norm", "skipped", "loss_scale", "compute_seconds", "bytes_sent", "rank", "lr")
     class BytesSentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +71,7 @@ class StepReply(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
     totals: LossTotals
     grad_norm: float
     skipped: bool
@@ -80,7 +79,8 @@ class StepReply(_message.Message):
     compute_seconds: float
     bytes_sent: _containers.ScalarMap[str, int]
     rank: int
-    def __init__(self, totals: _Optional[_Union[LossTotals, _Mapping]] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., rank: _Optional[int] = ...) -> None: ...
+    lr: float
+    def __init__(self, totals: _Optional[_Union[LossTotals, _Mapping]] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., rank: _Optional[int] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("header", "piece", "generation")
