@@ -7,7 +7,10 @@ before its forward, and again before its backward:
 - forward: the unit's pre-hook gathers it (the next units in the recorded execution order are
   gathered ahead, ``prefetch_depth``, on the comm stream while this one computes) and, when an
   input requires grad, threads the inputs through an identity autograd function whose backward
-  marks the end of the unit's backward; the post-hook frees the parameters.
+  marks the end of the unit's backward; the post-hook frees the parameters. The hooks sit on
+  every entry module of the unit (``UnitSpec.entries``) and act on the outermost call only, so
+  a unit whose own ``forward`` is bypassed (a wrapper whose parent calls its child directly) is
+  entered by the first module under it that runs, before any of its parameters is read.
 - backward: a hook on the unit's outputs gathers it again (prefetching the next units in
   backward order) and queues its trainable group for reduction; when backward has passed the
   unit's inputs (or, for a unit whose inputs need no gradient, when the micro-batch ends) its
@@ -72,7 +75,8 @@ class Unit:
     state: UnitState = UnitState.SHARDED
     buffer: PoolBuffer | None = None
     gathered: Future[Any] | None = None
-    users: int = 0  # forward calls in progress
+    calls: int = 0  # calls of its entry modules in progress (the outermost one enters the unit)
+    users: int = 0  # forward entries in progress
     in_backward: bool = False  # gathered for backward, backward not past it yet
     recomputed: bool = False  # gathered for activation checkpointing's recomputation, backward not past it
     done: bool = False  # its backward is over this micro-batch: gradients complete
@@ -154,10 +158,16 @@ class UnitScheduler:
         self._pool_at = {b.tensor.untyped_storage().data_ptr(): pool for pool in pools for b in pool.buffers}
         root.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
         root.register_forward_hook(self._root_post_forward, always_call=True)
+        entering: dict[str, list[Unit]] = {}
         for u in units:
             if u.spec.path != "":
-                u.module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, u), with_kwargs=True)
-                u.module.register_forward_hook(functools.partial(self._unit_post_forward, u), always_call=True)
+                for path in u.spec.entries or (u.spec.path,):
+                    entering.setdefault(path, []).append(u)
+        for path, these in entering.items():
+            these.sort(key=lambda u: u.spec.depth)  # enclosing units enter first and leave last
+            module = root.get_submodule(path)
+            module.register_forward_pre_hook(functools.partial(self._enter, these), with_kwargs=True)
+            module.register_forward_hook(functools.partial(self._leave, these), always_call=True)
 
     # -- gathering ------------------------------------------------------------------------------------
     def _request(self, u: Unit, phase: Pass, *, prefetch: bool = False) -> bool:
@@ -246,6 +256,26 @@ class UnitScheduler:
 
     def _root_unit(self) -> Unit | None:
         return self.units[0] if self.units and self.units[0].spec.path == "" else None
+
+    def _enter(self, units: list[Unit], module: nn.Module, args: Any, kwargs: Any) -> Any:
+        """An entry module of ``units`` begins its forward: enter each unit none of whose entry
+        modules is running yet; calls nested inside the entering one are only counted."""
+        changed = None
+        for u in units:
+            u.calls += 1
+            if u.calls == 1:
+                threaded = self._unit_pre_forward(u, module, args, kwargs)
+                if threaded is not None:
+                    changed = args, kwargs = threaded
+        return changed
+
+    def _leave(self, units: list[Unit], module: nn.Module, args: Any, output: Any) -> None:
+        for u in reversed(units):
+            if u.calls == 0:
+                continue  # an error in the pre-hooks before this unit was entered
+            u.calls -= 1
+            if u.calls == 0:
+                self._unit_post_forward(u, module, args, output)
 
     def _unit_pre_forward(self, u: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if _recomputing():
@@ -407,6 +437,7 @@ class UnitScheduler:
         for u in self.units:
             self._release(u)
             u.users, u.in_backward, u.done, u.recomputed, u.expected, u.fired = 0, False, False, False, 0, 0
+            u.calls = 0
         for pool in self.pools:
             pool.reset()
         self._live_bytes = 0
