@@ -97,20 +97,33 @@ class Bypassing(nn.Module):
         return self.base.model(x)
 
 
+class CallsTheLeaves(Bypassing):
+    """Calls the wrapped model's modules one by one: its unit is entered four times per forward,
+    the first time from the data (no input needs a gradient, so nothing signals when backward is
+    past that call), the others from activations."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.base.model
+        return m.head(m.norm(m.body(torch.tanh(m.embed(x)))))
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("policy", [WrapPolicy(min_numel=0), WrapPolicy(classes=("Wrapper", "Linear"))],
-                         ids=["wrapper", "wrapper-and-nested"])
+@pytest.mark.parametrize(("model_fn", "policy"), [
+    (Bypassing, WrapPolicy(min_numel=0)), (Bypassing, WrapPolicy(classes=("Wrapper", "Linear"))),
+    (CallsTheLeaves, WrapPolicy(min_numel=0))], ids=["wrapper", "wrapper-and-nested", "entered-four-times"])
 def test_a_unit_whose_forward_is_bypassed_is_gathered_by_the_module_under_it_that_runs(
-        policy: WrapPolicy, world_size: int) -> None:
+        model_fn, policy: WrapPolicy, world_size: int) -> None:  # type: ignore[no-untyped-def]
     # The wrapper is a unit (the default policy's choice for a root's only child); before
-    # entry modules its parameters stayed empty placeholders and the first Linear failed.
+    # entry modules its parameters stayed empty placeholders and the first Linear failed. Entered
+    # four times, it ended when backward passed the first tracked entry, before the embedding's
+    # gradient arrived ("arrived after its bucket was reduced").
     opt = zr.SGD(lr=0.1, momentum=0.9)
     batches = [(x[:, :8], y[:, :4]) for x, y in finetune_batches()]
-    ref, _ = single_process(Bypassing, finetune_loss, opt, batches)
-    got, engines, _ = run_ranks(world_size, Bypassing, finetune_loss, opt, batches, accum=2, wrap_policy=policy)
+    ref, _ = single_process(model_fn, finetune_loss, opt, batches)
+    got, engines, _ = run_ranks(world_size, model_fn, finetune_loss, opt, batches, accum=2, wrap_policy=policy)
     assert _max_dev(got, ref) <= 1e-6
     torch.manual_seed(0)
-    start = dict(Bypassing().named_parameters())
+    start = dict(model_fn().named_parameters())
     assert all(not torch.equal(got[n], p.detach()) for n, p in start.items())  # every parameter trained
     assert "base" in [u.spec.path for u in engines[0].state.units]
 

@@ -13,10 +13,10 @@ before its forward, and again before its backward:
   entered by the first module under it that runs, before any of its parameters is read.
 - backward: a hook on the unit's outputs gathers it again (prefetching the next units in
   backward order) and queues its trainable group for reduction; when backward has passed the
-  unit's inputs (or, for a unit whose inputs need no gradient, when the micro-batch ends) its
-  gradients are complete: the group is reduced and the parameters freed. Autograd's saved
-  tensors that alias a gathered buffer are saved as (unit, view) handles, so backward reads the
-  re-gathered values and a freed buffer can be reused at once.
+  unit's inputs (or, for a unit one of whose entries had no input needing a gradient, when the
+  micro-batch ends) its gradients are complete: the group is reduced and the parameters freed.
+  Autograd's saved tensors that alias a gathered buffer are saved as (unit, view) handles, so
+  backward reads the re-gathered values and a freed buffer can be reused at once.
 
 Every decision that issues a collective (which unit to gather, prefetch or evict; when to
 reduce) is taken on the compute thread at module-level events, the same on every rank whatever
@@ -82,6 +82,10 @@ class Unit:
     done: bool = False  # its backward is over this micro-batch: gradients complete
     expected: int = 0  # end-of-backward signals to wait for this micro-batch (forward calls tracked)
     fired: int = 0
+    # An entry this micro-batch had no input needing a gradient: nothing signals when backward
+    # is past that call's parameters, so the unit ends with the micro-batch, whatever the others
+    # signal (a unit entered twice, first from the data, then from computed activations).
+    untracked: bool = False
     regions: list[tuple[int, int]] = field(default_factory=list)  # each group's part of the buffer
 
     def __post_init__(self) -> None:
@@ -296,6 +300,7 @@ class UnitScheduler:
         flat, spec = tree_flatten((args, kwargs))
         at = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not at:
+            u.untracked = True
             return None
         u.expected += 1
         for k, t in zip(at, _EndOfBackward.apply(self, u, *(flat[k] for k in at))):
@@ -356,7 +361,7 @@ class UnitScheduler:
 
     def _end_of_backward(self, u: Unit) -> None:
         u.fired += 1
-        if u.fired >= u.expected:
+        if u.fired >= u.expected and not u.untracked:
             self._complete(u)
 
     def _complete(self, u: Unit) -> None:
@@ -404,7 +409,7 @@ class UnitScheduler:
             self._seen[phase] = []
             self._cursor[phase] = 0
         for u in self.units:
-            u.in_backward, u.done, u.recomputed, u.expected, u.fired = False, False, False, 0, 0
+            u.in_backward, u.done, u.recomputed, u.expected, u.fired, u.untracked = False, False, False, 0, 0, False
 
     def end_micro_batch(self) -> None:
         """Units whose backward never signalled its end (inputs that need no gradient) are
@@ -437,7 +442,7 @@ class UnitScheduler:
         for u in self.units:
             self._release(u)
             u.users, u.in_backward, u.done, u.recomputed, u.expected, u.fired = 0, False, False, False, 0, 0
-            u.calls = 0
+            u.calls, u.untracked = 0, False
         for pool in self.pools:
             pool.reset()
         self._live_bytes = 0
