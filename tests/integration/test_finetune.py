@@ -1,8 +1,8 @@
 """Fine-tuning on Ray actors over gloo, against single-process PyTorch: a frozen base with an
 adapter, a never-used parameter and a branch only some ranks take (``FineTune``), and PEFT LoRA
 on a Hugging Face Llama (``lora_llama``), at every stage and world sizes 1-3; PEFT LoRA over
-tied-embedding models (GPT-2, a tied Llama) at stage 3; what the owners hold for frozen parameters; a LoRA checkpoint resumed at another stage and size; the adapter's
-weights alone."""
+tied-embedding models (GPT-2, a tied Llama) at stage 3; what the owners hold for frozen
+parameters; a LoRA checkpoint resumed at another stage and size; the adapter's weights alone."""
 
 from __future__ import annotations
 

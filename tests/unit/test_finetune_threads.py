@@ -134,7 +134,8 @@ BLOCKS = {lora_gpt2: "GPT2Block", lora_tied_llama: "LlamaDecoderLayer"}
 
 @pytest.mark.parametrize(("stage", "world_size"), TIED_CASES)
 @pytest.mark.parametrize("model_fn", [lora_gpt2, lora_tied_llama], ids=["gpt2", "tied-llama"])
-def test_peft_lora_over_tied_embeddings_follows_torch(model_fn, stage: int, world_size: int) -> None:  # type: ignore[no-untyped-def]
+def test_peft_lora_over_tied_embeddings_follows_torch(model_fn, stage: int,  # type: ignore[no-untyped-def]
+                                                      world_size: int) -> None:
     # At stage 3 every module is a candidate unit (WrapPolicy(min_numel=0)): PEFT's base_model,
     # whose forward PEFT bypasses, is the unit holding the tied embedding.
     opt = zr.SGD(lr=0.5, momentum=0.9)
@@ -149,7 +150,8 @@ def test_peft_lora_over_tied_embeddings_follows_torch(model_fn, stage: int, worl
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("model_fn", [lora_gpt2, lora_tied_llama], ids=["gpt2", "tied-llama"])
-def test_peft_lora_over_tied_embeddings_with_block_units_follows_torch(model_fn, world_size: int) -> None:  # type: ignore[no-untyped-def]
+def test_peft_lora_over_tied_embeddings_with_block_units_follows_torch(model_fn,  # type: ignore[no-untyped-def]
+                                                                       world_size: int) -> None:
     # Each decoder block a unit: the tied embedding is the root's, used at both ends of forward.
     opt = zr.SGD(lr=0.5, momentum=0.9)
     batches = token_batches()
