@@ -3,7 +3,8 @@
 ``FineTune``: a frozen base with a trainable adapter, a parameter forward never uses, and a
 branch taken only when the piece of the batch a rank sees says so (so some ranks take it and
 others do not). ``lora_llama``: PEFT LoRA on a Hugging Face Llama causal LM built from a small
-config (no weights from a hub).
+config (no weights from a hub); ``lora_tied_llama`` and ``lora_gpt2`` the same over models whose
+input and output embeddings are one parameter.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def finetune_batches(steps: int = 4, n: int = 12) -> list[tuple[torch.Tensor, to
 VOCAB, SEQ = 64, 12
 
 
-def lora_llama() -> nn.Module:
+def lora_llama(tie_word_embeddings: bool = False) -> nn.Module:
     """A two-layer Llama causal LM from a small config with LoRA adapters on q_proj and v_proj
     (peft freezes everything else)."""
     from peft import LoraConfig, get_peft_model
@@ -74,9 +75,28 @@ def lora_llama() -> nn.Module:
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
-                         use_cache=False, tie_word_embeddings=False)
+                         use_cache=False, tie_word_embeddings=tie_word_embeddings)
     model = LlamaForCausalLM(config)
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+
+
+def lora_tied_llama() -> nn.Module:
+    """``lora_llama`` with ``lm_head.weight`` the embedding's (``tie_word_embeddings=True``)."""
+    return lora_llama(tie_word_embeddings=True)
+
+
+def lora_gpt2() -> nn.Module:
+    """A two-layer GPT-2 (``lm_head`` tied to ``wte``, dropout off so that ranks and the reference
+    compute the same) with LoRA adapters on the fused attention projection ``c_attn``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=32, n_layer=2, n_head=4, use_cache=False,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    # GPT-2's Conv1D stores (in, out): fan_in_fan_out says so to peft.
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn"],
+                                            fan_in_fan_out=True))
 
 
 def causal_lm_loss(module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Fine-tuning on Ray actors over gloo, against single-process PyTorch: a frozen base with an
 adapter, a never-used parameter and a branch only some ranks take (``FineTune``), and PEFT LoRA
-on a Hugging Face Llama (``lora_llama``), at every stage and world sizes 1-3; what the owners
-hold for frozen parameters; a LoRA checkpoint resumed at another stage and size; the adapter's
-weights alone."""
+on a Hugging Face Llama (``lora_llama``), at every stage and world sizes 1-3; PEFT LoRA over
+tied-embedding models (GPT-2, a tied Llama) at stage 3; what the owners hold for frozen
+parameters; a LoRA checkpoint resumed at another stage and size; the adapter's weights alone."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from finetune_models import (
     causal_lm_loss,
     finetune_batches,
     finetune_loss,
+    lora_gpt2,
     lora_llama,
+    lora_tied_llama,
     token_batches,
 )
 from safetensors.torch import load_file
@@ -79,6 +81,38 @@ def test_peft_lora_llama_matches_single_process(stage: int, world_size: int) -> 
     assert trained and all("lora_" in n for n in trained)
     assert all(torch.equal(got[n], p.detach()) for n, p in start.items() if not p.requires_grad)
     assert memory[0]["trainable_numel"] == sum(start[n].numel() for n in trained)
+
+
+TIED = {"gpt2": (lora_gpt2, "GPT2Block"), "tied-llama": (lora_tied_llama, "LlamaDecoderLayer")}
+# "base_model": the unit the default policy picks for any PEFT model above 2**16 elements (the
+# root's only child, PEFT's LoraModel, whose forward PEFT never calls); min_numel=0 picks it at
+# these sizes. "blocks": each decoder block a unit, the tied embedding in the root's.
+# (Stages 0-2, world size 1 and every other pairing run on thread ranks: test_finetune_threads.py.)
+TIED_CASES = [("gpt2", "base_model", 2), ("gpt2", "base_model", 3), ("gpt2", "blocks", 3),
+              ("tied-llama", "base_model", 2)]
+
+
+@pytest.mark.parametrize(("model", "units", "world_size"), TIED_CASES)
+def test_peft_lora_over_tied_embeddings_matches_single_process_at_stage_3(model: str, units: str,
+                                                                           world_size: int) -> None:
+    model_fn, block = TIED[model]
+    opt = zr.SGD(lr=0.5, momentum=0.9)
+    batches = token_batches()
+    ref, ref_losses = single_process(model_fn, causal_lm_loss, opt, batches)
+    policy = zr.WrapPolicy(min_numel=0) if units == "base_model" else (block,)
+    got, metrics, memory = train(model_fn, causal_lm_loss, opt, batches, stage=3, world_size=world_size,
+                                 stage3=zr.Stage3Config(wrap_policy=policy))
+    dev = max_dev(got, ref)
+    print(f"LoRA {model} ({units} units) stage 3 world {world_size} SGD max |zero - single| = {dev:.3g}")
+    assert dev <= 1e-6
+    assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, abs=1e-6)
+    assert memory[0]["units"] == (1 if units == "base_model" else 3)  # blocks: two and the root
+    torch.manual_seed(0)
+    lora_model = model_fn()
+    inner = lora_model.get_base_model()
+    assert inner.get_input_embeddings().weight is inner.get_output_embeddings().weight
+    start = dict(lora_model.named_parameters())
+    assert all(torch.equal(got[n], p.detach()) == (not p.requires_grad) for n, p in start.items())
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -78,7 +78,41 @@ def test_fp32_sgd_without_momentum(capsys: pytest.CaptureFixture[str]) -> None:
     assert "K = 0" in out and "8 B per parameter" in out
 
 
+def test_torch_optimizers_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    # fp32 Adagrad: 4 + 4 + K = 4 (its sum) = 12 B per parameter; 1e9 of them on 4 devices.
+    status, out, _ = _run(capsys, "--params", "1e9", "--world-size", "4", "--precision", "fp32",
+                          "--optimizer", "adagrad")
+    assert status == 0
+    assert "K = 4 B optimizer state (sum (the parameter is the master copy))" in out and "torch.optim.Adagrad" in out
+    rows = _stage_rows(out)
+    for stage, gb in {0: "12.00", 1: "9.00", 2: "6.00", 3: "3.00"}.items():
+        assert rows[stage][3] == gb, (stage, rows[stage])
+    status, out, _ = _run(capsys, "--params", "1e9", "--world-size", "4", "--optimizer", "rmsprop-centered")
+    assert status == 0 and "K = 12 B optimizer state (fp32 master + square_avg + grad_avg)" in out
+    assert _stage_rows(out)[0][3] == "16.00"  # 2 + 2 + 12
+
+
+@pytest.mark.parametrize(("optimizer", "precision", "k", "needle"), [
+    ("adafactor", "fp32", 0, "4 (R + C) B per R x C matrix"),
+    ("adafactor", "mixed", 4, "4 B per element of 1-D parameters"),
+    ("muon", "fp32", 4, "Muon updates 2-D parameters only"),
+])
+def test_what_k_leaves_out_is_said(capsys: pytest.CaptureFixture[str], optimizer: str, precision: str, k: int,
+                                   needle: str) -> None:
+    status, out, _ = _run(capsys, "--params", "1e9", "--world-size", "8", "--optimizer", optimizer,
+                          "--precision", precision)
+    assert status == 0 and f"K = {k} B" in out and needle in out
+
+
+def test_help_lists_every_optimizer(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _run(capsys, "--help")
+    assert status == 0
+    assert all(name in " ".join(out.split()) for name in ("adafactor", "rmsprop-centered-momentum", "adamw-amsgrad",
+                                                          "rprop", "asgd", "muon", "nadam", "radam", "adamax"))
+
+
 @pytest.mark.parametrize(("argv", "needle"), [
+    (["--params", "1e9", "--world-size", "4", "--optimizer", "rmsprop", "--no-momentum"], "'rmsprop'"),
     (["--params", "abc", "--world-size", "4"], "'abc'"),
     (["--params", "-1", "--world-size", "4"], "'-1'"),
     (["--params", "0", "--world-size", "4"], "'0'"),

@@ -12,13 +12,16 @@ import pytest
 from tests_paths import SHARED_DIR
 from zero_ray.core import memory
 from zero_ray.core.memory import (
+    OPTIMIZERS,
     STAGES,
     StateBytes,
     communication_elements,
     communication_volume_multiple,
+    factored_state_bytes,
     largest_trainable_params,
     model_state_bytes,
     optimizer_bytes_per_param,
+    optimizer_state,
 )
 from zero_ray.errors import ConfigError
 
@@ -156,14 +159,76 @@ def test_stages_are_described_as_data() -> None:
     ("adamw", True, True, 12), ("adam", True, True, 12), ("AdamW", True, True, 12),
     ("adamw", False, True, 8), ("adam", False, True, 8), ("adamw", True, False, 12),
     ("sgd", True, True, 8), ("sgd", False, True, 4), ("sgd", True, False, 4), ("sgd", False, False, 0),
+    ("adam-amsgrad", False, True, 12), ("adamax", False, True, 8), ("nadam", False, True, 8),
+    ("radam", True, True, 12), ("adagrad", False, True, 4), ("adadelta", False, True, 8),
+    ("rmsprop", False, True, 4), ("rmsprop", True, True, 8), ("rmsprop-centered", False, True, 8),
+    ("rmsprop-momentum", False, True, 8), ("rmsprop-centered-momentum", False, True, 12),
+    ("asgd", False, True, 4), ("rprop", False, True, 8), ("muon", False, True, 4), ("muon", True, True, 8),
+    ("adafactor", False, True, 0), ("adafactor", True, True, 4), (" RMSprop ", False, False, 4),
 ])
 def test_optimizer_bytes_per_param(optimizer: str, mixed: bool, momentum: bool, k: int) -> None:
     assert optimizer_bytes_per_param(optimizer, mixed_precision=mixed, momentum=momentum) == k
 
 
 def test_unknown_optimizer_names_value_and_accepted() -> None:
-    with pytest.raises(ConfigError, match=r"'lamb'.*adam.*adamw.*sgd"):
+    with pytest.raises(ConfigError, match=r"'lamb'.*adafactor.*adam.*adamw.*muon.*rprop.*sgd"):
         optimizer_bytes_per_param("lamb", mixed_precision=True)
+    with pytest.raises(ConfigError, match="'lbfgs'"):  # history, not per-element state: not modelled
+        optimizer_state("lbfgs")
+
+
+# How each name is built in torch.optim (constructor, keyword arguments, momentum flag).
+TORCH_BUILDS = {
+    "sgd": ("SGD", {"lr": 0.1, "momentum": 0.9}), "adam": ("Adam", {}), "adamw": ("AdamW", {}),
+    "adam-amsgrad": ("Adam", {"amsgrad": True}), "adamw-amsgrad": ("AdamW", {"amsgrad": True}),
+    "adamax": ("Adamax", {}), "nadam": ("NAdam", {}), "radam": ("RAdam", {}), "adagrad": ("Adagrad", {}),
+    "adadelta": ("Adadelta", {}), "rmsprop": ("RMSprop", {}), "rmsprop-centered": ("RMSprop", {"centered": True}),
+    "rmsprop-momentum": ("RMSprop", {"momentum": 0.9}),
+    "rmsprop-centered-momentum": ("RMSprop", {"centered": True, "momentum": 0.9}),
+    "asgd": ("ASGD", {}), "rprop": ("Rprop", {}), "muon": ("Muon", {}), "adafactor": ("Adafactor", {}),
+}
+
+
+def _torch_state_after_a_step(name: str, shapes: list[tuple[int, ...]], **kwargs: object) -> list[dict[str, object]]:
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    opt = getattr(torch.optim, name)(params, **kwargs)
+    sum((p * p).sum() for p in params).backward()
+    opt.step()
+    return [opt.state[p] for p in params]
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_per_element_state_is_what_torch_allocates(optimizer: str) -> None:
+    import torch
+
+    assert set(TORCH_BUILDS) == set(OPTIMIZERS)  # a new name needs its torch check here
+    name, kwargs = TORCH_BUILDS[optimizer]
+    spec = OPTIMIZERS[optimizer]
+    assert spec.torch_name.split("(")[0] == name
+    matrix = (6, 5)  # Muon takes matrices only; every optimizer takes them
+    for momentum in (True, False) if spec.momentum_state else (True,):
+        build = dict(kwargs, momentum=0.0) if not momentum else kwargs
+        (state,) = _torch_state_after_a_step(name, [matrix], **build)
+        per_element = {k for k, v in state.items() if torch.is_tensor(v) and tuple(v.shape) == matrix}
+        assert per_element == set(spec.per_element(momentum=momentum)), (optimizer, momentum, sorted(state))
+        assert all(state[k].dtype == torch.float32 for k in per_element)
+        assert optimizer_bytes_per_param(optimizer, mixed_precision=False, momentum=momentum) == 4 * len(per_element)
+        assert optimizer_bytes_per_param(optimizer, mixed_precision=True, momentum=momentum) == 4 * len(per_element) + 4
+
+
+def test_factored_state_bytes_is_what_torch_adafactor_allocates() -> None:
+    import torch
+
+    shapes = [(6, 5), (7,), (2, 3, 4), (), (1, 9)]
+    states = _torch_state_after_a_step("Adafactor", shapes)
+    held = sum(4 * v.numel() for state in states for k, v in state.items() if k != "step" and torch.is_tensor(v))
+    assert factored_state_bytes(shapes) == held == 4 * ((6 + 5) + 7 + 2 * (3 + 4) + 1 + (1 + 9))
+    assert [name for name, spec in OPTIMIZERS.items() if spec.factored] == ["adafactor"]
+    assert factored_state_bytes([(4096, 4096)]) / 4096**2 == pytest.approx(8 / 4096)
+    with pytest.raises(ConfigError, match="-2"):
+        factored_state_bytes([(3, -2)])
 
 
 def test_communication() -> None:

@@ -86,6 +86,32 @@ def test_a_module_shared_by_two_parents_puts_its_parameters_in_their_common_unit
     assert [(u.path, u.params) for u in plan.units] == [("", (0,)), ("b", (1,))]
 
 
+def test_units_are_entered_by_every_module_leading_to_their_parameters() -> None:
+    mods, numels, sites = gpt_like()
+    by_class = plan_units(mods, numels, policy=WrapPolicy(classes=("Block",)), sites=sites)
+    # the root is entered by its own forward only (the loss function calls it)
+    assert [u.entries for u in by_class.units] == [("",), ("blocks.0", "blocks.0.ln", "blocks.0.fc"),
+                                                   ("blocks.1", "blocks.1.ln", "blocks.1.fc")]
+    nested = plan_units(mods, numels, policy=WrapPolicy(classes=("Block", "Linear")), sites=sites)
+    # a nested unit's modules enter it, not the block's; the tied head enters the root only
+    assert {u.path: u.entries for u in nested.units} == {
+        "": ("",), "blocks.0": ("blocks.0", "blocks.0.ln"), "blocks.0.fc": ("blocks.0.fc",),
+        "blocks.1": ("blocks.1", "blocks.1.ln"), "blocks.1.fc": ("blocks.1.fc",)}
+    # PEFT's shape: root -> base_model (LoraModel, whose forward is bypassed) -> model -> ...
+    peft = [ModuleInfo(path="", classes=(MOD,), params=(), numel=1100),
+            ModuleInfo(path="base_model", classes=("peft.tuners.lora.model.LoraModel", MOD), params=(), numel=1100),
+            ModuleInfo(path="base_model.model", classes=(MOD,), params=(), numel=1100),
+            ModuleInfo(path="base_model.model.embed", classes=EMB, params=(0,), numel=1000),
+            ModuleInfo(path="base_model.model.act", classes=(MOD,), params=(), numel=0),
+            ModuleInfo(path="base_model.model.norm", classes=LN, params=(1,), numel=100),
+            ModuleInfo(path="base_model.model.head", classes=LIN, params=(0,), numel=1000)]
+    sites_peft = [["base_model.model.embed", "base_model.model.head"], ["base_model.model.norm"]]
+    plan = plan_units(peft, [1000, 100], policy=WrapPolicy(min_numel=0), sites=sites_peft)
+    assert [(u.path, u.params) for u in plan.units] == [("base_model", (0, 1))]
+    assert plan.units[0].entries == ("base_model", "base_model.model", "base_model.model.embed",
+                                     "base_model.model.norm", "base_model.model.head")
+
+
 def test_bad_plans_and_configs_name_their_values() -> None:
     mods, numels, sites = gpt_like()
     with pytest.raises(ConfigError, match="start with the root"):

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from zero_ray.core.memory import (
+    OPTIMIZERS,
     STAGES,
     communication_elements,
     communication_volume_multiple,
     largest_trainable_params,
     model_state_bytes,
     optimizer_bytes_per_param,
+    optimizer_state,
 )
 from zero_ray.errors import ConfigError
 
@@ -26,18 +28,6 @@ _GIB = float(2**30)  # what nvidia-smi and torch.cuda report
 
 # Element sizes per precision: fp16 working copies in mixed precision, fp32 otherwise.
 _PRECISION_BYTES: dict[str, tuple[int, int]] = {"mixed": (2, 2), "fp32": (4, 4)}
-
-# What the optimizer state is made of, for the accounting line (the paper asks every report to say
-# which accounting it uses).
-_OPTIMIZER_STATE: dict[tuple[str, str, bool], str] = {
-    ("adamw", "mixed", True): "fp32 master + momentum + variance",
-    ("adamw", "fp32", True): "momentum + variance (the parameter is the master copy)",
-    ("sgd", "mixed", True): "fp32 master + momentum",
-    ("sgd", "mixed", False): "fp32 master",
-    ("sgd", "fp32", True): "momentum (the parameter is the master copy)",
-    ("sgd", "fp32", False): "none",
-}
-
 
 @dataclass(frozen=True, kw_only=True)
 class _Accounting:
@@ -110,8 +100,14 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--precision", choices=sorted(_PRECISION_BYTES), default="mixed",
                         help="mixed: fp16 params/grads + fp32 optimizer; fp32: everything fp32 "
                              "(default: %(default)s)")
-    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
-                        help="optimizer whose state is counted (default: %(default)s)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw", metavar="NAME",
+                        help="the torch.optim optimizer whose state is counted, 4 B per fp32 state element "
+                             "(+ 4 B fp32 master in mixed precision): adam/adamw/nadam/radam/adamax/adadelta 8, "
+                             "*-amsgrad 12, sgd 4 (0 with --no-momentum), adagrad/asgd/muon/rmsprop 4, "
+                             "rmsprop-centered/rmsprop-momentum/rprop 8, rmsprop-centered-momentum 12, "
+                             "adafactor 0 per element plus its factored row and column vectors (stated "
+                             "apart: 4 (R + C) B per R x C matrix, 4 B per element of 1-D parameters); "
+                             f"one of {', '.join(sorted(OPTIMIZERS))} (default: %(default)s)")
     parser.add_argument("--no-momentum", dest="momentum", action="store_false",
                         help="SGD without momentum (no momentum buffer)")
     parser.add_argument("--trainable-fraction", type=_fraction, default=1.0, metavar="F",
@@ -125,12 +121,21 @@ def register(subparsers: Any) -> None:
 
 def _accounting(*, optimizer: str, precision: str, momentum: bool) -> _Accounting:
     param_bytes, grad_bytes = _PRECISION_BYTES[precision]
-    k = optimizer_bytes_per_param(optimizer, mixed_precision=precision == "mixed", momentum=momentum)
-    state = _OPTIMIZER_STATE[(optimizer, precision, momentum)]
-    kind = "fp16" if precision == "mixed" else "fp32"
-    description = (f"{precision} precision {optimizer}: {param_bytes} B {kind} params + "
-                   f"{grad_bytes} B {kind} grads + K = {k} B optimizer state ({state}) "
+    mixed = precision == "mixed"
+    k = optimizer_bytes_per_param(optimizer, mixed_precision=mixed, momentum=momentum)
+    spec = optimizer_state(optimizer)
+    # What K is made of, in torch's state names (the paper asks every report to say which
+    # accounting it uses).
+    held = (["fp32 master"] if mixed else []) + list(spec.per_element(momentum=momentum))
+    state = " + ".join(held) or "none"
+    if not mixed and held:
+        state += " (the parameter is the master copy)"
+    kind = "fp16" if mixed else "fp32"
+    description = (f"{precision} precision {optimizer} (torch.optim.{spec.torch_name}): {param_bytes} B {kind} "
+                   f"params + {grad_bytes} B {kind} grads + K = {k} B optimizer state ({state}) "
                    f"= {param_bytes + grad_bytes + k} B per parameter")
+    if spec.note:
+        description += f". {spec.note}"
     return _Accounting(param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=k,
                        description=description)
 
@@ -206,11 +211,12 @@ def _print_block(out: TextIO, *, num_params: int, world_size: int, acct: _Accoun
 
 def run(args: argparse.Namespace) -> int:
     """Print one table per world size; returns the exit status (2 for an invalid combination)."""
-    if not args.momentum and args.optimizer != "sgd":
-        # Adam has no momentum-free variant with less state; accepting the flag would silently
-        # print the same numbers and mislead.
+    if not args.momentum and optimizer_state(args.optimizer).momentum_state is None:
+        # Its state does not depend on a momentum flag (Adam keeps both moments whatever beta1
+        # is); accepting the flag would silently print the same numbers and mislead.
         print(f"zero-ray estimate: error: --no-momentum applies only to --optimizer sgd, "
-              f"not {args.optimizer!r} (Adam always keeps both moments)", file=sys.stderr)
+              f"not {args.optimizer!r} (its state does not change with momentum; RMSprop's momentum "
+              "buffer is counted by the rmsprop-momentum names)", file=sys.stderr)
         return 2
     try:
         acct = _accounting(optimizer=args.optimizer, precision=args.precision,

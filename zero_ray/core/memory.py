@@ -15,7 +15,7 @@ are not counted here.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -24,14 +24,18 @@ from zero_ray.core.stages import Residency
 from zero_ray.errors import ConfigError
 
 __all__ = [
+    "OPTIMIZERS",
     "STAGES",
+    "OptimizerState",
     "StageSpec",
     "StateBytes",
     "communication_elements",
     "communication_volume_multiple",
+    "factored_state_bytes",
     "largest_trainable_params",
     "model_state_bytes",
     "optimizer_bytes_per_param",
+    "optimizer_state",
     "stage_spec",
 ]
 
@@ -69,20 +73,77 @@ STAGES: Mapping[int, StageSpec] = MappingProxyType({
     for n, plan in _PLANS.items()
 })
 
-# Optimizer bytes per parameter, keyed by (optimizer, mixed_precision, momentum). In mixed
-# precision the optimizer also owns the fp32 master copy (4 bytes); in fp32 the master copy *is*
-# the parameter, already counted in `param_bytes`, so it is not counted twice.
-_OPTIMIZER_BYTES: Mapping[tuple[str, bool, bool], int] = MappingProxyType({
-    # Adam keeps both moments whatever beta1 is (torch allocates exp_avg even with beta1 = 0),
-    # so `momentum` does not change its footprint.
-    ("adamw", True, True): 12, ("adamw", True, False): 12,
-    ("adamw", False, True): 8, ("adamw", False, False): 8,
-    ("sgd", True, True): 8, ("sgd", True, False): 4,
-    ("sgd", False, True): 4, ("sgd", False, False): 0,
+@dataclass(frozen=True, kw_only=True)
+class OptimizerState:
+    """What a ``torch.optim`` optimizer keeps for each parameter, read from torch 2.13's sources.
+
+    states: its per-element state tensors (torch's ``state`` keys), each the size and dtype of
+        the parameter it updates (fp32: the master weights); scalars (``step``, NAdam's
+        ``mu_product``, ASGD's ``eta``/``mu``) are left out.
+    momentum_state: the one of ``states`` that ``momentum=False`` removes (SGD's buffer only:
+        torch allocates it only when momentum is not 0).
+    factored: Adafactor's second moment, which is not per element: a row and a column vector per
+        matrix (``factored_state_bytes``), and a whole variance for a parameter of one dimension.
+    note: what K leaves out, for reports.
+    """
+
+    torch_name: str
+    states: tuple[str, ...]
+    momentum_state: str | None = None
+    factored: bool = False
+    note: str = ""
+
+    def per_element(self, *, momentum: bool = True) -> tuple[str, ...]:
+        """The per-element states held (``momentum=False`` drops ``momentum_state``)."""
+        return tuple(s for s in self.states if momentum or s != self.momentum_state)
+
+
+_ADAM = ("exp_avg", "exp_avg_sq")
+_AMSGRAD = (*_ADAM, "max_exp_avg_sq")
+
+# Accepted names, lower case. A variant that holds more state than the optimizer's torch
+# defaults is its own name (RMSprop's ``centered=True``/``momentum>0``, Adam's ``amsgrad=True``),
+# so one name says what is counted. Adam and AdamW hold the same state (weight decay is
+# stateless); Adam keeps both moments whatever beta1 is (torch allocates exp_avg with beta1 = 0).
+OPTIMIZERS: Mapping[str, OptimizerState] = MappingProxyType({
+    "sgd": OptimizerState(torch_name="SGD", states=("momentum_buffer",), momentum_state="momentum_buffer"),
+    "adam": OptimizerState(torch_name="Adam", states=_ADAM),
+    "adamw": OptimizerState(torch_name="AdamW", states=_ADAM),
+    "adam-amsgrad": OptimizerState(torch_name="Adam(amsgrad=True)", states=_AMSGRAD),
+    "adamw-amsgrad": OptimizerState(torch_name="AdamW(amsgrad=True)", states=_AMSGRAD),
+    "adamax": OptimizerState(torch_name="Adamax", states=("exp_avg", "exp_inf")),
+    "nadam": OptimizerState(torch_name="NAdam", states=_ADAM),
+    "radam": OptimizerState(torch_name="RAdam", states=_ADAM),
+    "adagrad": OptimizerState(torch_name="Adagrad", states=("sum",)),
+    "adadelta": OptimizerState(torch_name="Adadelta", states=("square_avg", "acc_delta")),
+    "rmsprop": OptimizerState(torch_name="RMSprop", states=("square_avg",)),
+    "rmsprop-centered": OptimizerState(torch_name="RMSprop(centered=True)", states=("square_avg", "grad_avg")),
+    "rmsprop-momentum": OptimizerState(torch_name="RMSprop(momentum>0)", states=("square_avg", "momentum_buffer")),
+    "rmsprop-centered-momentum": OptimizerState(torch_name="RMSprop(centered=True, momentum>0)",
+                                                states=("square_avg", "momentum_buffer", "grad_avg")),
+    "asgd": OptimizerState(torch_name="ASGD", states=("ax",)),
+    "rprop": OptimizerState(torch_name="Rprop", states=("prev", "step_size")),
+    "muon": OptimizerState(torch_name="Muon", states=("momentum_buffer",),
+                           note="Muon updates 2-D parameters only: the rest (biases, norms; usually the "
+                                "embeddings and head too) need another optimizer, whose state is not counted"),
+    "adafactor": OptimizerState(torch_name="Adafactor", states=(), factored=True,
+                                note="Not in K: the factored second moment, 4 (R + C) B per R x C matrix "
+                                     "(8/d B per element of a d x d one: 0.002 at d = 4096) and 4 B per element "
+                                     "of 1-D parameters (biases, norms); factored_state_bytes(shapes) in "
+                                     "zero_ray.core.memory counts it"),
 })
-# Accepted spellings; "adam" and "adamw" hold the same state (weight decay is stateless).
-_OPTIMIZER_ALIASES: Mapping[str, str] = MappingProxyType({"adam": "adamw", "adamw": "adamw",
-                                                          "sgd": "sgd"})
+
+#: fp32 bytes of one element of optimizer state, and of the master copy mixed precision keeps
+_FP32 = 4
+
+
+def optimizer_state(optimizer: str) -> OptimizerState:
+    """The ``OptimizerState`` of ``optimizer`` (case-insensitive); anything else raises ``ConfigError``."""
+    key = optimizer.strip().lower() if isinstance(optimizer, str) else None
+    found = OPTIMIZERS.get(key) if key is not None else None
+    if found is None:
+        raise ConfigError(f"optimizer={optimizer!r} is not supported; accepted: {', '.join(sorted(OPTIMIZERS))}")
+    return found
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,18 +185,33 @@ def stage_spec(stage: int) -> StageSpec:
 
 
 def optimizer_bytes_per_param(optimizer: str, *, mixed_precision: bool, momentum: bool = True) -> int:
-    """K in the paper: optimizer-state bytes per parameter.
+    """K in the paper: optimizer-state bytes per parameter element.
 
-    "adamw"/"adam": 12 in mixed precision (fp32 master + two fp32 moments), 8 in fp32 (two
-    moments; the parameter is its own master copy). "sgd": 8 / 4 with momentum, 4 / 0 without.
-    `momentum` only affects SGD. The name is case-insensitive; anything else raises `ConfigError`.
+    4 bytes per per-element state of ``OPTIMIZERS[optimizer]`` (all fp32), plus 4 for the fp32
+    master copy in mixed precision (in fp32 the parameter is its own master copy, already in
+    ``param_bytes``). So "adam"/"adamw": 12 mixed, 8 fp32; "sgd": 8 / 4 with momentum, 4 / 0
+    without (``momentum`` only affects SGD); "adafactor": 4 / 0 per element, its factored
+    second moment apart (``factored_state_bytes``). The name is case-insensitive; anything else
+    raises ``ConfigError``.
     """
-    key = optimizer.strip().lower() if isinstance(optimizer, str) else None
-    canonical = _OPTIMIZER_ALIASES.get(key) if key is not None else None
-    if canonical is None:
-        raise ConfigError(f"optimizer={optimizer!r} is not supported; "
-                          f"accepted: {', '.join(sorted(_OPTIMIZER_ALIASES))}")
-    return _OPTIMIZER_BYTES[(canonical, bool(mixed_precision), bool(momentum))]
+    state = optimizer_state(optimizer)
+    return _FP32 * (len(state.per_element(momentum=momentum)) + (1 if mixed_precision else 0))
+
+
+def factored_state_bytes(shapes: Sequence[Sequence[int]]) -> int:
+    """Adafactor's second moment for parameters of these shapes, in bytes (fp32), as
+    ``torch.optim.Adafactor`` allocates it: a row vector and a column vector per matrix (for a
+    parameter of shape ``(*batch, R, C)``: ``prod(batch) * (R + C)`` elements), and a whole
+    variance for a parameter of one dimension (or none). Not per element, so not in K: for a
+    d x d matrix it is 8/d bytes per element (0.002 at d = 4096), but 4 for biases and norms."""
+    total = 0
+    for shape in shapes:
+        dims = [_check_int("shape entry", d, minimum=0) for d in shape]
+        if len(dims) < 2:
+            total += math.prod(dims)
+        else:
+            total += math.prod(dims[:-2]) * (dims[-2] + dims[-1])
+    return _FP32 * total
 
 
 def _trainable(num_params: int, trainable_params: int | None) -> int:

@@ -8,6 +8,12 @@ registrations, so it is gathered wherever it is used.
 
 Pure: imports neither ray nor grpc nor torch; the owner describes its module as ``ModuleInfo``
 records and the plan comes back as parameter indices (``FlatLayout.build`` lays them out).
+
+A unit is *entered* (gathered for forward) by the outermost of its entry modules that runs: its
+own module, or any module below it that registers one of its parameters or holds such a module.
+Usually that is the unit's module; but a wrapper's ``forward`` may be bypassed (PEFT's
+``PeftModel.forward`` calls ``base_model.model`` directly, never ``LoraModel.forward``), and
+then the first module under it that runs still gathers the unit before its parameters are used.
 """
 
 from __future__ import annotations
@@ -110,6 +116,10 @@ class UnitSpec:
     numel: int
     parent: int | None  # enclosing unit (None for the outermost one)
     depth: int  # units enclosing this one, itself excluded
+    # Modules whose forward enters the unit (module paths, its own first, then in module order):
+    # those below it that lead to its parameters; () for its own module alone. The root's is
+    # itself alone: the loss function calls it, so everything under it runs inside its forward.
+    entries: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +157,22 @@ def _common_prefix(paths: Sequence[str]) -> str:
             break
         common.append(level[0])
     return ".".join(common)
+
+
+def _entries(path: str, params: Sequence[int], sites: Sequence[Sequence[str]],
+             order: dict[str, int]) -> tuple[str, ...]:
+    """The unit at ``path``'s entry modules: itself, and every module from a registration of one
+    of its parameters up to it (each registration lies under it: the unit encloses them all)."""
+    if path == "":
+        return ("",)
+    found = {path}
+    for i in params:
+        for site in sites[i]:
+            while site not in found:
+                found.add(site)
+                site = site.rsplit(".", 1)[0] if "." in site else ""
+    rest = sorted(found - {path}, key=lambda p: (order.get(p, len(order)), p))
+    return (path, *rest)
 
 
 def plan_units(modules: Sequence[ModuleInfo], param_numels: Sequence[int], *, policy: WrapPolicy,
@@ -201,6 +227,7 @@ def plan_units(modules: Sequence[ModuleInfo], param_numels: Sequence[int], *, po
 
     # Keep units that hold parameters, in module order; link each to its enclosing kept unit.
     kept = [m.path for m in modules if m.path in members]
+    order = {m.path: k for k, m in enumerate(modules)}
     index = {path: k for k, path in enumerate(kept)}
     units: list[UnitSpec] = []
     for k, path in enumerate(kept):
@@ -214,5 +241,5 @@ def plan_units(modules: Sequence[ModuleInfo], param_numels: Sequence[int], *, po
         depth = 0 if parent is None else units[parent].depth + 1
         params = tuple(sorted(members[path]))
         units.append(UnitSpec(index=k, path=path, params=params, numel=sum(param_numels[i] for i in params),
-                              parent=parent, depth=depth))
+                              parent=parent, depth=depth, entries=_entries(path, params, sites, order)))
     return UnitPlan(units=tuple(units), persistent=tuple(persistent), num_params=len(param_numels))

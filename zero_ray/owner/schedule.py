@@ -7,13 +7,16 @@ before its forward, and again before its backward:
 - forward: the unit's pre-hook gathers it (the next units in the recorded execution order are
   gathered ahead, ``prefetch_depth``, on the comm stream while this one computes) and, when an
   input requires grad, threads the inputs through an identity autograd function whose backward
-  marks the end of the unit's backward; the post-hook frees the parameters.
+  marks the end of the unit's backward; the post-hook frees the parameters. The hooks sit on
+  every entry module of the unit (``UnitSpec.entries``) and act on the outermost call only, so
+  a unit whose own ``forward`` is bypassed (a wrapper whose parent calls its child directly) is
+  entered by the first module under it that runs, before any of its parameters is read.
 - backward: a hook on the unit's outputs gathers it again (prefetching the next units in
   backward order) and queues its trainable group for reduction; when backward has passed the
-  unit's inputs (or, for a unit whose inputs need no gradient, when the micro-batch ends) its
-  gradients are complete: the group is reduced and the parameters freed. Autograd's saved
-  tensors that alias a gathered buffer are saved as (unit, view) handles, so backward reads the
-  re-gathered values and a freed buffer can be reused at once.
+  unit's inputs (or, for a unit one of whose entries had no input needing a gradient, when the
+  micro-batch ends) its gradients are complete: the group is reduced and the parameters freed.
+  Autograd's saved tensors that alias a gathered buffer are saved as (unit, view) handles, so
+  backward reads the re-gathered values and a freed buffer can be reused at once.
 
 Every decision that issues a collective (which unit to gather, prefetch or evict; when to
 reduce) is taken on the compute thread at module-level events, the same on every rank whatever
@@ -72,12 +75,17 @@ class Unit:
     state: UnitState = UnitState.SHARDED
     buffer: PoolBuffer | None = None
     gathered: Future[Any] | None = None
-    users: int = 0  # forward calls in progress
+    calls: int = 0  # calls of its entry modules in progress (the outermost one enters the unit)
+    users: int = 0  # forward entries in progress
     in_backward: bool = False  # gathered for backward, backward not past it yet
     recomputed: bool = False  # gathered for activation checkpointing's recomputation, backward not past it
     done: bool = False  # its backward is over this micro-batch: gradients complete
     expected: int = 0  # end-of-backward signals to wait for this micro-batch (forward calls tracked)
     fired: int = 0
+    # An entry this micro-batch had no input needing a gradient: nothing signals when backward
+    # is past that call's parameters, so the unit ends with the micro-batch, whatever the others
+    # signal (a unit entered twice, first from the data, then from computed activations).
+    untracked: bool = False
     regions: list[tuple[int, int]] = field(default_factory=list)  # each group's part of the buffer
 
     def __post_init__(self) -> None:
@@ -154,10 +162,16 @@ class UnitScheduler:
         self._pool_at = {b.tensor.untyped_storage().data_ptr(): pool for pool in pools for b in pool.buffers}
         root.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
         root.register_forward_hook(self._root_post_forward, always_call=True)
+        entering: dict[str, list[Unit]] = {}
         for u in units:
             if u.spec.path != "":
-                u.module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, u), with_kwargs=True)
-                u.module.register_forward_hook(functools.partial(self._unit_post_forward, u), always_call=True)
+                for path in u.spec.entries or (u.spec.path,):
+                    entering.setdefault(path, []).append(u)
+        for path, these in entering.items():
+            these.sort(key=lambda u: u.spec.depth)  # enclosing units enter first and leave last
+            module = root.get_submodule(path)
+            module.register_forward_pre_hook(functools.partial(self._enter, these), with_kwargs=True)
+            module.register_forward_hook(functools.partial(self._leave, these), always_call=True)
 
     # -- gathering ------------------------------------------------------------------------------------
     def _request(self, u: Unit, phase: Pass, *, prefetch: bool = False) -> bool:
@@ -247,6 +261,26 @@ class UnitScheduler:
     def _root_unit(self) -> Unit | None:
         return self.units[0] if self.units and self.units[0].spec.path == "" else None
 
+    def _enter(self, units: list[Unit], module: nn.Module, args: Any, kwargs: Any) -> Any:
+        """An entry module of ``units`` begins its forward: enter each unit none of whose entry
+        modules is running yet; calls nested inside the entering one are only counted."""
+        changed = None
+        for u in units:
+            u.calls += 1
+            if u.calls == 1:
+                threaded = self._unit_pre_forward(u, module, args, kwargs)
+                if threaded is not None:
+                    changed = args, kwargs = threaded
+        return changed
+
+    def _leave(self, units: list[Unit], module: nn.Module, args: Any, output: Any) -> None:
+        for u in reversed(units):
+            if u.calls == 0:
+                continue  # an error in the pre-hooks before this unit was entered
+            u.calls -= 1
+            if u.calls == 0:
+                self._unit_post_forward(u, module, args, output)
+
     def _unit_pre_forward(self, u: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if _recomputing():
             # A unit inside a checkpointed one, run again by backward's recomputation: it needs
@@ -266,6 +300,7 @@ class UnitScheduler:
         flat, spec = tree_flatten((args, kwargs))
         at = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not at:
+            u.untracked = True
             return None
         u.expected += 1
         for k, t in zip(at, _EndOfBackward.apply(self, u, *(flat[k] for k in at))):
@@ -326,7 +361,7 @@ class UnitScheduler:
 
     def _end_of_backward(self, u: Unit) -> None:
         u.fired += 1
-        if u.fired >= u.expected:
+        if u.fired >= u.expected and not u.untracked:
             self._complete(u)
 
     def _complete(self, u: Unit) -> None:
@@ -374,7 +409,7 @@ class UnitScheduler:
             self._seen[phase] = []
             self._cursor[phase] = 0
         for u in self.units:
-            u.in_backward, u.done, u.recomputed, u.expected, u.fired = False, False, False, 0, 0
+            u.in_backward, u.done, u.recomputed, u.expected, u.fired, u.untracked = False, False, False, 0, 0, False
 
     def end_micro_batch(self) -> None:
         """Units whose backward never signalled its end (inputs that need no gradient) are
@@ -407,6 +442,7 @@ class UnitScheduler:
         for u in self.units:
             self._release(u)
             u.users, u.in_backward, u.done, u.recomputed, u.expected, u.fired = 0, False, False, False, 0, 0
+            u.calls, u.untracked = 0, False
         for pool in self.pools:
             pool.reset()
         self._live_bytes = 0
