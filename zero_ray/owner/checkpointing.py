@@ -30,7 +30,7 @@ from zero_ray.checkpoint.format import (
     shard_file_name,
 )
 from zero_ray.checkpoint.shardfile import Item, write_shard
-from zero_ray.checkpoint.storage import LocalStorage
+from zero_ray.checkpoint.location import open_location
 from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.core.optim import takes_weight_decay
 from zero_ray.errors import CheckpointError
@@ -113,9 +113,9 @@ class ShardSaver:
         items = snapshot(engine)
         model = describe_model(engine)  # as of the snapshot: training goes on meanwhile
         rank, n = engine.rank, engine.world_size
-        storage = LocalStorage()
+        storage, where = open_location(directory)  # a path, or a URL this process opens itself
         name = shard_file_name(rank, n)
-        path = storage.join(directory, name)
+        path = storage.join(where, name)
         future = self._pool.submit(write_shard, storage, path, items, rank=rank, name=name,
                                    chunk_bytes=DEFAULT_CHUNK_BYTES)
         self._writes[directory] = (future, model)
