@@ -255,3 +255,12 @@ def test_an_export_to_s3_opens_with_from_pretrained_after_download(s3: S3Server,
     tokens = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+
+
+def test_the_main_job_resumes_from_an_s3_url(bucket: str) -> None:
+    from zero_ray.demo import _has_checkpoint
+
+    url = f"s3://{bucket}/train-gpt"  # what deploy/kuberay/rayjob-s3.yaml passes as --checkpoint-dir
+    assert not _has_checkpoint(url)
+    save_to(url)
+    assert _has_checkpoint(url)
