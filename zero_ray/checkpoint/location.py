@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from zero_ray.checkpoint.objectstore import REGISTERED, FileSystemStorage, registered_url, store_error
+from zero_ray.checkpoint.objectstore import REGISTERED, FileSystemStorage, store_error
 from zero_ray.checkpoint.storage import LocalStorage, Storage
 from zero_ray.errors import CheckpointError, ConfigError
 
@@ -89,7 +89,7 @@ def check_location(target: object, filesystem: object = None) -> str:
     scheme = url_scheme(text)
     if filesystem is not None:
         _check_filesystem(filesystem)
-        if scheme is not None and not scheme.startswith(REGISTERED):
+        if scheme is not None:
             raise ConfigError(f"with filesystem= the location is a path inside that filesystem, not the URL {text!r}: "
                               f"pass {_URL.match(text).group(2)!r}")  # type: ignore[union-attr]
         return text

@@ -596,10 +596,10 @@ class ZeroTrainer:
     def load_checkpoint(self, path: str | os.PathLike[str], *, filesystem: Any = None) -> int:
         """Overwrite this run's model state, optimizer state and position with a checkpoint (a
         directory, or a root's ``latest``; a path, a URL, or a path in ``filesystem``) saved at
-        any stage and world size; returns the step it
-        continues from. The manifest and file sizes are checked first, and each rank reads and
-        verifies all its ranges before changing anything; if a rank still fails (a corrupt block)
-        others may have loaded, so the trainer is then marked failed."""
+        any stage and world size; returns the step it continues from. The manifest and file
+        sizes are checked first, and each rank reads and verifies all its ranges before changing
+        anything; if a rank still fails (a corrupt block) others may have loaded, so the trainer
+        is then marked failed."""
         with self._step_mutex:
             self._life.require_ready()
             try:

@@ -113,11 +113,7 @@ class ShardSaver:
         items = snapshot(engine)
         model = describe_model(engine)  # as of the snapshot: training goes on meanwhile
         rank, n = engine.rank, engine.world_size
-        storage, where = open_location(directory)  # a path, or a URL this process opens itself
-        name = shard_file_name(rank, n)
-        path = storage.join(where, name)
-        future = self._pool.submit(write_shard, storage, path, items, rank=rank, name=name,
-                                   chunk_bytes=DEFAULT_CHUNK_BYTES)
+        future = self._pool.submit(_write_into, directory, shard_file_name(rank, n), items, rank)
         self._writes[directory] = (future, model)
         return sum(it.tensor.numel() * it.tensor.element_size() for it in items)
 
@@ -137,6 +133,14 @@ class ShardSaver:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _write_into(directory: str, name: str, items: list[Item], rank: int) -> ShardFile:
+    """Open ``directory`` (a path, or a URL this process opens itself) and write this rank's file
+    there. Runs on the saver's thread: opening a store (the first time, its SDK) stalls no step."""
+    storage, where = open_location(directory)
+    return write_shard(storage, storage.join(where, name), items, rank=rank, name=name,
+                       chunk_bytes=DEFAULT_CHUNK_BYTES)
 
 
 def shard_record_json(record: ShardFile, extra: dict[str, Any]) -> str:
