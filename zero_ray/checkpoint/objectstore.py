@@ -116,9 +116,9 @@ class FileSystemStorage:
         self.prefix = prefix
         self.key = key
         self.where = where or type(fs).__name__
-        # pyarrow's S3 and GCS have no directories, only key prefixes: create_dir would write marker
+        # Object stores have no directories, only key prefixes: create_dir would write marker
         # objects, and a single upload is already atomic.
-        self.object_store = fs.type_name in ("s3", "gcs") or any(
+        self.object_store = fs.type_name in ("s3", "gcs", "abfs") or any(
             p in fs.type_name for p in ("'s3'", "'gs'", "'gcs'", "'abfs'", "'az'"))
 
     # -- paths ----------------------------------------------------------------------------------
