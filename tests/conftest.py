@@ -5,16 +5,40 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests_paths import REPO_ROOT, SHARED_DIR  # noqa: F401  (shared by test modules)
 
+if TYPE_CHECKING:
+    from s3_server import S3Server
+
 
 @pytest.fixture(scope="session")
-def ray_session() -> Iterator[None]:
+def s3() -> Iterator[S3Server]:
+    """One local S3-compatible server (moto) for the session, reached through the standard AWS_*
+    environment variables, which are exported here: before Ray starts (``ray_session`` asks for
+    this fixture), so that the owners' processes inherit them as a user's cluster would."""
+    from s3_server import S3Server
+
+    server = S3Server()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    yield server
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_session(s3: S3Server) -> Iterator[None]:
     """One local Ray for the whole test session, with more logical CPUs than cores so that
-    four single-CPU partition owners fit on a two-core machine."""
+    four single-CPU partition owners fit on a two-core machine. Started after the S3 server,
+    whose environment its workers inherit."""
     import ray
     from ray import cloudpickle
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from zero_ray.checkpoint.location import check_location
 from zero_ray.core.optim import declared_kinds
 from zero_ray.core.precision import LossScaleConfig, parse_dtype
 from zero_ray.core.stages import stage_plan
@@ -181,14 +182,20 @@ class ElasticConfig:
 class CheckpointConfig:
     """Sharded checkpoints (``ZeroTrainer.save_checkpoint``; format in docs/checkpoints.md).
 
-    dir: the default checkpoint root (``zero-ray checkpoint now`` without a path), or None.
+    dir: the default checkpoint root (``zero-ray checkpoint now`` without a path, ``fit``'s
+        ``checkpoint_every``), or None: a local or shared directory, a URL (``s3://bucket/prefix``,
+        ``gs://...``, ``file://...``), or a path inside ``filesystem``. A path that looks like a
+        mangled URL (``s3:/bucket``) is refused.
+    filesystem: a ``pyarrow.fs.FileSystem`` or an fsspec filesystem that ``dir`` is a path in
+        (as Ray Train's ``storage_filesystem``), or None. It is shipped to every owner.
     keep: committed checkpoints kept per root; older ones are removed after each commit.
     timeout_s: bound on each wait of a save or a load (a rank's write, a rank's read).
     """
 
-    dir: str | None = None
+    dir: str | os.PathLike[str] | None = None
     keep: int = 3
     timeout_s: float = 600.0
+    filesystem: Any = field(default=None, repr=False)  # may hold credentials: never printed
 
     def __post_init__(self) -> None:
         if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
@@ -196,7 +203,11 @@ class CheckpointConfig:
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ConfigError(f"timeout_s={self.timeout_s!r} must be a finite number of seconds > 0")
         if self.dir is not None and not isinstance(self.dir, (str, os.PathLike)):
-            raise ConfigError(f"dir={self.dir!r} must be a path or None")
+            raise ConfigError(f"dir={self.dir!r} must be a path, a URL or None")
+        if self.dir is not None:
+            check_location(self.dir, self.filesystem)
+        elif self.filesystem is not None:
+            raise ConfigError("filesystem= is given without dir=: name the checkpoint root inside it")
 
 
 @dataclass(frozen=True, kw_only=True)

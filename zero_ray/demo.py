@@ -93,8 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, help="Ray address; default: a running cluster, else a local one")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     parser.add_argument("--checkpoint-dir", default=None,
-                        help="checkpoint root (a mounted volume on KubeRay); the job resumes from its latest "
-                             "checkpoint when there is one and saves every --checkpoint-every steps and at the end")
+                        help="checkpoint root: a directory (a mounted volume) or a URL such as s3://bucket/run "
+                             "(credentials and endpoint from the standard AWS_* environment); the job resumes from "
+                             "its latest checkpoint when there is one and saves every --checkpoint-every steps and "
+                             "at the end")
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--eval-fraction", type=float, default=0.05, help="share of windows held out for validation")
     parser.add_argument("--eval-every", type=int, default=None,
@@ -178,7 +180,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _has_checkpoint(root: str) -> bool:
-    return os.path.exists(os.path.join(root, "latest"))
+    """Whether ``root`` (a directory or a URL such as s3://bucket/run) has a committed checkpoint."""
+    from zero_ray.checkpoint.format import LATEST_NAME
+    from zero_ray.checkpoint.location import open_location
+
+    storage, path = open_location(root)
+    return storage.exists(storage.join(path, LATEST_NAME))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

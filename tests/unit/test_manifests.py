@@ -48,6 +48,11 @@ PENDING_SCRIPTS = {"examples/train_gpt.py"}
 # failure naming them while they are missing; empty this once they are accepted).
 PENDING_OPTIONS = {"--checkpoint-dir"}
 
+# The RayJob variant whose checkpoints go to an S3 URL, its credentials from this Secret.
+S3_JOB = "rayjob-s3.yaml"
+S3_SECRET = "zero-ray-s3"
+S3_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
 needs_schemas = pytest.mark.skipif(
     not KUBERAY_SCHEMAS.is_dir(),
     reason=f"KubeRay CRD schemas not found at {KUBERAY_SCHEMAS} (the shared test data directory is absent)",
@@ -189,6 +194,7 @@ def test_the_expected_manifests_exist() -> None:
     kinds = {(path.name, doc.get("kind")) for path, doc in ALL_DOCS}
     assert ("raycluster.yaml", "RayCluster") in kinds
     assert ("rayjob.yaml", "RayJob") in kinds
+    assert (S3_JOB, "RayJob") in kinds
 
 
 # -- schema validation --------------------------------------------------------------------------------
@@ -400,3 +406,72 @@ def test_rayjob_entrypoint_arguments_are_accepted() -> None:
     if options and options <= PENDING_OPTIONS:
         pytest.xfail(f"{script} does not accept {sorted(options)} yet; the RayJob's entrypoint passes them")
     assert not unknown, f"{script} does not accept {unknown} from the RayJob's entrypoint"
+
+
+# -- the RayJob with checkpoints on S3 ------------------------------------------------------------------
+
+def _checkpoint_storage_removed(spec: dict[str, Any]) -> dict[str, Any]:
+    """A cluster spec without what tells a volume job from an S3 one: the checkpoint volume and
+    its mounts, and the AWS_* environment."""
+    spec = copy.deepcopy(spec)
+    for _, group in pod_groups(spec):
+        pod = group["template"]["spec"]
+        claims = {v["name"] for v in pod.get("volumes", []) if "persistentVolumeClaim" in v}
+        pod["volumes"] = [v for v in pod.get("volumes", []) if v["name"] not in claims]
+        for container in pod["containers"]:
+            container["volumeMounts"] = [m for m in container.get("volumeMounts", []) if m["name"] not in claims]
+            env = [e for e in container.get("env", []) if not e["name"].startswith("AWS_")]
+            container.pop("env", None)
+            if env:
+                container["env"] = env
+    return spec
+
+
+def test_s3_rayjob_is_the_rayjob_with_its_checkpoints_in_a_bucket() -> None:
+    volume, bucket = load_one("rayjob.yaml"), load_one(S3_JOB)
+    assert _checkpoint_storage_removed(bucket["spec"]["rayClusterSpec"]) == \
+        _checkpoint_storage_removed(volume["spec"]["rayClusterSpec"]), f"{S3_JOB}'s cluster spec has drifted"
+    rest = {k: v for k, v in bucket["spec"].items() if k not in ("rayClusterSpec", "entrypoint")}
+    assert rest == {k: v for k, v in volume["spec"].items() if k not in ("rayClusterSpec", "entrypoint")}
+    assert bucket["metadata"]["name"] != volume["metadata"]["name"]  # both can exist at once
+
+
+def test_s3_rayjob_checkpoints_go_to_an_s3_url_and_mount_no_volume() -> None:
+    from zero_ray.checkpoint.location import check_location, url_scheme
+
+    doc = load_one(S3_JOB)
+    script, args = _entrypoint_script(doc["spec"]["entrypoint"])
+    assert script == "examples/train_gpt.py" and "--checkpoint-dir" in args
+    url = args[args.index("--checkpoint-dir") + 1]
+    assert url_scheme(url) == "s3" and check_location(url) == url
+    demo = importlib.import_module("zero_ray.demo")
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    _, unknown = parser.parse_known_args(args)
+    assert not unknown, f"{script} does not accept {unknown} from {S3_JOB}'s entrypoint"
+    for name, group in pod_groups(cluster_spec(doc)):
+        pod = group["template"]["spec"]
+        assert not [v for v in pod.get("volumes", []) if "persistentVolumeClaim" in v], f"{name} mounts a volume"
+
+
+def test_s3_rayjob_credentials_come_from_a_secret_on_every_ray_container() -> None:
+    doc = load_one(S3_JOB)
+    for name, group in pod_groups(cluster_spec(doc)):
+        env = {e["name"]: e for e in ray_container(group).get("env", [])}
+        for var in S3_CREDENTIALS:
+            assert var in env, f"{name}: the Ray container lacks {var} (the owners there upload their shards)"
+            ref = env[var].get("valueFrom", {}).get("secretKeyRef", {})
+            assert (ref.get("name"), ref.get("key"), ref.get("optional", False)) == (S3_SECRET, var, False), \
+                f"{name}: {var} must come from Secret {S3_SECRET!r}, key {var}: {env[var]}"
+
+    def literal_aws_values(node: Any) -> Iterator[str]:
+        if isinstance(node, dict):
+            if str(node.get("name", "")).startswith("AWS_") and "value" in node:
+                yield node["name"]
+            for value in node.values():
+                yield from literal_aws_values(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from literal_aws_values(value)
+
+    assert not list(literal_aws_values(doc)), "an AWS_* variable is written in the manifest"

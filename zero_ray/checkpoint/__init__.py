@@ -1,5 +1,7 @@
-"""Sharded checkpoints: format (manifest + per-rank safetensors), storage, atomic commit,
-ranged verified reads, and the offline tools (inspect, reshard, consolidate).
+"""Sharded checkpoints: format (manifest + per-rank safetensors), storage (a local filesystem, or
+any pyarrow.fs filesystem: S3, GCS, fsspec; ``location`` resolves paths, URLs and filesystem
+objects), atomic commit, ranged verified reads, and the offline tools (inspect, reshard,
+consolidate, export).
 
 Knows neither the driver nor the owners; both use it.
 """

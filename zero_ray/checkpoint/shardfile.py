@@ -132,10 +132,12 @@ class ShardReader:
     def __init__(self, storage: Storage, path: str, record: ShardFile) -> None:
         self.path = path
         self.record = record
-        self._storage = storage
-        if not storage.exists(path):
-            raise CheckpointError(f"shard file {path} is missing (rank {record.rank}); the checkpoint is incomplete")
-        size = storage.size(path)
+        try:
+            self._file = storage.open_ranged(path)  # one lookup: present, and its size
+        except FileNotFoundError:
+            raise CheckpointError(f"shard file {path} is missing (rank {record.rank}); the checkpoint is "
+                                  "incomplete") from None
+        size = self._file.size
         if size != record.size:
             raise CheckpointError(f"shard file {path} has {size} bytes but the manifest records {record.size}: "
                                   "it is truncated or was replaced")
@@ -149,7 +151,7 @@ class ShardReader:
             if c0 <= first and last < c0 + -(-len(data) // cb):
                 return data[(first - c0) * cb:(last + 1 - c0) * cb]
         lo, hi = first * cb, min(rec.size, (last + 1) * cb)
-        data = self._storage.read_range(self.path, lo, hi - lo)
+        data = self._file.read(lo, hi - lo)  # one ranged read (a ranged GET on an object store)
         self.bytes_read += len(data)
         for b in range(first, last + 1):
             block = data[(b - first) * cb:(b + 1 - first) * cb]

@@ -1,8 +1,10 @@
 """Storage: the few file operations a checkpoint needs, behind a small interface.
 
-``LocalStorage`` is a local or shared filesystem (what a KubeRay job mounts as a volume). An
-object store fits the same interface later: whole-object writes, ranged reads, a listing, and
-an atomic "publish" (rename here, a final manifest object there).
+``LocalStorage`` is a local or shared POSIX filesystem: a save writes into a temp directory
+and publishes it with one rename. ``objectstore.FileSystemStorage`` is any pyarrow filesystem
+(S3, GCS, or an fsspec one wrapped), where there is no rename: each object appears whole when
+its upload completes, and a checkpoint counts only once its manifest, written last, exists.
+``location.open_location`` turns a path, a URL or a filesystem object into one of these.
 """
 
 from __future__ import annotations
@@ -16,10 +18,28 @@ from typing import BinaryIO, Protocol
 from zero_ray.errors import CheckpointError
 
 
+class RangedFile(Protocol):
+    """An open file or object for reads by byte range."""
+
+    size: int
+
+    def read(self, offset: int, size: int) -> bytes: ...
+
+
 class Storage(Protocol):
-    """Paths are ``/``-separated strings; every write is durable when its call returns."""
+    """Paths are ``/``-separated strings; every write is durable when its call returns. A missing
+    path raises ``FileNotFoundError``; any other failure of the store a ``CheckpointError``."""
+
+    # True: a save is written under a temp name and renamed into place (``publish_dir``).
+    # False: it is written where it will stay, and only its manifest (written last) commits it.
+    renames: bool
 
     def join(self, *parts: str) -> str: ...
+
+    def locate(self, path: str) -> str:
+        """``path`` as a string any process can open with ``location.open_location`` (an owner's
+        Save and Load get these)."""
+        ...
 
     def exists(self, path: str) -> bool: ...
 
@@ -31,13 +51,24 @@ class Storage(Protocol):
 
     def makedirs(self, path: str) -> None: ...
 
-    def open_write(self, path: str) -> AbstractContextManager[BinaryIO]: ...
+    def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
+        """A new file, durable once the block exits without an error."""
+        ...
+
+    def open_replace(self, path: str) -> AbstractContextManager[BinaryIO]:
+        """A file that replaces ``path`` whole when the block exits without an error, and is not
+        left behind when it raises."""
+        ...
+
+    def open_ranged(self, path: str) -> RangedFile: ...
 
     def read_range(self, path: str, offset: int, size: int) -> bytes: ...
 
     def write_atomic(self, path: str, data: bytes) -> None: ...
 
     def publish_dir(self, tmp: str, final: str) -> None: ...
+
+    def remove(self, path: str) -> None: ...
 
     def remove_tree(self, path: str) -> None: ...
 
@@ -51,11 +82,36 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def short_read(path: str, offset: int, size: int, got: int) -> CheckpointError:
+    return CheckpointError(f"{path}: wanted {size} bytes at offset {offset}, the file has only {got} there "
+                           "(truncated?)")
+
+
+class _LocalRanged:
+    """A local file read by ranges; opened per read so that no descriptor outlives a read."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.size = os.stat(path).st_size
+
+    def read(self, offset: int, size: int) -> bytes:
+        with open(self.path, "rb") as fh:
+            data = os.pread(fh.fileno(), size, offset)
+        if len(data) != size:
+            raise short_read(self.path, offset, size, len(data))
+        return data
+
+
 class LocalStorage:
     """A POSIX filesystem: fsync before a file counts, rename to publish."""
 
+    renames = True
+
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
+
+    def locate(self, path: str) -> str:
+        return path
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
@@ -80,29 +136,44 @@ class LocalStorage:
             fh.flush()
             os.fsync(fh.fileno())
 
+    @contextmanager
+    def open_replace(self, path: str) -> Iterator[BinaryIO]:
+        """Written to a temp file beside ``path``, fsynced and renamed over it (removed on error)."""
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as fh:
+                yield fh
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+    def open_ranged(self, path: str) -> RangedFile:
+        return _LocalRanged(path)
+
     def read_range(self, path: str, offset: int, size: int) -> bytes:
-        with open(path, "rb") as fh:
-            data = os.pread(fh.fileno(), size, offset)
-        if len(data) != size:
-            raise CheckpointError(f"{path}: wanted {size} bytes at offset {offset}, the file has only "
-                                  f"{len(data)} there (truncated?)")
-        return data
+        return _LocalRanged(path).read(offset, size)
 
     def write_atomic(self, path: str, data: bytes) -> None:
         """``path`` holds either its old content or ``data``, never a mix (temp file + rename)."""
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as fh:
+        with self.open_replace(path) as fh:
             fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        fsync_dir(os.path.dirname(os.path.abspath(path)))
 
     def publish_dir(self, tmp: str, final: str) -> None:
         """Make the finished directory ``tmp`` visible as ``final`` in one step."""
         fsync_dir(tmp)
         os.rename(tmp, final)
         fsync_dir(os.path.dirname(os.path.abspath(final)))
+
+    def remove(self, path: str) -> None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
 
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)

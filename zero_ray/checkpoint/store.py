@@ -11,18 +11,27 @@
 A save writes every rank file into a ``.tmp`` directory, then the manifest, then renames the
 directory into place and rewrites ``latest``; a crash at any point leaves the previous
 checkpoint untouched and ``latest`` naming it. The last ``keep`` checkpoints are kept.
+
+On a storage without rename (an object store: ``Storage.renames`` is False) the rank files are
+written under ``step-N/`` directly: a ``step-N/`` without ``manifest.json`` is an unfinished save
+that nothing reads, the manifest (written once every rank file is complete) commits it, and
+``latest`` is rewritten after that. Pruning deletes a checkpoint's manifest first, so a reader
+never finds a manifest whose files are being deleted.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from zero_ray.checkpoint.format import LATEST_NAME, MANIFEST_NAME, Manifest
+from zero_ray.checkpoint.location import open_location
 from zero_ray.checkpoint.shardfile import ShardReader
 from zero_ray.checkpoint.storage import LocalStorage, Storage
 from zero_ray.errors import CheckpointError
@@ -35,7 +44,8 @@ _PENDING = re.compile(r"^\.step-\d{8}(?:-\d+)?\.[0-9a-f]+\.tmp$")
 
 @dataclass(frozen=True, kw_only=True)
 class PendingCheckpoint:
-    """A save in progress: rank files go into ``tmp``; ``final`` is where it will appear."""
+    """A save in progress: rank files go into ``tmp``; ``final`` is where it will appear (the
+    same place on a storage without rename)."""
 
     root: str
     name: str
@@ -52,9 +62,10 @@ def begin(root: str, step: int, *, storage: Storage | None = None) -> PendingChe
     while name in taken:
         n += 1
         name = f"step-{step:08d}-{n}"
-    tmp = storage.join(root, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+    final = storage.join(root, name)
+    tmp = storage.join(root, f".{name}.{uuid.uuid4().hex[:12]}.tmp") if storage.renames else final
     storage.makedirs(tmp)
-    return PendingCheckpoint(root=root, name=name, tmp=tmp, final=storage.join(root, name))
+    return PendingCheckpoint(root=root, name=name, tmp=tmp, final=final)
 
 
 def commit(pending: PendingCheckpoint, manifest: Manifest, *, keep: int, storage: Storage | None = None) -> str:
@@ -62,7 +73,8 @@ def commit(pending: PendingCheckpoint, manifest: Manifest, *, keep: int, storage
     checkpoints beyond the newest ``keep``. Call only once every rank file is durable."""
     storage = storage or LocalStorage()
     storage.write_atomic(storage.join(pending.tmp, MANIFEST_NAME), manifest.to_json().encode())
-    storage.publish_dir(pending.tmp, pending.final)
+    if storage.renames:
+        storage.publish_dir(pending.tmp, pending.final)
     storage.write_atomic(storage.join(pending.root, LATEST_NAME), pending.name.encode())
     prune(pending.root, keep=keep, storage=storage, spare=pending.name)
     return pending.final
@@ -94,6 +106,7 @@ def prune(root: str, *, keep: int, storage: Storage | None = None, spare: str = 
     for name in names[:max(0, len(names) - keep)]:
         if name != spare:
             log.info("removing old checkpoint %s", storage.join(root, name))
+            storage.remove(storage.join(root, name, MANIFEST_NAME))  # uncommitted first, then deleted
             storage.remove_tree(storage.join(root, name))
 
 
@@ -124,11 +137,15 @@ def resolve(path: str, *, storage: Storage | None = None) -> str:
 
 class CheckpointReader:
     """A committed checkpoint opened for ranged reads: the manifest plus one lazily opened,
-    verifying reader per rank file."""
+    verifying reader per rank file. ``path`` is a checkpoint or a root, on ``storage``, or else
+    anything ``location.open_location`` opens (a path, a URL, a path in ``filesystem``)."""
 
-    def __init__(self, path: str, *, storage: Storage | None = None) -> None:
-        self.storage = storage or LocalStorage()
-        self.path = resolve(path, storage=self.storage)
+    def __init__(self, path: str | os.PathLike[str], *, storage: Storage | None = None,
+                 filesystem: Any = None) -> None:
+        if storage is None:
+            storage, path = open_location(path, filesystem=filesystem)
+        self.storage = storage
+        self.path = resolve(os.fspath(path), storage=self.storage)
         where = self.storage.join(self.path, MANIFEST_NAME)
         text = self.storage.read_range(where, 0, self.storage.size(where)).decode()
         self.manifest = Manifest.from_json(text, where=where)

@@ -3,6 +3,8 @@ size, consolidate it into one standard safetensors state dict.
 
 Each reads through ``CheckpointReader`` (every block it uses is verified) and holds at most one
 rank's shard (reshard) or one buffer of elements (consolidate) in memory, never the model.
+Inputs and outputs are anything ``location.open_location`` opens: local paths, URLs
+(``s3://...``), or paths in the ``filesystem`` passed (the same one for input and output).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from zero_ray.checkpoint.format import (
     Manifest,
     shard_file_name,
 )
+from zero_ray.checkpoint.location import open_location
 from zero_ray.checkpoint.shardfile import Item, safetensors_header, tensor_bytes, write_shard
-from zero_ray.checkpoint.storage import Storage, fsync_dir
+from zero_ray.checkpoint.storage import LocalStorage, Storage
 from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.core.layout import FlatLayout
 from zero_ray.errors import CheckpointError
@@ -43,11 +46,17 @@ CONSOLIDATE_CHUNK_NUMEL = 4 * 2**20
 
 
 # -- inspect ------------------------------------------------------------------------------------------
-def inspect_checkpoint(path: str, *, verify: bool = False, storage: Storage | None = None) -> dict[str, Any]:
+def _output(out: str | os.PathLike[str], storage: Storage | None, filesystem: Any) -> tuple[Storage, str]:
+    """Where a tool writes: on ``storage`` when given, else wherever ``out`` names."""
+    return (storage, os.fspath(out)) if storage is not None else open_location(out, filesystem=filesystem)
+
+
+def inspect_checkpoint(path: str, *, verify: bool = False, storage: Storage | None = None,
+                       filesystem: Any = None) -> dict[str, Any]:
     """What the checkpoint at ``path`` (a checkpoint or a root with ``latest``) holds, as JSON
     data. With ``verify`` every file is read and every block checksum and the whole-file sha256
     checked first; any damage raises ``CheckpointError`` naming the file."""
-    reader = CheckpointReader(path, storage=storage)
+    reader = CheckpointReader(path, storage=storage, filesystem=filesystem)
     m = reader.manifest
     if verify:
         reader.check_files()  # missing and truncated files fail before any long read
@@ -121,7 +130,7 @@ def _rng_names(world_size: int) -> set[str]:
 
 
 def reshard(path: str, out: str, *, world_size: int, keep: int | None = None,
-            chunk_bytes: int = DEFAULT_CHUNK_BYTES, storage: Storage | None = None) -> str:
+            chunk_bytes: int = DEFAULT_CHUNK_BYTES, storage: Storage | None = None, filesystem: Any = None) -> str:
     """Rewrite the checkpoint at ``path`` as a committed checkpoint under the root ``out`` laid
     out for ``world_size`` ranks; returns its directory. Loads exactly as the source does.
 
@@ -129,8 +138,9 @@ def reshard(path: str, out: str, *, world_size: int, keep: int | None = None,
     source is never touched); ``keep`` prunes older checkpoints under ``out`` (default: none)."""
     if world_size < 1:
         raise CheckpointError(f"reshard needs world_size >= 1, not {world_size}")
-    reader = CheckpointReader(path, storage=storage)
-    if os.path.abspath(out) == os.path.abspath(reader.path):
+    reader = CheckpointReader(path, storage=storage, filesystem=filesystem)
+    out_storage, out = _output(out, storage, filesystem)
+    if _same_place(out_storage, out, reader.storage, reader.path):
         raise CheckpointError(f"reshard's output {out} is the checkpoint being read; pass a checkpoint root such as "
                               "its parent or a new directory")
     m = reader.manifest
@@ -141,12 +151,12 @@ def reshard(path: str, out: str, *, world_size: int, keep: int | None = None,
                               "layout; reshard it with the zero_ray version that wrote it")
     reader.check_files()  # a missing or truncated file fails before anything is written
     layout = layout_of(m, world_size)
-    pending = store.begin(out, m.step, storage=reader.storage)
+    pending = store.begin(out, m.step, storage=out_storage)
     try:
         files = []
         for rank in range(world_size):
             name = shard_file_name(rank, world_size)
-            files.append(write_shard(reader.storage, reader.storage.join(pending.tmp, name),
+            files.append(write_shard(out_storage, out_storage.join(pending.tmp, name),
                                      _rank_items(reader, layout, rank), rank=rank, name=name,
                                      chunk_bytes=chunk_bytes))
         params = tuple(dataclasses.replace(p, bucket=s.bucket, offset=s.offset)
@@ -154,10 +164,16 @@ def reshard(path: str, out: str, *, world_size: int, keep: int | None = None,
         buckets = tuple(BucketRecord(index=b.index, params=b.params, numel=b.numel, padded_numel=b.padded_numel,
                                      shard_numel=b.shard_numel) for b in layout.buckets)
         manifest = dataclasses.replace(m, world_size=world_size, params=params, buckets=buckets, files=tuple(files))
-        return store.commit(pending, manifest, keep=sys.maxsize if keep is None else keep, storage=reader.storage)
+        return store.commit(pending, manifest, keep=sys.maxsize if keep is None else keep, storage=out_storage)
     except BaseException:
-        store.abandon(pending, storage=reader.storage)
+        store.abandon(pending, storage=out_storage)
         raise
+
+
+def _same_place(a_storage: Storage, a: str, b_storage: Storage, b: str) -> bool:
+    if isinstance(a_storage, LocalStorage) and isinstance(b_storage, LocalStorage):
+        return os.path.abspath(a) == os.path.abspath(b)
+    return a_storage.locate(a).rstrip("/") == b_storage.locate(b).rstrip("/")
 
 
 # -- consolidate --------------------------------------------------------------------------------------
@@ -187,41 +203,33 @@ def _state_dict_plan(reader: CheckpointReader, *, aliases: bool = True) -> list[
     return plan
 
 
-def _write_safetensors(out: str, plan: list[_Tensor], *, chunk_numel: int, dtype: str | None = None) -> int:
+def _write_safetensors(storage: Storage, out: str, plan: list[_Tensor], *, chunk_numel: int,
+                       dtype: str | None = None) -> int:
     """Write ``plan`` as one safetensors file ``out`` (floating tensors converted to ``dtype``
     when given), streaming ``chunk_numel`` elements at a time; it appears complete or not at
-    all (temp file, fsync, rename). Returns the bytes of tensor data."""
+    all (``Storage.open_replace``: temp file, fsync and rename; one upload on an object store).
+    Returns the bytes of tensor data."""
     def target(t: _Tensor) -> str:
         return dtype if dtype is not None and t.dtype in _FLOATS else t.dtype
 
     head, _ = safetensors_header([(t.key, target(t), t.shape) for t in plan])
-    tmp = f"{out}.tmp"
     written = 0
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(head)
-            for t in plan:
-                numel = math.prod(t.shape)
-                for start in range(0, numel, chunk_numel):
-                    values = t.read(start, min(numel, start + chunk_numel))
-                    if target(t) != t.dtype:
-                        values = values.to(_FLOATS[target(t)])
-                    data = tensor_bytes(values)
-                    fh.write(data)
-                    written += len(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(out)))
+    with storage.open_replace(out) as fh:
+        fh.write(head)
+        for t in plan:
+            numel = math.prod(t.shape)
+            for start in range(0, numel, chunk_numel):
+                values = t.read(start, min(numel, start + chunk_numel))
+                if target(t) != t.dtype:
+                    values = values.to(_FLOATS[target(t)])
+                data = tensor_bytes(values)
+                fh.write(data)
+                written += len(data)
     return written
 
 
 def consolidate(path: str, out: str, *, chunk_numel: int = CONSOLIDATE_CHUNK_NUMEL,
-                storage: Storage | None = None) -> str:
+                storage: Storage | None = None, filesystem: Any = None) -> str:
     """Write the checkpoint at ``path`` as one safetensors file ``out``: the full fp32 state dict
     under the module's own names, which ``module.load_state_dict(safetensors.torch.load_file(out))``
     accepts. Returns ``out``.
@@ -229,9 +237,10 @@ def consolidate(path: str, out: str, *, chunk_numel: int = CONSOLIDATE_CHUNK_NUM
     Streams: the header goes first (offsets follow from shapes and dtypes), then each tensor
     ``chunk_numel`` elements at a time, so memory stays at one chunk plus the reader's verified
     blocks. ``out`` appears complete or not at all (temp file, fsync, rename)."""
-    reader = CheckpointReader(path, storage=storage)
+    reader = CheckpointReader(path, storage=storage, filesystem=filesystem)
     reader.check_files()  # a missing or truncated file fails before anything is written
-    _write_safetensors(out, _state_dict_plan(reader), chunk_numel=chunk_numel)
+    out_storage, out = _output(out, storage, filesystem)
+    _write_safetensors(out_storage, out, _state_dict_plan(reader), chunk_numel=chunk_numel)
     return out
 
 
@@ -262,7 +271,7 @@ def parse_size(text: str | int) -> int:
 
 def export_pretrained(path: str, out_dir: str, *, max_shard_size: str | int = DEFAULT_MAX_SHARD_BYTES,
                       dtype: str | None = None, chunk_numel: int = CONSOLIDATE_CHUNK_NUMEL,
-                      storage: Storage | None = None) -> list[str]:
+                      storage: Storage | None = None, filesystem: Any = None) -> list[str]:
     """Write the checkpoint at ``path`` into ``out_dir`` as Hugging Face ``save_pretrained``
     writes weights: ``model.safetensors``, or above ``max_shard_size`` shards named
     ``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json`` (``total_size`` and
@@ -274,8 +283,9 @@ def export_pretrained(path: str, out_dir: str, *, max_shard_size: str | int = DE
     if dtype is not None and dtype not in _EXPORT_DTYPES:
         raise CheckpointError(f"dtype={dtype!r} is not one of {sorted(_EXPORT_DTYPES)}")
     limit = parse_size(max_shard_size)
-    reader = CheckpointReader(path, storage=storage)
+    reader = CheckpointReader(path, storage=storage, filesystem=filesystem)
     reader.check_files()
+    out_storage, out_dir = _output(out_dir, storage, filesystem)
     plan = _state_dict_plan(reader, aliases=False)
     target = _EXPORT_DTYPES.get(dtype or "", None)
     sizes = [math.prod(t.shape) * (_FLOATS[target].itemsize if target and t.dtype in _FLOATS
@@ -288,23 +298,22 @@ def export_pretrained(path: str, out_dir: str, *, max_shard_size: str | int = DE
             size = 0
         shards[-1].append(i)
         size += nbytes
-    os.makedirs(out_dir, exist_ok=True)
-    for stale in os.listdir(out_dir):  # a previous export's layout must not mix with this one
+    out_storage.makedirs(out_dir)
+    for stale in out_storage.listdir(out_dir):  # a previous export's layout must not mix with this one
         if stale in (WEIGHTS_NAME, INDEX_NAME) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", stale):
-            os.remove(os.path.join(out_dir, stale))
+            out_storage.remove(out_storage.join(out_dir, stale))
     if len(shards) == 1:
-        out = os.path.join(out_dir, WEIGHTS_NAME)
-        _write_safetensors(out, plan, chunk_numel=chunk_numel, dtype=target)
+        out = out_storage.join(out_dir, WEIGHTS_NAME)
+        _write_safetensors(out_storage, out, plan, chunk_numel=chunk_numel, dtype=target)
         return [out]
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     written, weight_map = [], {}
     for name, members in zip(names, shards):
-        out = os.path.join(out_dir, name)
-        _write_safetensors(out, [plan[i] for i in members], chunk_numel=chunk_numel, dtype=target)
+        out = out_storage.join(out_dir, name)
+        _write_safetensors(out_storage, out, [plan[i] for i in members], chunk_numel=chunk_numel, dtype=target)
         written.append(out)
         weight_map.update({plan[i].key: name for i in members})
-    index = os.path.join(out_dir, INDEX_NAME)
-    with open(f"{index}.tmp", "w", encoding="utf-8") as fh:
-        json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, fh, indent=2, sort_keys=True)
-    os.replace(f"{index}.tmp", index)
+    index = out_storage.join(out_dir, INDEX_NAME)
+    out_storage.write_atomic(index, json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map},
+                                               indent=2, sort_keys=True).encode())
     return [*written, index]

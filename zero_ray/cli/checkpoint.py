@@ -5,8 +5,10 @@
     zero-ray checkpoint consolidate DIR OUT.safetensors
     zero-ray checkpoint export DIR OUT_DIR [--max-shard-size 5GB] [--dtype bfloat16]
 
-DIR is a checkpoint directory or a checkpoint root (its ``latest`` is used). Any failure prints
-one line on stderr and exits with status 1.
+DIR is a checkpoint directory or a checkpoint root (its ``latest`` is used). DIR, OUT and OUT_DIR
+are local paths or URLs (``s3://bucket/prefix``, ``gs://...``, ``file://...``); an object store's
+endpoint and credentials come from the standard environment (AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, ...). Any failure prints one line on stderr and exits with status 1.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def register(subparsers: SubParsers) -> None:
     """Add ``checkpoint inspect``, ``checkpoint reshard`` and ``checkpoint consolidate``."""
     group = subcommand_group(subparsers, "checkpoint", help="write, inspect and convert checkpoints")
     inspect = group.add_parser("inspect", help="show what a checkpoint holds; --verify checks every byte")
-    inspect.add_argument("path", metavar="DIR", help="a checkpoint directory, or a root with a 'latest' pointer")
+    inspect.add_argument("path", metavar="DIR",
+                         help="a checkpoint directory or URL, or a root with a 'latest' pointer")
     inspect.add_argument("--verify", action="store_true",
                          help="read every file and check all block checksums and each file's sha256")
     inspect.add_argument("--json", action="store_true", help="print the description as JSON")

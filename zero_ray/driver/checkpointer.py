@@ -2,9 +2,11 @@
 its slices, and commit in the background once every rank's file is durable.
 
 Only the snapshot (each owner copying its slices to host memory) holds up training; the
-owners write their files on their own threads while the driver keeps stepping, and this
-class's commit thread waits for all of them, writes the manifest and publishes the directory.
-One save is in flight at a time: the next waits for the previous commit.
+owners write (or upload) their files on their own threads while the driver keeps stepping, and
+this class's commit thread waits for all of them, writes the manifest and publishes the
+directory. No tensor passes through the driver: owners are told where, as a string each opens
+itself (``Storage.locate``). One save is in flight at a time: the next waits for the previous
+commit.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from zero_ray.checkpoint import store
 from zero_ray.checkpoint.format import build_manifest, shard_file_from_data
+from zero_ray.checkpoint.storage import Storage
 from zero_ray.control.handlers import SavePhase
 from zero_ray.driver.pool import OwnerPool
 from zero_ray.errors import CheckpointError, OwnerLostError, ZeroRayError
@@ -56,47 +59,50 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self.state = SaveState.IDLE
         self.last_committed: str | None = None
+        self.last_root: str | None = None  # the root of last_committed, as Storage.locate names it
         self.last_error: BaseException | None = None
 
-    def save(self, root: str, position: RunPosition, *, on_commit: Callable[[str], None] | None = None,
-             remember: bool = True) -> str:
-        """Snapshot every owner now and commit under ``root`` in the background. Returns the
-        directory the checkpoint will have once committed (``wait()`` blocks until then).
-        ``remember=False``: a scratch save (an export) that never becomes ``last_committed``,
-        the checkpoint recovery restores from."""
+    def save(self, storage: Storage, root: str, position: RunPosition, *,
+             on_commit: Callable[[str], None] | None = None, remember: bool = True) -> str:
+        """Snapshot every owner now and commit under ``root`` (on ``storage``) in the background.
+        Returns the directory the checkpoint will have once committed (``wait()`` blocks until
+        then). ``remember=False``: a scratch save (an export) that never becomes
+        ``last_committed``, the checkpoint recovery restores from."""
         self.wait(raise_error=False)
         lost = self._pool.find_lost(timeout_s=2.0)
         if lost:  # a checkpoint needs every partition
             rank = min(lost)
             raise OwnerLostError(f"cannot save: partition owner {self._pool.where(rank)} is gone ({lost[rank]})",
                                  rank=rank)
-        pending = store.begin(root, position.step)
+        pending = store.begin(root, position.step, storage=storage)
+        where = storage.locate(pending.tmp)
         try:
-            self._pool.save(pending.tmp, position.step, phase=SavePhase.SNAPSHOT, timeout_s=self._timeout_s)
+            self._pool.save(where, position.step, phase=SavePhase.SNAPSHOT, timeout_s=self._timeout_s)
         except BaseException:
-            store.abandon(pending)
+            _abandon(pending, storage)
             raise
         with self._lock:
             self.state, self.last_error = SaveState.WRITING, None
-        self._thread = threading.Thread(target=self._commit, args=(pending, position, on_commit, remember),
+        self._thread = threading.Thread(target=self._commit, args=(storage, pending, position, on_commit, remember),
                                         name="zero_ray-commit", daemon=True)
         self._thread.start()
         return pending.final
 
-    def _commit(self, pending: store.PendingCheckpoint, position: RunPosition,
+    def _commit(self, storage: Storage, pending: store.PendingCheckpoint, position: RunPosition,
                 on_commit: Callable[[str], None] | None, remember: bool) -> None:
         try:
-            replies = self._pool.save(pending.tmp, position.step, phase=SavePhase.AWAIT, timeout_s=self._timeout_s)
+            replies = self._pool.save(storage.locate(pending.tmp), position.step, phase=SavePhase.AWAIT,
+                                      timeout_s=self._timeout_s)
             records = [json.loads(r.record_json) for r in replies]
             manifest = build_manifest(models=records, files=[shard_file_from_data(r["file"]) for r in records],
                                       step=position.step, samples_seen=position.samples_seen,
                                       world_size=position.world_size, stage=position.stage,
                                       compute_dtype=position.compute_dtype, seed=position.seed,
                                       extra=position.extra)
-            path = store.commit(pending, manifest, keep=self._keep)
+            path = store.commit(pending, manifest, keep=self._keep, storage=storage)
         except BaseException as err:  # the previous checkpoint stays the committed one
             log.error("checkpoint %s abandoned: %s", pending.final, err)
-            store.abandon(pending)
+            _abandon(pending, storage)
             with self._lock:
                 self.state, self.last_error = SaveState.FAILED, err
             return
@@ -104,7 +110,7 @@ class Checkpointer:
         with self._lock:
             self.state = SaveState.IDLE
             if remember:
-                self.last_committed = path
+                self.last_committed, self.last_root = path, storage.locate(pending.root)
         if on_commit is not None:
             on_commit(path)
 
@@ -123,3 +129,12 @@ class Checkpointer:
                 raise CheckpointError(f"the last checkpoint was abandoned: {err}") from err
             raise CheckpointError(f"the last checkpoint was abandoned: {err!r}") from err
         return self.last_committed
+
+
+def _abandon(pending: store.PendingCheckpoint, storage: Storage) -> None:
+    """Remove a save that will not be committed; a failure to (an unreachable store) is logged,
+    so that the save's own error is the one reported. What is left has no manifest: never read."""
+    try:
+        store.abandon(pending, storage=storage)
+    except Exception as err:  # noqa: BLE001
+        log.error("could not remove the abandoned checkpoint %s: %s", pending.final, err)

@@ -1,16 +1,22 @@
 """The trainer's checkpoint API: save (a snapshot on every owner, committed in the background),
 load into the live owners at any stage and size, export in the Hugging Face layout, and the
 root a recovery restores from. The commit thread itself is ``driver/checkpointer.py``.
+
+Every location is a path, a URL (``s3://bucket/prefix``, ``gs://...``, ``file://...``) or a
+path with a filesystem object (``checkpoint/location.py``); a filesystem object is handed to
+the owners before they are asked to write or read through it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
+import uuid
+from typing import Any
 
 from zero_ray.checkpoint.format import Manifest
+from zero_ray.checkpoint.location import open_location, shipped_filesystem
+from zero_ray.checkpoint.storage import Storage
 from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.checkpoint.tools import export_pretrained
 from zero_ray.config import CheckpointConfig
@@ -29,34 +35,50 @@ class CheckpointAPI:
         self._config = config
         self.saves = Checkpointer(pool, keep=config.keep, timeout_s=config.timeout_s)
 
-    def root_for(self, path: str | os.PathLike[str] | None, *, what: str) -> str:
-        """``path``, else the configured directory, else a ConfigError saying how to give one."""
-        root = path if path is not None else self._config.dir
-        if root is None:
-            raise ConfigError(f"{what} needs a path, or ZeroConfig(checkpoint=CheckpointConfig(dir=...))")
-        return os.fspath(root)
+    def open(self, path: str | os.PathLike[str] | None, filesystem: Any = None, *, what: str) -> tuple[Storage, str]:
+        """The storage and path of ``path`` (with ``filesystem``), else of the configured
+        directory (with the configured filesystem), else a ConfigError saying how to give one.
+        A filesystem object is handed to every owner first."""
+        if path is None:
+            if self._config.dir is None:
+                raise ConfigError(f"{what} needs a path, or ZeroConfig(checkpoint=CheckpointConfig(dir=...))")
+            path, filesystem = self._config.dir, self._config.filesystem
+        storage, where = open_location(path, filesystem=filesystem)
+        self._ship(storage)
+        return storage, where
 
-    def save(self, root: str, position: RunPosition, *, remember: bool = True) -> str:
+    def _ship(self, storage: Storage) -> None:
+        shipped = shipped_filesystem(storage)
+        if shipped is not None:
+            self._pool.use_filesystem(*shipped)
+
+    def save(self, storage: Storage, root: str, position: RunPosition, *, remember: bool = True) -> str:
         """Snapshot every owner now, commit under ``root`` in the background; the directory."""
-        return self.saves.save(root, position, remember=remember)
+        return self.saves.save(storage, root, position, remember=remember)
 
     def wait(self, timeout_s: float | None = None, *, raise_error: bool = True) -> str | None:
         return self.saves.wait(timeout_s=timeout_s, raise_error=raise_error)
 
     def recovery_root(self) -> str | None:
-        """The root of the last committed save, else the configured directory (or None)."""
-        last = self.saves.last_committed
-        if last is not None:
-            return os.path.dirname(last)
-        return os.fspath(self._config.dir) if self._config.dir else None
+        """The root of the last committed save, else the configured directory (or None), as a
+        string ``open_location`` opens in this process."""
+        if self.saves.last_root is not None:
+            return self.saves.last_root
+        if self._config.dir is None:
+            return None
+        # Not self.open: a recovery asks this while owners may be lost, so nothing is shipped here
+        # (load() ships to the rebuilt pool).
+        storage, where = open_location(self._config.dir, filesystem=self._config.filesystem)
+        return storage.locate(where)
 
-    def load(self, path: str) -> Manifest:
+    def load(self, path: str | os.PathLike[str], filesystem: Any = None) -> Manifest:
         """Check the checkpoint at ``path`` (manifest, file sizes), then have every owner load
         the ranges its own layout needs; returns the manifest."""
-        reader = CheckpointReader(path)
+        storage, where = self.open(path, filesystem, what="load_checkpoint()")
+        reader = CheckpointReader(where, storage=storage)
         m = reader.manifest
         reader.check_files()
-        self._pool.load(reader.path, timeout_s=self._config.timeout_s)
+        self._pool.load(storage.locate(reader.path), timeout_s=self._config.timeout_s)
         log.info("loaded %s: step %d (saved at stage %d x %d)", reader.path, m.step, m.stage, m.world_size)
         return m
 
@@ -67,15 +89,15 @@ class CheckpointAPI:
         return self.load(root)
 
     def export(self, directory: str | os.PathLike[str], position: RunPosition, *, max_shard_size: str | int,
-               dtype: str | None) -> list[str]:
+               dtype: str | None, filesystem: Any = None) -> list[str]:
         """Write the current weights into ``directory`` in the layout ``save_pretrained`` writes,
         streamed from a scratch checkpoint under it (removed afterwards; never a recovery source)."""
-        target = os.fspath(directory)
-        os.makedirs(target, exist_ok=True)
-        scratch = tempfile.mkdtemp(prefix=".zero_ray-export-", dir=target)
+        storage, target = self.open(directory, filesystem, what="export_pretrained()")
+        storage.makedirs(target)
+        scratch = storage.join(target, f".zero_ray-export-{uuid.uuid4().hex[:12]}")
         try:
-            saved = self.save(scratch, position, remember=False)
+            saved = self.save(storage, scratch, position, remember=False)
             self.wait()
-            return export_pretrained(saved, target, max_shard_size=max_shard_size, dtype=dtype)
+            return export_pretrained(saved, target, max_shard_size=max_shard_size, dtype=dtype, storage=storage)
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            storage.remove_tree(scratch)

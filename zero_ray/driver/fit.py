@@ -132,7 +132,7 @@ def fit(trainer: Trainer, dataset: Any, *, global_batch_size: int, steps: int, s
                 result["eval_loss"] = metrics["eval_loss"] = evaluate_dataset(trainer, eval_length,
                                                                              plan.global_batch_size)["loss"]
             if plan.checkpoint_every is not None and done % plan.checkpoint_every == 0:
-                result["checkpoint"] = trainer.save_checkpoint(root)
+                result["checkpoint"] = trainer.save_checkpoint()  # the configured dir and filesystem
             if callback is not None:
                 callback(metrics)
             if bar is not None:

@@ -143,6 +143,8 @@ class OwnerPool:
         self.health: HealthMonitor | None = None
         # fit()'s datasets (name -> source, factory?, collate), registered on owners started later too
         self.datasets: dict[str, tuple[Any, bool, Any]] = {}
+        # Checkpoint filesystem objects (key -> filesystem), handed to owners started later too
+        self.filesystems: dict[str, Any] = {}
         self.fan = FanOut(workers=3 * spec.world_size + 8, lost=self._lost, abort=self.abort, where=self.where)
         self._options = OwnerOptions(backend=spec.backend, group_prefix=f"zero_ray-{self.run_id}",
                                      collective_timeout_s=spec.collective_timeout_s,
@@ -212,6 +214,8 @@ class OwnerPool:
         self._restart_health()
         if self.datasets:
             self._register_datasets(actors, self.datasets)
+        for key, fs in self.filesystems.items():
+            self.fan.ray(actors, "use_filesystem", key, fs, timeout_s=spec.init_timeout_s, watch=False)
 
     def _restart_health(self) -> None:
         if self.health is not None:
@@ -257,6 +261,14 @@ class OwnerPool:
     def load(self, path: str, *, timeout_s: float) -> list[LoadResult]:
         """Every owner restores its partition from the checkpoint at ``path``."""
         return self.fan.grpc(self.clients, "load", lambda c, r: c.load(path, 0, timeout_s=timeout_s))
+
+    def use_filesystem(self, key: str, fs: Any) -> None:
+        """Have every owner (and every owner started later) hold the checkpoint filesystem object
+        ``fs`` under ``key``, so that the locations naming it open there (a Ray call: it is
+        pickled, credentials and all, as Ray Train ships its storage_filesystem)."""
+        if key not in self.filesystems:
+            self.filesystems[key] = fs
+            self.fan.ray(self.actors, "use_filesystem", key, fs, timeout_s=self.spec.init_timeout_s, watch=False)
 
     def stage(self, key: str, pieces: Sequence[ray.ObjectRef]) -> list[ray.ObjectRef]:
         """Hand owner r its piece ``pieces[r]`` under ``key``, through a Ray call (Ray resolves

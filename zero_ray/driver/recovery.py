@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zero_ray.checkpoint import store
+from zero_ray.checkpoint.location import open_location
 from zero_ray.core.policy import Action, Decision, FailurePolicy, ScalingPolicy, Source
 from zero_ray.driver.data import GlobalBatch
 from zero_ray.driver.pool import OwnerPool
@@ -135,8 +136,13 @@ class RecoveryController:
     def _sources(self) -> list[Source]:
         out = [Source.PEER] if self._peer else []
         root = self._checkpoint_root()
-        if root is not None and store.committed(root):
-            out.append(Source.CHECKPOINT)
+        if root is not None:
+            try:
+                storage, path = open_location(root)
+                if store.committed(path, storage=storage):
+                    out.append(Source.CHECKPOINT)
+            except CheckpointError as err:  # e.g. the object store is unreachable: not a source now
+                log.warning("the checkpoint root %s cannot be used for recovery: %s", root, err)
         return out
 
     def _end(self, lost: dict[int, str], reason: str) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import ray
 import torch
 
+from zero_ray.checkpoint.storage import Storage
 from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.config import ZeroConfig
 from zero_ray.control.auth import Credentials, new_token, write_token_file
@@ -539,27 +540,31 @@ class ZeroTrainer:
         return RunPosition(step=self.step_count, samples_seen=self.samples_seen, world_size=self.world_size,
                            stage=cfg.stage, compute_dtype=cfg.dtype, seed=cfg.seed, extra=dict(self.run_extra))
 
-    def save_checkpoint(self, path: str | os.PathLike[str] | None = None, *, wait: bool = False) -> str:
-        """Save a sharded checkpoint under the root ``path`` (default ``config.checkpoint.dir``)
-        and return its directory (``path/step-NNNNNNNN``).
+    def save_checkpoint(self, path: str | os.PathLike[str] | None = None, *, wait: bool = False,
+                        filesystem: Any = None) -> str:
+        """Save a sharded checkpoint under the root ``path`` (default ``config.checkpoint.dir``
+        and its filesystem) and return its directory (``path/step-NNNNNNNN``).
 
-        Training stalls only while every owner copies its slices to host memory; the files are
-        written in the background and the checkpoint is committed (manifest, rename, ``latest``)
-        once every rank's file is durable. ``wait=True`` (or ``wait_for_checkpoint()``) blocks
-        until then. A crash before the commit leaves the previous checkpoint the latest.
+        ``path`` is a local or shared directory, a URL (``s3://bucket/prefix``, ``gs://...``,
+        ``file://...``) or, with ``filesystem`` (a ``pyarrow.fs.FileSystem`` or an fsspec
+        filesystem), a path inside that filesystem. Training stalls only while every owner
+        copies its slices to host memory; each owner writes (uploads) its own file in the
+        background and the checkpoint is committed (manifest last, then ``latest``) once every
+        rank's file is complete. ``wait=True`` (or ``wait_for_checkpoint()``) blocks until then.
+        A crash before the commit leaves the previous checkpoint the latest.
         """
-        return self._save(self._checkpoints.root_for(path, what="save_checkpoint()"), wait=wait)[0]
+        return self._save(self._checkpoints.open(path, filesystem, what="save_checkpoint()"), wait=wait)[0]
 
     def checkpoint_now(self, path: str | None) -> tuple[str, int]:
         """The Coordinator's Checkpoint call: save after the step in flight; (directory, step)."""
-        return self._save(self._checkpoints.root_for(path or None, what="this job's checkpoint (zero-ray checkpoint "
-                                                                         "now PATH)"), wait=False)
+        return self._save(self._checkpoints.open(path or None, what="this job's checkpoint (zero-ray checkpoint "
+                                                                    "now PATH)"), wait=False)
 
-    def _save(self, root: str, *, wait: bool) -> tuple[str, int]:
+    def _save(self, root: tuple[Storage, str], *, wait: bool) -> tuple[str, int]:
         with self._step_mutex:
             self._life.require_ready()
             position = self._position()
-            target = self._checkpoints.save(root, position)
+            target = self._checkpoints.save(*root, position)
         if wait:
             self.wait_for_checkpoint()
         return target, position.step
@@ -570,23 +575,27 @@ class ZeroTrainer:
         return self._checkpoints.wait(timeout_s)
 
     def export_pretrained(self, directory: str | os.PathLike[str], *, max_shard_size: str | int = "5GB",
-                          dtype: str | None = None) -> list[str]:
-        """Write the current weights into ``directory`` as Hugging Face ``save_pretrained``
-        writes them (``model.safetensors``, or shards and ``model.safetensors.index.json`` above
-        ``max_shard_size``); with the model's ``config.json`` there, ``from_pretrained`` loads it.
-        Memory stays bounded: every owner writes its shard to a checkpoint under ``directory``
-        (removed afterwards) and the files are streamed from it. Returns the files written."""
+                          dtype: str | None = None, filesystem: Any = None) -> list[str]:
+        """Write the current weights into ``directory`` (a path, a URL, or a path in
+        ``filesystem``) as Hugging Face ``save_pretrained`` writes them (``model.safetensors``,
+        or shards and ``model.safetensors.index.json`` above ``max_shard_size``); with the
+        model's ``config.json`` there, ``from_pretrained`` loads it (from a local copy, for an
+        object store). Memory stays bounded: every owner writes its shard to a checkpoint under
+        ``directory`` (removed afterwards) and the files are streamed from it. Returns the files
+        written."""
         with self._step_mutex:
             self._life.require_ready()
-            return self._checkpoints.export(directory, self._position(), max_shard_size=max_shard_size, dtype=dtype)
+            return self._checkpoints.export(directory, self._position(), max_shard_size=max_shard_size, dtype=dtype,
+                                            filesystem=filesystem)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str], model_fn: ModelFn, loss_fn: LossFn, *,
                         optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
                         lr_scheduler: SchedulerFactory | None = None,
-                        config: ZeroConfig | None = None) -> ZeroTrainer:
-        """Resume from a checkpoint (a checkpoint directory, or a root whose ``latest`` is used) at
-        any stage and world size: each owner reads only the ranges its new partition needs.
+                        config: ZeroConfig | None = None, filesystem: Any = None) -> ZeroTrainer:
+        """Resume from a checkpoint (a checkpoint directory, or a root whose ``latest`` is used;
+        a path, a URL, or a path in ``filesystem``) at any stage and world size: each owner reads
+        only the ranges its new partition needs (ranged GETs on an object store).
 
         ``optimizer`` defaults to the checkpoint's (its classes and groups, rebuilt by parameter
         name); a different optimizer is refused, naming both. The optimizers' state, group
@@ -595,7 +604,7 @@ class ZeroTrainer:
         world size as saved. ``step_count`` and ``samples_seen`` continue from the checkpoint:
         feed the batches from there on to continue as the uninterrupted run.
         """
-        reader = CheckpointReader(os.fspath(path))  # the manifest only: checked before owners start
+        reader = CheckpointReader(path, filesystem=filesystem)  # the manifest only: checked before owners start
         m = reader.manifest
         reader.check_files()
         if config is None:
@@ -603,22 +612,23 @@ class ZeroTrainer:
         opt = optimizer if optimizer is not None else list(recorded_factories(m.optimizers))
         trainer = cls(model_fn, loss_fn, optimizer=opt, lr_scheduler=lr_scheduler, config=config)
         try:
-            trainer.load_checkpoint(reader.path)
+            trainer.load_checkpoint(reader.path, filesystem=filesystem)
         except BaseException:
             trainer.shutdown()
             raise
         return trainer
 
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> int:
+    def load_checkpoint(self, path: str | os.PathLike[str], *, filesystem: Any = None) -> int:
         """Overwrite this run's model state, optimizer state and position with a checkpoint (a
-        directory, or a root's ``latest``) saved at any stage and world size; returns the step it
-        continues from. The manifest and file sizes are checked first, and each rank reads and
-        verifies all its ranges before changing anything; if a rank still fails (a corrupt block)
-        others may have loaded, so the trainer is then marked failed."""
+        directory, or a root's ``latest``; a path, a URL, or a path in ``filesystem``) saved at
+        any stage and world size; returns the step it continues from. The manifest and file
+        sizes are checked first, and each rank reads and verifies all its ranges before changing
+        anything; if a rank still fails (a corrupt block) others may have loaded, so the trainer
+        is then marked failed."""
         with self._step_mutex:
             self._life.require_ready()
             try:
-                m = self._checkpoints.load(os.fspath(path))
+                m = self._checkpoints.load(path, filesystem)
             except BaseException:
                 self._life.move(TrainerState.FAILED)
                 raise

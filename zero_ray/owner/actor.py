@@ -35,6 +35,7 @@ from zero_ray.collective.group import Collective
 from zero_ray.collective.ray_group import destroy_group, form_group
 from zero_ray.control.auth import Credentials
 from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
+from zero_ray.checkpoint.location import register_filesystem
 from zero_ray.owner.checkpointing import ShardSaver
 from zero_ray.owner.data import PieceSource
 from zero_ray.owner.device import setup_device
@@ -148,6 +149,10 @@ class PartitionOwner:
     def register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int:
         """Hold a dataset (or build it with the factory ``source``) for fit(); returns its length."""
         return self.data.register(name, source, factory=factory, collate=collate)
+
+    def use_filesystem(self, key: str, fs: Any) -> None:
+        """Hold a checkpoint filesystem object the driver was given (saves and loads name it by key)."""
+        register_filesystem(fs, key)
 
     @property
     def engine(self) -> OwnerEngine:

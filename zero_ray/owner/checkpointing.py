@@ -34,7 +34,7 @@ from zero_ray.checkpoint.format import (
     whole_kind,
 )
 from zero_ray.checkpoint.shardfile import Item, write_shard
-from zero_ray.checkpoint.storage import LocalStorage
+from zero_ray.checkpoint.location import open_location
 from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.core.optim_state import table_by_name, table_from_names
 from zero_ray.errors import CheckpointError
@@ -125,11 +125,7 @@ class ShardSaver:
         items = snapshot(engine)
         model = describe_model(engine)  # as of the snapshot: training goes on meanwhile
         rank, n = engine.rank, engine.world_size
-        storage = LocalStorage()
-        name = shard_file_name(rank, n)
-        path = storage.join(directory, name)
-        future = self._pool.submit(write_shard, storage, path, items, rank=rank, name=name,
-                                   chunk_bytes=DEFAULT_CHUNK_BYTES)
+        future = self._pool.submit(_write_into, directory, shard_file_name(rank, n), items, rank)
         self._writes[directory] = (future, model)
         return sum(it.tensor.numel() * it.tensor.element_size() for it in items)
 
@@ -149,6 +145,14 @@ class ShardSaver:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _write_into(directory: str, name: str, items: list[Item], rank: int) -> ShardFile:
+    """Open ``directory`` (a path, or a URL this process opens itself) and write this rank's file
+    there. Runs on the saver's thread: opening a store (the first time, its SDK) stalls no step."""
+    storage, where = open_location(directory)
+    return write_shard(storage, storage.join(where, name), items, rank=rank, name=name,
+                       chunk_bytes=DEFAULT_CHUNK_BYTES)
 
 
 def shard_record_json(record: ShardFile, extra: dict[str, Any]) -> str:
