@@ -197,7 +197,7 @@ def ensure_ray(world_size: int, *, log_to_driver: bool = False) -> bool:
 
 
 def _reference_task(workload: Workload, optimizer: AdamW, batches: list[Batch], seed: int) -> dict[str, torch.Tensor]:
-    from zero_ray.bench.baselines import single_process
+    from zero_ray.testing import single_process
 
     torch.set_num_threads(1)  # like every rank
     params, _ = single_process(workload.model_fn, workload.loss_fn, optimizer, batches, seed=seed)

@@ -254,7 +254,7 @@ def _probe_actors(actors: Sequence[Any], fn: Callable[..., Any], timeout_s: floa
 
 
 class DDPSystem:
-    """PyTorch DistributedDataParallel: ``zero_ray.bench.baselines.DDPRun``."""
+    """PyTorch DistributedDataParallel: ``zero_ray.testing.DDPRun``."""
 
     name = "ddp"
     label = "PyTorch DDP"
@@ -272,7 +272,7 @@ class DDPSystem:
         pass
 
     def setup(self, ctx: SystemContext) -> None:
-        from zero_ray.bench.baselines import DDPRun
+        from zero_ray.testing import DDPRun
 
         self._timeout_s = ctx.timeout_s
         self._run = DDPRun(ctx.workload.model_fn, ctx.workload.loss_fn, ctx.optimizer, world_size=ctx.world_size,
