@@ -2,7 +2,7 @@
 
 Runs the ``gpu`` tests (tests/gpu), then a throughput run: a GPT of about 1B parameters, bf16,
 ZeRO stage 3 (each transformer block a unit), world size = the GPU count. It reports tokens/s,
-model-FLOPs utilisation against the device's bf16 peak (zero_ray.bench.gpu), and each rank's
+model-FLOPs utilisation against the device's bf16 peak (benchmarks.harness.gpu), and each rank's
 peak allocated memory against the paper's 16Ψ/N plus the gathered/reduce buffers plus the
 activations, measured beforehand in this process as a plain bf16 forward and backward's peak
 less its parameters and gradients. Writes benchmarks/results/gpu.{json,md}. Meant to finish in
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run_gpu_tests(timeout_s: float) -> dict[str, Any]:
     """pytest -m gpu tests/gpu in a subprocess (its own Ray); counts from its JUnit XML."""
-    from zero_ray.bench.gpu import summarize_junit
+    from benchmarks.harness.gpu import summarize_junit
 
     with tempfile.TemporaryDirectory() as tmp:
         xml = os.path.join(tmp, "gpu.xml")
@@ -91,7 +91,7 @@ def run_throughput(args: argparse.Namespace, gpus: int, activations: int) -> dic
     import ray
 
     import zero_ray as zr
-    from zero_ray.bench.gpu import MemoryCheck, bf16_peak, flops_per_token, mfu
+    from benchmarks.harness.gpu import MemoryCheck, bf16_peak, flops_per_token, mfu
     from zero_ray.config import Stage3Config
     from zero_ray.core.memory import model_state_bytes
     from zero_ray.models import GPT, Block, lm_loss
@@ -162,7 +162,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: torch sees no CUDA device here; nothing run, nothing written")
         return 2
-    from zero_ray.bench.gpu import MFU_TARGET, markdown
+    from benchmarks.harness.gpu import MFU_TARGET, markdown
 
     gpus = torch.cuda.device_count()
     result: dict[str, Any] = {

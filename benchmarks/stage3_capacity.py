@@ -19,8 +19,9 @@ import ray
 import torch
 
 import zero_ray as zr
+from benchmarks.harness.probe import cap_address_space
+from benchmarks.harness.ray_env import runtime_env
 from zero_ray.config import Stage3Config
-from zero_ray.bench.probe import cap_address_space
 from zero_ray.models import mlp, mse_loss
 
 
@@ -70,8 +71,8 @@ def main() -> None:
     ap.add_argument("--resolution", type=int, default=8, help="bisection stops within this many layers")
     ap.add_argument("--stages", default="0,1,2,3")
     args = ap.parse_args()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    # The owners call cap_address_space, from benchmarks.harness: the package travels with the job.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env())
     per_layer = args.width * args.width + args.width
     out: dict[str, object] = {"config": vars(args) | {"time": time.strftime("%Y-%m-%d %H:%M:%S")}}
     for stage in (int(s) for s in args.stages.split(",")):

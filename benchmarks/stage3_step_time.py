@@ -20,9 +20,9 @@ import ray
 import torch
 
 import zero_ray as zr
-from zero_ray.bench.baselines import DDPRun
 from zero_ray.config import Stage3Config
 from zero_ray.models import mlp, mse_loss
+from zero_ray.testing import DDPRun
 
 
 def main() -> None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import zero_ray as zr
-from zero_ray.bench.baselines import single_process
 from zero_ray.models import GPT, GPTConfig, lm_loss
+from zero_ray.testing import single_process
 
 pytestmark = pytest.mark.gpu
 

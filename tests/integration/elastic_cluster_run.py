@@ -15,8 +15,8 @@ import torch
 from ray.cluster_utils import Cluster
 
 import zero_ray as zr
-from zero_ray.bench.baselines import single_process
 from zero_ray.models import mlp, mse_loss
+from zero_ray.testing import single_process
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 
 import zero_ray as zr
 from kill_helpers import kill_and_wait
-from zero_ray.bench.baselines import DDPRun, single_process
 from zero_ray.models import GPT, GPTConfig, lm_loss, mlp, mse_loss
+from zero_ray.testing import DDPRun, single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

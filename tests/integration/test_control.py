@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import zero_ray as zr
-from zero_ray.bench.baselines import single_process
 from zero_ray.cli import main as cli_main
 from zero_ray.control.auth import Credentials, read_token_file
 from zero_ray.control.client import ClientConfig, CoordinatorClient
 from zero_ray.models import mlp, mse_loss
+from zero_ray.testing import single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -19,8 +19,8 @@ import torch
 import zero_ray as zr
 from ray_head import Head, ray_head
 from tests_paths import REPO_ROOT
-from zero_ray.bench.baselines import single_process
 from zero_ray.models import mse_loss
+from zero_ray.testing import single_process
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "integration", "detached_run.py")
 ORPHAN_S = 8.0

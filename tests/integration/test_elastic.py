@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import zero_ray as zr
-from zero_ray.bench.baselines import DDPRun, single_process
 from zero_ray.control.auth import read_token_file
 from zero_ray.control.client import ClientConfig, CoordinatorClient
 from zero_ray.models import GPT, GPTConfig, lm_loss, mlp, mse_loss
+from zero_ray.testing import DDPRun, single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

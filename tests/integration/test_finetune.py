@@ -22,9 +22,9 @@ from finetune_models import (
 )
 from safetensors.torch import load_file
 
-from zero_ray.bench.baselines import ddp_params, single_process
 from zero_ray.checkpoint.tools import consolidate, reshard
 from zero_ray.core.memory import model_state_bytes, optimizer_bytes_per_param
+from zero_ray.testing import ddp_params, single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

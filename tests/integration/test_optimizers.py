@@ -20,7 +20,7 @@ import ray
 import torch
 
 import zero_ray as zr
-from zero_ray.bench.baselines import single_process
+from zero_ray.testing import single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

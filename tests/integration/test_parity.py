@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import zero_ray as zr
-from zero_ray.bench.baselines import ddp_params, single_process
 from zero_ray.models import GPT, GPTConfig, lm_loss, mlp, mse_loss
+from zero_ray.testing import ddp_params, single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import zero_ray as zr
-from zero_ray.bench.baselines import single_process
 from zero_ray.models import mlp, mse_loss
+from zero_ray.testing import single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import zero_ray as zr
-from zero_ray.bench.baselines import DDPRun, single_process
 from zero_ray.config import Stage3Config
 from zero_ray.core.memory import model_state_bytes, optimizer_bytes_per_param
 from zero_ray.core.units import WrapPolicy
 from zero_ray.models import GPT, GPTConfig, lm_loss, mlp, mse_loss
+from zero_ray.testing import DDPRun, single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

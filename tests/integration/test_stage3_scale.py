@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import zero_ray as zr
+from benchmarks.harness.probe import cap_address_space
 from zero_ray.config import Stage3Config
-from zero_ray.bench.probe import cap_address_space
 from zero_ray.models import mlp, mse_loss
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]

@@ -19,8 +19,8 @@ from torch.utils.data import TensorDataset
 
 import zero_ray as zr
 from finetune_models import llama, padded_token_batches, token_mean_loss, token_sum_loss
-from zero_ray.bench.baselines import single_process
 from zero_ray.models import mse_loss
+from zero_ray.testing import single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from zero_ray.bench.collectives import (
+from benchmarks.collectives import (
     BASELINE,
     CollectiveRow,
     CollectivesConfig,
@@ -21,8 +21,8 @@ from zero_ray.bench.collectives import (
     target_notes,
     write_results,
 )
-from zero_ray.bench.report import machine_line
-from zero_ray.bench.stats import Summary
+from benchmarks.harness.report import machine_line
+from benchmarks.harness.stats import Summary
 from zero_ray.errors import ConfigError
 
 MIB = 2**20

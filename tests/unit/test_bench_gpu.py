@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
+from benchmarks.harness.gpu import MemoryCheck, bf16_peak, flops_per_token, markdown, mfu, summarize_junit
 from tests_paths import REPO_ROOT
-from zero_ray.bench.gpu import MemoryCheck, bf16_peak, flops_per_token, markdown, mfu, summarize_junit
 from zero_ray.errors import ConfigError
 from zero_ray.models import GPT, GPTConfig
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from zero_ray.bench.netdev import loopback_available, parse_net_dev, read_interface
+from benchmarks.harness.netdev import loopback_available, parse_net_dev, read_interface
 from zero_ray.errors import ConfigError
 
 SAMPLE = """\

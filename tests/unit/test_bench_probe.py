@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_ray.bench.probe import (
+from benchmarks.harness.probe import (
     HeldBytes,
     InStepProbe,
     StateBytes,

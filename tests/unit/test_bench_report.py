@@ -8,12 +8,11 @@ import os
 
 import pytest
 
-from zero_ray.bench.compare import add_arguments, config_from_args
-from zero_ray.bench.report import fmt_bytes, read_json, render_markdown, row, write_json, write_png
-from zero_ray.bench.results import BenchResults, RunResult, WorkloadInfo
-from zero_ray.bench.runner import BenchConfig, _with_ddp_ratio, max_abs_deviation
-from zero_ray.bench.stats import Summary
-from zero_ray.cli import build_parser
+from benchmarks.compare import add_arguments, config_from_args
+from benchmarks.harness.report import fmt_bytes, read_json, render_markdown, row, write_json, write_png
+from benchmarks.harness.results import BenchResults, RunResult, WorkloadInfo
+from benchmarks.harness.runner import BenchConfig, _with_ddp_ratio, max_abs_deviation
+from benchmarks.harness.stats import Summary
 from zero_ray.errors import ConfigError
 
 
@@ -148,9 +147,6 @@ def test_command_line() -> None:
     assert config_from_args(parser.parse_args(["--model", "all"])).models == ("mlp", "gpt")
     with pytest.raises(SystemExit):
         parser.parse_args(["--systems", "ddp,bogus"])
-    # Registered as `zero-ray bench`.
-    args = build_parser().parse_args(["bench", "--systems", "zero1", "--model", "mlp"])
-    assert args.systems == ("zero1",) and callable(args.func)
 
 
 def test_loopback_bursts_are_flagged() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from zero_ray.bench.report import render_markdown
-from zero_ray.bench.runner import BenchConfig, run_benchmark
-from zero_ray.bench.workloads import mlp_workload
+from benchmarks.harness.report import render_markdown
+from benchmarks.harness.runner import BenchConfig, run_benchmark
+from benchmarks.harness.workloads import mlp_workload
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-from zero_ray.bench.compare import main
-from zero_ray.bench.probe import MemoryProbe, StateBytes
-from zero_ray.bench.report import write_json
-from zero_ray.bench.runner import BenchConfig, run_system
-from zero_ray.bench.systems import SYSTEMS, RankReport, SystemReport, SystemUnavailable, make_system
-from zero_ray.bench.workloads import mlp_workload
+from benchmarks.compare import main
+from benchmarks.harness.probe import MemoryProbe, StateBytes
+from benchmarks.harness.report import write_json
+from benchmarks.harness.runner import BenchConfig, run_system
+from benchmarks.harness.systems import SYSTEMS, RankReport, SystemReport, SystemUnavailable, make_system
+from benchmarks.harness.workloads import mlp_workload
 from zero_ray.errors import ConfigError
 
 from test_bench_report import fake_results

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from zero_ray.bench.stats import Summary, summarise
+from benchmarks.harness.stats import Summary, summarise
 from zero_ray.errors import ConfigError
 
 

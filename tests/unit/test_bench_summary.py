@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from zero_ray.bench.report import machine_line, summary_markdown
-from zero_ray.bench.results import BenchResults, RunResult, WorkloadInfo
-from zero_ray.bench.runner import _with_ddp_ratio
-from zero_ray.bench.stats import Summary
+from benchmarks.harness.report import machine_line, summary_markdown
+from benchmarks.harness.results import BenchResults, RunResult, WorkloadInfo
+from benchmarks.harness.runner import _with_ddp_ratio
+from benchmarks.harness.stats import Summary
 
 
 def _run(model: str, system: str, label: str, median: float | None, state: int = 4096) -> RunResult:

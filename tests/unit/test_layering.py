@@ -1,6 +1,7 @@
 """The package's import graph, read from the sources: no cycles, and dependencies pointing one
 way (driver -> owner -> collective -> core; control/ and checkpoint/ know neither driver nor
-owner; the pure planning modules import neither ray, grpc nor torch)."""
+owner; the pure planning modules import neither ray, grpc nor torch; the library imports no
+test or benchmark code)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ FORBIDDEN = {
     "control": ("driver", "owner", "bench", "cli"),
     "checkpoint": ("driver", "owner", "bench", "cli"),
 }
+# Code for tests and benchmarks inside the package (the reference runs, fault injection): it may
+# import the library, the library never imports it.
+SUPPORT = ("testing", "bench")
 
 
 def _modules() -> Iterator[tuple[str, str]]:
@@ -103,3 +107,15 @@ def test_planning_code_imports_neither_ray_grpc_nor_torch(module: str) -> None:
     path = os.path.join(PACKAGE, *module.split(".")) + ".py"
     heavy = {i.split(".")[0] for i in _imports(path)} & {"ray", "grpc", "torch"}
     assert heavy == set()
+
+
+def test_the_library_imports_no_test_support() -> None:
+    bad = sorted((m, i) for m, deps in GRAPH.items() if m.split(".")[0] not in SUPPORT for i in deps
+                 if i.split(".")[0] in SUPPORT)
+    assert bad == []
+
+
+def test_nothing_in_the_package_imports_the_benchmarks() -> None:
+    # benchmarks/ is in a source checkout only: an installed zero_ray could not import it.
+    bad = sorted((name, i) for name, path in _modules() for i in _imports(path) if i.split(".")[0] == "benchmarks")
+    assert bad == []

@@ -16,8 +16,8 @@ import torch
 
 import zero_ray as zr
 from thread_ranks import run_ranks
-from zero_ray.bench.baselines import single_process
 from zero_ray.models import mlp, mse_loss
+from zero_ray.testing import single_process
 
 STEPS = 4
 GLOBAL_BATCH = 13  # uneven over 2 and 3 ranks

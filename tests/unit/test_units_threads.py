@@ -16,8 +16,8 @@ import torch
 
 import zero_ray as zr
 from thread_ranks import run_ranks
-from zero_ray.bench.baselines import single_process
 from zero_ray.models import GPT, GPTConfig, lm_loss, mlp, mse_loss
+from zero_ray.testing import single_process
 
 
 def _mlp_batches(steps: int = 3, n: int = 13) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -15,7 +15,6 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "zero_ray.cli.control",
     "zero_ray.cli.checkpoint",
     "zero_ray.cli.submit",
-    "zero_ray.cli.bench",
 )
 
 

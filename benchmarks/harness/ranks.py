@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from zero_ray.bench.probe import (
+from benchmarks.harness.probe import (
     IN_STEP,
     HeldBytes,
     MemoryProbe,
@@ -30,7 +30,7 @@ from zero_ray.bench.probe import (
     optimizer_state_tensors,
     reset_peak_rss,
 )
-from zero_ray.bench.workloads import Workload
+from benchmarks.harness.workloads import Workload
 from zero_ray.core.batching import Batch, batch_size
 from zero_ray.core.optim import AdamW
 from zero_ray.errors import ConfigError

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from zero_ray.bench.stats import Summary
+from benchmarks.harness.stats import Summary
 from zero_ray.errors import ConfigError
 
 STATUSES = ("ok", "unavailable", "failed")

@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from zero_ray.bench.results import BenchResults, RunResult
+from benchmarks.harness.results import BenchResults, RunResult
 
 _MIB = float(2**20)
 

@@ -254,7 +254,7 @@ def call_in_step_state(_actor: Any) -> StateBytes | None:
 
 
 def call_ddp_worker_state(worker: Any) -> StateBytes:
-    """Model state of a ``zero_ray.bench.baselines.DDPWorker``: its DDP module's parameters and
+    """Model state of a ``zero_ray.testing.DDPWorker``: its DDP module's parameters and
     gradients and its torch optimizer's state (DDP's own bucket buffers are communication
     buffers, not model state, and are not counted)."""
     return module_state_bytes(worker.module.module, [t for o in worker.opts for t in optimizer_state_tensors(o)])

@@ -3,7 +3,7 @@
 Each system trains ``ctx.workload`` on its own fresh Ray actors (one CPU and one torch thread
 per rank, gloo between ranks) and is shut down before the next one starts. The driver-side
 classes here decide how many ranks there are and how a global batch reaches them; the rank-side
-code of the PyTorch systems lives in ``zero_ray.bench.ranks``.
+code of the PyTorch systems lives in ``benchmarks.harness.ranks``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, ClassVar, Protocol
 import ray
 import torch
 
-from zero_ray.bench import probe
-from zero_ray.bench.probe import MemoryProbe, StateBytes
-from zero_ray.bench.ranks import (
+from benchmarks.harness import probe
+from benchmarks.harness.probe import MemoryProbe, StateBytes
+from benchmarks.harness.ranks import (
     DeepSpeedRecipe,
     FSDP2Recipe,
     RankContext,
@@ -27,8 +27,8 @@ from zero_ray.bench.ranks import (
     SingleRecipe,
     TorchZeroRecipe,
 )
-from zero_ray.bench.handwritten import HandWrittenAdamW, handwritten_adamw
-from zero_ray.bench.workloads import Workload
+from benchmarks.harness.handwritten import HandWrittenAdamW, handwritten_adamw
+from benchmarks.harness.workloads import Workload
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes
 from zero_ray.core.optim import AdamW
 from zero_ray.errors import ConfigError, ZeroRayError
@@ -254,7 +254,7 @@ def _probe_actors(actors: Sequence[Any], fn: Callable[..., Any], timeout_s: floa
 
 
 class DDPSystem:
-    """PyTorch DistributedDataParallel: ``zero_ray.bench.baselines.DDPRun``."""
+    """PyTorch DistributedDataParallel: ``zero_ray.testing.DDPRun``."""
 
     name = "ddp"
     label = "PyTorch DDP"
@@ -272,7 +272,7 @@ class DDPSystem:
         pass
 
     def setup(self, ctx: SystemContext) -> None:
-        from zero_ray.bench.baselines import DDPRun
+        from zero_ray.testing import DDPRun
 
         self._timeout_s = ctx.timeout_s
         self._run = DDPRun(ctx.workload.model_fn, ctx.workload.loss_fn, ctx.optimizer, world_size=ctx.world_size,

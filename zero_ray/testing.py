@@ -1,5 +1,10 @@
 """Reference runs in plain PyTorch: one process, and DDP over Ray actors on gloo.
 
+What a ZeroTrainer's results are checked against, by the tests, the benchmarks and users
+checking their own model: ``single_process`` (the arithmetic every stage must reproduce) and
+``DDPRun`` / ``ddp_params`` (the data-parallel system ZeRO replaces). Nothing in zero_ray imports
+this module.
+
 Both see the same data as a ZeroTrainer: the global batch split along dim 0 as evenly as
 possible. DDP averages gradients over ranks, so with uneven splits each rank's loss is
 weighted by ``world_size * samples / global_samples`` to make DDP's average the global mean.
@@ -20,6 +25,9 @@ from zero_ray.core.optim import OptimizerFactory, SchedulerFactory
 ModelFn = Callable[[], torch.nn.Module]
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 Factories = OptimizerFactory | Sequence[OptimizerFactory]
+
+__all__ = ["DDPRun", "DDPWorker", "Factories", "LossFn", "ModelFn", "build_optimizers", "ddp_params",
+           "single_process"]
 
 
 def build_optimizers(optimizer: Factories, module: torch.nn.Module) -> list[torch.optim.Optimizer]:
@@ -82,6 +90,7 @@ class DDPWorker:
         self._seed, self._max_grad_norm = seed, max_grad_norm
 
     def setup(self) -> None:
+        """Join the gloo group and build the seeded module, wrapped in DDP, and its optimizers."""
         import ray.util.collective as col
         from torch.nn.parallel import DistributedDataParallel
 
@@ -92,6 +101,7 @@ class DDPWorker:
         self.opts = build_optimizers(self._optimizer, self.module.module)
 
     def step(self, piece: Batch, global_samples: int) -> tuple[float, float]:
+        """One optimizer step on this rank's piece; returns (loss * samples, seconds)."""
         start = time.perf_counter()
         for opt in self.opts:
             opt.zero_grad()
@@ -105,9 +115,11 @@ class DDPWorker:
         return float(loss) * n, time.perf_counter() - start
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the parameters by name (without DDP's ``module.`` prefix)."""
         return {n: p.detach().clone() for n, p in self.module.module.named_parameters()}
 
     def close(self) -> None:
+        """Leave the gloo group."""
         import ray.util.collective as col
 
         col.destroy_collective_group(self.group_name)
@@ -131,15 +143,19 @@ class DDPRun:
         ray.get([w.setup.remote() for w in self.workers], timeout=timeout_s)
 
     def step(self, batch: Batch) -> dict[str, float]:
+        """One step on the global batch split over the ranks; returns the global mean ``loss``
+        and the slowest rank's ``step_seconds``."""
         n = batch_size(batch)
         pieces = split_batch(batch, split_sizes(n, self.world_size))
         out = ray.get([w.step.remote(p, n) for w, p in zip(self.workers, pieces)], timeout=self.timeout_s)
         return {"loss": sum(o[0] for o in out) / n, "step_seconds": max(o[1] for o in out)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """Rank 0's parameters by name (every rank holds the same)."""
         return ray.get(self.workers[0].state_dict.remote(), timeout=self.timeout_s)
 
     def shutdown(self) -> None:
+        """Leave the group where it still closes, and kill the actors."""
         try:
             ray.get([w.close.remote() for w in self.workers], timeout=10)
         except Exception:  # a broken group may not close; the actors are killed anyway

@@ -24,11 +24,12 @@ from typing import Any
 import ray
 import torch
 
-from zero_ray.bench.netdev import loopback_available, read_interface
-from zero_ray.bench.results import BenchResults, RunResult, WorkloadInfo
-from zero_ray.bench.stats import summarise
-from zero_ray.bench.systems import SYSTEMS, System, SystemContext, SystemUnavailable, make_system
-from zero_ray.bench.workloads import WORKLOADS, Workload, gpt_workload, mlp_workload
+from benchmarks.harness.netdev import loopback_available, read_interface
+from benchmarks.harness.ray_env import runtime_env
+from benchmarks.harness.results import BenchResults, RunResult, WorkloadInfo
+from benchmarks.harness.stats import summarise
+from benchmarks.harness.systems import SYSTEMS, System, SystemContext, SystemUnavailable, make_system
+from benchmarks.harness.workloads import WORKLOADS, Workload, gpt_workload, mlp_workload
 from zero_ray.core.batching import Batch
 from zero_ray.core.memory import communication_elements
 from zero_ray.core.optim import AdamW
@@ -177,9 +178,11 @@ def ensure_ray(world_size: int, *, log_to_driver: bool = False) -> bool:
     there are fewer cores (the report shows the cores, so oversubscription is visible). A
     cluster is joined only when ``RAY_ADDRESS`` names one; otherwise the Ray is a new local one
     even where a ``ray start`` cluster runs on the machine (``ray.init()`` would join that, and
-    refuses ``num_cpus`` when it does).
+    refuses ``num_cpus`` when it does). A Ray this call starts or joins ships the benchmarks to
+    its workers (``ray_env``); one already connected must have been started with
+    ``ray_env.runtime_env()`` or from the repository root, for its workers to import them.
     """
-    env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
+    env = runtime_env()
     if ray.is_initialized():
         started = False
     elif os.environ.get("RAY_ADDRESS", "local") != "local":
@@ -197,7 +200,7 @@ def ensure_ray(world_size: int, *, log_to_driver: bool = False) -> bool:
 
 
 def _reference_task(workload: Workload, optimizer: AdamW, batches: list[Batch], seed: int) -> dict[str, torch.Tensor]:
-    from zero_ray.bench.baselines import single_process
+    from zero_ray.testing import single_process
 
     torch.set_num_threads(1)  # like every rank
     params, _ = single_process(workload.model_fn, workload.loss_fn, optimizer, batches, seed=seed)
@@ -206,7 +209,7 @@ def _reference_task(workload: Workload, optimizer: AdamW, batches: list[Batch], 
 
 def reference_params(workload: Workload, optimizer: AdamW, batches: list[Batch], *, seed: int,
                      timeout_s: float) -> dict[str, torch.Tensor]:
-    """The single-process parameters after all the batches (``baselines.single_process``),
+    """The single-process parameters after all the batches (``zero_ray.testing.single_process``),
     computed in a one-CPU task so the driver's thread count does not change its arithmetic."""
     task = ray.remote(num_cpus=1, max_calls=1)(_reference_task)
     return ray.get(task.remote(workload, optimizer, batches, seed), timeout=timeout_s)
