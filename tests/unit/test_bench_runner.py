@@ -110,8 +110,11 @@ def test_failure_of_an_established_system_is_failed_and_shut_down() -> None:
 
 
 def test_registry() -> None:
-    assert {"single", "ddp", "torch-zero", "fsdp2", "ds1", "ds2", "ds3", "zero0", "zero1", "zero2", "zero3"} == set(SYSTEMS)
+    variants = {f"zero{s}-{v}" for s in (1, 2, 3) for v in ("foreach", "fused", "hand")}  # the optimizer A/B
+    assert {"single", "ddp", "torch-zero", "fsdp2", "ds1", "ds2", "ds3", "zero0", "zero1", "zero2", "zero3"} | variants \
+        == set(SYSTEMS)
     assert make_system("zero2").name == "zero2" and make_system("ds3").label == "DeepSpeed ZeRO-3"
+    assert make_system("zero1-fused").label == "zero_ray stage 1 (fused AdamW)"
     with pytest.raises(ConfigError, match="unknown system 'x'"):
         make_system("x")
 
