@@ -117,7 +117,7 @@ def _bind(stage: int, module: torch.nn.Module, group: RecordingGroup, *, bucket_
           micro_batches: int | None = None) -> tuple[Shard, GradReducer]:
     """``module`` as rank 0 of 2 binds it; without ``micro_batches`` the reducer is not told
     how many micro-batches a step has and learns it from the first step."""
-    spec = EngineSpec(model_fn=lambda: module, loss_fn=mse_loss, optimizer=zr.SGD(lr=0.1), plan=stage_plan(stage),
+    spec = EngineSpec(model_fn=lambda: module, loss_fn=mse_loss, optimizers=(zr.SGD(lr=0.1),), plan=stage_plan(stage),
                       compute_dtype=torch.float32, device="cpu", seed=0, bucket_bytes=bucket_numel * 4,
                       grad_accum_steps=micro_batches or 1, max_grad_norm=None, loss_scale=LossScaleConfig())
     state = ModelState(spec, rank=0, group=group, device=torch.device("cpu"))  # type: ignore[arg-type]
