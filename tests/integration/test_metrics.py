@@ -83,8 +83,11 @@ def _scrape(url: str, run_id: str) -> Series:
 def _poll_until(url: str, run_id: str, check: Callable[[Series], None]) -> None:
     """Scrape until ``check`` passes (it asserts), or re-raise its last failure at the deadline."""
     deadline = time.monotonic() + DEADLINE_S
+    series: Series = {}
     while True:
-        series = _scrape(url, run_id)
+        # Ray 2.60 exports a gauge's value at the scrape after it is set and not again until it is
+        # set anew, so, as Prometheus's stored series do, keep what every scrape has shown.
+        series.update(_scrape(url, run_id))
         try:
             check(series)
             return

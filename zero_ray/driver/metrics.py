@@ -29,7 +29,7 @@ PREFIX = "zero_ray_"
 # The categories of trainer.memory_report() that add up to its "total": the finer ones
 # ("optimizer_master", "padding_grads", ...) are parts of these and would count bytes twice
 # in a sum over the category tag.
-MODEL_STATE_CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "padding")
+MODEL_STATE_CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "optimizer_scalars", "padding")
 
 # Step times on anything from a toy model on a laptop to a large model on a slow network.
 STEP_SECONDS_BOUNDARIES: list[float] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0]
