@@ -90,6 +90,7 @@ class PartitionOwner:
         self.step_lock = threading.Lock()  # held by a step; recovery waits for it
         self.completed_steps = 0  # driver steps this owner has finished (where an attaching driver resumes)
         self._aborted = -1  # the newest generation an abort was asked for
+        self._forming: threading.Event | None = None  # set to abort the group formation in progress
         self.faults = FaultPlan.parse(options.fault)
         self.last_contact = time.monotonic()  # of a driver: any control call, a heartbeat served
         torch.set_num_threads(max(1, options.threads))
@@ -116,8 +117,16 @@ class PartitionOwner:
         if not self._device_ready:  # before any group: NCCL forms on the current device
             setup_device(device=self._spec.device, backend=o.backend, rank=self.rank)
             self._device_ready = True
-        self._group = form_group(backend=o.backend, group_name=self._group_name(), rank=self.rank,
-                                 world_size=self.world_size, timeout_s=o.collective_timeout_s)
+        # An abort of this generation (another thread: a peer was lost before it arrived) ends
+        # the formation at once instead of leaving this rank stuck in it until the timeout.
+        forming = self._forming = threading.Event()
+        if self._aborted >= self.generation:  # an abort raced in before the event existed
+            forming.set()
+        try:
+            self._group = form_group(backend=o.backend, group_name=self._group_name(), rank=self.rank,
+                                     world_size=self.world_size, timeout_s=o.collective_timeout_s, abort=forming)
+        finally:
+            self._forming = None
         return self._group
 
     def fault(self, point: str) -> None:
@@ -169,6 +178,11 @@ class PartitionOwner:
         from a gRPC thread); remember an abort of a generation not yet reached, so that it is
         never joined. Returns whether a step was in flight."""
         self._aborted = max(self._aborted, generation)
+        forming = self._forming
+        if forming is not None and generation >= self.generation:
+            log.warning("rank %d aborting the formation of generation %d: %s", self.rank, self.generation, reason)
+            forming.set()
+            return True
         if generation != self.generation or self._group is None:
             return False
         log.warning("rank %d aborting generation %d: %s", self.rank, generation, reason)
