@@ -57,7 +57,6 @@ from zero_ray.errors import (
     ResourceError,
     ZeroRayError,
 )
-from zero_ray.owner.faults import ENV as FAULT_ENV
 from zero_ray.owner.spec import EngineSpec, LossFn, ModelFn
 
 log = logging.getLogger(__name__)
@@ -131,7 +130,6 @@ class ZeroTrainer:
                         health_timeout_s=cfg.health_timeout_s, tls=cfg.control_tls,
                         snapshot_every=elastic.snapshot_every if elastic.redundancy == "peer" else 0,
                         detached=elastic.detached, orphan_timeout_s=elastic.orphan_timeout_s,
-                        fault=os.environ.get(FAULT_ENV),
                         run={"detached": elastic.detached, "config": cfg, "optimizer": self.optimizer,
                              "lr_scheduler": self.lr_scheduler})
         self._run_metrics = RunMetrics(run_id=self._credentials.job_id)

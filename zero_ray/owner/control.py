@@ -45,8 +45,6 @@ class OwnerHost(Protocol):
 
     def touch(self) -> None: ...
 
-    def fault(self, point: str) -> None: ...
-
 
 def _with_traceback(err: Exception, rank: int) -> Exception:
     """The same domain error (or an OwnerError) with the remote traceback appended, since only
@@ -114,7 +112,6 @@ class OwnerControl:
             if phase is not h.SavePhase.AWAIT:
                 with self._lock:  # a consistent snapshot: never in the middle of a step
                     written = owner.saver.start(owner.engine, path)
-                owner.fault("checkpoint_save")  # while the file is being written
             if phase is h.SavePhase.SNAPSHOT:
                 return h.SaveResult(path=path, step=step, bytes_written=written)
             record, model = owner.saver.wait(path, timeout_s=self._save_timeout_s)

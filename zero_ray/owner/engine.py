@@ -122,7 +122,6 @@ class OwnerEngine:
         self.steps_done = 0
         self.last_bytes: dict[str, int] = {}
         self.phase = StepPhase.IDLE
-        self.on_backward: Callable[[], None] | None = None  # called as each backward begins (fault injection)
 
     # -- the step -------------------------------------------------------------------------------
     def _micro_batches(self, piece: Batch) -> tuple[int, list[int]]:
@@ -157,9 +156,6 @@ class OwnerEngine:
                 loss, count = loss_terms(spec.loss_fn(self.module, to_device(micro, self.device, spec.compute_dtype)))
                 weight = (sizes[i] if count is None else 1.0) / global_samples
                 scaled = loss.float() * (weight * scale)
-                if self.on_backward is not None:
-                    hook = self.on_backward
-                    scaled.register_hook(lambda grad: hook())
                 scaled.backward()
                 compute += time.perf_counter() - t0
                 self.state.end_micro_batch(last=i == len(sizes) - 1)
