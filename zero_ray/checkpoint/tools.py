@@ -67,7 +67,7 @@ def inspect_checkpoint(path: str, *, verify: bool = False, storage: Storage | No
         "format_version": m.format_version,
         "step": m.step,
         "samples_seen": m.samples_seen,
-        "optimizer_steps": m.optimizer_steps,
+        "training": dict(m.training),
         "stage": m.stage,
         "world_size": m.world_size,
         "compute_dtype": m.compute_dtype,

@@ -297,7 +297,8 @@ class OwnerClient(_Client):
     def step(self, args: StepArgs, *, timeout_s: float | None = None) -> StepResult:
         """Run one step on the owner; ``timeout_s`` should cover the step's compute."""
         request = owner_pb2.StepRequest(header=self._header(), step=args.step, piece=_piece(args.piece),
-                                        global_samples=args.global_samples, generation=args.generation)
+                                        global_samples=args.global_samples, generation=args.generation,
+                                        samples_seen=args.samples_seen)
         reply = self._unary("Step", self._stub.Step, request, timeout_s)
         return StepResult(totals=_totals(reply.totals), grad_norm=reply.grad_norm,
                           skipped=reply.skipped, loss_scale=reply.loss_scale, compute_seconds=reply.compute_seconds,

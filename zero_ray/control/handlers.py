@@ -102,9 +102,13 @@ class StepArgs:
     global_samples: int
     # The driver's restart/resize generation; ``abort`` names the one it cancels.
     generation: int
+    # Samples the run had seen before this step (with ``step``, the driver's position, which the
+    # owner holds once the step completes: what an attaching driver reads back).
+    samples_seen: int = 0
 
     def __post_init__(self) -> None:
-        _non_negative(step=self.step, global_samples=self.global_samples, generation=self.generation)
+        _non_negative(step=self.step, global_samples=self.global_samples, generation=self.generation,
+                      samples_seen=self.samples_seen)
 
 
 @dataclass(frozen=True, kw_only=True)

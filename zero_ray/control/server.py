@@ -291,7 +291,7 @@ class _OwnerServicer(owner_pb2_grpc.PartitionOwnerServicer):
         method = "PartitionOwner.Step"
         args = _serve(context, method, lambda: StepArgs(
             step=request.step, piece=_piece(request.piece), global_samples=request.global_samples,
-            generation=request.generation), lambda a: a)
+            generation=request.generation, samples_seen=request.samples_seen), lambda a: a)
         return _serve(context, method, lambda: self._handler.step(args), _step_reply)
 
     def Evaluate(self, request: owner_pb2.EvaluateRequest,

@@ -37,6 +37,7 @@ from zero_ray.checkpoint.shardfile import Item, write_shard
 from zero_ray.checkpoint.location import open_location
 from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.core.optim_state import table_by_name, table_from_names
+from zero_ray.core.position import Position
 from zero_ray.errors import CheckpointError
 from zero_ray.owner.engine import OwnerEngine
 from zero_ray.owner.host_copy import host_copies
@@ -109,7 +110,7 @@ def describe_model(engine: OwnerEngine) -> dict[str, Any]:
                 "shard_numel": b.shard_numel} for b in layout.buckets]
     return {"params": params, "buckets": buckets, "optimizers": state.optim_plan.records(names),
             "hyper": state.optimizer.hyper_state(), "param_state": table_by_name(state.optimizer.table(), names),
-            "optimizer_steps": engine.steps_done,
+            "position": engine.position.to_data(),
             "loss_scaler": {"scale": engine.scaler.scale, "growth_tracker": engine.scaler.growth_tracker}}
 
 
@@ -234,7 +235,7 @@ def restore(engine: OwnerEngine, path: str) -> int:
             groups[group].moment(key)[lo:hi].copy_(value)
     optimizer.load(table, whole)
     optimizer.load_hyper_state(m.hyper)
-    engine.steps_done = m.optimizer_steps
+    engine.position = Position(step=m.step, samples_seen=m.samples_seen)
     engine.scaler.scale = float(m.loss_scaler.get("scale", engine.scaler.scale))
     engine.scaler.growth_tracker = int(m.loss_scaler.get("growth_tracker", 0))
     if rng_state is not None:

@@ -26,6 +26,7 @@ from zero_ray.collective.group import Collective
 from zero_ray.control.handlers import LossTotals, StepResult
 from zero_ray.core.devices import allocator_figures
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes, to_device
+from zero_ray.core.position import Position
 from zero_ray.core.precision import LossScaler
 from zero_ray.core.usage import pack_marks, unpack_marks
 from zero_ray.errors import ConfigError, ModelError
@@ -119,7 +120,9 @@ class OwnerEngine:
         self.layout = self.state.layout
         self.module = self.state.module
         self.scaler = LossScaler(config=spec.loss_scale, enabled=spec.compute_dtype == torch.float16)
-        self.steps_done = 0
+        # The run's position as the driver counts it (core/position.py): set from each completed
+        # step's arguments, a loaded checkpoint or moved counters; the engine counts nothing itself.
+        self.position = Position()
         self.last_bytes: dict[str, int] = {}
         self.phase = StepPhase.IDLE
         self.on_backward: Callable[[], None] | None = None  # called as each backward begins (fault injection)
@@ -133,8 +136,10 @@ class OwnerEngine:
                               "micro-batches; use a global batch of at least world_size * grad_accum_steps")
         return samples, sizes
 
-    def step(self, piece: Batch, *, global_samples: int) -> StepResult:
+    def step(self, piece: Batch, *, global_samples: int, position: Position | None = None) -> StepResult:
         """Forward and backward over this rank's piece of the global batch, then the update.
+        ``position``: the driver's position before this step (default: this engine's); once the
+        step completes the engine is at ``position.after(global_samples)``.
 
         ``loss_fn`` returns the mean loss over its batch, or the pair ``(loss_sum, count)``: the
         sum of per-item losses and the number of items. A mean is weighted by ``samples /
@@ -144,6 +149,7 @@ class OwnerEngine:
         all items, uneven splits and accumulation included."""
         self.group.counters.reset()
         spec = self.spec
+        at = self.position if position is None else position
         samples, sizes = self._micro_batches(piece)
         scale = self.scaler.scale
         self.phase = StepPhase.COMPUTING
@@ -170,6 +176,7 @@ class OwnerEngine:
             self.state.end_step()
         self.phase = StepPhase.IDLE
         self.last_bytes = self.group.counters.snapshot()
+        self.position = at.after(global_samples)
         return StepResult(rank=self.rank, totals=tally.totals(samples, piece), grad_norm=norm, skipped=skipped, lr=lr,
                           loss_scale=scale, compute_seconds=compute, bytes_sent=self.last_bytes)
 
@@ -228,7 +235,6 @@ class OwnerEngine:
             for g in grads:
                 g.mul_(coef)
         self.phase = StepPhase.UPDATING
-        self.steps_done += 1
         self.state.apply_update(grads, used=used)
         return norm, False
 
@@ -247,12 +253,13 @@ class OwnerEngine:
         self.state.rebind(group)
 
     def counters(self) -> dict[str, Any]:
-        """The step counters a moved or restored model state continues from (equal on every rank)."""
-        return {"steps_done": self.steps_done, "scale": self.scaler.scale,
+        """What a moved or restored model state continues from besides its tensors (equal on
+        every rank): the run's position, the loss scaler, hyperparameters and schedulers."""
+        return {"position": self.position.to_data(), "scale": self.scaler.scale,
                 "growth_tracker": self.scaler.growth_tracker, "hyper": self.state.optimizer.hyper_state()}
 
     def set_counters(self, values: Mapping[str, Any]) -> None:
-        self.steps_done = int(values["steps_done"])
+        self.position = Position.from_data(values["position"])
         self.state.optimizer.load_hyper_state(values["hyper"])
         self.scaler.scale, self.scaler.growth_tracker = float(values["scale"]), int(values["growth_tracker"])
 
