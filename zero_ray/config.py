@@ -20,6 +20,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 INIT_MODES = ("full", "low_memory")
+ON_NONFINITE = ("raise", "skip")
 
 
 def _wrap_policy(value: object) -> WrapPolicy:
@@ -263,6 +264,12 @@ class ZeroConfig:
         STRICT_SPREAD each on a node of its own. Each owner asks Ray for its own slot, so a lost
         or removed owner's slot goes back to the cluster at once (core/placement.py).
     loss_scale: dynamic loss scaling settings (float16 only).
+    on_nonfinite: what a step whose loss or reduced gradient is non-finite (NaN or inf) does:
+        "raise" (default) takes no step on any rank (the model, optimizer, scheduler and RNG
+        are as before it, the position does not advance) and raises ``NonFiniteError`` naming
+        the step and the ranks; "skip" skips the update as fp16 overflow does and counts the
+        step. With float16, non-finite gradients from a finite loss are overflow: the loss
+        scaler backs off and skips whatever this says (docs/numerics.md).
     health_interval_s / health_timeout_s: owners send heartbeats every interval over gRPC; one
         silent for the timeout (a frozen process) or whose stream breaks (a dead one) is lost.
     max_failures: failures survived per run (re-form the group, or restore lost partitions and
@@ -297,6 +304,7 @@ class ZeroConfig:
     num_cpus_per_owner: float = 1.0
     placement_strategy: str = "PACK"
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    on_nonfinite: str = "raise"
     health_interval_s: float = 1.0
     health_timeout_s: float = 10.0
     max_failures: int = 3
@@ -333,6 +341,8 @@ class ZeroConfig:
             raise ConfigError(f"max_grad_norm={self.max_grad_norm!r} must be a positive number or None")
         if not isinstance(self.loss_scale, LossScaleConfig):
             raise ConfigError(f"loss_scale={self.loss_scale!r} must be a zr.LossScaleConfig")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r} is not one of {ON_NONFINITE}")
         if self.bucket_bytes < 1024:
             raise ConfigError(f"bucket_bytes={self.bucket_bytes} is too small; use at least 1024 (default 25 MiB)")
         if self.max_failures < 0:
@@ -370,7 +380,7 @@ class ZeroConfig:
 # here and why every other field is not): recorded in every checkpoint, restored by a resume
 # without a config, and compared field by field with a config that is passed.
 TRAINING_FIELDS = ("dtype", "reduce_dtype", "grad_accum_steps", "max_grad_norm", "seed", "loss_scale",
-                   "optimizer_kinds")
+                   "optimizer_kinds", "on_nonfinite")
 
 
 def training_record(config: ZeroConfig) -> dict[str, Any]:
@@ -381,7 +391,8 @@ def training_record(config: ZeroConfig) -> dict[str, Any]:
               "reduce_dtype": dtype_name(parse_dtype(config.reduce_dtype)) if config.reduce_dtype else dtype,
               "grad_accum_steps": config.grad_accum_steps, "max_grad_norm": config.max_grad_norm,
               "seed": config.seed, "loss_scale": asdict(config.loss_scale),
-              "optimizer_kinds": [list(pair) for pair in declared_kinds(config.optimizer_kinds)]}
+              "optimizer_kinds": [list(pair) for pair in declared_kinds(config.optimizer_kinds)],
+              "on_nonfinite": config.on_nonfinite}
     return json.loads(json.dumps(record))  # exactly what a manifest reads back
 
 

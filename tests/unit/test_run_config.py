@@ -1,5 +1,6 @@
 """The run's position and training configuration without Ray: what a checkpoint records, what
-a resume restores and refuses, format-2 manifests."""
+a resume restores and refuses, format-2 manifests, the RNG states a checkpoint and a refused
+step put back (CUDA through a fake), and the non-finite error's words."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from zero_ray.core.position import Position
 from zero_ray.driver.resume import recorded_training, resume_config
 from zero_ray.errors import ConfigError
 from zero_ray.models import mlp
+from zero_ray.owner.rollback import StepGuard, rng_states, set_rng_states
 
-RUN = zr.ZeroConfig(stage=2, world_size=2, dtype="bf16", grad_accum_steps=4, max_grad_norm=1.0, seed=7)
+RUN = zr.ZeroConfig(stage=2, world_size=2, dtype="bf16", grad_accum_steps=4, max_grad_norm=1.0, seed=7,
+                    on_nonfinite="skip")
 
 
 def test_the_record_is_json_and_normalised() -> None:
@@ -69,6 +72,12 @@ def test_loss_scaling_matters_only_in_float16() -> None:
         ["loss_scale"]
 
 
+def test_on_nonfinite_is_checked() -> None:
+    assert zr.ZeroConfig().on_nonfinite == "raise"
+    with pytest.raises(ConfigError, match="on_nonfinite='ignore' is not one of \\('raise', 'skip'\\)"):
+        zr.ZeroConfig(on_nonfinite="ignore")
+
+
 def test_format_2_manifests_still_load_and_restore_what_they_kept(tmp_path: Path) -> None:
     torch.manual_seed(0)
     saved = save(mlp(8, 2), tmp_path / "root", world_size=2)
@@ -103,3 +112,57 @@ def test_a_position_only_moves_forward_by_a_step() -> None:
     assert Position.from_data(at.to_data()) == at
     with pytest.raises(ConfigError, match="samples_seen=-1"):
         Position(step=0, samples_seen=-1)
+
+
+class FakeCuda:
+    """torch.cuda's RNG functions, recorded: the CUDA path without a GPU."""
+
+    def __init__(self) -> None:
+        self.state = torch.arange(16, dtype=torch.uint8)
+        self.set_calls: list[tuple[torch.Tensor, torch.device]] = []
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_rng_state(self, device: object = "cuda") -> torch.Tensor:
+        return self.state.clone()
+
+    def set_rng_state(self, new_state: torch.Tensor, device: object = "cuda") -> None:
+        self.set_calls.append((new_state, device))
+
+
+def test_cuda_rng_states_are_saved_and_restored_per_device() -> None:
+    cuda, gpu = FakeCuda(), torch.device("cuda", 1)
+    states = rng_states(gpu, cuda=cuda)
+    assert set(states) == {"torch", "cuda"} and torch.equal(states["cuda"], cuda.state)
+    assert set(rng_states(torch.device("cpu"), cuda=cuda)) == {"torch"}  # a CPU owner has no CUDA generator
+    expected = torch.rand(3)
+    assert set_rng_states(states, gpu, cuda=cuda) == []
+    assert torch.equal(torch.rand(3), expected)  # the CPU generator is back where it was
+    assert len(cuda.set_calls) == 1 and cuda.set_calls[0][1] == gpu and torch.equal(cuda.set_calls[0][0], cuda.state)
+    # A run saved on GPUs resumed on CPUs: the CUDA state has no generator there and is ignored.
+    assert set_rng_states(states, torch.device("cpu"), cuda=cuda) == ["cuda"] and len(cuda.set_calls) == 1
+
+
+def test_a_step_guard_puts_back_the_buffers_and_the_rng() -> None:
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
+    module.train()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    guard = StepGuard(module, torch.device("cpu"))
+    kept = guard.keep()
+    first = module(torch.full((3, 4), float("nan")))  # poisons the running statistics, draws dropout masks
+    assert torch.isnan(module[1].running_mean).all()
+    guard.restore(kept)
+    after = module.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)  # parameters untouched, buffers put back
+    again = module(torch.full((3, 4), float("nan")))
+    assert torch.equal(torch.isnan(first), torch.isnan(again))  # nan where dropout kept; the same mask drawn
+
+
+def test_the_non_finite_error_names_the_step_and_the_ranks() -> None:
+    err = zr.NonFiniteError.refused(5, [1], [0, 1])
+    assert isinstance(err, zr.ZeroRayError) and (err.step, err.loss_ranks, err.grad_ranks) == (5, (1,), (0, 1))
+    text = str(err)
+    assert text.startswith("step 5: non-finite values in the loss on rank 1 and the reduced gradient in the slices "
+                           "of ranks 0, 1. The step was not taken")
+    assert "step_count stays at 4" in text and 'on_nonfinite="skip"' in text

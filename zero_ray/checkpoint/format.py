@@ -10,8 +10,8 @@ A checkpoint is a directory::
 Each rank file holds 1-D fp32 tensors, one per (kind, parameter fragment): ``master`` weights and
 each element-wise optimizer state (``state.exp_avg``, ...) over elements ``[start, end)`` of the
 flattened parameter; the whole-tensor optimizer state of the parameters it updated whole
-(``whole.momentum_buffer``, ...: all of it, flattened); ``rng/torch`` (the rank's RNG state)
-and, on rank 0, ``buffer`` tensors. Because
+(``whole.momentum_buffer``, ...: all of it, flattened); ``rng/torch`` and, on a GPU,
+``rng/cuda`` (the rank's RNG states) and, on rank 0, ``buffer`` tensors. Because
 entries are addressed by parameter name and element range, not by the saving run's buckets, any
 layout (stage, world size, bucket size) reads exactly the ranges it needs: that is resharding.
 
@@ -44,6 +44,7 @@ DEFAULT_CHUNK_BYTES = 4 * 2**20
 MASTER = "master"
 BUFFER = "buffer"
 RNG = "rng"
+RNG_GENERATORS = ("torch", "cuda")  # rng/<generator>/<rank>: the CPU generator, a GPU owner's device generator
 STATE_PREFIX = "state."  # element-wise optimizer state, by element range like the master
 WHOLE_PREFIX = "whole."  # whole-tensor optimizer state, whole
 

@@ -302,7 +302,9 @@ class OwnerClient(_Client):
         reply = self._unary("Step", self._stub.Step, request, timeout_s)
         return StepResult(totals=_totals(reply.totals), grad_norm=reply.grad_norm,
                           skipped=reply.skipped, loss_scale=reply.loss_scale, compute_seconds=reply.compute_seconds,
-                          rank=reply.rank, bytes_sent=dict(reply.bytes_sent), lr=reply.lr)
+                          rank=reply.rank, bytes_sent=dict(reply.bytes_sent), lr=reply.lr,
+                          nonfinite_loss_ranks=tuple(reply.nonfinite_loss_ranks),
+                          nonfinite_grad_ranks=tuple(reply.nonfinite_grad_ranks), refused=reply.refused)
 
     def evaluate(self, args: EvaluateArgs, *, timeout_s: float | None = None) -> EvaluateResult:
         """The owner's loss on its piece, forward only."""

@@ -123,6 +123,12 @@ class StepResult:
     rank: int
     bytes_sent: Mapping[str, int] = field(default_factory=dict)
     lr: float = 0.0  # what the step used: the first optimizer's first param group
+    # A step not applied because its loss or gradient was non-finite (ZeroConfig.on_nonfinite):
+    # the ranks whose own loss was, and those whose slice of the reduced gradient was (the same
+    # on every rank); empty otherwise (an fp16 overflow is ``skipped`` alone).
+    nonfinite_loss_ranks: tuple[int, ...] = ()
+    nonfinite_grad_ranks: tuple[int, ...] = ()
+    refused: bool = False  # on_nonfinite="raise": not a completed step; the driver raises
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,6 +51,7 @@ from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport
 from zero_ray.driver.resume import ResumeAPI
 from zero_ray.errors import (
     ConfigError,
+    NonFiniteError,
     ResizeInterrupted,
     ResourceError,
     ZeroRayError,
@@ -116,7 +117,8 @@ class ZeroTrainer(ResumeAPI):
                                   init_state_dict=cfg.init_state_dict,
                                   activation_checkpointing=cfg.activation_checkpointing,
                                   lr_scheduler=self.lr_scheduler, optimizer_kinds=cfg.optimizer_kinds,
-                                  reduce_dtype=parse_dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None)
+                                  reduce_dtype=parse_dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None,
+                                  on_nonfinite=cfg.on_nonfinite)
         if _found is not None:
             self._credentials = ray.get(_found.actors[0].credentials.remote(), timeout=cfg.init_timeout_s)
         else:
@@ -237,9 +239,11 @@ class ZeroTrainer(ResumeAPI):
 
         Returns metrics: ``loss`` (mean over the global batch before the update: over items when
         ``loss_fn`` returns ``(loss_sum, count)``, else over samples), ``grad_norm`` (before
-        clipping), ``lr``, ``skipped`` (fp16 overflow), ``loss_scale``, ``samples``, ``items``
-        (the count, or tokens of an integer batch, or samples) and ``items_per_second``,
-        ``step_seconds``.
+        clipping), ``lr``, ``skipped`` (fp16 overflow, or a non-finite step under
+        ``on_nonfinite="skip"``, which adds ``nonfinite_loss_ranks`` and ``nonfinite_grad_ranks``),
+        ``loss_scale``, ``samples``, ``items`` (the count, or tokens of an integer batch, or
+        samples) and ``items_per_second``, ``step_seconds``. Under ``on_nonfinite="raise"`` a
+        non-finite step raises ``NonFiniteError`` having changed nothing: ``step()`` again.
         """
         with self._step_mutex:
             return self._step(StagedBatch(batch))
@@ -260,6 +264,8 @@ class ZeroTrainer(ResumeAPI):
                 self._catch_up(index)
                 results = self._execute(work)
                 break
+            except NonFiniteError:  # refused by every owner, nothing changed: not a failure to recover
+                raise
             except ZeroRayError as err:
                 if not self._recover(err, failed_step=self.step_count, replay_until=index + 1, started=start):
                     self._raise_if_failed(err)
@@ -286,6 +292,12 @@ class ZeroTrainer(ResumeAPI):
         }
         if "count" in totals:
             metrics["count"] = totals["count"]
+        if results[0].nonfinite_loss_ranks or results[0].nonfinite_grad_ranks:  # on_nonfinite="skip"
+            metrics["nonfinite_loss_ranks"] = list(results[0].nonfinite_loss_ranks)
+            metrics["nonfinite_grad_ranks"] = list(results[0].nonfinite_grad_ranks)
+            self.events.append(NonFiniteError.describe(self.step_count, results[0].nonfinite_loss_ranks,
+                                                       results[0].nonfinite_grad_ranks) + "; skipped")
+            log.warning(self.events[-1])
         self.last_metrics = metrics
         self._run_metrics.record_step(metrics, results)
         self._coordinator.publish(MetricsEvent(step=self.step_count, loss=metrics["loss"], step_seconds=seconds,
@@ -310,6 +322,9 @@ class ZeroTrainer(ResumeAPI):
         with self._life.during(TrainerState.STEPPING):
             results = self._pool.step(args, timeout_s=self.config.step_timeout_s)
         del held  # the owners are done with the staged pieces: the object store frees them
+        if results[0].refused:  # on_nonfinite="raise": every owner refused it alike
+            raise NonFiniteError.refused(self.step_count + 1, results[0].nonfinite_loss_ranks,
+                                         results[0].nonfinite_grad_ranks)
         self.step_count += 1
         self.samples_seen += n
         return results

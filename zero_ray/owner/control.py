@@ -84,7 +84,8 @@ class OwnerControl:
                 piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s)
                 result = owner.engine.step(piece, global_samples=args.global_samples,
                                            position=Position(step=args.step, samples_seen=args.samples_seen))
-                owner.after_step(args.step)
+                if not result.refused:  # a refused step changed nothing: no snapshot is due
+                    owner.after_step(args.step)
             except Exception as err:
                 raise _with_traceback(err, owner.rank) from err
         return result
