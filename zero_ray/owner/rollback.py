@@ -61,25 +61,33 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 @dataclass(frozen=True)
 class _Kept:
     rng: dict[str, torch.Tensor]
-    buffers: list[tuple[torch.Tensor, torch.Tensor]]  # (live buffer, copy)
+    buffers: list[torch.Tensor]  # per group of buffers of one dtype and device, their values end to end
 
 
 class StepGuard:
     """Keeps the RNG states and the persistent buffers at the start of a step."""
 
     def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
-        self._module = module
         self._device = device
+        # Found once (walking state_dict() every step costs milliseconds on a deep model): a
+        # forward updates buffers in place (BatchNorm does); one that assigns a new tensor to a
+        # buffer attribute is not put back. Aliased buffers once; meta ones hold no values.
+        unique = {id(b): b for b in persistent_buffers(module).values() if b.device.type != "meta"}
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for b in unique.values():
+            groups.setdefault((b.dtype, b.device), []).append(b)
+        self._groups = list(groups.values())
 
     def keep(self) -> _Kept:
-        # Looked up each step: a module may have replaced a buffer since the last one.
-        # Aliased buffers once; a meta buffer (not materialised here) holds no values.
-        live = {id(b): b for b in persistent_buffers(self._module).values() if b.device.type != "meta"}
+        # One copy per group, every step (a model with many BatchNorm layers has hundreds of small
+        # buffers); putting them back happens only for a step not taken.
         with torch.no_grad():
-            return _Kept(rng=rng_states(self._device), buffers=[(b, b.detach().clone()) for b in live.values()])
+            copies = [torch.cat([b.detach().reshape(-1) for b in group]) for group in self._groups]
+        return _Kept(rng=rng_states(self._device), buffers=copies)
 
     def restore(self, kept: _Kept) -> None:
         with torch.no_grad():
-            for buf, copy in kept.buffers:
-                buf.copy_(copy)
+            for group, flat in zip(self._groups, kept.buffers):
+                for buf, value in zip(group, flat.split([b.numel() for b in group])):
+                    buf.copy_(value.view_as(buf))
         set_rng_states(kept.rng, self._device)
