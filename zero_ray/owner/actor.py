@@ -86,7 +86,6 @@ class PartitionOwner:
         self.data = PieceSource()
         self.backup = self.ward = rank  # peers for snapshots, set by the driver
         self.step_lock = threading.Lock()  # held by a step; recovery waits for it
-        self.completed_steps = 0  # driver steps this owner has finished (where an attaching driver resumes)
         self._aborted = -1  # the newest generation an abort was asked for
         self._forming: threading.Event | None = None  # set to abort the group formation in progress
         self.last_contact = time.monotonic()  # of a driver: any control call, a heartbeat served
@@ -328,11 +327,13 @@ class PartitionOwner:
         return self._options.credentials
 
     def status(self) -> dict[str, Any]:
-        """Where this owner stands, for ``ZeroTrainer.attach`` and ``zero-ray status``."""
+        """Where this owner stands, for ``ZeroTrainer.attach`` and ``zero-ray status``: ``step``
+        and ``samples_seen`` are the run's position as the driver last set it here (steps
+        completed and their samples), ``run`` the run's config and factories."""
         engine = self._engine
+        position = engine.position.to_data() if engine else {"step": 0, "samples_seen": 0}
         return {**self.node(), "world_size": self.world_size, "generation": self.generation,
-                "completed_steps": self.completed_steps, "phase": engine.phase.value if engine else "starting",
-                "steps_done": engine.steps_done if engine else 0, "run": self._options.run,
+                **position, "phase": engine.phase.value if engine else "starting", "run": self._options.run,
                 "busy": self.step_lock.locked(),
                 "numel": engine.layout.numel if engine else 0,
                 "shapes": {p.name: list(p.shape) for p in engine.layout.params} if engine else {},
