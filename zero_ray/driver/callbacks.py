@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zero_ray.driver.lifecycle import RunState
+from zero_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -75,3 +76,18 @@ class Callbacks:
     def on_event(self, text: str) -> None:
         log.info(text)
         self._each("on_event", text)
+
+
+def check_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
+    """``ZeroTrainer(callbacks=...)`` as a list, or a ConfigError naming what is not a Callback."""
+    if isinstance(callbacks, Callback):
+        callbacks = [callbacks]
+    try:
+        given = list(callbacks)
+    except TypeError as err:
+        raise ConfigError(f"callbacks={callbacks!r} must be a list of zr.Callback instances") from err
+    for cb in given:
+        if not isinstance(cb, Callback):
+            raise ConfigError(f"callbacks: {cb!r} is not a zr.Callback; subclass zr.Callback and override "
+                              "on_step / on_state / on_checkpoint / on_event")
+    return given

@@ -53,9 +53,11 @@ class CheckpointAPI:
         if shipped is not None:
             self._pool.use_filesystem(*shipped)
 
-    def save(self, storage: Storage, root: str, record: RunRecord, *, remember: bool = True) -> str:
-        """Snapshot every owner now, commit under ``root`` in the background; the directory."""
-        return self.saves.save(storage, root, record, remember=remember)
+    def save(self, storage: Storage, root: str, record: RunRecord, *, remember: bool = True,
+             on_commit: Callable[[str], None] | None = None) -> str:
+        """Snapshot every owner now, commit under ``root`` in the background; the directory.
+        ``on_commit(directory)`` runs on the commit thread once the checkpoint is committed."""
+        return self.saves.save(storage, root, record, remember=remember, on_commit=on_commit)
 
     def wait(self, timeout_s: float | None = None, *, raise_error: bool = True) -> str | None:
         return self.saves.wait(timeout_s=timeout_s, raise_error=raise_error)

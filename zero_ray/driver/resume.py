@@ -117,7 +117,7 @@ class ResumeAPI:
     def from_checkpoint(cls, path: str | os.PathLike[str], model_fn: ModelFn, loss_fn: LossFn, *,
                         optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
                         lr_scheduler: SchedulerFactory | None = None, config: ZeroConfig | None = None,
-                        override: Sequence[str] = (), filesystem: Any = None) -> Self:
+                        override: Sequence[str] = (), filesystem: Any = None, callbacks: Sequence[Any] = ()) -> Self:
         """Resume from a checkpoint (a checkpoint directory, or a root whose ``latest`` is used;
         a path, a URL, or a path in ``filesystem``) at any stage and world size: each owner reads
         only the ranges its new partition needs (ranged GETs on an object store).
@@ -139,7 +139,8 @@ class ResumeAPI:
         reader.check_files()
         config = resume_config(m, config, override=override, source=f"checkpoint {reader.path}")
         opt = optimizer if optimizer is not None else list(recorded_factories(m.optimizers))
-        trainer = cls(model_fn, loss_fn, optimizer=opt, lr_scheduler=lr_scheduler, config=config)  # type: ignore[call-arg]
+        trainer = cls(model_fn, loss_fn, optimizer=opt, lr_scheduler=lr_scheduler, config=config,  # type: ignore[call-arg]
+                      callbacks=callbacks)
         try:
             trainer.load_checkpoint(reader.path, override=override, filesystem=filesystem)
         except BaseException:
@@ -181,7 +182,8 @@ class ResumeAPI:
     @classmethod
     def attach(cls, run_id: str, model_fn: ModelFn, loss_fn: LossFn, *,
                optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
-               lr_scheduler: SchedulerFactory | None = None, timeout_s: float = 60.0) -> Self:
+               lr_scheduler: SchedulerFactory | None = None, timeout_s: float = 60.0,
+               callbacks: Sequence[Any] = ()) -> Self:
         """Continue a detached run (``ElasticConfig(detached=True)``) whose driver is gone, from
         its owners' memory (no storage is read): from a new driver process, such as a
         resubmitted Ray job. ``model_fn`` must build the same model (checked against the owners'
@@ -198,7 +200,7 @@ class ResumeAPI:
         config: ZeroConfig = run["config"]
         return cls(model_fn, loss_fn, optimizer=optimizer if optimizer is not None else run["optimizer"],  # type: ignore[call-arg]
                    lr_scheduler=lr_scheduler if lr_scheduler is not None else run.get("lr_scheduler"),
-                   config=config, _found=found)
+                   config=config, callbacks=callbacks, _found=found)
 
     def _take_over(self, found: FoundRun) -> None:
         """Settle an adopted pool at the owners' position: nothing to do if every owner is idle
@@ -207,10 +209,10 @@ class ResumeAPI:
         self.step_count = self._submitted = at.step
         self.samples_seen = at.samples_seen
         if found.settled:
-            self.events.append(f"attached to run {found.run_id} at step {at.step} ({self.world_size} owners)")
+            self._callbacks.on_event(f"attached to run {found.run_id} at step {at.step} ({self.world_size} owners)")
             return
         err = CollectiveError(f"the previous driver left run {found.run_id} in the middle of step {at.step + 1}")
         if not self._recover(err, failed_step=at.step, replay_until=at.step, started=time.perf_counter()):
             self._raise_if_failed(err)
-        self.events.append(f"attached to run {found.run_id} at step {self.step_count} ({self.world_size} owners)")
+        self._callbacks.on_event(f"attached to run {found.run_id} at step {self.step_count} ({self.world_size} owners)")
 

@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -40,6 +40,7 @@ from zero_ray.core.policy import FailurePolicy, ScalingPolicy
 from zero_ray.core.precision import parse_dtype
 from zero_ray.core.stages import stage_plan
 from zero_ray.driver.attach import FoundRun, check_layout
+from zero_ray.driver.callbacks import Callback, Callbacks, EventLog, check_callbacks
 from zero_ray.driver.checkpoints import CheckpointAPI
 from zero_ray.driver.coordinator import Coordinator
 from zero_ray.driver.data import GlobalBatch, StagedBatch
@@ -91,12 +92,15 @@ class ZeroTrainer(ResumeAPI):
     lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, applied to
         each optimizer and stepped once per optimizer step; or None.
     config: a ``zr.ZeroConfig``.
+    callbacks: ``zr.Callback`` instances told of every state change (with its cause), completed
+        step, committed checkpoint and event (resize, recovery, attach), as Ray Train's
+        callbacks are. One that raises is logged; the run goes on.
     """
 
     def __init__(self, model_fn: ModelFn, loss_fn: LossFn, *,
                  optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
                  lr_scheduler: SchedulerFactory | None = None, config: ZeroConfig | None = None,
-                 _found: FoundRun | None = None) -> None:
+                 callbacks: Sequence[Callback] = (), _found: FoundRun | None = None) -> None:
         if not callable(model_fn):
             raise ConfigError(f"model_fn={model_fn!r} must be a zero-argument callable returning a torch.nn.Module")
         if not callable(loss_fn):
@@ -107,6 +111,7 @@ class ZeroTrainer(ResumeAPI):
         self.optimizer = optimizer if optimizer is not None else AdamW()
         factories = check_optimizer_factories(self.optimizer)
         self.lr_scheduler = check_scheduler_factory(lr_scheduler)
+        observers = check_callbacks(callbacks)
         _ensure_ray()
         self.device, backend = _resolve_device(cfg)
         self._engine = EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizers=factories,
@@ -134,6 +139,10 @@ class ZeroTrainer(ResumeAPI):
                              "lr_scheduler": self.lr_scheduler})
         self._run_metrics = RunMetrics(run_id=self._credentials.job_id)
         self._life = Lifecycle()
+        self._event_log = EventLog()
+        self.events = self._event_log.events  # membership changes and failure decisions, for operators
+        self._callbacks = Callbacks([self._event_log, *observers])
+        self._life.subscribe(self._callbacks.on_state)
         self.step_count = 0  # steps completed in the owners' state
         self._submitted = 0  # steps the user has asked for (equal to step_count except during a replay)
         self._replay = Replay(elastic.max_replay_steps)  # batches (fit: indices) to replay after a restore
@@ -146,7 +155,6 @@ class ZeroTrainer(ResumeAPI):
         self._step_mutex = threading.RLock()
         self.samples_seen = 0
         self.last_metrics: dict[str, Any] = {}
-        self.events: list[str] = []  # membership changes and failure decisions, for operators
         # What checkpoints record beside the state (fit()'s data order), and what the checkpoint
         # this run resumed from recorded (checked by the next fit, then dropped).
         self.run_extra: dict[str, Any] = {}
@@ -293,11 +301,13 @@ class ZeroTrainer(ResumeAPI):
         if results[0].nonfinite_loss_ranks or results[0].nonfinite_grad_ranks:  # on_nonfinite="skip"
             metrics["nonfinite_loss_ranks"] = list(results[0].nonfinite_loss_ranks)
             metrics["nonfinite_grad_ranks"] = list(results[0].nonfinite_grad_ranks)
-            self.events.append(NonFiniteError.describe(self.step_count, results[0].nonfinite_loss_ranks,
-                                                       results[0].nonfinite_grad_ranks) + "; skipped")
-            log.warning(self.events[-1])
+            text = NonFiniteError.describe(self.step_count, results[0].nonfinite_loss_ranks,
+                                           results[0].nonfinite_grad_ranks) + "; skipped"
+            log.warning(text)
+            self._callbacks.on_event(text)
         self.last_metrics = metrics
         self._run_metrics.record_step(metrics, results)
+        self._callbacks.on_step(metrics, results)
         self._coordinator.publish(MetricsEvent(step=self.step_count, loss=metrics["loss"], step_seconds=seconds,
                                                tokens_per_second=metrics["items_per_second"],
                                                values={"grad_norm": metrics["grad_norm"], "lr": metrics["lr"],
@@ -317,7 +327,7 @@ class ZeroTrainer(ResumeAPI):
         pieces, held = work.send(self._pool, world_size=self.world_size, key=f"{generation}:{self.step_count}")
         args = [StepArgs(step=self.step_count, piece=piece, global_samples=n, generation=generation,
                          samples_seen=self.samples_seen) for piece in pieces]
-        with self._life.during(TrainerState.STEPPING):
+        with self._life.during(TrainerState.STEPPING, cause=f"step {self.step_count + 1}"):
             results = self._pool.step(args, timeout_s=self.config.step_timeout_s)
         del held  # the owners are done with the staged pieces: the object store frees them
         if results[0].refused:  # on_nonfinite="raise": every owner refused it alike
@@ -389,7 +399,7 @@ class ZeroTrainer(ResumeAPI):
         """Carry out the policies' decision after a failure in step ``failed_step`` (or between
         steps); True when the state was restored (``step_count`` rewound) and steps up to
         ``replay_until`` must be replayed from the kept batches. Every outcome is recorded."""
-        self._life.move(TrainerState.RECOVERING)
+        self._life.move(TrainerState.RECOVERING, cause=f"step {failed_step + 1}: {type(err).__name__}", error=err)
         report = self._recovery.recover(err, failed_step=failed_step, step_started=time.time() - (
             time.perf_counter() - started), load_checkpoint=lambda: self._checkpoints.load_latest().step)
         restored = report.outcome is Outcome.RESTORED and self._replay.covers(report, replay_until,
@@ -400,10 +410,11 @@ class ZeroTrainer(ResumeAPI):
             self.step_count = report.resume_step
             self._restored_at = time.perf_counter()
         self.recoveries.append(report)
-        self.events.append(report.summary())
+        self._callbacks.on_event(report.summary())
         self._last_grow_check = time.monotonic()  # grow back grow_check_s later, not on top of the replay
         log.warning("recovery: %s (%s)", report.summary(), report.reason)
-        self._life.move(TrainerState.FAILED if report.outcome is Outcome.FAILED else TrainerState.READY)
+        self._life.move(TrainerState.FAILED if report.outcome is Outcome.FAILED else TrainerState.READY,
+                        cause=report.summary())
         return restored
 
     def _raise_if_failed(self, err: ZeroRayError) -> None:
@@ -494,7 +505,7 @@ class ZeroTrainer(ResumeAPI):
                 return {"previous_world_size": world_size, "world_size": world_size, "bytes_sent": 0, "seconds": 0.0}
             self._checkpoints.wait(raise_error=False)  # a save in flight reads the current owners
             try:
-                with self._life.during(TrainerState.RESIZING):
+                with self._life.during(TrainerState.RESIZING, cause=f"{self.world_size} -> {world_size} owners"):
                     report = self._pool.resize(world_size)
             except ResourceError:  # refused before any owner changed: the run goes on as it was
                 raise
@@ -506,9 +517,8 @@ class ZeroTrainer(ResumeAPI):
                 raise ResizeInterrupted(f"resizing to {world_size} owners failed ({err}); the run was restored "
                                         f"at {self.world_size} owners and continues with the next step") from err
             self._recovery.desired = desired
-        self.events.append(f"step {self.step_count}: resized {report['previous_world_size']} -> {world_size} owners "
-                           f"({report['bytes_sent']} bytes moved in {report['seconds']:.2f}s)")
-        log.info(self.events[-1])
+        self._callbacks.on_event(f"step {self.step_count}: resized {report['previous_world_size']} -> {world_size} "
+                                 f"owners ({report['bytes_sent']} bytes moved in {report['seconds']:.2f}s)")
         return report
 
     # -- checkpoints -----------------------------------------------------------------------------------
@@ -536,7 +546,8 @@ class ZeroTrainer(ResumeAPI):
         with self._step_mutex:
             self._life.require_ready()
             record = self._record()
-            target = self._checkpoints.save(*root, record)
+            target = self._checkpoints.save(*root, record,
+                                            on_commit=lambda path: self._callbacks.on_checkpoint(path, record.step))
         if wait:
             self.wait_for_checkpoint()
         return target, record.step
