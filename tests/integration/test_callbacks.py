@@ -65,7 +65,7 @@ def test_callbacks_see_states_steps_checkpoints_and_events(tmp_path: Path) -> No
     assert seen.checkpoints == [(saved, 2)]
     assert any("resized 2 -> 3 owners" in e for e in seen.events), seen.events
     assert ("ready", "stepping", "step 1") in seen.states
-    assert ("stepping", "ready", "") in seen.states
+    assert ("stepping", "ready", "stepping done") in seen.states
     assert ("ready", "resizing", "2 -> 3 owners") in seen.states
     assert seen.states[-1][1] == "shut_down"
     assert trainer.events == [e for e in seen.events]  # the trainer's own log is a callback too
