@@ -151,6 +151,11 @@ class _Faulty:
     model_fn: Callable[[], torch.nn.Module]
     faults: tuple[Fault, ...]
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Arm the hooks as the owner receives its spec, before it builds anything: a replacement
+        # owner restores (restore_transfer) before it ever calls model_fn.
+        return (_arrive, (self.model_fn, self.faults))
+
     def __call__(self) -> torch.nn.Module:
         _install()
         state = hooks()
@@ -161,6 +166,15 @@ class _Faulty:
             # each backward pass reaches the point once, as its gradient leaves the output
             module.register_forward_hook(_hook_backward)
         return module
+
+
+def _arrive(model_fn: Callable[[], torch.nn.Module], faults: tuple[Fault, ...]) -> _Faulty:
+    """Unpickling a ``_Faulty`` (in an owner's process) installs the hooks with its faults."""
+    _install()
+    state = hooks()
+    if not state.faults:
+        state.faults = list(faults)
+    return _Faulty(model_fn, faults)
 
 
 def _building_rank() -> int:
