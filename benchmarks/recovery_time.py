@@ -2,7 +2,7 @@
 
     python -m benchmarks.recovery_time [--world-size 4 --stage 2 --points backward,freeze,...]
 
-For each kill point (``zero_ray.bench.faults.KILL_POINTS``) a fresh run of ``--world-size``
+For each kill point (``tests/faults.py``: ``KILL_POINTS``) a fresh run of ``--world-size``
 owners with peer redundancy trains, and once 3 steps are done rank 1's process is SIGKILLed
 inside backward, during a resize's transfer, during the restore after a first loss, during a
 peer snapshot or during a checkpoint save, or SIGSTOPped (``freeze``). Reports the kill-to-next-
@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +27,13 @@ import ray
 import torch
 
 import zero_ray as zr
-from zero_ray.bench.faults import KILL_POINTS, run_with_kill
+# Fault injection lives with the tests (the library knows nothing of it); the benchmark borrows it.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import faults  # noqa: E402
+from faults import KILL_POINTS, run_with_kill  # noqa: E402
+from ray import cloudpickle  # noqa: E402
+
+cloudpickle.register_pickle_by_value(faults)  # its model_fn wrapper runs in the owners' processes
 from zero_ray.models import mlp, mse_loss
 
 RESULTS = Path(__file__).parent / "results"

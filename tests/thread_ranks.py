@@ -14,6 +14,7 @@ import torch
 
 from zero_ray.collective.group import ByteCounters, chunks
 from zero_ray.config import ActivationCheckpointing, Stage3Config
+from zero_ray.control.handlers import StepResult
 from zero_ray.core.batching import batch_size, split_batch, split_sizes
 from zero_ray.core.optim import check_optimizer_factories, declared_kinds
 from zero_ray.core.precision import LossScaleConfig, parse_dtype
@@ -104,7 +105,7 @@ def engine_spec(model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer
                 clip: float | None = None, dtype: str = "float32", stage: int = 3,
                 checkpointing: ActivationCheckpointing | None = None, lr_scheduler: Any = None,
                 reduce_dtype: str | None = None, optimizer_kinds: Any = None, bucket_bytes: int = 2048,
-                **stage3: Any) -> EngineSpec:
+                on_nonfinite: str = "raise", **stage3: Any) -> EngineSpec:
     """The spec thread ranks build from (2 KiB buckets; at stage 3 every module a unit by default)."""
     stage3.setdefault("wrap_policy", WrapPolicy(min_numel=0))
     return EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizers=check_optimizer_factories(optimizer),
@@ -113,19 +114,23 @@ def engine_spec(model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer
                       loss_scale=LossScaleConfig(), stage3=Stage3Config(**stage3) if stage == 3 else Stage3Config(),
                       activation_checkpointing=checkpointing, lr_scheduler=lr_scheduler,
                       reduce_dtype=parse_dtype(reduce_dtype) if reduce_dtype else None,
-                      optimizer_kinds=declared_kinds(optimizer_kinds))
+                      optimizer_kinds=declared_kinds(optimizer_kinds), on_nonfinite=on_nonfinite)
 
 
 def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any,
               batches: list[Any], *, accum: int = 1, clip: float | None = None, dtype: str = "float32",
               stage: int = 3, checkpointing: ActivationCheckpointing | None = None, lr_scheduler: Any = None,
               reduce_dtype: str | None = None, optimizer_kinds: Any = None, bucket_bytes: int = 2048,
+              on_nonfinite: str = "raise", results: list[list[StepResult]] | None = None,
               **stage3: Any) -> tuple[dict[str, torch.Tensor], list[OwnerEngine], list[list[dict[str, int]]]]:
     """Train on ``world_size`` thread ranks; the consolidated fp32 parameters, the engines and
-    each step's bytes sent per rank."""
+    each step's bytes sent per rank. ``results``: filled with each rank's StepResults."""
     spec = engine_spec(model_fn, loss_fn, optimizer, accum=accum, clip=clip, dtype=dtype, stage=stage,
                        checkpointing=checkpointing, lr_scheduler=lr_scheduler, reduce_dtype=reduce_dtype,
-                       optimizer_kinds=optimizer_kinds, bucket_bytes=bucket_bytes, **stage3)
+                       optimizer_kinds=optimizer_kinds, bucket_bytes=bucket_bytes, on_nonfinite=on_nonfinite,
+                       **stage3)
+    if results is not None:
+        results[:] = [[] for _ in range(world_size)]
     world = ThreadWorld(world_size)
     engines: list[OwnerEngine | None] = [None] * world_size
     sent: list[list[dict[str, int]]] = [[] for _ in range(world_size)]
@@ -144,7 +149,9 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
             for batch in batches:
                 n = batch_size(batch)
                 piece = split_batch(batch, split_sizes(n, world_size))[rank]
-                engine.step(piece, global_samples=n)
+                result = engine.step(piece, global_samples=n)
+                if results is not None:
+                    results[rank].append(result)
                 sent[rank].append(dict(engine.last_bytes))
         except BaseException as err:  # reported by the test thread
             errors.append(err)

@@ -15,6 +15,8 @@ from zero_ray.core.optim import SGD, AdamW
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.schedule import WarmupCosine
 from zero_ray.core.units import WrapPolicy
+from zero_ray.driver.callbacks import Callback
+from zero_ray.driver.lifecycle import RunState, TrainerState
 from zero_ray.driver.trainer import ZeroTrainer
 from zero_ray.errors import (
     CheckpointError,
@@ -22,6 +24,7 @@ from zero_ray.errors import (
     CollectiveTimeout,
     ConfigError,
     ModelError,
+    NonFiniteError,
     OwnerError,
     OwnerLostError,
     ResizeInterrupted,
@@ -36,6 +39,9 @@ __version__ = "0.1.0"
 __all__ = [
     "SGD",
     "ActivationCheckpointing",
+    "Callback",
+    "RunState",
+    "TrainerState",
     "AdamW",
     "CheckpointConfig",
     "ControlTLS",
@@ -53,6 +59,7 @@ __all__ = [
     "CollectiveTimeout",
     "ConfigError",
     "ModelError",
+    "NonFiniteError",
     "OwnerError",
     "OwnerLostError",
     "ResizeInterrupted",

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from zero_ray.checkpoint.location import check_location
 from zero_ray.core.optim import declared_kinds
-from zero_ray.core.precision import LossScaleConfig, parse_dtype
+from zero_ray.core.precision import LossScaleConfig, dtype_name, parse_dtype
 from zero_ray.core.stages import stage_plan
 from zero_ray.core.units import WrapPolicy
 from zero_ray.errors import ConfigError
@@ -19,6 +20,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 INIT_MODES = ("full", "low_memory")
+ON_NONFINITE = ("raise", "skip")
 
 
 def _wrap_policy(value: object) -> WrapPolicy:
@@ -262,6 +264,12 @@ class ZeroConfig:
         STRICT_SPREAD each on a node of its own. Each owner asks Ray for its own slot, so a lost
         or removed owner's slot goes back to the cluster at once (core/placement.py).
     loss_scale: dynamic loss scaling settings (float16 only).
+    on_nonfinite: what a step whose loss or reduced gradient is non-finite (NaN or inf) does:
+        "raise" (default) takes no step on any rank (the model, optimizer, scheduler and RNG
+        are as before it, the position does not advance) and raises ``NonFiniteError`` naming
+        the step and the ranks; "skip" skips the update as fp16 overflow does and counts the
+        step. With float16, non-finite gradients from a finite loss are overflow: the loss
+        scaler backs off and skips whatever this says (docs/numerics.md).
     health_interval_s / health_timeout_s: owners send heartbeats every interval over gRPC; one
         silent for the timeout (a frozen process) or whose stream breaks (a dead one) is lost.
     max_failures: failures survived per run (re-form the group, or restore lost partitions and
@@ -296,6 +304,7 @@ class ZeroConfig:
     num_cpus_per_owner: float = 1.0
     placement_strategy: str = "PACK"
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    on_nonfinite: str = "raise"
     health_interval_s: float = 1.0
     health_timeout_s: float = 10.0
     max_failures: int = 3
@@ -330,6 +339,10 @@ class ZeroConfig:
             raise ConfigError(f"grad_accum_steps={self.grad_accum_steps!r} must be an integer >= 1")
         if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
             raise ConfigError(f"max_grad_norm={self.max_grad_norm!r} must be a positive number or None")
+        if not isinstance(self.loss_scale, LossScaleConfig):
+            raise ConfigError(f"loss_scale={self.loss_scale!r} must be a zr.LossScaleConfig")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r} is not one of {ON_NONFINITE}")
         if self.bucket_bytes < 1024:
             raise ConfigError(f"bucket_bytes={self.bucket_bytes} is too small; use at least 1024 (default 25 MiB)")
         if self.max_failures < 0:
@@ -359,3 +372,88 @@ class ZeroConfig:
             raise ConfigError(f"elastic.min_world_size={self.elastic.min_world_size} is above {self.world_size=}")
         if self.elastic.max_world_size is not None and self.elastic.max_world_size < self.world_size:
             raise ConfigError(f"elastic.max_world_size={self.elastic.max_world_size} is below {self.world_size=}")
+
+
+# -- the run's math, as checkpoints and detached runs record it ----------------------------------
+
+# The ZeroConfig fields that change what a step computes (docs/checkpoints.md says why each is
+# here and why every other field is not): recorded in every checkpoint, restored by a resume
+# without a config, and compared field by field with a config that is passed.
+TRAINING_FIELDS = ("dtype", "reduce_dtype", "grad_accum_steps", "max_grad_norm", "seed", "loss_scale",
+                   "optimizer_kinds", "on_nonfinite")
+
+
+def training_record(config: ZeroConfig) -> dict[str, Any]:
+    """``config``'s TRAINING_FIELDS as JSON data, normalised so that settings with the same
+    math compare equal ("bf16" is "bfloat16"; ``reduce_dtype=None`` is the compute dtype)."""
+    dtype = dtype_name(parse_dtype(config.dtype))
+    record = {"dtype": dtype,
+              "reduce_dtype": dtype_name(parse_dtype(config.reduce_dtype)) if config.reduce_dtype else dtype,
+              "grad_accum_steps": config.grad_accum_steps, "max_grad_norm": config.max_grad_norm,
+              "seed": config.seed, "loss_scale": asdict(config.loss_scale),
+              "optimizer_kinds": [list(pair) for pair in declared_kinds(config.optimizer_kinds)],
+              "on_nonfinite": config.on_nonfinite}
+    return json.loads(json.dumps(record))  # exactly what a manifest reads back
+
+
+def config_from_training(record: Mapping[str, Any], *, stage: int, world_size: int) -> ZeroConfig:
+    """The ZeroConfig a resume without a config runs with: ``stage`` and ``world_size`` as
+    saved, the recorded TRAINING_FIELDS, defaults for everything else (none of which changes
+    the math). A field the record lacks (a format-2 checkpoint records only dtype and seed)
+    keeps its default."""
+    fields: dict[str, Any] = {name: record[name] for name in TRAINING_FIELDS if name in record}
+    if "loss_scale" in fields:
+        fields["loss_scale"] = LossScaleConfig(**fields["loss_scale"])
+    if "optimizer_kinds" in fields:
+        fields["optimizer_kinds"] = tuple((str(n), str(k)) for n, k in fields["optimizer_kinds"])
+    try:
+        return ZeroConfig(stage=stage, world_size=world_size, **fields)
+    except TypeError as err:
+        raise ConfigError(f"the recorded training configuration {dict(record)} is not one this zero_ray reads "
+                          f"({err})") from err
+
+
+def training_conflicts(saved: Mapping[str, Any], config: ZeroConfig) -> list[tuple[str, Any, Any]]:
+    """``(field, saved value, config's value)`` for every recorded field ``config`` sets
+    otherwise. ``loss_scale`` matters only where both run in float16."""
+    mine = training_record(config)
+    out = []
+    for name in TRAINING_FIELDS:
+        if name not in saved:
+            continue
+        if name == "loss_scale" and not (saved.get("dtype") == mine["dtype"] == "float16"):
+            continue
+        if saved[name] != mine[name]:
+            out.append((name, saved[name], mine[name]))
+    return out
+
+
+def check_overrides(override: Sequence[str]) -> tuple[str, ...]:
+    """``override`` (TRAINING_FIELDS a resume may change) checked and as a tuple."""
+    if isinstance(override, str):
+        override = (override,)
+    names = tuple(override)
+    unknown = [n for n in names if n not in TRAINING_FIELDS]
+    if unknown:
+        raise ConfigError(f"override={names!r} names {unknown}, which are not settings a checkpoint records; "
+                          f"the ones that change the math are {list(TRAINING_FIELDS)} (stage, world size and every "
+                          "other field may change freely)")
+    return names
+
+
+def refuse_conflicts(saved: Mapping[str, Any], config: ZeroConfig, *, override: Sequence[str], source: str,
+                     how: str) -> list[tuple[str, Any, Any]]:
+    """Raise a ConfigError naming each field where ``config`` would change the math of the run
+    ``source`` saved, with both values and ``how`` to accept it; the conflicts ``override``
+    accepts are returned (to be logged)."""
+    allowed = set(check_overrides(override))
+    conflicts = training_conflicts(saved, config)
+    refused = [c for c in conflicts if c[0] not in allowed]
+    if refused:
+        fields = ", ".join(f"{name}={theirs!r} in the checkpoint but {mine!r} in config" for name, theirs, mine in refused)
+        names = tuple(name for name, _, _ in refused)
+        raise ConfigError(f"{source} was saved with other settings that change the math: {fields}. Resume without "
+                          f"config= to restore them all (stage and world size as saved), pass a config with the "
+                          f"checkpoint's values (ZeroTrainer.saved_config(path) returns it: dataclasses.replace it), "
+                          f"or accept the change with {how}(..., override={names!r})")
+    return [c for c in conflicts if c[0] in allowed]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class ZeroRayError(Exception):
     """Base class of every error zero_ray raises on purpose."""
@@ -68,6 +70,42 @@ class AuthError(ControlError):
 
 class ResizeInterrupted(ZeroRayError):
     """A resize failed part-way; the run was restored (at the size it could) and continues."""
+
+
+class NonFiniteError(ZeroRayError):
+    """A step's loss or gradients were non-finite and ``ZeroConfig(on_nonfinite="raise")``:
+    the step was not taken on any rank (no update, no scheduler step, no state changed, the
+    position not advanced) and the trainer stays usable; the next ``step()`` is step ``step``
+    again. ``loss_ranks``: the ranks whose own loss was non-finite (their piece of the batch);
+    ``grad_ranks``: the ranks whose slice of the reduced gradient was (every rank when the
+    gradient is replicated, as at stage 0)."""
+
+    def __init__(self, message: str, *, step: int | None = None, loss_ranks: tuple[int, ...] = (),
+                 grad_ranks: tuple[int, ...] = ()) -> None:
+        self.step = step
+        self.loss_ranks = tuple(loss_ranks)
+        self.grad_ranks = tuple(grad_ranks)
+        super().__init__(message)
+
+    @staticmethod
+    def describe(step: int, loss_ranks: Sequence[int], grad_ranks: Sequence[int]) -> str:
+        """What was non-finite in step number ``step`` (1-based, as ``metrics["step"]``)."""
+        parts = []
+        if loss_ranks:
+            parts.append(f"the loss on rank{'s' if len(loss_ranks) > 1 else ''} {', '.join(map(str, loss_ranks))}")
+        if grad_ranks:
+            parts.append(f"the reduced gradient in the slice{'s' if len(grad_ranks) > 1 else ''} of rank"
+                         f"{'s' if len(grad_ranks) > 1 else ''} {', '.join(map(str, grad_ranks))}")
+        return f"step {step}: non-finite values in {' and '.join(parts) or 'the gradient norm'}"
+
+    @classmethod
+    def refused(cls, step: int, loss_ranks: Sequence[int], grad_ranks: Sequence[int]) -> NonFiniteError:
+        """The error of step number ``step`` refused under ``on_nonfinite="raise"``."""
+        return cls(f"{cls.describe(step, loss_ranks, grad_ranks)}. The step was not taken: every rank is as "
+                   f"before it (parameters, optimizer and scheduler state, buffers, RNG) and step_count stays at "
+                   f"{step - 1}. Drop or fix that batch and call step() again, or pass "
+                   "ZeroConfig(on_nonfinite=\"skip\") to skip such steps and go on",
+                   step=step, loss_ranks=tuple(loss_ranks), grad_ranks=tuple(grad_ranks))
 
 
 class StopRequested(ZeroRayError):

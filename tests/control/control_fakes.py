@@ -39,7 +39,7 @@ WAIT_S = 10.0
 LOOPBACK = "127.0.0.1"
 # A dataset piece: names and indices (up to 2**64 - 1) must arrive unchanged.
 ARGS = StepArgs(step=7, piece=Piece(dataset="train", indices=(0, 5, 2**40, 2**64 - 1)), global_samples=256,
-                generation=2)
+                generation=2, samples_seen=2**40)
 TOTALS = LossTotals(loss_sum=2.5, samples=128, count=1536.0, counted=True, items=1536.0)
 
 

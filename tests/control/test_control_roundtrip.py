@@ -59,6 +59,14 @@ def test_step_round_trip(owner: Served) -> None:
     assert owner.handler.steps[-1] == staged
 
 
+def test_a_refused_non_finite_step_round_trips(owner: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    refused = StepResult(totals=replace(TOTALS, loss_sum=float("inf")), grad_norm=float("inf"), skipped=True,
+                         loss_scale=1.0, compute_seconds=0.5, rank=3, nonfinite_loss_ranks=(3,),
+                         nonfinite_grad_ranks=(0, 1, 2, 3), refused=True)
+    monkeypatch.setattr(owner.handler, "step", lambda args: refused)
+    assert owner.client.step(ARGS, timeout_s=5.0) == refused
+
+
 def test_evaluate_round_trip(owner: Served) -> None:
     result = owner.client.evaluate(EvaluateArgs(piece=Piece(dataset="eval", indices=(3, 4)), generation=2))
     assert result == EvaluateResult(totals=replace(TOTALS, samples=2), rank=1)

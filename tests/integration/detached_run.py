@@ -58,11 +58,12 @@ def threading_wait_forever() -> None:
 def second(out: str, run_id: str) -> None:
     trainer = zr.ZeroTrainer.attach(run_id, model, mse_loss)
     try:
-        resumed = trainer.step_count
+        resumed, resumed_samples = trainer.step_count, trainer.samples_seen
         for k in range(resumed, STEPS):
             trainer.step(batch(k))
         torch.save(trainer.full_state_dict(), os.path.join(out, "final.pt"))
-        summary = {"resumed": resumed, "step": trainer.step_count, "world_size": trainer.world_size,
+        summary = {"resumed": resumed, "resumed_samples": resumed_samples, "samples_seen": trainer.samples_seen,
+                   "step": trainer.step_count, "world_size": trainer.world_size,
                    "events": list(trainer.events), "recoveries": [r.summary() for r in trainer.recoveries]}
     finally:
         trainer.shutdown()

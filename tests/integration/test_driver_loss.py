@@ -76,6 +76,8 @@ def test_a_second_driver_attaches_and_finishes_the_run(tmp_path: Path) -> None:
         print(json.dumps(summary, indent=1))
         got = torch.load(tmp_path / "a" / "final.pt")
         assert summary["step"] == run.STEPS and summary["resumed"] >= run.STEPS_BEFORE
+        # The position comes back from the owners: samples too, not only steps.
+        assert summary["resumed_samples"] == 12 * summary["resumed"] and summary["samples_seen"] == 12 * run.STEPS
         assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
         assert info["run_id"] not in _status(head)  # the second driver shut the run down
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zero_ray as zr
-from zero_ray.bench.faults import KILL_POINTS, run_with_kill
+from faults import KILL_POINTS, run_with_kill
 from zero_ray.models import mlp, mse_loss
 from zero_ray.testing import single_process
 

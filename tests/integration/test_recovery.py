@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import zero_ray as zr
 from kill_helpers import kill_and_wait
-from zero_ray.bench.faults import kill_on_marker
+from faults import kill_on_marker
 from zero_ray.models import mlp
 from zero_ray.testing import single_process
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from zero_ray.checkpoint import store
+from zero_ray.config import ZeroConfig, training_record
 from zero_ray.checkpoint.format import BUFFER, MASTER, RNG, build_manifest, shard_file_name, state_kind
 from zero_ray.checkpoint.shardfile import Item, write_shard
 from zero_ray.checkpoint.storage import LocalStorage, Storage
@@ -84,7 +85,7 @@ def describe(module: torch.nn.Module, layout: FlatLayout, moments: tuple[str, ..
         "param_state": {p.name: {"scalars": {"step": ["tensor", "float32", 3.0, False]},
                                  "elementwise": [k.removeprefix("state.") for k in moments], "whole": {}}
                         for p in layout.params},
-        "optimizer_steps": 3, "loss_scaler": {"scale": 1.0, "growth_tracker": 0},
+        "position": {"step": 3, "samples_seen": 36}, "loss_scaler": {"scale": 1.0, "growth_tracker": 0},
     }
 
 
@@ -107,7 +108,7 @@ def save(module: torch.nn.Module, root: str | os.PathLike[str], *, world_size: i
                                  rank=rank, name=name, chunk_bytes=chunk_bytes))
     manifest = build_manifest(models=[describe(module, layout, moments)], files=files, step=step,
                               samples_seen=12 * step, world_size=world_size, stage=2, compute_dtype="float32",
-                              seed=0)
+                              seed=0, training=training_record(ZeroConfig()))
     return Saved(path=store.commit(pending, manifest, keep=keep, storage=storage), layout=layout, values=values)
 
 

@@ -73,8 +73,8 @@ def test_reshard_rewrites_each_rank_and_reads_back_equal(tmp_path: Path, model_f
     assert new.world_size == m and len(new.files) == m
     assert [(b.params, b.numel, b.padded_numel, b.shard_numel) for b in new.buckets] == \
            [(b.params, b.numel, b.padded_numel, b.shard_numel) for b in layout.buckets]
-    assert (new.step, new.samples_seen, new.optimizer_steps, new.stage, new.optimizers, new.param_state) == \
-           (src.step, src.samples_seen, src.optimizer_steps, src.stage, src.optimizers, src.param_state)
+    assert (new.step, new.samples_seen, new.training, new.stage, new.optimizers, new.param_state) == \
+           (src.step, src.samples_seen, src.training, src.stage, src.optimizers, src.param_state)
     for rank in range(m):  # each file holds exactly its new shard range
         expected = [(layout.params[f.param].name, f.param_start, f.param_end)
                     for b in layout.buckets for f in layout.shard_fragments(b.index, rank)]
@@ -148,7 +148,8 @@ def test_inspect_describes_the_checkpoint(tmp_path: Path) -> None:
     info = inspect_checkpoint(str(tmp_path / "root"), verify=True)
     assert info["path"] == saved.path and info["verified"]
     assert (info["format_version"], info["step"], info["samples_seen"], info["world_size"], info["stage"]) == \
-           (2, 5, 60, 3, 2)
+           (3, 5, 60, 3, 2)
+    assert info["training"]["grad_accum_steps"] == 1 and info["training"]["on_nonfinite"] == "raise"
     assert info["optimizers"] == [{"type": "torch.optim.adamw.AdamW", "kind": "elementwise", "groups": 2}]
     assert info["state"] == ["exp_avg", "exp_avg_sq"]
     assert info["params"] == len(list(model.parameters()))
@@ -165,6 +166,7 @@ def test_cli_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["checkpoint", "inspect", root]) == 0
     text = capsys.readouterr().out
     assert "step            3 (36 samples" in text and "world size      2" in text and "AdamW" in text
+    assert "training        dtype=float32 grad_accum_steps=1 " in text
     assert "rank-00001-of-00002.safetensors" in text
 
     assert main(["checkpoint", "inspect", root, "--json", "--verify"]) == 0

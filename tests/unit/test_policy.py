@@ -65,3 +65,36 @@ def test_room_in_the_cluster_never_grows_a_run_beyond_its_desired_size() -> None
         p.check_resize(7)
     with pytest.raises(ConfigError, match="below elastic.min_world_size=2"):
         ScalingPolicy(min_world_size=2).check_resize(1)
+
+
+def test_a_restore_broken_by_a_loss_is_retried_with_what_is_left() -> None:
+    from zero_ray.core.policy import Source
+
+    policy = FailurePolicy(max_failures=3)
+    d = policy.after_restore_failure(source=Source.PEER, lost={2}, survivors=2, attempt=1, failures_so_far=2)
+    assert d.action is Action.RETRY and d.source is Source.PEER and "[2]" in d.reason
+    d = policy.after_restore_failure(source=Source.PEER, lost={2}, survivors=2, attempt=4, failures_so_far=2)
+    assert d.action is Action.FAIL and "4 times" in d.reason
+    d = policy.after_restore_failure(source=Source.PEER, lost={0, 1}, survivors=0, attempt=1, failures_so_far=1)
+    assert d.action is Action.FAIL and "every owner" in d.reason
+    d = policy.after_restore_failure(source=Source.PEER, lost=set(), survivors=2, attempt=1, failures_so_far=1,
+                                     sources_left=[Source.CHECKPOINT])
+    assert d.action is Action.FALLBACK and d.source is Source.CHECKPOINT
+
+
+def test_an_unreadable_source_falls_back_to_the_next() -> None:
+    from zero_ray.core.policy import Source
+
+    d = FailurePolicy().after_source_failure(source=Source.PEER, sources_left=[Source.CHECKPOINT], error="gone")
+    assert d.action is Action.FALLBACK and d.source is Source.CHECKPOINT
+    d = FailurePolicy().after_source_failure(source=Source.CHECKPOINT, sources_left=[], error="corrupt")
+    assert d.action is Action.FAIL and "corrupt" in d.reason
+
+
+def test_without_room_the_run_carries_on_with_the_survivors_once() -> None:
+    from zero_ray.core.policy import ScalingPolicy
+
+    p = ScalingPolicy(min_world_size=2)
+    assert p.without_room(survivors=2, replacements=True)
+    assert not p.without_room(survivors=2, replacements=False)  # already alone: this source is given up
+    assert not p.without_room(survivors=1, replacements=True)

@@ -10,8 +10,8 @@ A checkpoint is a directory::
 Each rank file holds 1-D fp32 tensors, one per (kind, parameter fragment): ``master`` weights and
 each element-wise optimizer state (``state.exp_avg``, ...) over elements ``[start, end)`` of the
 flattened parameter; the whole-tensor optimizer state of the parameters it updated whole
-(``whole.momentum_buffer``, ...: all of it, flattened); ``rng/torch`` (the rank's RNG state)
-and, on rank 0, ``buffer`` tensors. Because
+(``whole.momentum_buffer``, ...: all of it, flattened); ``rng/torch`` and, on a GPU,
+``rng/cuda`` (the rank's RNG states) and, on rank 0, ``buffer`` tensors. Because
 entries are addressed by parameter name and element range, not by the saving run's buckets, any
 layout (stage, world size, bucket size) reads exactly the ranges it needs: that is resharding.
 
@@ -31,7 +31,12 @@ from typing import Any
 
 from zero_ray.errors import CheckpointError
 
-FORMAT_VERSION = 2  # 2: the user's torch.optim optimizers (state by name, whole-tensor state, schedulers)
+# 2: the user's torch.optim optimizers (state by name, whole-tensor state, schedulers).
+# 3: the run's training configuration (``training``) and one position (step, samples_seen); the
+#    engine's own optimizer-step count (``optimizer_steps``) is gone. Version 2 is still read:
+#    its ``optimizer_steps`` is dropped and it records no training configuration.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 DEFAULT_CHUNK_BYTES = 4 * 2**20
@@ -39,6 +44,7 @@ DEFAULT_CHUNK_BYTES = 4 * 2**20
 MASTER = "master"
 BUFFER = "buffer"
 RNG = "rng"
+RNG_GENERATORS = ("torch", "cuda")  # rng/<generator>/<rank>: the CPU generator, a GPU owner's device generator
 STATE_PREFIX = "state."  # element-wise optimizer state, by element range like the master
 WHOLE_PREFIX = "whole."  # whole-tensor optimizer state, whole
 
@@ -125,9 +131,10 @@ class Manifest:
     """Everything about a checkpoint except the tensors."""
 
     format_version: int
-    step: int  # trainer steps completed: the data position is step * global batch
+    # The run's position (core/position.py): steps completed (skipped ones included) and their
+    # samples; a resume continues from it.
+    step: int
     samples_seen: int
-    optimizer_steps: int  # updates applied (fp16 overflow skips excluded)
     world_size: int
     stage: int
     compute_dtype: str
@@ -146,7 +153,8 @@ class Manifest:
     loss_scaler: Mapping[str, float]
     files: tuple[ShardFile, ...]
     extra: Mapping[str, Any] = field(default_factory=dict)
-    # The run's settings that change the math (what a resume without a config restores).
+    # The run's settings that change the math (``zero_ray.config.TRAINING_FIELDS`` as JSON data:
+    # what a resume without a config restores and a config is compared with); empty in version 2.
     training: Mapping[str, Any] = field(default_factory=dict)
     # Not an __init__ argument, so dataclasses.replace() builds a fresh index for the new files.
     _index: dict[tuple[str, str], list[tuple[int, Entry]]] = field(default_factory=dict, init=False, compare=False,
@@ -168,9 +176,12 @@ class Manifest:
         except json.JSONDecodeError as err:
             raise CheckpointError(f"{where} is not valid JSON ({err}); the checkpoint is corrupt") from err
         version = data.get("format_version") if isinstance(data, dict) else None
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise CheckpointError(f"{where}: format_version={version!r} is not supported; this zero_ray reads "
-                                  f"format_version={FORMAT_VERSION} (upgrade zero_ray to read newer checkpoints)")
+                                  f"format_version {' and '.join(map(str, READABLE_VERSIONS))} (upgrade zero_ray to "
+                                  "read newer checkpoints)")
+        if version == 2:
+            data.pop("optimizer_steps", None)  # the engine's own count, no longer kept
         try:
             files = tuple(shard_file_from_data(f) for f in data.pop("files"))
             params = _param_records(data.pop("params"))
@@ -266,8 +277,7 @@ def build_manifest(*, models: Sequence[Mapping[str, Any]], files: Sequence[Shard
         for name, entry in m["param_state"].items():
             param_state.setdefault(name, entry)
     return Manifest(
-        format_version=FORMAT_VERSION, step=step, samples_seen=samples_seen,
-        optimizer_steps=int(model["optimizer_steps"]), world_size=world_size, stage=stage,
+        format_version=FORMAT_VERSION, step=step, samples_seen=samples_seen, world_size=world_size, stage=stage,
         compute_dtype=compute_dtype, seed=seed,
         params=_param_records(model["params"]), buckets=_bucket_records(model["buckets"]),
         optimizers=tuple(model["optimizers"]), hyper=dict(model["hyper"]),

@@ -28,6 +28,7 @@ from zero_ray.checkpoint.format import (
     DEFAULT_CHUNK_BYTES,
     MASTER,
     RNG,
+    RNG_GENERATORS,
     STATE_PREFIX,
     WHOLE_PREFIX,
     BucketRecord,
@@ -67,7 +68,7 @@ def inspect_checkpoint(path: str, *, verify: bool = False, storage: Storage | No
         "format_version": m.format_version,
         "step": m.step,
         "samples_seen": m.samples_seen,
-        "optimizer_steps": m.optimizer_steps,
+        "training": dict(m.training),
         "stage": m.stage,
         "world_size": m.world_size,
         "compute_dtype": m.compute_dtype,
@@ -99,7 +100,7 @@ def _rank_items(reader: CheckpointReader, layout: FlatLayout, rank: int) -> list
     """Everything rank ``rank`` of ``layout`` would have saved, read from ``reader``: master and
     element-wise optimizer state of its shard range (in the order an owner writes them), on the
     rank its parameters' bucket shards put first the whole-tensor state (where it lands matters
-    not: readers find it by name), its RNG state if the saving run had that rank, and on rank 0
+    not: readers find it by name), its RNG states if the saving run had that rank, and on rank 0
     the module's buffers and the RNG states of saving ranks the new layout lacks (kept so that
     resharding back restores them)."""
     m = reader.manifest
@@ -115,7 +116,7 @@ def _rank_items(reader: CheckpointReader, layout: FlatLayout, rank: int) -> list
                     numel = math.prod(shape)
                     items.append(Item(key=f"{kind}/{name}/0", kind=kind, name=name, start=0, end=numel,
                                       tensor=reader.read(kind, name, 0, numel)))
-    copied = list(m.entries(RNG, f"torch/{rank}"))  # a copy: entries() returns the manifest's own index
+    copied = [ie for g in RNG_GENERATORS for ie in m.entries(RNG, f"{g}/{rank}")]
     if rank == 0:
         copied += [(i, e) for i, e in m.entries_of_kind(RNG) if e.name not in _rng_names(layout.world_size)]
         copied += m.entries_of_kind(BUFFER)
@@ -126,7 +127,7 @@ def _rank_items(reader: CheckpointReader, layout: FlatLayout, rank: int) -> list
 
 
 def _rng_names(world_size: int) -> set[str]:
-    return {f"torch/{rank}" for rank in range(world_size)}
+    return {f"{g}/{rank}" for g in RNG_GENERATORS for rank in range(world_size)}
 
 
 def reshard(path: str, out: str, *, world_size: int, keep: int | None = None,

@@ -78,10 +78,11 @@ def format_inspection(info: dict[str, Any]) -> str:
     lines = [
         f"checkpoint      {info['path']}",
         f"format version  {info['format_version']}",
-        f"step            {info['step']} ({info['samples_seen']} samples, {info['optimizer_steps']} optimizer steps)",
+        f"step            {info['step']} ({info['samples_seen']} samples)",
         f"stage           {info['stage']}",
         f"world size      {info['world_size']}",
         f"compute dtype   {info['compute_dtype']}",
+        f"training        {' '.join(f'{k}={v}' for k, v in sorted(info['training'].items())) or '- (format 2)'}",
         f"optimizers      {optimizers or '-'}",
         f"scheduler       {', '.join(t.rsplit('.', 1)[-1] for t in info['schedulers']) or '-'}",
         f"state           {', '.join(info['state']) or '-'}",

@@ -144,7 +144,7 @@ def format_detached(runs: Mapping[str, list[dict[str, object]]]) -> str:
         return "no detached runs"
     rows = [("run id", "owners", "steps done", "generation", "state", "nodes")]
     for run, owners in sorted(runs.items()):
-        steps = sorted({int(o["completed_steps"]) for o in owners})  # type: ignore[call-overload]
+        steps = sorted({int(o["step"]) for o in owners})  # type: ignore[call-overload]
         phases = sorted({str(o["phase"]) for o in owners})
         rows.append((run, str(len(owners)), "/".join(map(str, steps)), str(max(int(o["generation"]) for o in owners)),  # type: ignore[call-overload]
                      ",".join(phases), ",".join(sorted({str(o["ip"]) for o in owners}))))

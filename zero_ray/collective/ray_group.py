@@ -17,12 +17,14 @@ import contextlib
 import datetime
 import gc
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from zero_ray.collective.group import ByteCounters, Collective, SoloGroup, chunks
+from zero_ray.collective.rendezvous import RendezvousAborted, form_default_group
 from zero_ray.errors import CollectiveError, CollectiveTimeout, ConfigError
 
 log = logging.getLogger(__name__)
@@ -274,9 +276,12 @@ def _formation_timeout(seconds: float) -> Iterator[None]:
         c10d.default_pg_timeout = saved
 
 
-def form_group(*, backend: str, group_name: str, rank: int, world_size: int, timeout_s: float) -> Collective:
+def form_group(*, backend: str, group_name: str, rank: int, world_size: int, timeout_s: float,
+               abort: threading.Event | None = None) -> Collective:
     """Join ``group_name`` (all ranks call this concurrently, each in its own actor); every
-    wait, the rendezvous included, is bounded by ``timeout_s``."""
+    wait, the rendezvous included, is bounded by ``timeout_s``, and a gloo formation gives up at
+    once when ``abort`` is set (another thread: a member was lost before it arrived), leaving
+    the process free to form the next group."""
     if world_size == 1:
         return SoloGroup()
     if backend not in BACKENDS:
@@ -285,12 +290,40 @@ def form_group(*, backend: str, group_name: str, rank: int, world_size: int, tim
 
     try:
         with _formation_timeout(timeout_s):
+            if backend == "gloo":
+                # The default group over an abortable rendezvous; ray.util.collective's named
+                # group is then a new_group over it, whose barrier uses the same store.
+                form_default_group(group_name, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                                   abort=abort or threading.Event())
             col.init_collective_group(world_size, rank, backend=backend, group_name=group_name,
                                       gloo_timeout=int(timeout_s * 1000))
+    except RendezvousAborted:
+        _drop_default_group()
+        raise
     except Exception as err:  # rendezvous failures come back as assorted exception types
+        _drop_default_group()
+        if abort is not None and abort.is_set():
+            raise RendezvousAborted(f"rank {rank}: forming {group_name!r} was aborted ({err})") from err
         raise CollectiveError(f"rank {rank} could not join collective group {group_name!r}: {err}") from err
     cls = RingGroup if backend == "gloo" else NcclGroup
     return cls(group_name=group_name, rank=rank, world_size=world_size, timeout_s=timeout_s)
+
+
+def _drop_default_group() -> None:
+    """After a failed formation: no half-made default group may block the next one."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            log.warning("destroying a half-formed default process group failed", exc_info=True)
+    # torch names the default group after a per-process counter (its keys in the store start
+    # with it) and resets it only when it destroys a formed default group; a formation that
+    # failed half-way left it counted, and this process would then wait on keys no fresh peer
+    # writes. Reset it as torch's own destroy does.
+    c10d._world.group_count = 0
 
 
 def destroy_group(group_name: str) -> None:

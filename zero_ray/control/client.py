@@ -297,11 +297,14 @@ class OwnerClient(_Client):
     def step(self, args: StepArgs, *, timeout_s: float | None = None) -> StepResult:
         """Run one step on the owner; ``timeout_s`` should cover the step's compute."""
         request = owner_pb2.StepRequest(header=self._header(), step=args.step, piece=_piece(args.piece),
-                                        global_samples=args.global_samples, generation=args.generation)
+                                        global_samples=args.global_samples, generation=args.generation,
+                                        samples_seen=args.samples_seen)
         reply = self._unary("Step", self._stub.Step, request, timeout_s)
         return StepResult(totals=_totals(reply.totals), grad_norm=reply.grad_norm,
                           skipped=reply.skipped, loss_scale=reply.loss_scale, compute_seconds=reply.compute_seconds,
-                          rank=reply.rank, bytes_sent=dict(reply.bytes_sent), lr=reply.lr)
+                          rank=reply.rank, bytes_sent=dict(reply.bytes_sent), lr=reply.lr,
+                          nonfinite_loss_ranks=tuple(reply.nonfinite_loss_ranks),
+                          nonfinite_grad_ranks=tuple(reply.nonfinite_grad_ranks), refused=reply.refused)
 
     def evaluate(self, args: EvaluateArgs, *, timeout_s: float | None = None) -> EvaluateResult:
         """The owner's loss on its piece, forward only."""

@@ -102,9 +102,13 @@ class StepArgs:
     global_samples: int
     # The driver's restart/resize generation; ``abort`` names the one it cancels.
     generation: int
+    # Samples the run had seen before this step (with ``step``, the driver's position, which the
+    # owner holds once the step completes: what an attaching driver reads back).
+    samples_seen: int = 0
 
     def __post_init__(self) -> None:
-        _non_negative(step=self.step, global_samples=self.global_samples, generation=self.generation)
+        _non_negative(step=self.step, global_samples=self.global_samples, generation=self.generation,
+                      samples_seen=self.samples_seen)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +123,12 @@ class StepResult:
     rank: int
     bytes_sent: Mapping[str, int] = field(default_factory=dict)
     lr: float = 0.0  # what the step used: the first optimizer's first param group
+    # A step not applied because its loss or gradient was non-finite (ZeroConfig.on_nonfinite):
+    # the ranks whose own loss was, and those whose slice of the reduced gradient was (the same
+    # on every rank); empty otherwise (an fp16 overflow is ``skipped`` alone).
+    nonfinite_loss_ranks: tuple[int, ...] = ()
+    nonfinite_grad_ranks: tuple[int, ...] = ()
+    refused: bool = False  # on_nonfinite="raise": not a completed step; the driver raises
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -253,7 +253,9 @@ def _step_reply(result: StepResult) -> owner_pb2.StepReply:
     return owner_pb2.StepReply(totals=_totals(result.totals), grad_norm=result.grad_norm,
                                skipped=result.skipped, loss_scale=result.loss_scale,
                                compute_seconds=result.compute_seconds, bytes_sent=dict(result.bytes_sent),
-                               rank=result.rank, lr=result.lr)
+                               rank=result.rank, lr=result.lr, refused=result.refused,
+                               nonfinite_loss_ranks=list(result.nonfinite_loss_ranks),
+                               nonfinite_grad_ranks=list(result.nonfinite_grad_ranks))
 
 
 def _heartbeat(beat: Heartbeat) -> owner_pb2.Heartbeat:
@@ -291,7 +293,7 @@ class _OwnerServicer(owner_pb2_grpc.PartitionOwnerServicer):
         method = "PartitionOwner.Step"
         args = _serve(context, method, lambda: StepArgs(
             step=request.step, piece=_piece(request.piece), global_samples=request.global_samples,
-            generation=request.generation), lambda a: a)
+            generation=request.generation, samples_seen=request.samples_seen), lambda a: a)
         return _serve(context, method, lambda: self._handler.step(args), _step_reply)
 
     def Evaluate(self, request: owner_pb2.EvaluateRequest,

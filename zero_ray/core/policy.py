@@ -15,6 +15,8 @@ from zero_ray.errors import ConfigError
 class Action(enum.Enum):
     REFORM = "reform"  # abort the survivors' collectives, re-form the group, continue
     RESTORE = "restore"  # rebuild the pool, restore the partitions from a source, replay
+    RETRY = "retry"  # restore again from the same source, with what is left (no new owners)
+    FALLBACK = "fallback"  # restore from the next source instead
     FAIL = "fail"  # stop: the run cannot continue consistently
 
 
@@ -62,6 +64,35 @@ class FailurePolicy:
         return Decision(action=Action.REFORM, backoff_s=backoff,
                         reason="all ranks alive: abort, re-form the group and continue")
 
+    def after_restore_failure(self, *, source: Source, lost: Set[int], survivors: int, attempt: int,
+                              failures_so_far: int, sources_left: Sequence[Source] = ()) -> Decision:
+        """A restore from ``source`` broke because owners were lost or got stuck in it (``lost``:
+        those now gone). Try again from what is left, without starting replacements (that would
+        double the time to the next step; the run grows back once it trains), while failures
+        allow; a restore that could not read its source falls back to the next one."""
+        if not survivors:
+            return Decision(action=Action.FAIL, reason="every owner was lost while restoring")
+        if failures_so_far > self.max_failures or attempt > self.max_failures:
+            return Decision(action=Action.FAIL, reason=f"restoring from {source.value} failed {attempt} times "
+                                                       f"({failures_so_far} failures, {self.max_failures=})")
+        if lost:
+            return Decision(action=Action.RETRY, source=source,
+                            reason=f"ranks {sorted(lost)} were lost while restoring from {source.value}: restore "
+                                   f"again with the {survivors} owners left")
+        if sources_left:
+            return self.after_source_failure(source=source, sources_left=sources_left, error="no owner was lost")
+        return Decision(action=Action.RETRY, source=source,
+                        reason=f"restoring from {source.value} was interrupted: try again")
+
+    def after_source_failure(self, *, source: Source, sources_left: Sequence[Source], error: str) -> Decision:
+        """``source`` cannot be read (peer copies incomplete, a checkpoint unreadable)."""
+        if sources_left:
+            return Decision(action=Action.FALLBACK, source=sources_left[0],
+                            reason=f"{source.value} cannot restore the run ({error}): fall back to "
+                                   f"{sources_left[0].value}")
+        return Decision(action=Action.FAIL, reason=f"{source.value} cannot restore the run ({error}) and no other "
+                                                   "source is left")
+
     def after_reform(self, *, consistent: bool, sources: Sequence[Source] = ()) -> Decision:
         if consistent:
             return Decision(action=Action.REFORM, reason="no rank had started its update: the state is intact")
@@ -102,6 +133,11 @@ class ScalingPolicy:
         None when even that is below ``min_world_size``."""
         target = min(desired, survivors + max(0, free_slots))
         return target if target >= self.min_world_size else None
+
+    def without_room(self, *, survivors: int, replacements: bool) -> bool:
+        """No room for the replacements after all (another job took the freed slots): whether to
+        carry on with the survivors alone (True) or give this source up (False: already alone)."""
+        return replacements and survivors >= self.min_world_size
 
     def grow_to(self, *, current: int, free_slots: int, desired: int) -> int | None:
         """A larger size when the cluster has room again (a replaced node), else None: never

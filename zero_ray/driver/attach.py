@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 
+from zero_ray.core.position import Position
 from zero_ray.driver.pool import NAMESPACE
 from zero_ray.errors import ConfigError, ModelError, OwnerLostError
 
@@ -32,7 +33,11 @@ def _owner_names() -> dict[str, list[str]]:
 
 
 def _statuses(names: list[str], *, timeout_s: float) -> list[tuple[Any, dict[str, Any]]]:
-    handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+    try:
+        # A name listed a moment ago may be gone now (a run shutting down): not an error of ours.
+        handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+    except ValueError as err:
+        raise OwnerLostError(f"an owner of {names} is gone: {err}", rank=None) from err
     try:
         statuses = ray.get([h.status.remote() for h in handles], timeout=timeout_s)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
@@ -42,7 +47,8 @@ def _statuses(names: list[str], *, timeout_s: float) -> list[tuple[Any, dict[str
 
 def detached_runs(*, timeout_s: float = 10.0) -> dict[str, list[dict[str, Any]]]:
     """Every run whose owners are alive and detached, by run id: each owner's status (rank,
-    node, generation, completed steps, phase), in rank order. Needs ``ray.init()``."""
+    node, generation, position (``step``, ``samples_seen``), phase), in rank order. Needs
+    ``ray.init()``."""
     out: dict[str, list[dict[str, Any]]] = {}
     for run, names in _owner_names().items():
         try:
@@ -71,9 +77,16 @@ class FoundRun:
         return max(s["generation"] for s in self.statuses)
 
     @property
+    def position(self) -> Position:
+        """The run's position: that of the owner with the fewest steps completed (one caught in
+        the middle of a step has not completed it; settling the pool brings the others back)."""
+        least = min(self.statuses, key=lambda s: s["step"])
+        return Position(step=least["step"], samples_seen=least["samples_seen"])
+
+    @property
     def settled(self) -> bool:
         """Every owner idle at the same step, in the same generation: nothing to re-form."""
-        return (len({s["completed_steps"] for s in self.statuses}) == 1
+        return (len({s["step"] for s in self.statuses}) == 1
                 and len({s["generation"] for s in self.statuses}) == 1
                 and all(s["phase"] == "idle" and not s["busy"] for s in self.statuses))
 

@@ -23,6 +23,7 @@ from zero_ray.checkpoint import store
 from zero_ray.checkpoint.format import build_manifest, shard_file_from_data
 from zero_ray.checkpoint.storage import Storage
 from zero_ray.control.handlers import SavePhase
+from zero_ray.core.position import Position
 from zero_ray.driver.pool import OwnerPool
 from zero_ray.errors import CheckpointError, OwnerLostError, ZeroRayError
 
@@ -36,16 +37,18 @@ class SaveState(enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunPosition:
+class RunRecord:
     """What the manifest records about the run besides the model state."""
 
-    step: int
-    samples_seen: int
+    position: Position
     world_size: int
     stage: int
-    compute_dtype: str
-    seed: int
+    training: dict[str, Any]  # zero_ray.config.training_record: the settings that change the math
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. fit()'s data order, to resume it
+
+    @property
+    def step(self) -> int:
+        return self.position.step
 
 
 class Checkpointer:
@@ -62,7 +65,7 @@ class Checkpointer:
         self.last_root: str | None = None  # the root of last_committed, as Storage.locate names it
         self.last_error: BaseException | None = None
 
-    def save(self, storage: Storage, root: str, position: RunPosition, *,
+    def save(self, storage: Storage, root: str, record: RunRecord, *,
              on_commit: Callable[[str], None] | None = None, remember: bool = True) -> str:
         """Snapshot every owner now and commit under ``root`` (on ``storage``) in the background.
         Returns the directory the checkpoint will have once committed (``wait()`` blocks until
@@ -74,31 +77,35 @@ class Checkpointer:
             rank = min(lost)
             raise OwnerLostError(f"cannot save: partition owner {self._pool.where(rank)} is gone ({lost[rank]})",
                                  rank=rank)
-        pending = store.begin(root, position.step, storage=storage)
+        pending = store.begin(root, record.step, storage=storage)
         where = storage.locate(pending.tmp)
         try:
-            self._pool.save(where, position.step, phase=SavePhase.SNAPSHOT, timeout_s=self._timeout_s)
+            self._pool.save(where, record.step, phase=SavePhase.SNAPSHOT, timeout_s=self._timeout_s)
         except BaseException:
             _abandon(pending, storage)
             raise
         with self._lock:
             self.state, self.last_error = SaveState.WRITING, None
-        self._thread = threading.Thread(target=self._commit, args=(storage, pending, position, on_commit, remember),
+        self._thread = threading.Thread(target=self._commit, args=(storage, pending, record, on_commit, remember),
                                         name="zero_ray-commit", daemon=True)
         self._thread.start()
         return pending.final
 
-    def _commit(self, storage: Storage, pending: store.PendingCheckpoint, position: RunPosition,
+    def _commit(self, storage: Storage, pending: store.PendingCheckpoint, record: RunRecord,
                 on_commit: Callable[[str], None] | None, remember: bool) -> None:
         try:
-            replies = self._pool.save(storage.locate(pending.tmp), position.step, phase=SavePhase.AWAIT,
+            replies = self._pool.save(storage.locate(pending.tmp), record.step, phase=SavePhase.AWAIT,
                                       timeout_s=self._timeout_s)
             records = [json.loads(r.record_json) for r in replies]
+            held = Position.from_data(records[0]["position"])
+            if held != record.position:  # one position: the owners hold the driver's
+                raise CheckpointError(f"the owners' state is at {held} but the driver's position is "
+                                      f"{record.position}; not saved")
             manifest = build_manifest(models=records, files=[shard_file_from_data(r["file"]) for r in records],
-                                      step=position.step, samples_seen=position.samples_seen,
-                                      world_size=position.world_size, stage=position.stage,
-                                      compute_dtype=position.compute_dtype, seed=position.seed,
-                                      extra=position.extra)
+                                      step=record.step, samples_seen=record.position.samples_seen,
+                                      world_size=record.world_size, stage=record.stage,
+                                      compute_dtype=record.training["dtype"], seed=record.training["seed"],
+                                      extra=record.extra, training=record.training)
             path = store.commit(pending, manifest, keep=self._keep, storage=storage)
         except BaseException as err:  # the previous checkpoint stays the committed one
             log.error("checkpoint %s abandoned: %s", pending.final, err)

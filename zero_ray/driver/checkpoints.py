@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from zero_ray.checkpoint.format import Manifest
@@ -20,7 +21,7 @@ from zero_ray.checkpoint.storage import Storage
 from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.checkpoint.tools import export_pretrained
 from zero_ray.config import CheckpointConfig
-from zero_ray.driver.checkpointer import Checkpointer, RunPosition
+from zero_ray.driver.checkpointer import Checkpointer, RunRecord
 from zero_ray.driver.pool import OwnerPool
 from zero_ray.errors import CheckpointError, ConfigError
 
@@ -52,9 +53,11 @@ class CheckpointAPI:
         if shipped is not None:
             self._pool.use_filesystem(*shipped)
 
-    def save(self, storage: Storage, root: str, position: RunPosition, *, remember: bool = True) -> str:
-        """Snapshot every owner now, commit under ``root`` in the background; the directory."""
-        return self.saves.save(storage, root, position, remember=remember)
+    def save(self, storage: Storage, root: str, record: RunRecord, *, remember: bool = True,
+             on_commit: Callable[[str], None] | None = None) -> str:
+        """Snapshot every owner now, commit under ``root`` in the background; the directory.
+        ``on_commit(directory)`` runs on the commit thread once the checkpoint is committed."""
+        return self.saves.save(storage, root, record, remember=remember, on_commit=on_commit)
 
     def wait(self, timeout_s: float | None = None, *, raise_error: bool = True) -> str | None:
         return self.saves.wait(timeout_s=timeout_s, raise_error=raise_error)
@@ -71,12 +74,16 @@ class CheckpointAPI:
         storage, where = open_location(self._config.dir, filesystem=self._config.filesystem)
         return storage.locate(where)
 
-    def load(self, path: str | os.PathLike[str], filesystem: Any = None) -> Manifest:
-        """Check the checkpoint at ``path`` (manifest, file sizes), then have every owner load
-        the ranges its own layout needs; returns the manifest."""
+    def load(self, path: str | os.PathLike[str], filesystem: Any = None, *,
+             check: Callable[[Manifest, str], None] | None = None) -> Manifest:
+        """Check the checkpoint at ``path`` (manifest, file sizes, and ``check(manifest,
+        directory)``, which raises to refuse it), then have every owner load the ranges its own
+        layout needs; returns the manifest."""
         storage, where = self.open(path, filesystem, what="load_checkpoint()")
         reader = CheckpointReader(where, storage=storage)
         m = reader.manifest
+        if check is not None:
+            check(m, reader.path)
         reader.check_files()
         self._pool.load(storage.locate(reader.path), timeout_s=self._config.timeout_s)
         log.info("loaded %s: step %d (saved at stage %d x %d)", reader.path, m.step, m.stage, m.world_size)
@@ -88,7 +95,7 @@ class CheckpointAPI:
             raise CheckpointError("no checkpoint has been committed for this run")
         return self.load(root)
 
-    def export(self, directory: str | os.PathLike[str], position: RunPosition, *, max_shard_size: str | int,
+    def export(self, directory: str | os.PathLike[str], record: RunRecord, *, max_shard_size: str | int,
                dtype: str | None, filesystem: Any = None) -> list[str]:
         """Write the current weights into ``directory`` in the layout ``save_pretrained`` writes,
         streamed from a scratch checkpoint under it (removed afterwards; never a recovery source)."""
@@ -96,7 +103,7 @@ class CheckpointAPI:
         storage.makedirs(target)
         scratch = storage.join(target, f".zero_ray-export-{uuid.uuid4().hex[:12]}")
         try:
-            saved = self.save(storage, scratch, position, remember=False)
+            saved = self.save(storage, scratch, record, remember=False)
             self.wait()
             return export_pretrained(saved, target, max_shard_size=max_shard_size, dtype=dtype, storage=storage)
         finally:

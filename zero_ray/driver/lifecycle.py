@@ -1,24 +1,29 @@
-"""The run's lifecycle: a small state machine the trainer moves, read by operators' threads.
+"""The run's lifecycle: typed states that carry their cause, a transition table the controller
+may not leave, and callbacks told of every move. Read by operators' threads (status, stop).
 
     READY --step--> STEPPING --done--> READY
     READY --resize--> RESIZING --done--> READY
-    any live state --failure--> RECOVERING --recovered--> READY | --gave up--> FAILED
+    READY/STEPPING/RESIZING --failure--> RECOVERING --recovered--> READY | --gave up--> FAILED
     READY/STEPPING --stop request--> STOPPING (step() refuses new steps)
     any --shutdown--> SHUT_DOWN
+
+A move the table does not allow is a bug in the controller and raises ``InvalidTransition``.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from zero_ray.errors import StopRequested, ZeroRayError
 
 
 class TrainerState(enum.Enum):
-    """The run's lifecycle, as the controller moves it."""
+    """What the controller is doing (a state's type; ``RunState`` adds its cause)."""
 
     READY = "ready"
     STEPPING = "stepping"
@@ -29,7 +34,44 @@ class TrainerState(enum.Enum):
     SHUT_DOWN = "shut_down"
 
 
-_FINAL = (TrainerState.FAILED, TrainerState.SHUT_DOWN)
+_S = TrainerState
+FINAL = frozenset({_S.FAILED, _S.SHUT_DOWN})
+#: from -> the states it may move to
+TRANSITIONS: dict[TrainerState, frozenset[TrainerState]] = {
+    _S.READY: frozenset({_S.STEPPING, _S.RESIZING, _S.RECOVERING, _S.STOPPING, _S.FAILED, _S.SHUT_DOWN}),
+    _S.STEPPING: frozenset({_S.READY, _S.RECOVERING, _S.STOPPING, _S.FAILED, _S.SHUT_DOWN}),
+    _S.RESIZING: frozenset({_S.READY, _S.RECOVERING, _S.STOPPING, _S.FAILED, _S.SHUT_DOWN}),
+    _S.RECOVERING: frozenset({_S.READY, _S.STOPPING, _S.FAILED, _S.SHUT_DOWN}),
+    # a run asked to stop still finishes the step in flight, recovers from its failure, saves
+    _S.STOPPING: frozenset({_S.STEPPING, _S.RECOVERING, _S.FAILED, _S.SHUT_DOWN}),
+    _S.FAILED: frozenset({_S.SHUT_DOWN}),
+    _S.SHUT_DOWN: frozenset(),
+}
+
+
+class InvalidTransition(ZeroRayError):
+    """The controller tried a move its transition table does not allow (a bug)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunState:
+    """A state and why it was entered: the step being taken, the sizes of a resize, the error
+    being recovered from or that failed the run, the reason for a stop."""
+
+    type: TrainerState
+    cause: str = ""
+    error: BaseException | None = field(default=None, compare=False)
+    since: float = field(default_factory=time.monotonic, compare=False)
+
+    @property
+    def value(self) -> str:
+        return self.type.value
+
+    def __str__(self) -> str:
+        return self.type.value + (f" ({self.cause})" if self.cause else "")
+
+
+Listener = Callable[[RunState, RunState], None]
 
 
 class Lifecycle:
@@ -37,51 +79,66 @@ class Lifecycle:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._state = TrainerState.READY
+        self._state = RunState(type=_S.READY, cause="started")
         self.stop_reason: str | None = None
+        self.history: list[RunState] = [self._state]  # every state entered, oldest first
+        self._listeners: list[Listener] = []
 
     @property
     def state(self) -> TrainerState:
+        return self._state.type
+
+    @property
+    def current(self) -> RunState:
         return self._state
+
+    def subscribe(self, listener: Listener) -> None:
+        """Call ``listener(old, new)`` after every move (on the mover's thread, outside the lock)."""
+        self._listeners.append(listener)
 
     def require_ready(self) -> None:
         """Raise unless a new step or operation may start."""
-        state = self._state
-        if state is TrainerState.STOPPING:
+        state = self._state.type
+        if state is _S.STOPPING:
             raise StopRequested(f"the run was asked to stop: {self.stop_reason}")
-        if state is not TrainerState.READY:
-            raise ZeroRayError(f"the trainer is {state.value}; create a new ZeroTrainer")
+        if state is not _S.READY:
+            raise ZeroRayError(f"the trainer is {self._state}; create a new ZeroTrainer")
 
     def require_alive(self) -> None:
-        if self._state in _FINAL:
-            raise ZeroRayError(f"the trainer is {self._state.value}")
+        if self._state.type in FINAL:
+            raise ZeroRayError(f"the trainer is {self._state}")
 
-    def move(self, to: TrainerState) -> None:
-        """Enter ``to`` (a final state is left only for SHUT_DOWN; a stop request is kept over
-        READY)."""
+    def move(self, to: TrainerState, *, cause: str = "", error: BaseException | None = None) -> RunState:
+        """Enter ``to`` (READY becomes STOPPING while a stop is asked for); raises
+        ``InvalidTransition`` for a move the table does not allow."""
         with self._lock:
-            if self._state in _FINAL and not (self._state is TrainerState.FAILED and to is TrainerState.SHUT_DOWN):
-                return
-            if to is TrainerState.READY and self.stop_reason is not None:
-                to = TrainerState.STOPPING
-            self._state = to
+            old = self._state
+            if to is _S.READY and self.stop_reason is not None:
+                to, cause = _S.STOPPING, self.stop_reason
+            if to is not old.type and to not in TRANSITIONS[old.type]:
+                raise InvalidTransition(f"the controller may not move from {old} to {to.value} ({cause})")
+            self._state = new = RunState(type=to, cause=cause, error=error)
+            self.history.append(new)
+        for listener in self._listeners:
+            listener(old, new)
+        return new
 
     @contextmanager
-    def during(self, state: TrainerState) -> Iterator[None]:
+    def during(self, state: TrainerState, *, cause: str = "") -> Iterator[RunState]:
         """In ``state`` for the block; READY again after it unless something moved the state on
         (a failure, a stop request)."""
-        self.move(state)
+        entered = self.move(state, cause=cause)
         try:
-            yield
+            yield entered
         finally:
-            with self._lock:
-                if self._state is state:
-                    self._state = TrainerState.STOPPING if self.stop_reason is not None else TrainerState.READY
+            if self._state is entered:
+                self.move(_S.READY, cause=f"{state.value} done")
 
     def request_stop(self, reason: str) -> str:
         """Ask the run to stop after the step in flight; returns the state afterwards."""
         with self._lock:
             self.stop_reason = reason or "stop requested"
-            if self._state in (TrainerState.READY, TrainerState.STEPPING):
-                self._state = TrainerState.STOPPING
-            return self._state.value
+            stop = self._state.type is _S.READY
+        if stop:
+            self.move(_S.STOPPING, cause=self.stop_reason)
+        return self._state.value

@@ -67,7 +67,6 @@ class PoolSpec:
     snapshot_every: int = 0  # peer snapshots every this many steps; 0: none
     detached: bool = False
     orphan_timeout_s: float = 300.0
-    fault: str | None = None  # zero_ray.owner.faults, forwarded from the driver's environment
     run: dict[str, Any] | None = None  # what an attaching driver reads back (config, optimizer)
 
     @property
@@ -152,7 +151,7 @@ class OwnerPool:
                                      control_host=None, local_cluster=cluster_is_local(), server_tls=spec.server_tls(),
                                      snapshot_every=spec.snapshot_every, settle_timeout_s=spec.settle_timeout_s,
                                      detached=spec.detached, orphan_timeout_s=spec.orphan_timeout_s,
-                                     fault=spec.fault, run=spec.run)
+                                     run=spec.run)
         self._engine = engine
         try:
             if adopt is not None:

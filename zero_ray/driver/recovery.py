@@ -198,12 +198,15 @@ class RecoveryController:
 
     def _restore(self, decision: Decision, report: RecoveryReport, *, lost: set[int], committed_step: int,
                  sources: list[Source], load_checkpoint: Callable[[], int]) -> None:
+        """Restore from ``decision.source``; after each try the policies say what next (retry
+        with what is left, carry on without replacements, fall back to the next source, give up)."""
         pool = self._pool
         t0 = time.time()
         survivors = [r for r in range(pool.world_size) if r not in lost]
-        order = sources[sources.index(decision.source):] if decision.source in sources else []
+        source = decision.source
         attempt, replacements = 0, True
-        while order:
+        while source is not None:
+            left = sources[sources.index(source) + 1:] if source in sources else []
             target = self.scaling.after_loss(survivors=len(survivors), desired=self.desired,
                                               free_slots=pool.free_slots() if replacements else 0)
             if target is None:
@@ -211,18 +214,17 @@ class RecoveryController:
                                  f"{self.scaling.min_world_size}")
                 return
             generation = pool.generation
-            source = order[0]
             try:
                 report.resume_step = self._restore_from(source, survivors, target, committed_step, load_checkpoint)
-            except ResourceError as err:  # no room for replacements after all: carry on without them
-                report.notes.append(f"no replacements ({err}); continuing with {len(survivors)} owners")
-                if not replacements:
-                    order.pop(0)
-                replacements = False
-                continue
-            except (OwnerError, CollectiveError) as err:
-                # An owner was lost or got stuck while restoring: end it and try again with the rest.
+            except ResourceError as err:  # no room for the replacements after all
+                report.notes.append(f"no replacements ({err})")
+                if self.scaling.without_room(survivors=len(survivors), replacements=replacements):
+                    replacements = False
+                    continue
+                decision = self._failure.after_source_failure(source=source, sources_left=left, error=str(err))
+            except (OwnerError, CollectiveError) as err:  # an owner lost or stuck while restoring
                 attempt += 1
+                self.failures += 1
                 if pool.generation != generation:  # the pool was rebuilt: everyone in it is a survivor
                     survivors = list(range(pool.world_size))
                 again = pool.find_lost(timeout_s=self._probe_timeout_s)
@@ -231,30 +233,30 @@ class RecoveryController:
                 report.notes.append(f"restoring from {source.value} failed (lost {sorted(again)}): "
                                     f"{str(err).splitlines()[0]}")
                 log.error("restoring from %s failed: %s", source.value, err)
-                self.failures += 1
-                if self.failures > self._failure.max_failures or attempt > self._failure.max_failures:
-                    report.reason = f"restoring failed {attempt} times: {err}"
-                    return
-                self._end(again, f"restoring failed: {err}")
                 survivors = [r for r in survivors if r not in again]
-                # Try again with the survivors alone: starting replacements again would double
-                # the time to the next step; the run grows back once it trains (grow_back).
-                replacements = False
-                if not survivors:
-                    report.reason = "every owner was lost while restoring"
-                    return
-                continue
-            except (ZeroRayError, CheckpointError) as err:
+                decision = self._failure.after_restore_failure(source=source, lost=set(again),
+                                                               survivors=len(survivors), attempt=attempt,
+                                                               failures_so_far=self.failures, sources_left=left)
+                if decision.action is not Action.FAIL:
+                    self._end(again, f"restoring failed: {err}")
+                    replacements = False
+            except (ZeroRayError, CheckpointError) as err:  # the source itself cannot restore the run
                 report.notes.append(f"restoring from {source.value} failed: {err}")
                 log.error("restoring from %s failed: %s", source.value, err)
                 if pool.generation != generation:
                     survivors = list(range(pool.world_size))
-                order.pop(0)
-                continue
-            report.source, report.outcome = source.value, Outcome.RESTORED
-            report.world_size_after = pool.world_size
-            report.restore_s = time.time() - t0
-            return
+                decision = self._failure.after_source_failure(source=source, sources_left=left,
+                                                              error=str(err).splitlines()[0])
+            else:
+                report.source, report.outcome = source.value, Outcome.RESTORED
+                report.world_size_after = pool.world_size
+                report.restore_s = time.time() - t0
+                return
+            report.notes.append(f"{decision.action.value}: {decision.reason}")
+            if decision.action is Action.FAIL:
+                report.reason = decision.reason
+                return
+            source = decision.source
 
     def _restore_from(self, source: Source, survivors: list[int], target: int, committed_step: int,
                       load_checkpoint: Callable[[], int]) -> int:

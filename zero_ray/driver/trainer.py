@@ -3,7 +3,8 @@
 It composes the driver's parts (Ray Train v2's split): the lifecycle state machine
 (``lifecycle.py``), the owners' membership and placement (``pool.py``, calls through
 ``fanout.py``), failure handling (``recovery.py``: policies decide, the controller acts), the
-checkpoint API (``checkpoints.py``) and the data path (``data.py``, ``fit.py``).
+checkpoint API (``checkpoints.py``), resuming from a checkpoint or a detached run's owners
+(``resume.py``) and the data path (``data.py``, ``fit.py``).
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 import torch
 
 from zero_ray.checkpoint.storage import Storage
-from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.config import ZeroConfig
 from zero_ray.control.auth import Credentials, new_token, write_token_file
 from zero_ray.control.handlers import EvaluateArgs, JobStatus, MetricsEvent, StepArgs, combine
@@ -35,13 +35,12 @@ from zero_ray.core.optim import (
     SchedulerFactory,
     check_optimizer_factories,
     check_scheduler_factory,
-    recorded_factories,
 )
 from zero_ray.core.policy import FailurePolicy, ScalingPolicy
 from zero_ray.core.precision import parse_dtype
 from zero_ray.core.stages import stage_plan
-from zero_ray.driver.attach import FoundRun, check_layout, find_run
-from zero_ray.driver.checkpointer import RunPosition
+from zero_ray.driver.attach import FoundRun, check_layout
+from zero_ray.driver.callbacks import Callback, Callbacks, EventLog, check_callbacks
 from zero_ray.driver.checkpoints import CheckpointAPI
 from zero_ray.driver.coordinator import Coordinator
 from zero_ray.driver.data import GlobalBatch, StagedBatch
@@ -50,14 +49,14 @@ from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.metrics import RunMetrics
 from zero_ray.driver.pool import Adopted, OwnerPool, PoolSpec, cluster_is_local
 from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport, Replay, failed_error
+from zero_ray.driver.resume import ResumeAPI
 from zero_ray.errors import (
-    CollectiveError,
     ConfigError,
+    NonFiniteError,
     ResizeInterrupted,
     ResourceError,
     ZeroRayError,
 )
-from zero_ray.owner.faults import ENV as FAULT_ENV
 from zero_ray.owner.spec import EngineSpec, LossFn, ModelFn
 
 log = logging.getLogger(__name__)
@@ -77,7 +76,7 @@ def _resolve_device(config: ZeroConfig) -> tuple[str, str]:
                           cluster_gpus=ray.cluster_resources().get("GPU", 0.0))
 
 
-class ZeroTrainer:
+class ZeroTrainer(ResumeAPI):
     """Train ``model_fn()`` with ZeRO data parallelism over ``config.world_size`` Ray actors.
 
     model_fn: zero-argument callable returning a ``torch.nn.Module``; runs on every actor after
@@ -93,12 +92,15 @@ class ZeroTrainer:
     lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, applied to
         each optimizer and stepped once per optimizer step; or None.
     config: a ``zr.ZeroConfig``.
+    callbacks: ``zr.Callback`` instances told of every state change (with its cause), completed
+        step, committed checkpoint and event (resize, recovery, attach), as Ray Train's
+        callbacks are. One that raises is logged; the run goes on.
     """
 
     def __init__(self, model_fn: ModelFn, loss_fn: LossFn, *,
                  optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
                  lr_scheduler: SchedulerFactory | None = None, config: ZeroConfig | None = None,
-                 _found: FoundRun | None = None) -> None:
+                 callbacks: Sequence[Callback] = (), _found: FoundRun | None = None) -> None:
         if not callable(model_fn):
             raise ConfigError(f"model_fn={model_fn!r} must be a zero-argument callable returning a torch.nn.Module")
         if not callable(loss_fn):
@@ -109,6 +111,7 @@ class ZeroTrainer:
         self.optimizer = optimizer if optimizer is not None else AdamW()
         factories = check_optimizer_factories(self.optimizer)
         self.lr_scheduler = check_scheduler_factory(lr_scheduler)
+        observers = check_callbacks(callbacks)
         _ensure_ray()
         self.device, backend = _resolve_device(cfg)
         self._engine = EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizers=factories,
@@ -118,7 +121,8 @@ class ZeroTrainer:
                                   init_state_dict=cfg.init_state_dict,
                                   activation_checkpointing=cfg.activation_checkpointing,
                                   lr_scheduler=self.lr_scheduler, optimizer_kinds=cfg.optimizer_kinds,
-                                  reduce_dtype=parse_dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None)
+                                  reduce_dtype=parse_dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None,
+                                  on_nonfinite=cfg.on_nonfinite)
         if _found is not None:
             self._credentials = ray.get(_found.actors[0].credentials.remote(), timeout=cfg.init_timeout_s)
         else:
@@ -131,11 +135,14 @@ class ZeroTrainer:
                         health_timeout_s=cfg.health_timeout_s, tls=cfg.control_tls,
                         snapshot_every=elastic.snapshot_every if elastic.redundancy == "peer" else 0,
                         detached=elastic.detached, orphan_timeout_s=elastic.orphan_timeout_s,
-                        fault=os.environ.get(FAULT_ENV),
                         run={"detached": elastic.detached, "config": cfg, "optimizer": self.optimizer,
                              "lr_scheduler": self.lr_scheduler})
         self._run_metrics = RunMetrics(run_id=self._credentials.job_id)
         self._life = Lifecycle()
+        self._event_log = EventLog()
+        self.events = self._event_log.events  # membership changes and failure decisions, for operators
+        self._callbacks = Callbacks([self._event_log, *observers])
+        self._life.subscribe(self._callbacks.on_state)
         self.step_count = 0  # steps completed in the owners' state
         self._submitted = 0  # steps the user has asked for (equal to step_count except during a replay)
         self._replay = Replay(elastic.max_replay_steps)  # batches (fit: indices) to replay after a restore
@@ -148,7 +155,6 @@ class ZeroTrainer:
         self._step_mutex = threading.RLock()
         self.samples_seen = 0
         self.last_metrics: dict[str, Any] = {}
-        self.events: list[str] = []  # membership changes and failure decisions, for operators
         # What checkpoints record beside the state (fit()'s data order), and what the checkpoint
         # this run resumed from recorded (checked by the next fit, then dropped).
         self.run_extra: dict[str, Any] = {}
@@ -182,40 +188,6 @@ class ZeroTrainer:
             self.memory_report()
         except ZeroRayError as err:
             log.warning("could not record the start-up memory report: %s", err)
-
-    # -- a driver taking over a detached run ----------------------------------------------------------
-    @classmethod
-    def attach(cls, run_id: str, model_fn: ModelFn, loss_fn: LossFn, *,
-               optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
-               lr_scheduler: SchedulerFactory | None = None, timeout_s: float = 60.0) -> ZeroTrainer:
-        """Continue a detached run (``ElasticConfig(detached=True)``) whose driver is gone, from
-        its owners' memory (no storage is read): from a new driver process, such as a
-        resubmitted Ray job. ``model_fn`` must build the same model (checked against the owners'
-        layout); ``optimizer`` and ``lr_scheduler`` (the factories replacement owners build from)
-        default to the run's, whose state the owners keep. The run's ``ZeroConfig`` comes from the
-        owners. ``step_count`` says how many steps the owners completed: feed the batches from
-        there on (``fit`` does so by itself). Owners caught in the middle of a step are aborted
-        and re-formed (or restored from peer copies when a rank had begun its update)."""
-        _ensure_ray()
-        found = find_run(run_id, timeout_s=timeout_s)
-        run = found.run
-        config: ZeroConfig = run["config"]
-        return cls(model_fn, loss_fn, optimizer=optimizer if optimizer is not None else run["optimizer"],
-                   lr_scheduler=lr_scheduler if lr_scheduler is not None else run.get("lr_scheduler"),
-                   config=config, _found=found)
-
-    def _take_over(self, found: FoundRun) -> None:
-        """Settle an adopted pool: nothing to do if every owner is idle at one step; else abort
-        and re-form (or restore) as after a failed step."""
-        done = min(s["completed_steps"] for s in found.statuses)
-        self.step_count = self._submitted = done
-        if found.settled:
-            self.events.append(f"attached to run {found.run_id} at step {done} ({self.world_size} owners)")
-            return
-        err = CollectiveError(f"the previous driver left run {found.run_id} in the middle of step {done + 1}")
-        if not self._recover(err, failed_step=done, replay_until=done, started=time.perf_counter()):
-            self._raise_if_failed(err)
-        self.events.append(f"attached to run {found.run_id} at step {self.step_count} ({self.world_size} owners)")
 
     # -- properties for operators ---------------------------------------------------------------
     @property
@@ -273,9 +245,11 @@ class ZeroTrainer:
 
         Returns metrics: ``loss`` (mean over the global batch before the update: over items when
         ``loss_fn`` returns ``(loss_sum, count)``, else over samples), ``grad_norm`` (before
-        clipping), ``lr``, ``skipped`` (fp16 overflow), ``loss_scale``, ``samples``, ``items``
-        (the count, or tokens of an integer batch, or samples) and ``items_per_second``,
-        ``step_seconds``.
+        clipping), ``lr``, ``skipped`` (fp16 overflow, or a non-finite step under
+        ``on_nonfinite="skip"``, which adds ``nonfinite_loss_ranks`` and ``nonfinite_grad_ranks``),
+        ``loss_scale``, ``samples``, ``items`` (the count, or tokens of an integer batch, or
+        samples) and ``items_per_second``, ``step_seconds``. Under ``on_nonfinite="raise"`` a
+        non-finite step raises ``NonFiniteError`` having changed nothing: ``step()`` again.
         """
         with self._step_mutex:
             return self._step(StagedBatch(batch))
@@ -296,6 +270,8 @@ class ZeroTrainer:
                 self._catch_up(index)
                 results = self._execute(work)
                 break
+            except NonFiniteError:  # refused by every owner, nothing changed: not a failure to recover
+                raise
             except ZeroRayError as err:
                 if not self._recover(err, failed_step=self.step_count, replay_until=index + 1, started=start):
                     self._raise_if_failed(err)
@@ -322,8 +298,16 @@ class ZeroTrainer:
         }
         if "count" in totals:
             metrics["count"] = totals["count"]
+        if results[0].nonfinite_loss_ranks or results[0].nonfinite_grad_ranks:  # on_nonfinite="skip"
+            metrics["nonfinite_loss_ranks"] = list(results[0].nonfinite_loss_ranks)
+            metrics["nonfinite_grad_ranks"] = list(results[0].nonfinite_grad_ranks)
+            text = NonFiniteError.describe(self.step_count, results[0].nonfinite_loss_ranks,
+                                           results[0].nonfinite_grad_ranks) + "; skipped"
+            log.warning(text)
+            self._callbacks.on_event(text)
         self.last_metrics = metrics
         self._run_metrics.record_step(metrics, results)
+        self._callbacks.on_step(metrics, results)
         self._coordinator.publish(MetricsEvent(step=self.step_count, loss=metrics["loss"], step_seconds=seconds,
                                                tokens_per_second=metrics["items_per_second"],
                                                values={"grad_norm": metrics["grad_norm"], "lr": metrics["lr"],
@@ -341,11 +325,14 @@ class ZeroTrainer:
         n = work.samples
         generation = self._pool.generation
         pieces, held = work.send(self._pool, world_size=self.world_size, key=f"{generation}:{self.step_count}")
-        args = [StepArgs(step=self.step_count, piece=piece, global_samples=n, generation=generation)
-                for piece in pieces]
-        with self._life.during(TrainerState.STEPPING):
+        args = [StepArgs(step=self.step_count, piece=piece, global_samples=n, generation=generation,
+                         samples_seen=self.samples_seen) for piece in pieces]
+        with self._life.during(TrainerState.STEPPING, cause=f"step {self.step_count + 1}"):
             results = self._pool.step(args, timeout_s=self.config.step_timeout_s)
         del held  # the owners are done with the staged pieces: the object store frees them
+        if results[0].refused:  # on_nonfinite="raise": every owner refused it alike
+            raise NonFiniteError.refused(self.step_count + 1, results[0].nonfinite_loss_ranks,
+                                         results[0].nonfinite_grad_ranks)
         self.step_count += 1
         self.samples_seen += n
         return results
@@ -412,7 +399,7 @@ class ZeroTrainer:
         """Carry out the policies' decision after a failure in step ``failed_step`` (or between
         steps); True when the state was restored (``step_count`` rewound) and steps up to
         ``replay_until`` must be replayed from the kept batches. Every outcome is recorded."""
-        self._life.move(TrainerState.RECOVERING)
+        self._life.move(TrainerState.RECOVERING, cause=f"step {failed_step + 1}: {type(err).__name__}", error=err)
         report = self._recovery.recover(err, failed_step=failed_step, step_started=time.time() - (
             time.perf_counter() - started), load_checkpoint=lambda: self._checkpoints.load_latest().step)
         restored = report.outcome is Outcome.RESTORED and self._replay.covers(report, replay_until,
@@ -423,10 +410,11 @@ class ZeroTrainer:
             self.step_count = report.resume_step
             self._restored_at = time.perf_counter()
         self.recoveries.append(report)
-        self.events.append(report.summary())
+        self._callbacks.on_event(report.summary())
         self._last_grow_check = time.monotonic()  # grow back grow_check_s later, not on top of the replay
         log.warning("recovery: %s (%s)", report.summary(), report.reason)
-        self._life.move(TrainerState.FAILED if report.outcome is Outcome.FAILED else TrainerState.READY)
+        self._life.move(TrainerState.FAILED if report.outcome is Outcome.FAILED else TrainerState.READY,
+                        cause=report.summary())
         return restored
 
     def _raise_if_failed(self, err: ZeroRayError) -> None:
@@ -517,7 +505,7 @@ class ZeroTrainer:
                 return {"previous_world_size": world_size, "world_size": world_size, "bytes_sent": 0, "seconds": 0.0}
             self._checkpoints.wait(raise_error=False)  # a save in flight reads the current owners
             try:
-                with self._life.during(TrainerState.RESIZING):
+                with self._life.during(TrainerState.RESIZING, cause=f"{self.world_size} -> {world_size} owners"):
                     report = self._pool.resize(world_size)
             except ResourceError:  # refused before any owner changed: the run goes on as it was
                 raise
@@ -529,17 +517,11 @@ class ZeroTrainer:
                 raise ResizeInterrupted(f"resizing to {world_size} owners failed ({err}); the run was restored "
                                         f"at {self.world_size} owners and continues with the next step") from err
             self._recovery.desired = desired
-        self.events.append(f"step {self.step_count}: resized {report['previous_world_size']} -> {world_size} owners "
-                           f"({report['bytes_sent']} bytes moved in {report['seconds']:.2f}s)")
-        log.info(self.events[-1])
+        self._callbacks.on_event(f"step {self.step_count}: resized {report['previous_world_size']} -> {world_size} "
+                                 f"owners ({report['bytes_sent']} bytes moved in {report['seconds']:.2f}s)")
         return report
 
     # -- checkpoints -----------------------------------------------------------------------------------
-    def _position(self) -> RunPosition:
-        cfg = self.config
-        return RunPosition(step=self.step_count, samples_seen=self.samples_seen, world_size=self.world_size,
-                           stage=cfg.stage, compute_dtype=cfg.dtype, seed=cfg.seed, extra=dict(self.run_extra))
-
     def save_checkpoint(self, path: str | os.PathLike[str] | None = None, *, wait: bool = False,
                         filesystem: Any = None) -> str:
         """Save a sharded checkpoint under the root ``path`` (default ``config.checkpoint.dir``
@@ -563,11 +545,12 @@ class ZeroTrainer:
     def _save(self, root: tuple[Storage, str], *, wait: bool) -> tuple[str, int]:
         with self._step_mutex:
             self._life.require_ready()
-            position = self._position()
-            target = self._checkpoints.save(*root, position)
+            record = self._record()
+            target = self._checkpoints.save(*root, record,
+                                            on_commit=lambda path: self._callbacks.on_checkpoint(path, record.step))
         if wait:
             self.wait_for_checkpoint()
-        return target, position.step
+        return target, record.step
 
     def wait_for_checkpoint(self, timeout_s: float | None = None) -> str | None:
         """Block until the save in flight is committed; returns the newest committed directory.
@@ -585,57 +568,8 @@ class ZeroTrainer:
         written."""
         with self._step_mutex:
             self._life.require_ready()
-            return self._checkpoints.export(directory, self._position(), max_shard_size=max_shard_size, dtype=dtype,
+            return self._checkpoints.export(directory, self._record(), max_shard_size=max_shard_size, dtype=dtype,
                                             filesystem=filesystem)
-
-    @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike[str], model_fn: ModelFn, loss_fn: LossFn, *,
-                        optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
-                        lr_scheduler: SchedulerFactory | None = None,
-                        config: ZeroConfig | None = None, filesystem: Any = None) -> ZeroTrainer:
-        """Resume from a checkpoint (a checkpoint directory, or a root whose ``latest`` is used;
-        a path, a URL, or a path in ``filesystem``) at any stage and world size: each owner reads
-        only the ranges its new partition needs (ranged GETs on an object store).
-
-        ``optimizer`` defaults to the checkpoint's (its classes and groups, rebuilt by parameter
-        name); a different optimizer is refused, naming both. The optimizers' state, group
-        hyperparameters and the scheduler's state come from the checkpoint; a run saved with a
-        scheduler needs the same ``lr_scheduler`` factory again. ``config`` defaults to stage and
-        world size as saved. ``step_count`` and ``samples_seen`` continue from the checkpoint:
-        feed the batches from there on to continue as the uninterrupted run.
-        """
-        reader = CheckpointReader(path, filesystem=filesystem)  # the manifest only: checked before owners start
-        m = reader.manifest
-        reader.check_files()
-        if config is None:
-            config = ZeroConfig(stage=m.stage, world_size=m.world_size, dtype=m.compute_dtype, seed=m.seed)
-        opt = optimizer if optimizer is not None else list(recorded_factories(m.optimizers))
-        trainer = cls(model_fn, loss_fn, optimizer=opt, lr_scheduler=lr_scheduler, config=config)
-        try:
-            trainer.load_checkpoint(reader.path, filesystem=filesystem)
-        except BaseException:
-            trainer.shutdown()
-            raise
-        return trainer
-
-    def load_checkpoint(self, path: str | os.PathLike[str], *, filesystem: Any = None) -> int:
-        """Overwrite this run's model state, optimizer state and position with a checkpoint (a
-        directory, or a root's ``latest``; a path, a URL, or a path in ``filesystem``) saved at
-        any stage and world size; returns the step it continues from. The manifest and file
-        sizes are checked first, and each rank reads and verifies all its ranges before changing
-        anything; if a rank still fails (a corrupt block) others may have loaded, so the trainer
-        is then marked failed."""
-        with self._step_mutex:
-            self._life.require_ready()
-            try:
-                m = self._checkpoints.load(path, filesystem)
-            except BaseException:
-                self._life.move(TrainerState.FAILED)
-                raise
-            self.step_count, self.samples_seen = m.step, m.samples_seen
-            self._submitted = m.step
-            self.run_extra, self.resumed = dict(m.extra), dict(m.extra)
-        return m.step
 
     # -- the end ---------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -42,7 +42,6 @@ from zero_ray.owner.device import setup_device
 from zero_ray.owner.control import OwnerControl
 from zero_ray.errors import CollectiveError, OwnerError
 from zero_ray.owner.engine import OwnerEngine, StepPhase
-from zero_ray.owner.faults import FaultPlan
 from zero_ray.owner.spec import EngineSpec
 from zero_ray.owner.redundancy import PeerSnapshots
 from zero_ray.owner.resize import RankState, TransferPlan, describe_state, exchange, install
@@ -67,7 +66,6 @@ class OwnerOptions:
     settle_timeout_s: float = 10.0  # after an abort: how long an operation waits for the aborted one to end
     detached: bool = False  # the owners outlive the driver (ElasticConfig.detached)
     orphan_timeout_s: float = 300.0  # a detached owner no driver has reached for this long ends itself
-    fault: str | None = None  # zero_ray.owner.faults: a planned kill (tests and the recovery benchmark)
     run: dict[str, Any] | None = None  # what a driver attaching to a detached run needs (config, optimizer)
 
 
@@ -88,9 +86,8 @@ class PartitionOwner:
         self.data = PieceSource()
         self.backup = self.ward = rank  # peers for snapshots, set by the driver
         self.step_lock = threading.Lock()  # held by a step; recovery waits for it
-        self.completed_steps = 0  # driver steps this owner has finished (where an attaching driver resumes)
         self._aborted = -1  # the newest generation an abort was asked for
-        self.faults = FaultPlan.parse(options.fault)
+        self._forming: threading.Event | None = None  # set to abort the group formation in progress
         self.last_contact = time.monotonic()  # of a driver: any control call, a heartbeat served
         torch.set_num_threads(max(1, options.threads))
         host = options.control_host or ("127.0.0.1" if options.local_cluster else ray.util.get_node_ip_address())
@@ -116,20 +113,20 @@ class PartitionOwner:
         if not self._device_ready:  # before any group: NCCL forms on the current device
             setup_device(device=self._spec.device, backend=o.backend, rank=self.rank)
             self._device_ready = True
-        self._group = form_group(backend=o.backend, group_name=self._group_name(), rank=self.rank,
-                                 world_size=self.world_size, timeout_s=o.collective_timeout_s)
+        # An abort of this generation (another thread: a peer was lost before it arrived) ends
+        # the formation at once instead of leaving this rank stuck in it until the timeout.
+        forming = self._forming = threading.Event()
+        if self._aborted >= self.generation:  # an abort raced in before the event existed
+            forming.set()
+        try:
+            self._group = form_group(backend=o.backend, group_name=self._group_name(), rank=self.rank,
+                                     world_size=self.world_size, timeout_s=o.collective_timeout_s, abort=forming)
+        finally:
+            self._forming = None
         return self._group
 
-    def fault(self, point: str) -> None:
-        """A named point of this owner's work (zero_ray.owner.faults); nothing unless planned."""
-        if self.faults is not None:
-            self.faults.reached(point, self.rank, self.completed_steps)
-
     def _new_engine(self, group: Collective) -> OwnerEngine:
-        engine = OwnerEngine(self._spec, rank=self.rank, group=group)
-        if self.faults is not None:
-            engine.on_backward = lambda: self.fault("backward")
-        return engine
+        return OwnerEngine(self._spec, rank=self.rank, group=group)
 
     def setup(self) -> dict[str, Any]:
         """Join the group (all ranks concurrently) and build the model state."""
@@ -169,6 +166,11 @@ class PartitionOwner:
         from a gRPC thread); remember an abort of a generation not yet reached, so that it is
         never joined. Returns whether a step was in flight."""
         self._aborted = max(self._aborted, generation)
+        forming = self._forming
+        if forming is not None and generation >= self.generation:
+            log.warning("rank %d aborting the formation of generation %d: %s", self.rank, self.generation, reason)
+            forming.set()
+            return True
         if generation != self.generation or self._group is None:
             return False
         log.warning("rank %d aborting generation %d: %s", self.rank, generation, reason)
@@ -204,7 +206,6 @@ class PartitionOwner:
         if every and (step + 1) % every == 0 and self._group is not None:
             engine = self.engine
             engine.phase = StepPhase.UPDATING
-            self.fault("peer_snapshot")
             self.snapshots.take(engine, self._group, step=step, backup=self.backup, ward=self.ward,
                                 timeout_s=self._options.collective_timeout_s)
             engine.phase = StepPhase.IDLE
@@ -251,7 +252,6 @@ class PartitionOwner:
             if restore is not None:
                 plan = TransferPlan.of(restore["scalars"], old_world=restore["old_world"], new_world=world_size)
                 staged = plan.staging(position, world_size)
-                self.fault("restore_transfer")
                 sent = exchange(plan, me=position, sources=sources, senders=restore["holders"], staged=staged,
                                 group=group, timeout_s=self._options.collective_timeout_s)
             engine = self._new_engine(group)
@@ -298,7 +298,6 @@ class PartitionOwner:
         staged = plan.staging(me, new_world) if me < new_world else None
         sources = ({me: RankState(slices=old.state.optimizer_slices(),
                                   whole=old.state.optimizer.whole_state(saver_only=True))} if old is not None else {})
-        self.fault("resize_transfer")
         sent = exchange(plan, me=me, sources=sources, senders=list(range(old_world)), staged=staged,
                         group=transfer, timeout_s=self._options.collective_timeout_s)
         self._engine = old = None  # the old state is no longer needed: free it before building the new
@@ -328,11 +327,13 @@ class PartitionOwner:
         return self._options.credentials
 
     def status(self) -> dict[str, Any]:
-        """Where this owner stands, for ``ZeroTrainer.attach`` and ``zero-ray status``."""
+        """Where this owner stands, for ``ZeroTrainer.attach`` and ``zero-ray status``: ``step``
+        and ``samples_seen`` are the run's position as the driver last set it here (steps
+        completed and their samples), ``run`` the run's config and factories."""
         engine = self._engine
+        position = engine.position.to_data() if engine else {"step": 0, "samples_seen": 0}
         return {**self.node(), "world_size": self.world_size, "generation": self.generation,
-                "completed_steps": self.completed_steps, "phase": engine.phase.value if engine else "starting",
-                "steps_done": engine.steps_done if engine else 0, "run": self._options.run,
+                **position, "phase": engine.phase.value if engine else "starting", "run": self._options.run,
                 "busy": self.step_lock.locked(),
                 "numel": engine.layout.numel if engine else 0,
                 "shapes": {p.name: list(p.shape) for p in engine.layout.params} if engine else {},

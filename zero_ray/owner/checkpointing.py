@@ -37,9 +37,11 @@ from zero_ray.checkpoint.shardfile import Item, write_shard
 from zero_ray.checkpoint.location import open_location
 from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.core.optim_state import table_by_name, table_from_names
+from zero_ray.core.position import Position
 from zero_ray.errors import CheckpointError
 from zero_ray.owner.engine import OwnerEngine
 from zero_ray.owner.host_copy import host_copies
+from zero_ray.owner.rollback import persistent_buffers, rng_states, set_rng_states
 
 
 def _param_aliases(module: torch.nn.Module) -> dict[int, list[str]]:
@@ -49,16 +51,11 @@ def _param_aliases(module: torch.nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's buffers that ``state_dict()`` contains (parameters excluded)."""
-    params = {n for names in _param_aliases(module).values() for n in names}
-    return {n: t for n, t in module.state_dict(keep_vars=True).items() if n not in params}
-
-
 def snapshot(engine: OwnerEngine) -> list[Item]:
     """This rank's saved tensors as host copies: master weights and element-wise optimizer state
     of every element it owns, the whole-tensor state of the parameters it is the assignee of,
-    its RNG state, and (rank 0) the module's buffers."""
+    its RNG states (``rng/torch/<rank>``, and ``rng/cuda/<rank>`` on a GPU), and (rank 0) the
+    module's buffers."""
     rank, layout = engine.rank, engine.layout
     optimizer = engine.state.optimizer
     table = optimizer.table()
@@ -84,8 +81,9 @@ def snapshot(engine: OwnerEngine) -> list[Item]:
                               tensor=sources[-1]))
     # One pass of (pinned, non-blocking on a GPU) copies: training goes on while they are written.
     items = [replace(item, tensor=value) for item, value in zip(items, host_copies(sources, dtype=torch.float32))]
-    items.append(Item(key=f"{RNG}/torch/{rank}", kind=RNG, name=f"torch/{rank}", start=0, end=0,
-                      tensor=torch.get_rng_state().clone()))
+    for generator, state in rng_states(engine.device).items():
+        items.append(Item(key=f"{RNG}/{generator}/{rank}", kind=RNG, name=f"{generator}/{rank}", start=0, end=0,
+                          tensor=state.clone()))
     if rank == 0:
         for name, buf in persistent_buffers(engine.module).items():
             value = buf.detach().to("cpu", copy=True)
@@ -109,7 +107,7 @@ def describe_model(engine: OwnerEngine) -> dict[str, Any]:
                 "shard_numel": b.shard_numel} for b in layout.buckets]
     return {"params": params, "buckets": buckets, "optimizers": state.optim_plan.records(names),
             "hyper": state.optimizer.hyper_state(), "param_state": table_by_name(state.optimizer.table(), names),
-            "optimizer_steps": engine.steps_done,
+            "position": engine.position.to_data(),
             "loss_scaler": {"scale": engine.scaler.scale, "growth_tracker": engine.scaler.growth_tracker}}
 
 
@@ -222,8 +220,9 @@ def restore(engine: OwnerEngine, path: str) -> int:
         if e.name in buffers:
             value = reader.file(i).read_entry(e)
             staged.append((buffers[e.name].data.reshape(-1), value.reshape(-1)))
-    rng = m.entries(RNG, f"torch/{rank}")
-    rng_state = reader.file(rng[0][0]).read_entry(rng[0][1]) if rng else None
+    # This rank number's generators as saved (a rank beyond the saving world keeps its seeded ones).
+    rng = {generator: reader.file(saved[0][0]).read_entry(saved[0][1]) for generator in ("torch", "cuda")
+           if (saved := m.entries(RNG, f"{generator}/{rank}"))}
 
     groups = {g.index: g for g in engine.state.groups}
     with torch.no_grad():
@@ -234,10 +233,9 @@ def restore(engine: OwnerEngine, path: str) -> int:
             groups[group].moment(key)[lo:hi].copy_(value)
     optimizer.load(table, whole)
     optimizer.load_hyper_state(m.hyper)
-    engine.steps_done = m.optimizer_steps
+    engine.position = Position(step=m.step, samples_seen=m.samples_seen)
     engine.scaler.scale = float(m.loss_scaler.get("scale", engine.scaler.scale))
     engine.scaler.growth_tracker = int(m.loss_scaler.get("growth_tracker", 0))
-    if rng_state is not None:
-        torch.set_rng_state(rng_state)
+    set_rng_states(rng, engine.device)
     engine.state.publish_masters()
     return reader.bytes_read

@@ -13,6 +13,7 @@ import threading
 from typing import Protocol
 
 from zero_ray.control import handlers as h
+from zero_ray.core.position import Position
 from zero_ray.errors import CollectiveError, domain_error
 from zero_ray.owner.checkpointing import ShardSaver, restore, shard_record_json
 from zero_ray.owner.data import PieceSource
@@ -37,15 +38,11 @@ class OwnerHost(Protocol):
     @property
     def engine_or_none(self) -> OwnerEngine | None: ...
 
-    completed_steps: int
-
     def abort(self, *, reason: str, generation: int) -> bool: ...
 
     def after_step(self, step: int) -> None: ...
 
     def touch(self) -> None: ...
-
-    def fault(self, point: str) -> None: ...
 
 
 def _with_traceback(err: Exception, rank: int) -> Exception:
@@ -83,9 +80,10 @@ class OwnerControl:
             try:
                 owner.snapshots.commit_upto(args.step - 1)  # the driver saw every rank finish that step
                 piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s)
-                result = owner.engine.step(piece, global_samples=args.global_samples)
-                owner.after_step(args.step)
-                owner.completed_steps = args.step + 1
+                result = owner.engine.step(piece, global_samples=args.global_samples,
+                                           position=Position(step=args.step, samples_seen=args.samples_seen))
+                if not result.refused:  # a refused step changed nothing: no snapshot is due
+                    owner.after_step(args.step)
             except Exception as err:
                 raise _with_traceback(err, owner.rank) from err
         return result
@@ -114,7 +112,6 @@ class OwnerControl:
             if phase is not h.SavePhase.AWAIT:
                 with self._lock:  # a consistent snapshot: never in the middle of a step
                     written = owner.saver.start(owner.engine, path)
-                owner.fault("checkpoint_save")  # while the file is being written
             if phase is h.SavePhase.SNAPSHOT:
                 return h.SaveResult(path=path, step=step, bytes_written=written)
             record, model = owner.saver.wait(path, timeout_s=self._save_timeout_s)
@@ -132,7 +129,7 @@ class OwnerControl:
                 read = restore(owner.engine, path)
             except Exception as err:
                 raise _with_traceback(err, owner.rank) from err
-        return h.LoadResult(step=owner.engine.steps_done, bytes_read=read)
+        return h.LoadResult(step=owner.engine.position.step, bytes_read=read)
 
     def abort(self, reason: str, generation: int) -> bool:
         return self._owner.abort(reason=reason, generation=generation)
@@ -141,7 +138,7 @@ class OwnerControl:
         owner = self._owner
         owner.touch()
         engine = owner.engine_or_none
-        return h.Heartbeat(rank=owner.rank, step=engine.steps_done if engine else 0,
+        return h.Heartbeat(rank=owner.rank, step=engine.position.step if engine else 0,
                            state=engine.phase.value if engine else "starting", timestamp=time.time(),
                            rss_bytes=rss_bytes())
 
@@ -152,5 +149,5 @@ class OwnerControl:
             return h.OwnerStats(step=0, rank=owner.rank, world_size=owner.world_size, stage=0, memory_bytes={},
                                 bytes_sent={})
         memory = {k: v for k, v in engine.memory_report().items() if k != "rank"}
-        return h.OwnerStats(step=engine.steps_done, rank=owner.rank, world_size=owner.world_size,
+        return h.OwnerStats(step=engine.position.step, rank=owner.rank, world_size=owner.world_size,
                             stage=engine.spec.plan.stage, memory_bytes=memory, bytes_sent=dict(engine.last_bytes))

@@ -4,9 +4,14 @@ A step: split this rank's piece of the global batch into micro-batches; forward 
 each with its loss weighted by ``samples / global_samples`` (so the sum over all ranks and
 micro-batches is exactly the global-mean gradient, uneven splits included); let the model state
 combine gradients; agree with the other ranks, in one small all-reduce, on the global norm and
-on which parameters got a gradient anywhere; unscale and check for overflow, clip by the global
-norm, update this rank's slices of the parameters that did (``torch.optim`` skips the others),
-and publish them.
+on which parameters got a gradient anywhere and on which ranks saw a non-finite loss or
+gradient; unscale and check for overflow, clip by the global norm, update this rank's slices of
+the parameters that did (``torch.optim`` skips the others), and publish them.
+
+A step whose loss or reduced gradient is non-finite on any rank is not applied anywhere
+(``ZeroConfig.on_nonfinite``): every rank learns it from the same all-reduce, so all decide
+alike, and the RNG and buffers its forward changed are put back (``owner/rollback.py``). The
+owner never raises for it: the result says so and the driver raises (or counts a skip).
 
 What a rank holds, and so how gradients are combined and parameters reach the module, is the
 ``ModelState``: parameter groups whose policies say it (``zero_ray.owner.model_state``).
@@ -26,10 +31,12 @@ from zero_ray.collective.group import Collective
 from zero_ray.control.handlers import LossTotals, StepResult
 from zero_ray.core.devices import allocator_figures
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes, to_device
+from zero_ray.core.position import Position
 from zero_ray.core.precision import LossScaler
 from zero_ray.core.usage import pack_marks, unpack_marks
 from zero_ray.errors import ConfigError, ModelError
 from zero_ray.owner.model_state import ModelState
+from zero_ray.owner.rollback import StepGuard
 from zero_ray.owner.spec import EngineSpec
 
 
@@ -106,6 +113,14 @@ class _Tally:
                           counted=counted, items=items_of(piece, samples, self.count if counted else None))
 
 
+class _NonFinite:
+    """Which ranks saw a non-finite loss (their own piece) and which hold a non-finite slice of
+    the reduced gradient (their update range; every rank where the gradient is replicated)."""
+
+    def __init__(self, loss_ranks: list[int], grad_ranks: list[int]) -> None:
+        self.loss_ranks, self.grad_ranks = tuple(loss_ranks), tuple(grad_ranks)
+
+
 class OwnerEngine:
     """One rank's model state and step."""
 
@@ -119,10 +134,12 @@ class OwnerEngine:
         self.layout = self.state.layout
         self.module = self.state.module
         self.scaler = LossScaler(config=spec.loss_scale, enabled=spec.compute_dtype == torch.float16)
-        self.steps_done = 0
+        # The run's position as the driver counts it (core/position.py): set from each completed
+        # step's arguments, a loaded checkpoint or moved counters; the engine counts nothing itself.
+        self.position = Position()
+        self.guard = StepGuard(self.module, self.device)
         self.last_bytes: dict[str, int] = {}
         self.phase = StepPhase.IDLE
-        self.on_backward: Callable[[], None] | None = None  # called as each backward begins (fault injection)
 
     # -- the step -------------------------------------------------------------------------------
     def _micro_batches(self, piece: Batch) -> tuple[int, list[int]]:
@@ -133,8 +150,11 @@ class OwnerEngine:
                               "micro-batches; use a global batch of at least world_size * grad_accum_steps")
         return samples, sizes
 
-    def step(self, piece: Batch, *, global_samples: int) -> StepResult:
+    def step(self, piece: Batch, *, global_samples: int, position: Position | None = None) -> StepResult:
         """Forward and backward over this rank's piece of the global batch, then the update.
+        ``position``: the driver's position before this step (default: this engine's); once the
+        step completes the engine is at ``position.after(global_samples)``. A step refused for
+        non-finite values (``on_nonfinite="raise"``) changes nothing, the position included.
 
         ``loss_fn`` returns the mean loss over its batch, or the pair ``(loss_sum, count)``: the
         sum of per-item losses and the number of items. A mean is weighted by ``samples /
@@ -144,8 +164,10 @@ class OwnerEngine:
         all items, uneven splits and accumulation included."""
         self.group.counters.reset()
         spec = self.spec
+        at = self.position if position is None else position
         samples, sizes = self._micro_batches(piece)
         scale = self.scaler.scale
+        kept = self.guard.keep()
         self.phase = StepPhase.COMPUTING
         tally = _Tally()
         compute = 0.0
@@ -157,21 +179,26 @@ class OwnerEngine:
                 loss, count = loss_terms(spec.loss_fn(self.module, to_device(micro, self.device, spec.compute_dtype)))
                 weight = (sizes[i] if count is None else 1.0) / global_samples
                 scaled = loss.float() * (weight * scale)
-                if self.on_backward is not None:
-                    hook = self.on_backward
-                    scaled.register_hook(lambda grad: hook())
                 scaled.backward()
                 compute += time.perf_counter() - t0
                 self.state.end_micro_batch(last=i == len(sizes) - 1)
                 tally.add(loss, count, sizes[i])
             lr = self.state.optimizer.lr()  # what this step uses; the scheduler moves it afterwards
-            norm, skipped = self._update(inv_scale=1.0 / scale, count=tally.count if tally.counted else None,
-                                         global_samples=global_samples)
+            norm, skipped, bad = self._update(inv_scale=1.0 / scale, count=tally.count if tally.counted else None,
+                                              global_samples=global_samples,
+                                              loss_finite=math.isfinite(tally.loss_sum))
             self.state.end_step()
         self.phase = StepPhase.IDLE
         self.last_bytes = self.group.counters.snapshot()
+        refused = bad is not None and spec.on_nonfinite == "raise"
+        if bad is not None:
+            self.guard.restore(kept)
+        if not refused:
+            self.position = at.after(global_samples)
         return StepResult(rank=self.rank, totals=tally.totals(samples, piece), grad_norm=norm, skipped=skipped, lr=lr,
-                          loss_scale=scale, compute_seconds=compute, bytes_sent=self.last_bytes)
+                          loss_scale=scale, compute_seconds=compute, bytes_sent=self.last_bytes,
+                          nonfinite_loss_ranks=bad.loss_ranks if bad else (),
+                          nonfinite_grad_ranks=bad.grad_ranks if bad else (), refused=refused)
 
     def evaluate(self, piece: Batch) -> LossTotals:
         """This rank's loss on ``piece``, forward only: the module in eval mode (dropout off),
@@ -190,7 +217,11 @@ class OwnerEngine:
             self.module.train(was_training)
         return tally.totals(batch_size(piece), piece)
 
-    def _update(self, *, inv_scale: float, count: float | None, global_samples: int) -> tuple[float, bool]:
+    def _update(self, *, inv_scale: float, count: float | None, global_samples: int,
+                loss_finite: bool) -> tuple[float, bool, _NonFinite | None]:
+        """Returns the global norm (before clipping), whether the update was skipped, and the
+        non-finite ranks when the step was not applied for them (None otherwise: fp16 overflow
+        is a skip alone)."""
         spec = self.spec
         grads: list[torch.Tensor] = []
         for g in self.state.update_grads():
@@ -200,17 +231,23 @@ class OwnerEngine:
             grads.append(g)
         # Each rank's update slice is either the whole buffer (replicated optimizer: every rank
         # already has the full reduced gradient) or its shard (the squares are summed across
-        # ranks), in one all-reduce with the items counted and the marks of the parameters that
-        # got a gradient.
+        # ranks), in one all-reduce with the items counted, the marks of the parameters that
+        # got a gradient, and per rank whether its loss and its slice's squares were finite.
         sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
         whole = spec.plan.updates_whole_buffer
+        n = self.world_size
         marks = self.state.used_marks()
+        flags = [False] * (2 * n)
+        flags[self.rank], flags[n + self.rank] = not loss_finite, not math.isfinite(sq)
         head = ([] if whole else [sq]) + ([] if count is None else [count])
-        values = head + pack_marks(marks, self.world_size)
-        summed = self.state.stream.all_reduce_values(values)
+        packed = pack_marks(marks, n)
+        summed = self.state.stream.all_reduce_values(head + packed + pack_marks(flags, n))
         if not whole:
             sq = summed[0]
-        used = self.state.expand_marks(unpack_marks(summed[len(head):], len(marks), self.world_size))
+        used = self.state.expand_marks(unpack_marks(summed[len(head):len(head) + len(packed)], len(marks), n))
+        bad = unpack_marks(summed[len(head) + len(packed):], 2 * n, n)
+        loss_ranks = [r for r in range(n) if bad[r]]
+        grad_ranks = [r for r in range(n) if bad[n + r]]
         if count is not None:
             total = summed[len(head) - 1]
             if not total > 0:
@@ -221,16 +258,20 @@ class OwnerEngine:
                 g.mul_(factor)
             sq *= factor * factor
         norm = math.sqrt(sq) if math.isfinite(sq) else math.inf
-        if self.scaler.update(found_inf=not math.isfinite(norm)):
-            return norm, True
+        grads_finite = not grad_ranks and math.isfinite(norm)
+        # A non-finite loss is the batch's, never overflow; non-finite gradients from finite
+        # losses are what fp16 loss scaling expects now and then: the scaler backs off and skips.
+        if loss_ranks or (not grads_finite and not self.scaler.enabled):
+            return norm, True, _NonFinite(loss_ranks, grad_ranks)
+        if self.scaler.update(found_inf=not grads_finite):
+            return norm, True, None
         if spec.max_grad_norm is not None:
             coef = min(1.0, spec.max_grad_norm / (norm + 1e-6))
             for g in grads:
                 g.mul_(coef)
         self.phase = StepPhase.UPDATING
-        self.steps_done += 1
         self.state.apply_update(grads, used=used)
-        return norm, False
+        return norm, False, None
 
     # -- recovery ---------------------------------------------------------------------------------
     def discard_step(self) -> bool:
@@ -247,12 +288,13 @@ class OwnerEngine:
         self.state.rebind(group)
 
     def counters(self) -> dict[str, Any]:
-        """The step counters a moved or restored model state continues from (equal on every rank)."""
-        return {"steps_done": self.steps_done, "scale": self.scaler.scale,
+        """What a moved or restored model state continues from besides its tensors (equal on
+        every rank): the run's position, the loss scaler, hyperparameters and schedulers."""
+        return {"position": self.position.to_data(), "scale": self.scaler.scale,
                 "growth_tracker": self.scaler.growth_tracker, "hyper": self.state.optimizer.hyper_state()}
 
     def set_counters(self, values: Mapping[str, Any]) -> None:
-        self.steps_done = int(values["steps_done"])
+        self.position = Position.from_data(values["position"])
         self.state.optimizer.load_hyper_state(values["hyper"])
         self.scaler.scale, self.scaler.growth_tracker = float(values["scale"]), int(values["growth_tracker"])
 

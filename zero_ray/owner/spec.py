@@ -39,3 +39,4 @@ class EngineSpec:
     lr_scheduler: SchedulerFactory | None = None  # optimizer -> LRScheduler, applied to each optimizer
     optimizer_kinds: tuple[tuple[str, str], ...] = ()  # declared classes: (qualified name, kind)
     reduce_dtype: torch.dtype | None = None  # of gradient reductions; None: the compute dtype
+    on_nonfinite: str = "raise"  # ZeroConfig.on_nonfinite: a non-finite step is refused ("raise") or skipped

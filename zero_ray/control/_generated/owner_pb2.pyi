@@ -28,18 +28,20 @@ class Piece(_message.Message):
     def __init__(self, batch_key: _Optional[str] = ..., dataset: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("header", "step", "piece", "global_samples", "generation")
+    __slots__ = ("header", "step", "piece", "global_samples", "generation", "samples_seen")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_SEEN_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     step: int
     piece: Piece
     global_samples: int
     generation: int
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., step: _Optional[int] = ..., piece: _Optional[_Union[Piece, _Mapping]] = ..., global_samples: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    samples_seen: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., step: _Optional[int] = ..., piece: _Optional[_Union[Piece, _Mapping]] = ..., global_samples: _Optional[int] = ..., generation: _Optional[int] = ..., samples_seen: _Optional[int] = ...) -> None: ...
 
 class LossTotals(_message.Message):
     __slots__ = ("loss_sum", "samples", "count", "counted", "items")
@@ -56,7 +58,7 @@ class LossTotals(_message.Message):
     def __init__(self, loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., count: _Optional[float] = ..., counted: _Optional[bool] = ..., items: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("totals", "grad_norm", "skipped", "loss_scale", "compute_seconds", "bytes_sent", "rank", "lr")
+    __slots__ = ("totals", "grad_norm", "skipped", "loss_scale", "compute_seconds", "bytes_sent", "rank", "lr", "nonfinite_loss_ranks", "nonfinite_grad_ranks", "refused")
     class BytesSentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +74,9 @@ class StepReply(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_LOSS_RANKS_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_GRAD_RANKS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     totals: LossTotals
     grad_norm: float
     skipped: bool
@@ -80,7 +85,10 @@ class StepReply(_message.Message):
     bytes_sent: _containers.ScalarMap[str, int]
     rank: int
     lr: float
-    def __init__(self, totals: _Optional[_Union[LossTotals, _Mapping]] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., rank: _Optional[int] = ..., lr: _Optional[float] = ...) -> None: ...
+    nonfinite_loss_ranks: _containers.RepeatedScalarFieldContainer[int]
+    nonfinite_grad_ranks: _containers.RepeatedScalarFieldContainer[int]
+    refused: bool
+    def __init__(self, totals: _Optional[_Union[LossTotals, _Mapping]] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., rank: _Optional[int] = ..., lr: _Optional[float] = ..., nonfinite_loss_ranks: _Optional[_Iterable[int]] = ..., nonfinite_grad_ranks: _Optional[_Iterable[int]] = ..., refused: _Optional[bool] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("header", "piece", "generation")

@@ -1,0 +1,293 @@
+"""Fault injection for the tests and the recovery benchmark: an owner's process SIGKILLed at a
+named point of its work, or an owner that ends itself mid-step.
+
+The library knows nothing of this. A test wraps its ``model_fn`` with ``faulty(model_fn,
+faults)``: every owner calls ``model_fn`` in its own process (replacements and rebuilt engines
+too), and the wrapper first installs hooks there, once per process, around the library functions
+that mark each point (forming a group, a transfer, a peer snapshot, writing a checkpoint file, a
+backward pass). A fault fires when its rank reaches its point for the ``after``-th time: it
+creates a marker file in ``dir`` (holding the time), so it happens once per run whatever is
+replayed or restarted, and SIGKILLs its own process, as a crash or the OOM killer would.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import threading
+import time
+import types
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+import torch.nn.functional as F
+
+POINTS = ("backward", "group_formation", "resize_transfer", "restore_transfer", "peer_snapshot", "checkpoint_save")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """Kill the owner of rank ``rank`` the ``after``-th time (0-based) it reaches ``point``."""
+
+    point: str
+    rank: int
+    after: int = 0
+    dir: str
+
+    def __post_init__(self) -> None:
+        if self.point not in POINTS:
+            raise ValueError(f"point={self.point!r} is not one of {POINTS}")
+
+    @property
+    def marker(self) -> str:
+        return marker(self.dir, self.point)
+
+
+def marker(directory: str, point: str) -> str:
+    """The file a fault at ``point`` creates when it fires (holding the time)."""
+    return os.path.join(directory, f"fault-{point}")
+
+
+def killed_at(directory: str, point: str) -> float | None:
+    """When the fault at ``point`` fired (Unix time), or None if it has not."""
+    try:
+        with open(marker(directory, point), encoding="ascii") as fh:
+            return float(fh.read())
+    except (OSError, ValueError):
+        return None
+
+
+# -- in the owner's process ------------------------------------------------------------------------
+class _Hooks:
+    """This process's planned faults and how often each point was reached."""
+
+    def __init__(self) -> None:
+        self.faults: list[Fault] = []
+        self.reached: Counter[tuple[str, int]] = Counter()
+        self.rank = -1  # of the model state built last in this process
+        self.lock = threading.Lock()
+        self.installed = False
+
+    def reach(self, point: str, rank: int) -> None:
+        with self.lock:
+            count = self.reached[(point, rank)]
+            self.reached[(point, rank)] += 1
+        for f in self.faults:
+            if f.point != point or f.rank != rank or count < f.after:
+                continue
+            try:
+                fd = os.open(f.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                continue
+            os.write(fd, repr(time.time()).encode())
+            os.close(fd)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+_STATE = "zero_ray_test_faults"  # a module of this name holds each process's hooks
+
+
+def hooks() -> _Hooks:
+    """This process's hooks. They live in ``sys.modules``, not in a global of this module: the
+    owners get this module's functions pickled by value, each call with globals of its own."""
+    state = sys.modules.get(_STATE)
+    if state is None:
+        state = types.ModuleType(_STATE)
+        state.hooks = _Hooks()  # type: ignore[attr-defined]
+        sys.modules[_STATE] = state
+    return state.hooks  # type: ignore[attr-defined, no-any-return]
+
+
+def _wrap(owner: Any, name: str, before: Callable[..., None]) -> None:
+    """Replace ``owner.name`` with a function calling ``before(*args, **kwargs)`` first."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        before(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+
+
+def _install() -> None:
+    """Hook the points in this process (once)."""
+    from zero_ray.owner import actor, checkpointing, redundancy
+
+    state = hooks()
+    if state.installed:
+        return
+    state.installed = True
+
+    def forming(**kwargs: Any) -> None:
+        state.reach("group_formation", kwargs["rank"])
+
+    def transfer(*args: Any, me: int, **kwargs: Any) -> None:
+        caller = sys._getframe(2).f_code.co_name  # _reshard (a resize) or rebuild (a restore)
+        state.reach("restore_transfer" if caller == "rebuild" else "resize_transfer", me)
+
+    def snapshot(self: Any, engine_: Any, *args: Any, **kwargs: Any) -> None:
+        state.reach("peer_snapshot", engine_.rank)
+
+    def writing(*args: Any, rank: int, **kwargs: Any) -> None:
+        state.reach("checkpoint_save", rank)
+
+    _wrap(actor, "form_group", forming)
+    _wrap(actor, "exchange", transfer)
+    _wrap(redundancy.PeerSnapshots, "take", snapshot)
+    _wrap(checkpointing, "write_shard", writing)
+
+
+@dataclass(frozen=True)
+class _Faulty:
+    """``model_fn`` that installs the fault hooks in the owner's process first."""
+
+    model_fn: Callable[[], torch.nn.Module]
+    faults: tuple[Fault, ...]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Arm the hooks as the owner receives its spec, before it builds anything: a replacement
+        # owner restores (restore_transfer) before it ever calls model_fn.
+        return (_arrive, (self.model_fn, self.faults))
+
+    def __call__(self) -> torch.nn.Module:
+        _install()
+        state = hooks()
+        state.faults = list(self.faults)
+        state.rank = _building_rank()
+        module = self.model_fn()
+        if any(f.point == "backward" for f in self.faults):
+            # each backward pass reaches the point once, as its gradient leaves the output
+            module.register_forward_hook(_hook_backward)
+        return module
+
+
+def _arrive(model_fn: Callable[[], torch.nn.Module], faults: tuple[Fault, ...]) -> _Faulty:
+    """Unpickling a ``_Faulty`` (in an owner's process) installs the hooks with its faults."""
+    _install()
+    state = hooks()
+    if not state.faults:
+        state.faults = list(faults)
+    return _Faulty(model_fn, faults)
+
+
+def _building_rank() -> int:
+    """The rank of the model state that is calling ``model_fn`` (read from its frame)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        me = frame.f_locals.get("self")
+        if type(me).__name__ == "ModelState":
+            return int(me.rank)
+        frame = frame.f_back
+    return -1
+
+
+def _hook_backward(module: torch.nn.Module, args: Any, out: Any) -> None:
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        state = hooks()
+        out.register_hook(lambda grad: state.reach("backward", state.rank))
+
+
+def faulty(model_fn: Callable[[], torch.nn.Module], *faults: Fault) -> Callable[[], torch.nn.Module]:
+    """``model_fn`` with ``faults`` planned in every owner that builds it."""
+    return _Faulty(model_fn, tuple(faults))
+
+
+# -- an owner that ends itself mid-step (ray.kill) ---------------------------------------------------
+def kill_on_marker(module: torch.nn.Module, batch: Any, *, marks: str) -> torch.Tensor:
+    """MSE loss; an owner whose piece's first sample starts with a marker value (-101, -102, ...)
+    kills itself with ``ray.kill`` once (a file in ``marks`` records that it did, so the replayed
+    step goes through)."""
+    x, y = batch
+    value = float(x[0, 0]) if x.shape[0] else 0.0
+    if value < -100:
+        try:
+            os.close(os.open(os.path.join(marks, f"killed{int(-value)}"), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            pass
+        else:
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+            threading.Event().wait(60)  # ray.kill is asynchronous: stay in this step until it lands
+    return F.mse_loss(module(x), y)
+
+
+# -- runs with a kill at a chosen point ----------------------------------------------------------------
+KILL_POINTS = ("backward", "resize_transfer", "restore_after_loss", "peer_snapshot", "checkpoint_save", "freeze")
+
+
+@dataclass(kw_only=True)
+class KillRun:
+    """What a run with a planned kill saw."""
+
+    point: str
+    params: dict[str, torch.Tensor]
+    recoveries: list[Any]
+    killed_at: float  # Unix time of the (first) kill
+    kill_to_next_step_s: float  # to the first step completed after it
+    world_sizes: list[int]
+    notes: list[str] = field(default_factory=list)
+
+
+def _faults(point: str, marks: str, at: int) -> list[Fault]:
+    if point == "restore_after_loss":  # a first loss in backward, then the replacement dies in the restore
+        return [Fault(point="backward", rank=1, after=at, dir=marks), Fault(point="restore_transfer", rank=2, dir=marks)]
+    if point == "freeze":
+        return []
+    return [Fault(point=point, rank=1, after=at if point in ("backward", "peer_snapshot") else 0, dir=marks)]
+
+
+def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, batches: list[Any],
+                  config: Any, at: int, marks: str) -> KillRun:
+    """Train on ``batches`` with ``config`` (3 owners or more, peer redundancy) while rank 1's
+    process is SIGKILLed at ``point`` once ``at`` steps are done (``freeze``: SIGSTOPped before
+    step ``at``); before step ``at`` the run resizes to one owner fewer (``resize_transfer``) or
+    saves a checkpoint (``checkpoint_save``), as those kills need."""
+    import zero_ray as zr
+    from zero_ray.errors import ResizeInterrupted, ZeroRayError
+
+    if point not in KILL_POINTS:
+        raise ValueError(f"point={point!r} is not one of {KILL_POINTS}")
+    trainer = zr.ZeroTrainer(faulty(model_fn, *_faults(point, marks, at)), loss_fn, optimizer=optimizer,
+                             config=config)
+    done_at: list[float] = []
+    sizes: list[int] = []
+    notes: list[str] = []
+    frozen_at = None
+    try:
+        for k, batch in enumerate(batches):
+            if k == at and point == "resize_transfer":
+                try:
+                    trainer.resize(trainer.world_size - 1)
+                except ResizeInterrupted as err:
+                    notes.append(str(err).splitlines()[0])
+            if k == at and point == "checkpoint_save":
+                try:
+                    trainer.save_checkpoint(wait=True)
+                except ZeroRayError as err:  # abandoned, naming the lost owner
+                    notes.append(str(err).splitlines()[0])
+            if k == at and point == "freeze":
+                pid = ray.get(trainer.actors[1].node.remote(), timeout=60)["pid"]
+                os.kill(pid, signal.SIGSTOP)
+                frozen_at = time.time()
+            trainer.step(batch)
+            done_at.append(time.time())
+            sizes.append(trainer.world_size)
+        params = trainer.full_state_dict()
+        recoveries = list(trainer.recoveries)
+    finally:
+        trainer.shutdown()
+    first = "backward" if point == "restore_after_loss" else point
+    killed = frozen_at if point == "freeze" else killed_at(marks, first)
+    if killed is None:
+        raise AssertionError(f"the planned kill at {first} never happened")
+    if point == "restore_after_loss" and killed_at(marks, "restore_transfer") is None:
+        raise AssertionError("the second kill (in the restore) never happened")
+    next_step = min(t for t in done_at if t > killed)
+    return KillRun(point=point, params=params, recoveries=recoveries, killed_at=killed,
+                   kill_to_next_step_s=next_step - killed, world_sizes=sizes, notes=notes)

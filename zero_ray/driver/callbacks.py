@@ -1,0 +1,93 @@
+"""Callbacks: what a run tells whoever watches it, as Ray Train's controller callbacks do.
+
+The controller calls every registered callback after each state change, each completed step,
+each committed checkpoint and each event (a membership change, a recovery, a resize). The run's
+own observers are callbacks too: Ray metrics (``driver/metrics.RunMetrics``), the operators'
+Metrics stream (the Coordinator) and the event log ``zero-ray status`` shows; a user passes more
+with ``ZeroTrainer(callbacks=[...])``. A callback that raises is logged and the run goes on:
+observing training never stops it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from zero_ray.driver.lifecycle import RunState
+from zero_ray.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class Callback:
+    """Override what you need; every method does nothing by default."""
+
+    def on_state(self, old: RunState, new: RunState) -> None:
+        """The run moved from ``old`` to ``new`` (``new.cause`` says why)."""
+
+    def on_step(self, metrics: Mapping[str, Any], results: Sequence[Any]) -> None:
+        """A step completed: ``trainer.step()``'s metrics and every owner's ``StepResult``."""
+
+    def on_checkpoint(self, path: str, step: int) -> None:
+        """A checkpoint of step ``step`` was committed at ``path``."""
+
+    def on_event(self, text: str) -> None:
+        """Something operators should know happened (a resize, a recovery, an attach)."""
+
+
+class EventLog(Callback):
+    """The last ``keep`` events, oldest first (what ``zero-ray status`` lists)."""
+
+    def __init__(self, keep: int = 200) -> None:
+        self.keep = keep
+        self.events: list[str] = []
+
+    def on_event(self, text: str) -> None:
+        self.events.append(text)
+        del self.events[:-self.keep]
+
+
+class Callbacks:
+    """The registered callbacks, called in order."""
+
+    def __init__(self, callbacks: Sequence[Callback] = ()) -> None:
+        self._callbacks: list[Callback] = list(callbacks)
+
+    def add(self, callback: Callback) -> None:
+        self._callbacks.append(callback)
+
+    def _each(self, method: str, *args: Any) -> None:
+        for cb in self._callbacks:
+            try:
+                getattr(cb, method)(*args)
+            except Exception:  # an observer's failure never fails the run
+                log.warning("callback %s.%s failed", type(cb).__name__, method, exc_info=True)
+
+    def on_state(self, old: RunState, new: RunState) -> None:
+        self._each("on_state", old, new)
+
+    def on_step(self, metrics: Mapping[str, Any], results: Sequence[Any]) -> None:
+        self._each("on_step", metrics, results)
+
+    def on_checkpoint(self, path: str, step: int) -> None:
+        self._each("on_checkpoint", path, step)
+
+    def on_event(self, text: str) -> None:
+        log.info(text)
+        self._each("on_event", text)
+
+
+def check_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
+    """``ZeroTrainer(callbacks=...)`` as a list, or a ConfigError naming what is not a Callback."""
+    if isinstance(callbacks, Callback):
+        callbacks = [callbacks]
+    try:
+        given = list(callbacks)
+    except TypeError as err:
+        raise ConfigError(f"callbacks={callbacks!r} must be a list of zr.Callback instances") from err
+    for cb in given:
+        if not isinstance(cb, Callback):
+            raise ConfigError(f"callbacks: {cb!r} is not a zr.Callback; subclass zr.Callback and override "
+                              "on_step / on_state / on_checkpoint / on_event")
+    return given
