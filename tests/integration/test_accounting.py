@@ -23,7 +23,9 @@ def _loss(module: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return module(batch).pow(2).mean()
 
 
-CASES = [(stage, n, dtype) for stage in (0, 1, 2) for n in (2, 3) for dtype in ("float32", "bfloat16")]
+# Every stage with both dtypes; the formulas themselves are checked for every N in tests/unit/test_memory.py.
+CASES = [(0, 2, "float32"), (0, 3, "bfloat16"), (1, 3, "float32"), (1, 2, "bfloat16"), (2, 2, "float32"),
+         (2, 3, "bfloat16")]
 
 
 @pytest.mark.parametrize(("stage", "world_size", "dtype"), CASES)

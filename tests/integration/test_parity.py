@@ -54,8 +54,12 @@ def train_zero(model_fn, loss_fn, optimizer, batches, **config):  # type: ignore
         trainer.shutdown()
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("stage", [0, 1, 2])
+# Every stage x world size runs in the thread tier (tests/unit/*_threads.py); here real actors over
+# gloo on a subset that still has every stage and world size in it.
+SGD_CASES = [(0, 1), (0, 4), (1, 3), (2, 2), (2, 4)]
+
+
+@pytest.mark.parametrize(("stage", "world_size"), SGD_CASES)
 def test_sgd_matches_single_process(stage: int, world_size: int) -> None:
     opt = zr.SGD(lr=0.05, momentum=0.9, weight_decay=0.01)
     batches = mlp_batches()
@@ -69,7 +73,7 @@ def test_sgd_matches_single_process(stage: int, world_size: int) -> None:
     assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, abs=1e-6)
 
 
-ADAM_CASES = [(s, n) for s in (0, 1, 2) for n in (2, 3, 4)]
+ADAM_CASES = [(0, 3), (1, 4), (2, 2)]
 
 
 @pytest.mark.parametrize(("stage", "world_size"), ADAM_CASES)

@@ -24,7 +24,9 @@ from zero_ray.testing import single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
-CASES = [(stage, n) for stage in (0, 1, 2, 3) for n in (1, 2, 3)]
+# Every stage x world size runs in the thread tier (tests/unit/*_threads.py); here real actors over
+# gloo on a subset that still has every stage and world size in it.
+CASES = [(0, 3), (1, 2), (2, 1), (3, 3)]
 
 
 def max_dev(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
