@@ -32,7 +32,11 @@ def _owner_names() -> dict[str, list[str]]:
 
 
 def _statuses(names: list[str], *, timeout_s: float) -> list[tuple[Any, dict[str, Any]]]:
-    handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+    try:
+        # A name listed a moment ago may be gone now (a run shutting down): not an error of ours.
+        handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+    except ValueError as err:
+        raise OwnerLostError(f"an owner of {names} is gone: {err}", rank=None) from err
     try:
         statuses = ray.get([h.status.remote() for h in handles], timeout=timeout_s)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
