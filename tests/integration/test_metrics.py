@@ -85,8 +85,8 @@ def _poll_until(url: str, run_id: str, check: Callable[[Series], None]) -> None:
     deadline = time.monotonic() + DEADLINE_S
     series: Series = {}
     while True:
-        # Ray 2.60 exports a gauge's value at the scrape after it is set and not again until it is
-        # set anew, so, as Prometheus's stored series do, keep what every scrape has shown.
+        # Seen here with Ray 2.60: a gauge in one scrape can be missing from later ones until it is
+        # set again, so keep what every scrape has shown, as Prometheus's stored series do.
         series.update(_scrape(url, run_id))
         try:
             check(series)
