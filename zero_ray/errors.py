@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 class ZeroRayError(Exception):
     """Base class of every error zero_ray raises on purpose."""
+
+    # What failed on the far side of a control call, when this error was rebuilt from one.
+    failure: FailureDetail | None = None
 
 
 class ConfigError(ZeroRayError, ValueError):
@@ -61,7 +65,21 @@ class CheckpointError(ZeroRayError):
 
 
 class ControlError(ZeroRayError):
-    """A control-plane (gRPC) call failed."""
+    """A control-plane (gRPC) call failed. ``code`` is the gRPC status code's name
+    (e.g. ``"UNAVAILABLE"``), empty when the call never got a status."""
+
+    def __init__(self, message: str, *, code: str = "") -> None:
+        self.code = code
+        super().__init__(message)
+
+
+class RemoteFailure(ControlError):
+    """A control call reached its server and the handler raised: ``detail`` says what, as the
+    status's FailureDetail carried it (``detail.error()`` is that domain error)."""
+
+    def __init__(self, message: str, *, code: str, detail: FailureDetail) -> None:
+        self.detail = detail
+        super().__init__(message, code=code)
 
 
 class AuthError(ControlError):
@@ -110,3 +128,48 @@ class NonFiniteError(ZeroRayError):
 
 class StopRequested(ZeroRayError):
     """An operator asked the run to stop (``zero-ray stop``); no further steps are taken."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureDetail:
+    """Why a control call failed in its handler, field by field (``FailureDetail`` in
+    protos/zero_ray/v1/common.proto): the exception's class name and message, the owner's rank
+    and step phase, the exception it was raised from, the handler's traceback and the method."""
+
+    type: str
+    message: str
+    rank: int | None = None
+    phase: str = ""
+    cause: str = ""
+    remote_traceback: str = ""
+    operation: str = ""
+
+    def error(self, where: str, *, rank: int | None = None) -> ZeroRayError:
+        """The domain error this describes, as raised on the owner: its own type when it is one
+        of this module's (built from a message alone), else an OwnerError; the text says
+        ``where`` (e.g. "rank 1 on node 10.0.0.5 (pid 77)") failed in which operation and phase
+        and ends with the remote traceback. ``rank`` overrides the owner's (the caller's index)."""
+        rank = self.rank if rank is None else rank
+        phase = f" ({self.phase})" if self.phase else ""
+        head = f"{where} failed in {self.operation or 'a control call'}{phase}"
+        cause = f"\ncaused by {self.cause}" if self.cause else ""
+        cls = _domain_types().get(self.type)
+        err: ZeroRayError | None = None
+        if cls is not None and not issubclass(cls, OwnerError):
+            trace = f"\n\nRemote traceback (rank {rank}):\n{self.remote_traceback}" if self.remote_traceback else ""
+            try:
+                err = cls(f"{head}: {self.message}{cause}{trace}")
+            except TypeError:  # a subclass with a richer constructor: an OwnerError below
+                err = None
+        if err is None:
+            # Other types (the user's RuntimeError, an OwnerError) keep their name in the text.
+            text = f"{head}: {self.message}" if cls is not None else f"{head}: {self.type}: {self.message}"
+            err = OwnerError(text + cause, rank=rank, remote_traceback=self.remote_traceback)
+        err.failure = self
+        return err
+
+
+def _domain_types() -> dict[str, type[ZeroRayError]]:
+    """This module's exception classes by name: the only types a FailureDetail is rebuilt as."""
+    return {name: value for name, value in globals().items()
+            if isinstance(value, type) and issubclass(value, ZeroRayError)}

@@ -16,15 +16,20 @@ from zero_ray.control.auth import PROTOCOL_VERSION, Credentials
 from zero_ray.control.client import ClientConfig, CoordinatorClient, OwnerClient
 from zero_ray.control.handlers import (
     CheckpointResult,
+    FailureContext,
     Heartbeat,
     JobStatus,
     LoadResult,
     MetricsEvent,
+    ModelLayout,
     OwnerStats,
+    OwnerStatus,
+    ParamInfo,
     RankStatus,
     ResizeResult,
     SavePhase,
     SaveResult,
+    SetupResult,
     EvaluateArgs,
     EvaluateResult,
     LossTotals,
@@ -41,6 +46,16 @@ LOOPBACK = "127.0.0.1"
 ARGS = StepArgs(step=7, piece=Piece(dataset="train", indices=(0, 5, 2**40, 2**64 - 1)), global_samples=256,
                 generation=2, samples_seen=2**40)
 TOTALS = LossTotals(loss_sum=2.5, samples=128, count=1536.0, counted=True, items=1536.0)
+LAYOUT = ModelLayout(numel=72, padded_numel=80, buckets=2,
+                     params=(ParamInfo(name="0.weight", shape=(8, 8), trainable=True),
+                             ParamInfo(name="0.bias", shape=(8,), trainable=False)))
+# A resize's description as the owners exchange it: integer keys (parameter indices) included.
+DESCRIPTION = {"steps_done": 3, "scale": 65536.0, "layout": {"specs": [["0.weight", [8, 8], "float32"]],
+                                                             "groups": [[0]]},
+               "table": {0: {"scalars": {"step": 3.0}, "elementwise": ["exp_avg"]}}, "replicated": False}
+OWNER_STATUS = OwnerStatus(rank=1, world_size=4, generation=2, step=9, samples_seen=72, phase="idle",
+                           busy=False, detached=True, node_id="n1", host="h1", ip="10.0.0.6", pid=77,
+                           control_address="10.0.0.6:4000", layout=LAYOUT)
 
 
 class FakeOwner:
@@ -57,6 +72,8 @@ class FakeOwner:
         # When set, heartbeats after the first wait on this (to simulate a hung owner).
         self.hang_heartbeats: threading.Event | None = None
         self.fail_with: BaseException | None = None
+        self.received: list[tuple[str, tuple[Any, ...]]] = []  # the arguments of the membership calls
+        self.phase = "computing"  # what failure_context reports
 
     def step(self, args: StepArgs) -> StepResult:
         self.calls.append("step")
@@ -100,6 +117,49 @@ class FakeOwner:
         self.calls.append("stats")
         return OwnerStats(step=9, rank=1, world_size=4, stage=3, memory_bytes={"params": 100, "optimizer": 800},
                           bytes_sent={"all_gather": 5})
+
+    def _called(self, name: str, *args: Any) -> None:
+        self.calls.append(name)
+        self.received.append((name, args))
+        if self.fail_with is not None:
+            raise self.fail_with
+
+    def setup(self) -> SetupResult:
+        self._called("setup")
+        return SetupResult(rank=1, layout=LAYOUT)
+
+    def reform(self, generation: int) -> bool:
+        self._called("reform", generation)
+        return generation % 2 == 0
+
+    def set_peers(self, backup: int, ward: int) -> None:
+        self._called("set_peers", backup, ward)
+
+    def snapshots(self, committed_step: int) -> Any:
+        self._called("snapshots", committed_step)
+        return {1: {"step": committed_step, "world_size": 4, "scalars": DESCRIPTION}}
+
+    def resize_info(self) -> Any:
+        self._called("resize_info")
+        return DESCRIPTION
+
+    def reshard(self, *, old_world: int, new_world: int, generation: int, description: Any) -> int:
+        self._called("reshard", old_world, new_world, generation, description)
+        return 1 << 40
+
+    def rebuild(self, *, position: int, world_size: int, generation: int, restore: Any) -> int:
+        self._called("rebuild", position, world_size, generation, restore)
+        return 0 if restore is None else 123
+
+    def status(self) -> OwnerStatus:
+        self._called("status")
+        return OWNER_STATUS
+
+    def close(self) -> None:
+        self._called("close")
+
+    def failure_context(self) -> FailureContext:
+        return FailureContext(rank=1, phase=self.phase)
 
 
 STATUS = JobStatus(

@@ -12,6 +12,7 @@ from control_fakes import ARGS, WAIT_S, Served, header, raw_channel
 
 from zero_ray.control._generated import coordinator_pb2, coordinator_pb2_grpc, owner_pb2, owner_pb2_grpc
 from zero_ray.control.auth import (
+    PROTOCOL_VERSION,
     TOKEN_ENV,
     Credentials,
     bearer_metadata,
@@ -105,7 +106,7 @@ def test_wrong_job_id_is_refused(owner: Served) -> None:
 
 def test_unknown_protocol_version_is_refused(owner: Served) -> None:
     with OwnerClient(owner.client_config(protocol_version=99)) as client:
-        with pytest.raises(ControlError, match=r"protocol_version=99.*speaks \[2\]") as info:
+        with pytest.raises(ControlError, match=rf"protocol_version=99.*speaks \[{PROTOCOL_VERSION}\]") as info:
             client.stats()
     assert info.value.__cause__.code() is grpc.StatusCode.FAILED_PRECONDITION
     # A request without any header (a client that forgot it) names version 0.
@@ -113,4 +114,16 @@ def test_unknown_protocol_version_is_refused(owner: Served) -> None:
         stub = owner_pb2_grpc.PartitionOwnerStub(channel)
         with pytest.raises(grpc.RpcError, match="protocol_version=0"):
             stub.Stats(owner_pb2.StatsRequest(), timeout=WAIT_S, metadata=bearer_metadata(owner.credentials.token))
+    assert owner.handler.calls == []
+
+
+def test_a_client_of_the_previous_protocol_is_refused_naming_both_versions(owner: Served) -> None:
+    # Version 2 ran membership operations as Ray calls and carried failures as status text only.
+    assert PROTOCOL_VERSION == 3
+    with OwnerClient(owner.client_config(protocol_version=2)) as client:
+        with pytest.raises(ControlError, match=r"client speaks protocol_version=2, which this server does not "
+                                               r"\(it speaks \[3\]\)") as info:
+            client.setup()
+    assert info.value.code == "FAILED_PRECONDITION"
+    assert not isinstance(info.value, AuthError)  # a refusal before the handler: no FailureDetail either
     assert owner.handler.calls == []

@@ -159,3 +159,33 @@ def test_mutual_tls_on_every_control_connection(loopback_certificate: tuple[str,
         args = ["status", "--address", trainer.control_address, "--token-file", trainer.control_token_file]
         assert cli_main(args + ["--tls-ca", cert, "--tls-cert", cert, "--tls-key", key]) == 0
         assert cli_main(args) != 0  # plain text is refused
+
+
+def _refuse_on_the_owner(*_: object) -> torch.Tensor:
+    raise RuntimeError("this batch cannot be unpickled on an owner")
+
+
+class _Unloadable(torch.Tensor):
+    """A batch tensor that pickles on the driver and fails to unpickle where it lands."""
+
+    def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[()]]:
+        return _refuse_on_the_owner, ()
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_staging_call_fails_the_step_at_once_with_its_own_error() -> None:
+    # collective_timeout_s (how long an owner waits for its staged piece) far beyond the test's
+    # own timeout: only the staging call's failure, seen by the driver, can end the step.
+    cfg = zr.ZeroConfig(stage=2, world_size=2, collective_timeout_s=3600)
+    with zr.ZeroTrainer(MODEL, mse_loss, config=cfg) as trainer:
+        x, y = _batch(8)
+        start = time.monotonic()
+        with pytest.raises(zr.ZeroRayError, match="cannot be unpickled on an owner") as info:
+            trainer.step((x.as_subclass(_Unloadable), y))
+        failed_after = time.monotonic() - start
+        print(f"a failed staging call failed the step after {failed_after:.2f}s: {str(info.value).splitlines()[0]}")
+        assert str(info.value).splitlines()[0].endswith("failed in stage_batch: this batch cannot be unpickled on "
+                                                        "an owner")
+        assert failed_after < 60  # not the owner's 3600 s wait for a piece that never comes
+        assert trainer.state.value == "ready"  # nothing was lost or updated: re-formed
+        assert trainer.step(_batch(8))["step"] == 1

@@ -31,7 +31,11 @@ import grpc
 from zero_ray.errors import ConfigError
 
 # Bumped on an incompatible change to protos/zero_ray/v1; a server may speak several.
-PROTOCOL_VERSION = 2  # 2: Step carries a Piece (staged key or dataset indices) and LossTotals; Evaluate
+# 2: Step carries a Piece (staged key or dataset indices) and LossTotals; Evaluate.
+# 3: every control operation on a live owner is a PartitionOwner method (Setup, Reform, SetPeers,
+#    Snapshots, ResizeInfo, Reshard, Rebuild, Status, Close beside Step ... Stats); a failure
+#    carries a FailureDetail trailer; Step's lr moved to its reply. A version-2 client is refused.
+PROTOCOL_VERSION = 3
 SUPPORTED_PROTOCOL_VERSIONS: frozenset[int] = frozenset({PROTOCOL_VERSION})
 
 TOKEN_ENV = "RAY_AUTH_TOKEN"
@@ -198,8 +202,9 @@ class HeaderInterceptor(grpc.ServerInterceptor):
         version = header.protocol_version
         if version not in self._versions:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"{method}: protocol_version={version} is not spoken by this server "
-                          f"(it speaks {sorted(self._versions)}); upgrade the older side")
+                          f"{method}: the client speaks protocol_version={version}, which this server does not "
+                          f"(it speaks {sorted(self._versions)}); run the same zero_ray version on both sides "
+                          "(upgrade the older one)")
         if header.job_id != self._job_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"{method}: job_id={header.job_id!r} is not this server's job {self._job_id!r}; "

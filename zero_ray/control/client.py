@@ -1,10 +1,10 @@
-"""Typed gRPC clients of the control plane.
+"""Typed gRPC clients of the control plane: the driver's client of a partition owner and an
+operator's client of the driver.
 
-Every call carries the job's bearer token and ``RequestHeader`` and has a
-deadline (the method's ``timeout_s`` or the client's default). gRPC failures
-surface as :class:`~zero_ray.errors.ControlError` (:class:`~zero_ray.errors.AuthError`
-for a refused token), naming the method, the address and the status; the
-``grpc.RpcError`` stays reachable as ``__cause__``.
+Every call carries the job's bearer token and ``RequestHeader`` and has a deadline (the
+method's ``timeout_s`` or the client's default); see :mod:`zero_ray.control.channel` for how a
+failure surfaces (a handler's as :class:`~zero_ray.errors.RemoteFailure` with its structured
+``detail``).
 
 Example::
 
@@ -16,261 +16,35 @@ Example::
 
 from __future__ import annotations
 
-import math
-import threading
-import time
-import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
-
-import grpc
-
-from zero_ray.control._generated import common_pb2, coordinator_pb2, coordinator_pb2_grpc, owner_pb2, owner_pb2_grpc
-from zero_ray.control.auth import PROTOCOL_VERSION, Credentials, bearer_metadata, read_pem
+from zero_ray.control import plain
+from zero_ray.control._generated import coordinator_pb2, coordinator_pb2_grpc, owner_pb2, owner_pb2_grpc
+from zero_ray.control.channel import BaseClient, ClientConfig, Stream, check_timeout
 from zero_ray.control.handlers import (
     CheckpointResult,
+    EvaluateArgs,
+    EvaluateResult,
     Heartbeat,
     JobStatus,
     LoadResult,
+    LossTotals,
     MetricsEvent,
+    ModelLayout,
     OwnerStats,
+    OwnerStatus,
+    ParamInfo,
+    Piece,
+    Plain,
     RankStatus,
     ResizeResult,
     SavePhase,
     SaveResult,
-    EvaluateArgs,
-    EvaluateResult,
-    LossTotals,
-    Piece,
+    SetupResult,
     StepArgs,
     StepResult,
 )
-from zero_ray.errors import AuthError, ConfigError, ControlError
+from zero_ray.errors import ConfigError
 
-T = TypeVar("T")
-
-DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-_GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
-
-
-def _check_timeout(name: str, value: float) -> float:
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{name}={value} must be a finite number of seconds > 0")
-    return value
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ConfigError(f"address={address!r} must be HOST:PORT (an IPv6 host in brackets)")
-    if ":" in host and not (host.startswith("[") and host.endswith("]")):
-        raise ConfigError(f"address={address!r}: put the IPv6 host in brackets, e.g. [::1]:{port}")
-    return host, int(port)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClientConfig:
-    """Where and how a client connects.
-
-    ``timeout_s`` is the deadline of every call that names none. TLS is on when
-    ``tls_ca`` (the CA that signed the server's certificate) is given;
-    ``tls_cert``/``tls_key`` add a client certificate (mTLS), and
-    ``tls_server_name`` overrides the name checked against the server's
-    certificate (for certificates issued to a name while dialling an IP).
-    """
-
-    address: str
-    credentials: Credentials
-    timeout_s: float = 30.0
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_server_name: str | None = None
-    protocol_version: int = PROTOCOL_VERSION
-
-    def __post_init__(self) -> None:
-        _split_address(self.address)
-        _check_timeout("timeout_s", self.timeout_s)
-        if not 1024 <= self.max_message_bytes <= _GRPC_MAX_MESSAGE_BYTES:
-            raise ConfigError(f"max_message_bytes={self.max_message_bytes} must be in "
-                              f"[1024, {_GRPC_MAX_MESSAGE_BYTES}]")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError(f"tls_cert={self.tls_cert!r} and tls_key={self.tls_key!r}: give both or neither")
-        if self.tls_ca is None and (self.tls_cert is not None or self.tls_server_name is not None):
-            raise ConfigError(f"tls_cert={self.tls_cert!r}, tls_server_name={self.tls_server_name!r} need "
-                              "tls_ca (TLS is on only with a CA to check the server against)")
-        if self.protocol_version < 1:
-            raise ConfigError(f"protocol_version={self.protocol_version} must be >= 1")
-
-
-def _channel(config: ClientConfig) -> grpc.Channel:
-    options: list[tuple[str, Any]] = [
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        # Node addresses are cluster-internal: an http_proxy in the environment must not capture them.
-        ("grpc.enable_http_proxy", 0),
-    ]
-    if config.tls_ca is None:
-        return grpc.insecure_channel(config.address, options=options)
-    if config.tls_server_name is not None:
-        options.append(("grpc.ssl_target_name_override", config.tls_server_name))
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=read_pem(config.tls_ca),
-        private_key=read_pem(config.tls_key) if config.tls_key is not None else None,
-        certificate_chain=read_pem(config.tls_cert) if config.tls_cert is not None else None,
-    )
-    return grpc.secure_channel(config.address, credentials, options=options)
-
-
-def _convert_error(where: str, err: grpc.RpcError, timeout_s: float | None) -> ControlError:
-    code = err.code() if isinstance(err, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (err.details() if isinstance(err, grpc.Call) else str(err)) or "no details"
-    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return AuthError(f"{where} was refused ({code.name}): {details}")
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-        limit = f"its deadline of {timeout_s:g}s" if timeout_s is not None else "its deadline"
-        return ControlError(f"{where} did not finish within {limit} (DEADLINE_EXCEEDED: {details})")
-    if code is grpc.StatusCode.UNAVAILABLE:
-        return ControlError(f"{where} failed: the server is unreachable (UNAVAILABLE: {details})")
-    return ControlError(f"{where} failed with {code.name}: {details}")
-
-
-class Stream(Generic[T]):
-    """An open server stream. Iterate for its messages; :meth:`close` (or leaving a
-    ``with`` block) cancels the call and ends the iteration.
-
-    ``stall_s`` bounds the wait for each message: when none arrives within it the
-    call is cancelled and iteration raises :class:`ControlError`. ``end_is_error``
-    is for streams that only end when their server goes away (heartbeats).
-    """
-
-    def __init__(self, call: Any, convert: Callable[[Any], T], where: str, *, stall_s: float | None,
-                 timeout_s: float | None, end_is_error: bool) -> None:
-        self._call = call
-        self._convert = convert
-        self._where = where
-        self._stall_s = stall_s
-        self._timeout_s = timeout_s
-        self._end_is_error = end_is_error
-        self._closed = False
-        self._stalled = False
-        self._done = threading.Event()
-        # When the consumer began waiting in next(); None while it is busy elsewhere, so
-        # that a slow consumer is not mistaken for a silent server.
-        self._waiting_since: float | None = None
-        if stall_s is not None:
-            # A weak reference, so that a stream dropped without close() is still collected
-            # (gRPC cancels a collected call) and its watchdog then ends.
-            threading.Thread(target=Stream._watch, args=(weakref.ref(self), self._done, stall_s),
-                             name="zero-ray-stream-watchdog", daemon=True).start()
-
-    @staticmethod
-    def _watch(ref: weakref.ref[Stream[Any]], done: threading.Event, stall_s: float) -> None:
-        # One thread per stream polling a timestamp: cheaper than a timer per message.
-        poll = max(stall_s / 4.0, 0.01)
-        while not done.wait(poll):
-            stream = ref()
-            if stream is None:
-                return
-            since = stream._waiting_since
-            if since is not None and time.monotonic() - since > stall_s:
-                stream._stalled = True
-                stream._call.cancel()
-                return
-            del stream  # hold no strong reference while waiting
-
-    def __iter__(self) -> Iterator[T]:
-        return self
-
-    def __next__(self) -> T:
-        self._waiting_since = time.monotonic()
-        try:
-            message = next(self._call)
-        except StopIteration:
-            self._done.set()
-            if self._end_is_error and not self._closed:
-                raise ControlError(f"{self._where} ended: the server stopped streaming (shutting down?)") from None
-            raise
-        except grpc.RpcError as err:
-            self._done.set()
-            if self._closed:
-                raise StopIteration from None
-            if self._stalled:
-                raise ControlError(f"{self._where} sent nothing for {self._stall_s:g}s (stall_s); "
-                                   "the stream was cancelled") from err
-            raise _convert_error(self._where, err, self._timeout_s) from err
-        finally:
-            self._waiting_since = None
-        return self._convert(message)
-
-    def close(self) -> None:
-        """Cancel the call; iteration then stops. Idempotent."""
-        self._closed = True
-        self._done.set()
-        self._call.cancel()
-
-    def __enter__(self) -> Stream[T]:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-class _Client:
-    """Channel, credentials, header, deadlines and error conversion."""
-
-    _SERVICE = ""
-
-    def __init__(self, config: ClientConfig) -> None:
-        self._config = config
-        self._channel = _channel(config)
-        self._metadata = bearer_metadata(config.credentials.token)
-
-    @property
-    def config(self) -> ClientConfig:
-        """The configuration the client was built with."""
-        return self._config
-
-    @property
-    def address(self) -> str:
-        """The server's ``HOST:PORT``."""
-        return self._config.address
-
-    def _header(self) -> common_pb2.RequestHeader:
-        return common_pb2.RequestHeader(job_id=self._config.credentials.job_id,
-                                        protocol_version=self._config.protocol_version)
-
-    def _where(self, method: str) -> str:
-        return f"{self._SERVICE}.{method} to {self._config.address}"
-
-    def _unary(self, method: str, rpc: Callable[..., T], request: Any, timeout_s: float | None) -> T:
-        timeout = _check_timeout("timeout_s", self._config.timeout_s if timeout_s is None else timeout_s)
-        try:
-            return rpc(request, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise _convert_error(self._where(method), err, timeout) from err
-
-    def _stream(self, method: str, rpc: Callable[..., Any], request: Any, convert: Callable[[Any], T], *,
-                stall_s: float | None, timeout_s: float | None, end_is_error: bool) -> Stream[T]:
-        if timeout_s is not None:
-            _check_timeout("timeout_s", timeout_s)
-        if stall_s is not None:
-            _check_timeout("stall_s", stall_s)
-        call = rpc(request, timeout=timeout_s, metadata=self._metadata)
-        return Stream(call, convert, self._where(method), stall_s=stall_s, timeout_s=timeout_s,
-                      end_is_error=end_is_error)
-
-    def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
-        self._channel.close()
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+__all__ = ["ClientConfig", "CoordinatorClient", "OwnerClient", "Stream"]
 
 
 def _piece(piece: Piece) -> owner_pb2.Piece:
@@ -282,7 +56,13 @@ def _totals(message: owner_pb2.LossTotals) -> LossTotals:
                       counted=message.counted, items=message.items)
 
 
-class OwnerClient(_Client):
+def _layout(message: owner_pb2.ModelLayout) -> ModelLayout:
+    return ModelLayout(numel=message.numel, padded_numel=message.padded_numel, buckets=message.buckets,
+                       params=tuple(ParamInfo(name=p.name, shape=tuple(p.shape), trainable=p.trainable)
+                                    for p in message.params))
+
+
+class OwnerClient(BaseClient):
     """The driver's client of one partition owner (``zero_ray.v1.PartitionOwner``)."""
 
     _SERVICE = "PartitionOwner"
@@ -340,12 +120,73 @@ class OwnerClient(_Client):
         return OwnerStats(step=reply.step, rank=reply.rank, world_size=reply.world_size, stage=reply.stage,
                           memory_bytes=dict(reply.memory_bytes), bytes_sent=dict(reply.bytes_sent))
 
+    def setup(self, *, timeout_s: float | None = None) -> SetupResult:
+        """Have the owner join its group and build its model state (call every owner at once)."""
+        reply = self._unary("Setup", self._stub.Setup, owner_pb2.SetupRequest(header=self._header()), timeout_s)
+        return SetupResult(rank=reply.rank, layout=_layout(reply.layout))
+
+    def reform(self, generation: int, *, timeout_s: float | None = None) -> bool:
+        """Re-form the group as ``generation`` (every owner at once); whether the state is intact."""
+        reply = self._unary("Reform", self._stub.Reform,
+                            owner_pb2.ReformRequest(header=self._header(), generation=generation), timeout_s)
+        return reply.consistent
+
+    def set_peers(self, backup: int, ward: int, *, timeout_s: float | None = None) -> None:
+        """The owner sends its snapshots to rank ``backup`` and keeps rank ``ward``'s."""
+        self._unary("SetPeers", self._stub.SetPeers,
+                    owner_pb2.SetPeersRequest(header=self._header(), backup=backup, ward=ward), timeout_s)
+
+    def snapshots(self, committed_step: int, *, timeout_s: float | None = None) -> Plain:
+        """The committed peer snapshots the owner holds, by rank, once every owner finished
+        driver step ``committed_step`` (-1: none)."""
+        reply = self._unary("Snapshots", self._stub.Snapshots,
+                            owner_pb2.SnapshotsRequest(header=self._header(), committed_step=committed_step),
+                            timeout_s)
+        return plain.loads(reply.snapshots_json)
+
+    def resize_info(self, *, timeout_s: float | None = None) -> Plain:
+        """The owner's part of a resize's description."""
+        reply = self._unary("ResizeInfo", self._stub.ResizeInfo,
+                            owner_pb2.ResizeInfoRequest(header=self._header()), timeout_s)
+        return plain.loads(reply.description_json)
+
+    def reshard(self, *, old_world: int, new_world: int, generation: int, description: Plain,
+                timeout_s: float | None = None) -> int:
+        """Move the owner's state from ``old_world`` to ``new_world`` owners (every owner at once,
+        with the merged ``description``); bytes sent."""
+        request = owner_pb2.ReshardRequest(header=self._header(), old_world=old_world, new_world=new_world,
+                                           generation=generation, description_json=plain.dumps(description))
+        return self._unary("Reshard", self._stub.Reshard, request, timeout_s).bytes_sent
+
+    def rebuild(self, *, position: int, world_size: int, generation: int, restore: Plain | None,
+                timeout_s: float | None = None) -> int:
+        """Take ``position`` of a rebuilt pool (``restore``: the snapshot transfer, or None for
+        fresh state); bytes sent."""
+        request = owner_pb2.RebuildRequest(header=self._header(), position=position, world_size=world_size,
+                                           generation=generation,
+                                           restore_json=plain.dumps(restore) if restore is not None else b"")
+        return self._unary("Rebuild", self._stub.Rebuild, request, timeout_s).bytes_sent
+
+    def status(self, *, timeout_s: float | None = None) -> OwnerStatus:
+        """Where the owner stands."""
+        r = self._unary("Status", self._stub.Status, owner_pb2.OwnerStatusRequest(header=self._header()), timeout_s)
+        return OwnerStatus(rank=r.rank, world_size=r.world_size, generation=r.generation,
+                           step=r.step, samples_seen=r.samples_seen, phase=r.phase, busy=r.busy,
+                           detached=r.detached, node_id=r.node_id, host=r.host, ip=r.ip, pid=r.pid,
+                           control_address=r.control_address,
+                           layout=_layout(r.layout) if r.HasField("layout") else None)
+
+    def close_owner(self, *, timeout_s: float | None = None) -> None:
+        """Have the owner leave its group and stop serving (it is ended next). Not
+        :meth:`close`, which closes this client's channel."""
+        self._unary("Close", self._stub.Close, owner_pb2.CloseRequest(header=self._header()), timeout_s)
+
     def heartbeats(self, interval_s: float, *, stall_s: float | None = None,
                    timeout_s: float | None = None) -> Stream[Heartbeat]:
         """Heartbeats every ``interval_s`` until closed. Iteration raises ControlError
         when none arrives within ``stall_s`` (default ``3 * interval_s + 1``) or the
         server ends the stream; ``timeout_s`` optionally bounds the stream's lifetime."""
-        _check_timeout("interval_s", interval_s)
+        check_timeout("interval_s", interval_s)
         request = owner_pb2.HealthRequest(header=self._header(), interval_ms=max(1, round(interval_s * 1000)))
 
         def convert(beat: owner_pb2.Heartbeat) -> Heartbeat:
@@ -357,7 +198,7 @@ class OwnerClient(_Client):
                             timeout_s=timeout_s, end_is_error=True)
 
 
-class CoordinatorClient(_Client):
+class CoordinatorClient(BaseClient):
     """An operator's client of the driver (``zero_ray.v1.Coordinator``)."""
 
     _SERVICE = "Coordinator"

@@ -8,11 +8,14 @@ return the same dataclasses, so both ends of a call share one vocabulary.
 
 Threading: methods are called on the server's thread pool, several at a time
 (``abort`` arrives while ``step`` is still running, ``heartbeat`` every interval
-throughout), so they must be thread-safe, and every method but ``step``,
-``save``, ``load`` and ``checkpoint`` should return promptly.
+throughout), so they must be thread-safe, and every method but ``step``, ``evaluate``,
+``save``, ``load``, the membership operations (``setup``, ``reform``, ``reshard``,
+``rebuild``, ``snapshots``) and ``checkpoint`` should return promptly.
 
-Errors: raise, and the caller gets a gRPC status carrying
-``"<ExceptionType>: <message>"``:
+Errors: raise, and the caller gets a gRPC status whose code the table below gives, with a
+``FailureDetail`` (the exception's type, message, cause and traceback, and the owner's rank and
+phase from ``failure_context``) beside it; the typed clients raise it as
+:class:`~zero_ray.errors.RemoteFailure`:
 
 ======================================  ======================
 raised by the handler                   status code
@@ -34,9 +37,12 @@ import enum
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from zero_ray.errors import ConfigError
+
+# Plain data: what a JSON document holds (dicts keyed by str or int, lists, numbers, str, None).
+Plain = Any
 
 
 def _non_negative(**values: int) -> None:
@@ -249,6 +255,62 @@ class MetricsEvent:
     values: Mapping[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ParamInfo:
+    """One parameter of the model as laid out: its name, shape and whether it is trained."""
+
+    name: str
+    shape: tuple[int, ...]
+    trainable: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelLayout:
+    """The model as the owners laid it out (the same on every owner)."""
+
+    numel: int
+    padded_numel: int
+    buckets: int
+    params: tuple[ParamInfo, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SetupResult:
+    """An owner that built its model state."""
+
+    rank: int
+    layout: ModelLayout
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnerStatus:
+    """Where an owner stands (``zero-ray status`` for detached runs, a driver attaching).
+    ``layout`` is None before the owner has model state."""
+
+    rank: int
+    world_size: int
+    generation: int
+    step: int  # the run's position as the driver last set it here: steps completed
+    samples_seen: int  # and the samples they took
+    phase: str
+    busy: bool
+    detached: bool
+    node_id: str
+    host: str
+    ip: str
+    pid: int
+    control_address: str
+    layout: ModelLayout | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureContext:
+    """What a failed call's FailureDetail says about the owner serving it."""
+
+    rank: int | None = None
+    phase: str = ""
+
+
 @runtime_checkable
 class OwnerHandler(Protocol):
     """Served as ``zero_ray.v1.PartitionOwner`` by one partition owner."""
@@ -281,6 +343,49 @@ class OwnerHandler(Protocol):
 
     def stats(self) -> OwnerStats:
         """Memory and traffic counters."""
+        ...
+
+    def setup(self) -> SetupResult:
+        """Join the group of the owner's generation and build the model state (every owner
+        concurrently); may block for the driver's deadline."""
+        ...
+
+    def reform(self, generation: int) -> bool:
+        """Leave the current group and join ``generation``'s; whether the state is intact."""
+        ...
+
+    def set_peers(self, backup: int, ward: int) -> None:
+        """Send snapshots to rank ``backup``; keep rank ``ward``'s."""
+        ...
+
+    def snapshots(self, committed_step: int) -> Plain:
+        """The committed peer snapshots held (by rank), once every owner finished
+        ``committed_step``: JSON-able records."""
+        ...
+
+    def resize_info(self) -> Plain:
+        """This owner's part of a resize's description (JSON-able)."""
+        ...
+
+    def reshard(self, *, old_world: int, new_world: int, generation: int, description: Plain) -> int:
+        """Move this owner's state from ``old_world`` to ``new_world`` owners; bytes sent."""
+        ...
+
+    def rebuild(self, *, position: int, world_size: int, generation: int, restore: Plain | None) -> int:
+        """Take ``position`` of a rebuilt ``world_size``-owner pool (``restore``: the peer
+        snapshot transfer, or None for fresh state); bytes sent."""
+        ...
+
+    def status(self) -> OwnerStatus:
+        """Where this owner stands."""
+        ...
+
+    def close(self) -> None:
+        """Leave the group and stop serving soon after replying (the process is ended next)."""
+        ...
+
+    def failure_context(self) -> FailureContext:
+        """The rank and phase to report with a call that failed; called after the failure."""
         ...
 
 

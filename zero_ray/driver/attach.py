@@ -1,22 +1,28 @@
 """Detached runs: owners that outlive their driver (``ElasticConfig(detached=True)``), found by
 name in the ``zero_ray`` namespace and taken over by a new driver (``ZeroTrainer.attach``).
 
-A new driver reads the owners' state through Ray (their credentials included: Ray is the
-authenticated channel), checks that they form one complete pool of one layout, and continues
-from their memory: no storage is read.
+A new driver first reads, through Ray, what it needs before it can speak to the owners over
+gRPC: each owner's control address (``node``), the run's credentials and its ``run_spec`` (the
+ZeroConfig, TLS settings included, and the optimizer factories: Python objects). Everything
+else (each owner's rank, generation, steps, phase and layout) it asks over gRPC (``Status``),
+checks that they form one complete pool of one layout, and continues from their memory: no
+storage is read.
 """
 
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from zero_ray.control.client import ClientConfig, OwnerClient
+from zero_ray.control.handlers import OwnerStatus
 from zero_ray.core.position import Position
-from zero_ray.driver.pool import NAMESPACE
-from zero_ray.errors import ConfigError, ModelError, OwnerLostError
+from zero_ray.driver.pool import NAMESPACE, client_tls
+from zero_ray.errors import ConfigError, ControlError, ModelError, OwnerLostError
 
 _NAME = re.compile(r"^zero_ray-(?P<run>[0-9a-f]+)-rank(?P<rank>\d+)-g(?P<gen>\d+)$")
 
@@ -32,17 +38,39 @@ def _owner_names() -> dict[str, list[str]]:
     return runs
 
 
+def _status_dict(status: OwnerStatus, run: dict[str, Any] | None) -> dict[str, Any]:
+    """An owner's Status as the plain record the trainer and ``zero-ray status`` read."""
+    layout = status.layout
+    return {"rank": status.rank, "node_id": status.node_id, "host": status.host, "ip": status.ip, "pid": status.pid,
+            "control_address": status.control_address, "world_size": status.world_size,
+            "generation": status.generation, "step": status.step, "samples_seen": status.samples_seen,
+            "phase": status.phase, "busy": status.busy, "detached": status.detached, "run": run,
+            "numel": layout.numel if layout else 0,
+            "shapes": {p.name: list(p.shape) for p in layout.params} if layout else {},
+            "trainable": {p.name: p.trainable for p in layout.params} if layout else {}}
+
+
 def _statuses(names: list[str], *, timeout_s: float) -> list[tuple[Any, dict[str, Any]]]:
     try:
-        # A name listed a moment ago may be gone now (a run shutting down): not an error of ours.
         handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
-    except ValueError as err:
-        raise OwnerLostError(f"an owner of {names} is gone: {err}", rank=None) from err
-    try:
-        statuses = ray.get([h.status.remote() for h in handles], timeout=timeout_s)
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+        nodes = ray.get([h.node.remote() for h in handles], timeout=timeout_s)
+        credentials, run = ray.get([handles[0].credentials.remote(), handles[0].run_spec.remote()],
+                                   timeout=timeout_s)
+    except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
         raise OwnerLostError(f"an owner of {names} did not answer within {timeout_s:g}s: {err}", rank=None) from err
-    return list(zip(handles, statuses))
+    tls = client_tls(getattr((run or {}).get("config"), "control_tls", None))
+
+    def status(node: dict[str, Any]) -> OwnerStatus:
+        config = ClientConfig(address=node["control_address"], credentials=credentials, timeout_s=timeout_s, **tls)
+        with OwnerClient(config) as client:
+            return client.status()
+
+    try:
+        with ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="zero_ray-attach") as pool:
+            statuses = list(pool.map(status, nodes))
+    except ControlError as err:
+        raise OwnerLostError(f"an owner of {names} did not answer its Status call: {err}", rank=None) from err
+    return [(h, _status_dict(s, run)) for h, s in zip(handles, statuses)]
 
 
 def detached_runs(*, timeout_s: float = 10.0) -> dict[str, list[dict[str, Any]]]:
@@ -55,7 +83,7 @@ def detached_runs(*, timeout_s: float = 10.0) -> dict[str, list[dict[str, Any]]]
             statuses = [s for _, s in _statuses(names, timeout_s=timeout_s)]
         except OwnerLostError:
             continue  # a run whose owners are ending: not attachable
-        if any((s.get("run") or {}).get("detached") for s in statuses):
+        if any(s["detached"] for s in statuses):
             out[run] = sorted(statuses, key=lambda s: s["rank"])
     return out
 
@@ -106,7 +134,7 @@ def find_run(run_id: str, *, timeout_s: float) -> FoundRun:
     if len(sizes) != 1 or ranks != list(range(len(statuses))) or sizes != {len(statuses)}:
         raise ConfigError(f"the owners of run {run_id!r} do not form one pool: ranks {ranks}, world sizes "
                           f"{sorted(sizes)}; the run cannot be attached (restore it from a checkpoint)")
-    if not (statuses[0].get("run") or {}).get("detached"):
+    if not statuses[0]["detached"]:
         raise ConfigError(f"run {run_id!r} is not detached; only ElasticConfig(detached=True) runs can be attached")
     return FoundRun(run_id=run_id, actors=[h for h, _ in found], statuses=statuses)
 

@@ -1,33 +1,58 @@
-"""FanOut: one call on every owner at once, through Ray or the gRPC control plane.
+"""FanOut: one call on every owner at once, over the gRPC control plane (or, for the data path
+and the bootstrap only, through Ray).
 
 Every wait is bounded. While waiting, the health monitor is watched: when it reports an owner
 lost, the survivors' collectives of the current generation are aborted at once (so that none
 of them waits out ``collective_timeout_s`` on the dead one, whatever the operation: a step, a
 resize transfer, a rebuild, a peer snapshot) and ``OwnerLostError`` is raised. The first
-failure of any owner is raised at once too: the others may be blocked on the failed one.
+failure of any owner is raised at once too: the others may be blocked on the failed one. A
+step's staging calls (the Ray calls handing each owner its piece) are watched as well: one
+that fails fails the step at once with its own error, instead of the owner waiting for a piece
+that never comes.
 
-Remote failures come back as domain errors: a Ray task error as the cause's own type
-(ConfigError, ModelError, ...) or an OwnerError, always with the remote traceback; a gRPC status
-as the type its message names; a dead actor as OwnerLostError naming its rank and node.
+Remote failures come back as domain errors: a handler's from the FailureDetail its status
+carried (its own type when zero_ray.errors has it, else OwnerError; rank, phase and remote
+traceback included), a Ray task error as the cause's own type, an unreachable owner or a dead
+actor as OwnerLostError naming its rank and node. No text is parsed.
+
+Threads: gRPC calls run on two pools sized from the pool's world size and grown with it
+(:meth:`FanOut.fit`, called on every membership change): long calls (a step holds a thread per
+owner for its deadline; a checkpoint's commit thread may wait on every owner meanwhile) on one,
+aborts, stats and liveness probes on the other, so they never queue behind blocked steps.
 """
 
 from __future__ import annotations
 
-import re
+import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-import grpc
 import ray
 
-from zero_ray import errors
 from zero_ray.control.client import OwnerClient
-from zero_ray.errors import ControlError, OwnerError, OwnerLostError, ZeroRayError, domain_error
+from zero_ray.errors import (
+    ConfigError,
+    ControlError,
+    OwnerError,
+    OwnerLostError,
+    RemoteFailure,
+    ZeroRayError,
+    domain_error,
+)
 
 T = TypeVar("T")
-POLL_S = 0.2  # how often a wait looks at the health monitor
+POLL_S = 0.2  # how often a wait looks at the health monitor and the staging calls
+
+# The only actor methods the driver calls on an owner through Ray (tests/unit/test_control_rule.py
+# checks the sources): the bootstrap before gRPC can be spoken, and the data path, which carries
+# Python objects and object references. Every other operation is a gRPC method.
+RAY_METHODS = frozenset({"node", "credentials", "run_spec", "stage_batch", "register_dataset", "use_filesystem",
+                         "master_fragments"})
+# Transport failures meaning the owner is gone or stuck, not that it refused.
+_LOST_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 
 
 def remote_error(err: Exception, where: str, rank: int, method: str) -> ZeroRayError:
@@ -39,31 +64,68 @@ def remote_error(err: Exception, where: str, rank: int, method: str) -> ZeroRayE
         tb = str(err)
         return domain_error(type(cause), f"{where} failed in {method}: {cause}\n\nRemote traceback:\n{tb}", rank=rank,
                             fallback=f"{where} failed in {method}: {cause!r}", remote_traceback=tb)
+    if isinstance(err, ray.exceptions.RaySystemError):  # e.g. an argument that cannot be unpickled there
+        cause, tb = err.client_exc, err.traceback_str or ""
+        text = f"{where} failed in {method}: {cause}"
+        return domain_error(type(cause), f"{text}\n\nRemote traceback:\n{tb}" if tb else text, rank=rank,
+                            fallback=f"{where} failed in {method}: {cause!r}", remote_traceback=tb)
     return OwnerError(f"{where} failed in {method}: {err!r}", rank=rank)
 
 
 def control_error(err: ControlError, where: str, rank: int, what: str) -> ZeroRayError:
-    """The owner's domain error rebuilt from its gRPC status ("Method: TypeName: message")."""
-    cause = err.__cause__
-    details = cause.details() if isinstance(cause, grpc.Call) else ""
-    match = re.match(r"^[\w.]+: (\w+): (.*)$", details or "", flags=re.S)
-    if match:
-        return domain_error(getattr(errors, match.group(1), None), f"{where} failed in {what}: {match.group(2)}",
-                            rank=rank)
-    return OwnerError(f"{where} failed in {what}: {err}", rank=rank)
+    """A failed control call as a domain error: the handler's own error rebuilt from its
+    FailureDetail, else (a transport failure) OwnerLostError when the owner is unreachable or
+    did not answer in time, OwnerError otherwise."""
+    if isinstance(err, RemoteFailure):
+        return err.detail.error(where, rank=rank)
+    cls = OwnerLostError if err.code in _LOST_CODES else OwnerError
+    return cls(f"{where} failed in {what}: {err}", rank=rank)
 
 
 class FanOut:
     """Bounded calls on every owner of a pool."""
 
-    def __init__(self, *, workers: int, lost: Callable[[], dict[int, str]], abort: Callable[[str], None],
+    def __init__(self, *, world_size: int, lost: Callable[[], dict[int, str]], abort: Callable[[str], None],
                  where: Callable[[int], str]) -> None:
-        # Steps may block for their whole deadline; aborts and stats must never queue behind them.
-        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zero_ray-rpc")
         self._lost = lost
         self._abort = abort
         self._where = where
+        self._lock = threading.Lock()
+        self._size = 0
+        self._calls = self._urgent = ThreadPoolExecutor(max_workers=1)  # replaced by fit()
+        self.fit(world_size)
 
+    # -- threads -----------------------------------------------------------------------------------------
+    @staticmethod
+    def threads_for(world_size: int) -> int:
+        """Threads per pool for ``world_size`` owners: two fan-outs at once (a step and a
+        checkpoint's commit; an abort and a status query) plus a few single calls."""
+        return 2 * world_size + 4
+
+    @property
+    def threads(self) -> int:
+        """The threads each pool may use now."""
+        return self._size
+
+    def fit(self, world_size: int) -> None:
+        """Grow both thread pools for ``world_size`` owners (never shrink: idle threads cost
+        nothing). Calls in flight finish on the pools they started on."""
+        need = self.threads_for(world_size)
+        with self._lock:
+            if need <= self._size:
+                return
+            old = (self._calls, self._urgent)
+            self._calls = ThreadPoolExecutor(max_workers=need, thread_name_prefix="zero_ray-rpc")
+            self._urgent = ThreadPoolExecutor(max_workers=need, thread_name_prefix="zero_ray-urgent")
+            self._size = need
+        for executor in old:
+            executor.shutdown(wait=False)
+
+    def _submit(self, urgent: bool, fn: Callable[..., T], *args: Any) -> Future[T]:
+        with self._lock:  # never onto a pool fit() has just shut down
+            return (self._urgent if urgent else self._calls).submit(fn, *args)
+
+    # -- waiting -----------------------------------------------------------------------------------------
     def check(self, what: str) -> None:
         """Raise (after aborting the survivors) when the health monitor has lost an owner."""
         lost = self._lost()
@@ -73,11 +135,30 @@ class FanOut:
             self._abort(reason)
             raise OwnerLostError(reason, rank=rank)
 
+    def _check_staged(self, staged: dict[int, Any]) -> None:
+        """Raise the error of a staging call that failed; forget those that succeeded."""
+        if not staged:
+            return
+        ready, _ = ray.wait(list(staged.values()), num_returns=len(staged), timeout=0)
+        index = {ref: rank for rank, ref in staged.items()}
+        for ref in ready:
+            rank = index[ref]
+            del staged[rank]
+            try:
+                ray.get(ref)
+            except Exception as err:  # the piece never reaches the owner: the step fails now
+                raise remote_error(err, self._where(rank), rank, "stage_batch") from err
+
+    # -- calls -------------------------------------------------------------------------------------------
     def ray(self, actors: Sequence[Any], method: str, *args: Any, timeout_s: float,
             per_rank: Sequence[tuple[Any, ...]] | None = None, kwargs: Sequence[dict[str, Any]] | None = None,
             watch: bool = True, ranks: Sequence[int] | None = None) -> list[Any]:
-        """``actors[i].method(...)`` for every i through Ray; results in order. ``ranks`` names
-        the actors in errors (default: their positions)."""
+        """``actors[i].method(...)`` for every i through Ray, for the methods of
+        ``RAY_METHODS`` only; results in order. ``ranks`` names the actors in errors (default:
+        their positions)."""
+        if method not in RAY_METHODS:
+            raise ConfigError(f"{method!r} is a control operation: call it over gRPC (Ray carries only "
+                              f"{sorted(RAY_METHODS)})")
         names = list(ranks) if ranks is not None else list(range(len(actors)))
         refs = [getattr(a, method).remote(*(per_rank[i] if per_rank else args), **(kwargs[i] if kwargs else {}))
                 for i, a in enumerate(actors)]
@@ -102,22 +183,47 @@ class FanOut:
         return [results[i] for i in range(len(refs))]
 
     def grpc(self, clients: Sequence[OwnerClient], what: str, call: Callable[[OwnerClient, int], T], *,
-             watch: bool = True) -> list[T]:
-        """``call(client, rank)`` for every owner over the control plane; results in rank order."""
-        futures = {self.executor.submit(call, c, r): r for r, c in enumerate(clients)}
+             watch: bool = True, staged: Mapping[int, Any] | None = None,
+             ranks: Sequence[int] | None = None) -> list[T]:
+        """``call(client, i)`` for every ``clients[i]`` over the control plane; results in order.
+        ``ranks`` names the owners in errors (default: their positions); ``staged``: the staging
+        calls (Ray object references, by position) that the calls' pieces depend on."""
+        names = list(ranks) if ranks is not None else list(range(len(clients)))
+        futures = {self._submit(False, call, c, i): i for i, c in enumerate(clients)}
+        staging = dict(staged or {})
         results: dict[int, T] = {}
         pending = set(futures)
         while pending:
             done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_EXCEPTION)
             for fut in done:
-                rank = futures[fut]
+                i = futures[fut]
                 try:
-                    results[rank] = fut.result()
+                    results[i] = fut.result()
                 except ControlError as err:
-                    raise control_error(err, self._where(rank), rank, what) from err
+                    raise control_error(err, self._where(names[i]), names[i], what) from err
+            self._check_staged(staging)
             if watch:
                 self.check(what)
-        return [results[r] for r in range(len(futures))]
+        return [results[i] for i in range(len(clients))]
+
+    def urgent(self, targets: Mapping[int, OwnerClient], call: Callable[[OwnerClient], T], *,
+               timeout_s: float) -> dict[int, T | Exception]:
+        """``call(client)`` on each target (by rank) at once, on the pool that no step occupies;
+        each result, or the exception it raised (TimeoutError past ``timeout_s``). Never raises."""
+        futures = {rank: self._submit(True, call, client) for rank, client in targets.items()}
+        deadline = time.monotonic() + timeout_s
+        out: dict[int, T | Exception] = {}
+        for rank, fut in futures.items():
+            try:
+                out[rank] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                out[rank] = TimeoutError(f"no answer within {timeout_s:g}s")
+            except Exception as err:  # reported to the caller, who decides
+                out[rank] = err
+        return out
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            executors = (self._calls, self._urgent)
+        for executor in executors:
+            executor.shutdown(wait=False, cancel_futures=True)

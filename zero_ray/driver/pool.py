@@ -4,7 +4,11 @@ their control clients and health; starting, adopting, resizing, rebuilding and s
 Placement follows membership (``core/placement.py``): each owner is a plain Ray actor asking for
 its own slot, so the slot is the cluster's again the moment the owner is gone (lost, shrunk away
 or shut down) and a replacement can take it. Every call to the owners goes through ``FanOut``
-(one bounded wait that aborts the survivors on a loss).
+(one bounded wait that aborts the survivors on a loss). The transport follows one rule: Ray
+creates, places and kills owners and carries data (``node`` at start-up, the staged batch
+pieces, datasets, filesystem objects, the consolidation's fragments); every control operation
+on a live owner is a gRPC method of its control service. Liveness is read from Ray's registry of
+named actors and from gRPC, never by calling the actor.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from zero_ray.control.handlers import (
     RankStatus,
     SavePhase,
     SaveResult,
+    SetupResult,
     StepArgs,
     StepResult,
 )
@@ -48,6 +53,28 @@ NAMESPACE = "zero_ray"  # owners are named actors here, so that a new driver can
 
 def owner_name(run_id: str, rank: int, generation: int) -> str:
     return f"zero_ray-{run_id}-rank{rank}-g{generation}"
+
+
+def actor_alive(name: str | None) -> bool:
+    """Whether Ray still has the named owner actor. Ray frees a named actor's name the moment
+    it knows the actor dead (ray.kill, a crash, its node lost), before the process is gone;
+    the registry lives in the GCS, so this works without the dashboard that ray.util.state
+    needs. An owner without a name (unknown) counts as alive: gRPC probes it next."""
+    if not name:
+        return True
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+def layout_info(result: SetupResult) -> dict[str, Any]:
+    """What the trainer reads of an owner's setup: its model layout as plain data."""
+    layout = result.layout
+    return {"rank": result.rank, "numel": layout.numel, "padded_numel": layout.padded_numel,
+            "buckets": layout.buckets, "shapes": {p.name: list(p.shape) for p in layout.params},
+            "trainable": {p.name: p.trainable for p in layout.params}}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,10 +115,15 @@ class PoolSpec:
 
     def client_tls(self) -> dict[str, str | None]:
         """The TLS arguments of a control ClientConfig."""
-        t = self.tls
-        if t is None:
-            return {}
-        return {"tls_ca": t.ca, "tls_cert": t.cert if t.mutual else None, "tls_key": t.key if t.mutual else None}
+        return client_tls(self.tls)
+
+
+def client_tls(tls: ControlTLS | None) -> dict[str, str | None]:
+    """The TLS arguments of a control ClientConfig for a run configured with ``tls``."""
+    if tls is None:
+        return {}
+    return {"tls_ca": tls.ca, "tls_cert": tls.cert if tls.mutual else None,
+            "tls_key": tls.key if tls.mutual else None}
 
 
 def check_resources(*, world_size: int, use_gpu: bool, num_cpus_per_owner: float) -> None:
@@ -144,7 +176,8 @@ class OwnerPool:
         self.datasets: dict[str, tuple[Any, bool, Any]] = {}
         # Checkpoint filesystem objects (key -> filesystem), handed to owners started later too
         self.filesystems: dict[str, Any] = {}
-        self.fan = FanOut(workers=3 * spec.world_size + 8, lost=self._lost, abort=self.abort, where=self.where)
+        self.fan = FanOut(world_size=spec.world_size, lost=self._lost, abort=self.abort, where=self.where)
+        self._staging: dict[str, list[ray.ObjectRef]] = {}  # the staging calls of the batch in flight, by key
         self._options = OwnerOptions(backend=spec.backend, group_prefix=f"zero_ray-{self.run_id}",
                                      collective_timeout_s=spec.collective_timeout_s,
                                      threads=max(1, int(spec.num_cpus_per_owner)), credentials=credentials,
@@ -161,7 +194,8 @@ class OwnerPool:
                 check_resources(world_size=spec.world_size, use_gpu=spec.use_gpu,
                                 num_cpus_per_owner=spec.num_cpus_per_owner)
                 self._start_owners(range(spec.world_size), world_size=spec.world_size)
-                self.info = self.call("setup", timeout_s=spec.init_timeout_s)
+                setups = self.fan.grpc(self.clients, "setup", lambda c, r: c.setup(timeout_s=spec.init_timeout_s))
+                self.info = [layout_info(r) for r in setups]
             if spec.snapshot_every:
                 self.assign_peers()
         except BaseException:
@@ -210,6 +244,7 @@ class OwnerPool:
         self.clients += [OwnerClient(ClientConfig(address=n["control_address"], credentials=self.credentials,
                                                   timeout_s=spec.init_timeout_s, **spec.client_tls()))
                          for n in nodes]
+        self.fan.fit(len(self.actors))
         self._restart_health()
         if self.datasets:
             self._register_datasets(actors, self.datasets)
@@ -239,18 +274,20 @@ class OwnerPool:
         return int(min(free.get(k, 0.0) // v for k, v in self.spec.demand.items()))
 
     # -- calls ---------------------------------------------------------------------------------------
-    def call(self, method: str, *args: Any, timeout_s: float, per_rank: Sequence[tuple[Any, ...]] | None = None,
-             watch: bool = True) -> list[Any]:
-        """``method`` on every owner through Ray; results in rank order."""
-        return self.fan.ray(self.actors, method, *args, timeout_s=timeout_s, per_rank=per_rank, watch=watch)
-
     def step(self, args: Sequence[StepArgs], *, timeout_s: float) -> list[StepResult]:
-        """One step on every owner over gRPC, each call with a deadline."""
-        return self.fan.grpc(self.clients, "step", lambda c, r: c.step(args[r], timeout_s=timeout_s))
+        """One step on every owner over gRPC, each call with a deadline; a failed staging call
+        of its pieces fails it at once."""
+        return self.fan.grpc(self.clients, "step", lambda c, r: c.step(args[r], timeout_s=timeout_s),
+                             staged=self._staged(args[0].piece.batch_key if args else ""))
 
     def evaluate(self, args: Sequence[EvaluateArgs], *, timeout_s: float) -> list[EvaluateResult]:
         """A forward-only pass on every owner over gRPC (all take part: stage 3 gathers)."""
-        return self.fan.grpc(self.clients, "evaluate", lambda c, r: c.evaluate(args[r], timeout_s=timeout_s))
+        return self.fan.grpc(self.clients, "evaluate", lambda c, r: c.evaluate(args[r], timeout_s=timeout_s),
+                             staged=self._staged(args[0].piece.batch_key if args else ""))
+
+    def _staged(self, key: str) -> dict[int, ray.ObjectRef]:
+        """The staging calls of the batch staged as ``key`` (none for a dataset's pieces), by rank."""
+        return dict(enumerate(self._staging.pop(key, [])))
 
     def save(self, directory: str, step: int, *, phase: SavePhase, timeout_s: float) -> list[SaveResult]:
         """Every owner's half of a save into ``directory`` (see ``SavePhase``)."""
@@ -272,9 +309,11 @@ class OwnerPool:
     def stage(self, key: str, pieces: Sequence[ray.ObjectRef]) -> list[ray.ObjectRef]:
         """Hand owner r its piece ``pieces[r]`` under ``key``, through a Ray call (Ray resolves
         and reference-counts the object; the Step naming ``key`` waits for it). Returns the
-        calls' results, to hold until the step is over; a failed call shows as that step's
-        error."""
-        return [a.stage_batch.remote(key, piece) for a, piece in zip(self.actors, pieces)]
+        calls' results, to hold until the step is over; a failed call fails the Step or
+        Evaluate naming ``key`` at once with its error."""
+        calls = [a.stage_batch.remote(key, piece) for a, piece in zip(self.actors, pieces)]
+        self._staging = {key: calls}  # one batch is in flight at a time (the trainer's step mutex)
+        return calls
 
     def register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int:
         """Have every owner (and every owner started later) hold dataset ``name``; its length."""
@@ -308,26 +347,40 @@ class OwnerPool:
         return ranks
 
     def stats(self, *, timeout_s: float) -> list[OwnerStats | None]:
-        futures = [self.fan.executor.submit(c.stats, timeout_s=timeout_s) for c in self.clients]
+        """Every owner's counters, None for an owner that does not answer: a status query must
+        not fail because one owner is busy or gone."""
+        got = self.fan.urgent(dict(enumerate(self.clients)), lambda c: c.stats(timeout_s=timeout_s),
+                              timeout_s=timeout_s + 1)
         out: list[OwnerStats | None] = []
-        for fut in futures:
-            try:
-                out.append(fut.result(timeout=timeout_s + 1))
-            except Exception:  # a status query must not fail because one owner is busy or gone
-                out.append(None)
+        for rank in range(len(self.clients)):
+            result = got[rank]
+            out.append(None if isinstance(result, Exception) else result)
         return out
+
+    def memory_reports(self, *, timeout_s: float) -> list[dict[str, int]]:
+        """Per rank, its memory report (``Stats``), with its rank."""
+        stats = self.fan.grpc(self.clients, "stats", lambda c, r: c.stats(timeout_s=timeout_s), watch=False)
+        return [{"rank": s.rank, **s.memory_bytes} for s in stats]
+
+    def comm_reports(self, *, timeout_s: float) -> list[dict[str, int]]:
+        """Per rank, bytes sent in the last step by collective, and their total."""
+        stats = self.fan.grpc(self.clients, "stats", lambda c, r: c.stats(timeout_s=timeout_s), watch=False)
+        return [{"rank": s.rank, **s.bytes_sent, "total": sum(s.bytes_sent.values())} for s in stats]
+
+    def master_fragments(self, *, timeout_s: float) -> list[dict[str, tuple[int, int, Any]]]:
+        """Every owner's fp32 master fragments (the explicit consolidation: tensors, so through Ray)."""
+        return self.fan.ray(self.actors, "master_fragments", timeout_s=timeout_s)
 
     # -- failures -------------------------------------------------------------------------------------
     def abort(self, reason: str) -> None:
         """Abort the current generation's collectives on every owner that still answers."""
         lost = self._lost()
-        calls = [self.fan.executor.submit(c.abort, reason, self.generation, timeout_s=5.0)
-                 for r, c in enumerate(self.clients) if r not in lost]
-        for call in calls:
-            try:
-                call.result(timeout=10.0)
-            except Exception:  # an owner that cannot take the abort is found lost next
-                log.debug("abort did not reach an owner", exc_info=True)
+        generation = self.generation
+        got = self.fan.urgent({r: c for r, c in enumerate(self.clients) if r not in lost},
+                              lambda c: c.abort(reason, generation, timeout_s=5.0), timeout_s=10.0)
+        for rank, result in got.items():
+            if isinstance(result, Exception):  # an owner that cannot take the abort is found lost next
+                log.debug("abort did not reach rank %d: %s", rank, result)
 
     def find_lost(self, *, timeout_s: float) -> dict[int, str]:
         """Ranks that are gone: those the health monitor lost, and those that do not answer a
@@ -336,20 +389,14 @@ class OwnerPool:
         still answers."""
         lost = dict(self._lost())
         # Ray knows an actor is dead (ray.kill, node loss) before its process has gone.
-        refs = {a.node.remote(): r for r, a in enumerate(self.actors) if r not in lost}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError as err:
-                lost[refs[ref]] = f"Ray reports the actor dead: {str(err).splitlines()[0]}"
-        futures = {r: self.fan.executor.submit(c.stats, timeout_s=timeout_s) for r, c in enumerate(self.clients)
-                   if r not in lost}
-        for r, fut in futures.items():
-            try:
-                fut.result(timeout=timeout_s + 1)
-            except Exception as err:  # unreachable, timed out, or refusing: gone for our purposes
-                lost[r] = f"no answer to a control call within {timeout_s:g}s: {err}"
+        for r, node in enumerate(self.nodes):
+            if r not in lost and not actor_alive(node.get("name")):
+                lost[r] = f"Ray reports the actor {node.get('name')} dead"
+        probes = self.fan.urgent({r: c for r, c in enumerate(self.clients) if r not in lost},
+                                 lambda c: c.stats(timeout_s=timeout_s), timeout_s=timeout_s + 1)
+        for r, result in probes.items():
+            if isinstance(result, Exception):  # unreachable, timed out, or refusing: gone for our purposes
+                lost[r] = f"no answer to a control call within {timeout_s:g}s: {result}"
         return lost
 
     def kill(self, ranks: Sequence[int]) -> None:
@@ -361,7 +408,8 @@ class OwnerPool:
         """Re-form the collective group as the next generation; returns whether every rank's
         model state is intact (no rank had begun its update)."""
         self.generation += 1
-        consistent = self.call("reform", self.generation, timeout_s=self.spec.init_timeout_s)
+        generation, timeout = self.generation, self.spec.init_timeout_s
+        consistent = self.fan.grpc(self.clients, "reform", lambda c, r: c.reform(generation, timeout_s=timeout))
         return all(consistent)
 
     # -- changing the size --------------------------------------------------------------------------------
@@ -371,7 +419,8 @@ class OwnerPool:
         ward = [0] * len(backup)
         for r, b in enumerate(backup):
             ward[b] = r
-        self.call("set_peers", timeout_s=self.spec.init_timeout_s, per_rank=list(zip(backup, ward)))
+        timeout = self.spec.init_timeout_s
+        self.fan.grpc(self.clients, "set_peers", lambda c, r: c.set_peers(backup[r], ward[r], timeout_s=timeout))
         return backup
 
     def resize(self, world_size: int) -> dict[str, Any]:
@@ -385,8 +434,9 @@ class OwnerPool:
         if lost:  # every owner must take part in the transfer: recover first
             rank = min(lost)
             raise OwnerLostError(f"cannot resize: partition owner {self.where(rank)} is gone ({lost[rank]})", rank=rank)
-        info = merge_descriptions(self.fan.ray(self.actors, "resize_info", timeout_s=self.spec.init_timeout_s,
-                                               watch=False))
+        timeout = self.spec.init_timeout_s
+        info = merge_descriptions(self.fan.grpc(self.clients, "resize_info",
+                                                lambda c, r: c.resize_info(timeout_s=timeout), watch=False))
         if world_size > old:
             check_resources(world_size=world_size, use_gpu=self.spec.use_gpu,
                             num_cpus_per_owner=self.spec.num_cpus_per_owner)
@@ -396,11 +446,10 @@ class OwnerPool:
                                     f"({ray.available_resources()})")
             self._start_owners(range(old, world_size), world_size=world_size)
         self.generation += 1
-        kwargs = [{"old_world": old, "new_world": world_size, "generation": self.generation, "info": info}
-                  for _ in self.actors]
+        generation, timeout = self.generation, self.spec.init_timeout_s + self.spec.collective_timeout_s
         try:
-            sent = self.fan.ray(self.actors, "reshard", kwargs=kwargs,
-                                timeout_s=self.spec.init_timeout_s + self.spec.collective_timeout_s)
+            sent = self.fan.grpc(self.clients, "reshard", lambda c, r: c.reshard(
+                old_world=old, new_world=world_size, generation=generation, description=info, timeout_s=timeout))
         except BaseException:
             if world_size > old:  # the owners this resize added hold nothing: end them
                 self.remove(range(old, self.world_size))
@@ -419,10 +468,7 @@ class OwnerPool:
         del self.actors[ranks.start:], self.clients[ranks.start:], self.nodes[ranks.start:]
         self._restart_health()  # before they stop, so their ending streams are not losses
         if close:
-            try:
-                self.fan.ray(surplus, "close", timeout_s=30.0, watch=False)
-            except Exception:  # they are killed next either way
-                log.debug("surplus owners did not close cleanly", exc_info=True)
+            self._close_owners(dict(enumerate(clients, start=ranks.start)), timeout_s=30.0)
         for actor in surplus:
             ray.kill(actor, no_restart=True)
         for client in clients:
@@ -430,8 +476,9 @@ class OwnerPool:
 
     def snapshot_info(self, ranks: Sequence[int], committed_step: int) -> dict[int, dict[int, Any]]:
         """Per surviving rank: the committed snapshots it holds (by the rank they belong to)."""
-        infos = self.fan.ray([self.actors[r] for r in ranks], "snapshot_info", committed_step, ranks=list(ranks),
-                             timeout_s=self.spec.settle_timeout_s + 30, watch=False)
+        timeout = self.spec.settle_timeout_s + 30
+        infos = self.fan.grpc([self.clients[r] for r in ranks], "snapshots",
+                              lambda c, i: c.snapshots(committed_step, timeout_s=timeout), watch=False, ranks=ranks)
         return dict(zip(ranks, infos))
 
     def rebuild(self, survivors: Sequence[int], world_size: int, *,
@@ -456,25 +503,27 @@ class OwnerPool:
         else:
             self._restart_health()
         plan = restore(position)
-        kwargs = [{"position": p, "world_size": world_size, "generation": self.generation, "restore": plan}
-                  for p in range(world_size)]
-        self.fan.ray(self.actors, "rebuild", timeout_s=self.spec.init_timeout_s + self.spec.collective_timeout_s,
-                     kwargs=kwargs)
+        generation, timeout = self.generation, self.spec.init_timeout_s + self.spec.collective_timeout_s
+        self.fan.grpc(self.clients, "rebuild", lambda c, p: c.rebuild(
+            position=p, world_size=world_size, generation=generation, restore=plan, timeout_s=timeout))
         if self.spec.snapshot_every:
             self.assign_peers()
 
     # -- the end ----------------------------------------------------------------------------------------
+    def _close_owners(self, targets: dict[int, OwnerClient], *, timeout_s: float) -> None:
+        """Have these owners leave their group and stop serving; they are killed next either way
+        (an owner stuck in a collective cannot close)."""
+        got = self.fan.urgent(targets, lambda c: c.close_owner(timeout_s=timeout_s), timeout_s=timeout_s)
+        for rank, result in got.items():
+            if isinstance(result, Exception):
+                log.debug("owner %d did not close cleanly: %s", rank, result)
+
     def shutdown(self) -> None:
         """Stop the owners (their slots go back to the cluster)."""
         if self.health is not None:
             self.health.close()
         lost = self._lost()
-        live = [a for r, a in enumerate(self.actors) if r not in lost]
-        if live:
-            try:
-                ray.get([a.close.remote() for a in live], timeout=10)
-            except Exception:  # owners stuck in a collective cannot close; they are killed next
-                log.debug("owners did not close cleanly", exc_info=True)
+        self._close_owners({r: c for r, c in enumerate(self.clients) if r not in lost}, timeout_s=10.0)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []

@@ -456,14 +456,14 @@ class ZeroTrainer(ResumeAPI):
         allocator's figures (``cuda_allocated``, ``cuda_reserved``, their peaks and
         ``cuda_fragmentation``: reserved but unallocated at the peak), which include activations."""
         self._life.require_alive()
-        reports = self._pool.call("memory_report", timeout_s=self.config.init_timeout_s)
+        reports = self._pool.memory_reports(timeout_s=self.config.init_timeout_s)
         self._run_metrics.record_memory(reports)
         return reports
 
     def comm_report(self) -> list[dict[str, int]]:
         """Per rank, bytes sent in the last step by collective."""
         self._life.require_alive()
-        return self._pool.call("comm_report", timeout_s=self.config.init_timeout_s)
+        return self._pool.comm_reports(timeout_s=self.config.init_timeout_s)
 
     def full_state_dict(self, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """The fp32 parameters as ``{name: CPU tensor}``, names and shapes as in
@@ -476,7 +476,7 @@ class ZeroTrainer(ResumeAPI):
                                         if info["trainable"][n] or not trainable_only}
         out = {name: torch.empty(math.prod(shape), dtype=torch.float32) for name, shape in shapes.items()}
         # Stage 0 owners each hold all of a parameter; sharded owners a range of it.
-        for fragments in self._pool.call("master_fragments", timeout_s=self.config.init_timeout_s):
+        for fragments in self._pool.master_fragments(timeout_s=self.config.init_timeout_s):
             for name, (lo, hi, values) in fragments.items():
                 if name in out:
                     out[name][lo:hi] = values

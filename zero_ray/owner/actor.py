@@ -1,9 +1,14 @@
 """PartitionOwner: the Ray actor that owns one rank's partition.
 
-The actor is a thin shell: it serves the gRPC control plane (step, abort, health, stats) on
-its own threads, joins the collective group of the current generation, builds an OwnerEngine
-and forwards calls to it. Model state never leaves it except through collectives (and the
-explicit consolidation ``master_fragments``).
+The actor is a thin shell: it serves the gRPC control plane on its own threads (every control
+operation: setup, step, evaluate, reform, rebuild, reshard, snapshots, save, load, stats,
+status, abort, health, close; see owner/control.py), joins the collective group of the current
+generation, builds an OwnerEngine and forwards calls to it. Its Ray methods are only the
+bootstrap (``node``: where it runs and its control address; ``credentials`` and ``run_spec``:
+what a driver attaching to a detached run needs before it can speak gRPC) and the data path
+(``stage_batch``, ``register_dataset``, ``use_filesystem``, ``master_fragments``); the driver
+calls no other (tests/unit/test_control_rule.py). Model state never leaves it except through
+collectives (and the explicit consolidation ``master_fragments``).
 
 Membership operations (re-forming the group, a live reshard, a rebuild after a loss) run under
 the step lock and can be aborted like a step: ``abort`` tears down the group of its generation,
@@ -47,6 +52,8 @@ from zero_ray.owner.redundancy import PeerSnapshots
 from zero_ray.owner.resize import RankState, TransferPlan, describe_state, exchange, install
 
 log = logging.getLogger(__name__)
+
+_CONTROL_THREADS = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,15 +100,20 @@ class PartitionOwner:
         host = options.control_host or ("127.0.0.1" if options.local_cluster else ray.util.get_node_ip_address())
         self._server: ControlServer = serve_owner(
             OwnerControl(self, fetch_timeout_s=options.collective_timeout_s, save_timeout_s=options.save_timeout_s),
-            ServerConfig(host=host, credentials=options.credentials, **options.server_tls))
+            # Every control operation is served here, the long ones (a step, a reshard or rebuild
+            # waiting on the step lock) beside Abort, Stats probes and up to max_streams heartbeat
+            # streams (an old monitor's and its replacement's during a membership change).
+            ServerConfig(host=host, credentials=options.credentials, threads=_CONTROL_THREADS, **options.server_tls))
         if options.detached:
             threading.Thread(target=self._watch_for_driver, name="zero_ray-orphan", daemon=True).start()
 
     def node(self) -> dict[str, Any]:
-        """Where this owner runs: Ray node id, host, IP, process id and control address."""
+        """Where this owner runs: Ray node id, host, IP, process id, control address and actor
+        name (the driver checks liveness by the name, without calling the actor)."""
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "host": socket.gethostname(),
-                "ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "control_address": self._server.address}
+                "ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "control_address": self._server.address,
+                "name": ctx.get_actor_name()}
 
     def _group_name(self) -> str:
         return f"{self._options.group_prefix}-g{self.generation}"
@@ -326,6 +338,12 @@ class PartitionOwner:
         channel: whoever may call this actor may already stop it)."""
         return self._options.credentials
 
+    def run_spec(self) -> dict[str, Any] | None:
+        """What a driver attaching to this run rebuilds itself from: its ZeroConfig (the control
+        plane's TLS settings among them, needed before speaking gRPC), optimizer and scheduler
+        factories. Python objects, so they travel through Ray like the other data."""
+        return self._options.run
+
     def status(self) -> dict[str, Any]:
         """Where this owner stands, for ``ZeroTrainer.attach`` and ``zero-ray status``: ``step``
         and ``samples_seen`` are the run's position as the driver last set it here (steps
@@ -356,22 +374,20 @@ class PartitionOwner:
                 finally:
                     os._exit(0)
 
-    def memory_report(self) -> dict[str, int]:
-        return {**self.engine.memory_report(), "redundancy_host": self.snapshots.nbytes}
-
-    def comm_report(self) -> dict[str, int]:
-        return self.engine.comm_report()
-
     def master_fragments(self) -> dict[str, tuple[int, int, torch.Tensor]]:
         return self.engine.master_fragments()
 
-    def close(self) -> None:
-        """Stop serving and leave the collective group so the process can exit cleanly."""
-        self._server.stop(grace_s=0.5)
+    def release(self) -> None:
+        """Leave the collective group and stop the background writer (idempotent)."""
         self.saver.close()
         if self._engine is not None and self.world_size > 1:
             destroy_group(self._group_name())
         self._engine = None
+
+    def close(self) -> None:
+        """Stop serving and leave the collective group so the process can exit cleanly."""
+        self._server.stop(grace_s=0.5)
+        self.release()
 
 
 RemotePartitionOwner = ray.remote(PartitionOwner)

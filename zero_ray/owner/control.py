@@ -1,20 +1,23 @@
-"""OwnerControl: the partition owner's side of the gRPC control plane.
+"""OwnerControl: the partition owner's side of the gRPC control plane, which carries every
+control operation on a live owner (Ray only creates and kills it and carries its data).
 
 The server runs on its own thread pool, so ``abort`` and ``heartbeat`` are served while the
-actor's compute thread is blocked inside a collective.
+actor's compute thread is blocked inside a collective. Membership operations (setup, reform,
+reshard, rebuild, snapshots) run the actor's own methods, on a server thread. A failure is
+reported with the owner's rank and step phase (``failure_context``): the server sends them in
+the call's FailureDetail beside the exception's type, message and traceback.
 """
 
 from __future__ import annotations
 
 import os
-import time
-import traceback
 import threading
-from typing import Protocol
+import time
+from typing import Any, Protocol
 
 from zero_ray.control import handlers as h
 from zero_ray.core.position import Position
-from zero_ray.errors import CollectiveError, domain_error
+from zero_ray.errors import CollectiveError
 from zero_ray.owner.checkpointing import ShardSaver, restore, shard_record_json
 from zero_ray.owner.data import PieceSource
 from zero_ray.owner.engine import OwnerEngine
@@ -44,14 +47,33 @@ class OwnerHost(Protocol):
 
     def touch(self) -> None: ...
 
+    def setup(self) -> dict[str, Any]: ...
 
-def _with_traceback(err: Exception, rank: int) -> Exception:
-    """The same domain error (or an OwnerError) with the remote traceback appended, since only
-    the status message crosses gRPC. The message comes first: long details are cut at the end."""
-    tb = traceback.format_exc()
-    tb = tb if len(tb) <= 2500 else "...\n" + tb[-2500:]
-    text = f"{err}\n\nRemote traceback (rank {rank}):\n{tb}"
-    return domain_error(type(err), text, rank=rank, fallback=f"{type(err).__name__}: {text}")
+    def reform(self, generation: int) -> bool: ...
+
+    def set_peers(self, backup: int, ward: int) -> None: ...
+
+    def snapshot_info(self, committed_step: int) -> dict[int, Any]: ...
+
+    def resize_info(self) -> dict[str, Any]: ...
+
+    def reshard(self, *, old_world: int, new_world: int, generation: int, info: dict[str, Any]) -> int: ...
+
+    def rebuild(self, *, position: int, world_size: int, generation: int, restore: dict[str, Any] | None) -> int: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def layout_of(engine: OwnerEngine) -> h.ModelLayout:
+    """The model as ``engine`` laid it out."""
+    layout, trainable = engine.layout, engine.state.trainable
+    return h.ModelLayout(numel=layout.numel, padded_numel=layout.padded_numel, buckets=len(layout.buckets),
+                         params=tuple(h.ParamInfo(name=p.name, shape=tuple(p.shape), trainable=trainable[p.index])
+                                      for p in layout.params))
 
 
 def rss_bytes() -> int:
@@ -77,26 +99,20 @@ class OwnerControl:
         owner.touch()
         self._check_generation(args.generation, "step")
         with self._lock:
-            try:
-                owner.snapshots.commit_upto(args.step - 1)  # the driver saw every rank finish that step
-                piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s)
-                result = owner.engine.step(piece, global_samples=args.global_samples,
-                                           position=Position(step=args.step, samples_seen=args.samples_seen))
-                if not result.refused:  # a refused step changed nothing: no snapshot is due
-                    owner.after_step(args.step)
-            except Exception as err:
-                raise _with_traceback(err, owner.rank) from err
+            owner.snapshots.commit_upto(args.step - 1)  # the driver saw every rank finish that step
+            piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s, generation=args.generation)
+            result = owner.engine.step(piece, global_samples=args.global_samples,
+                                       position=Position(step=args.step, samples_seen=args.samples_seen))
+            if not result.refused:  # a refused step changed nothing: no snapshot is due
+                owner.after_step(args.step)
         return result
 
     def evaluate(self, args: h.EvaluateArgs) -> h.EvaluateResult:
         owner = self._owner
         self._check_generation(args.generation, "evaluate")
         with self._lock:
-            try:
-                piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s)
-                totals = owner.engine.evaluate(piece)
-            except Exception as err:
-                raise _with_traceback(err, owner.rank) from err
+            piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s, generation=args.generation)
+            totals = owner.engine.evaluate(piece)
         return h.EvaluateResult(totals=totals, rank=owner.rank)
 
     def _check_generation(self, generation: int, what: str) -> None:
@@ -108,15 +124,12 @@ class OwnerControl:
     def save(self, path: str, step: int, phase: h.SavePhase) -> h.SaveResult:
         owner = self._owner
         written = 0
-        try:
-            if phase is not h.SavePhase.AWAIT:
-                with self._lock:  # a consistent snapshot: never in the middle of a step
-                    written = owner.saver.start(owner.engine, path)
-            if phase is h.SavePhase.SNAPSHOT:
-                return h.SaveResult(path=path, step=step, bytes_written=written)
-            record, model = owner.saver.wait(path, timeout_s=self._save_timeout_s)
-        except Exception as err:
-            raise _with_traceback(err, owner.rank) from err
+        if phase is not h.SavePhase.AWAIT:
+            with self._lock:  # a consistent snapshot: never in the middle of a step
+                written = owner.saver.start(owner.engine, path)
+        if phase is h.SavePhase.SNAPSHOT:
+            return h.SaveResult(path=path, step=step, bytes_written=written)
+        record, model = owner.saver.wait(path, timeout_s=self._save_timeout_s)
         return h.SaveResult(path=f"{path}/{record.name}", step=step, bytes_written=record.size,
                             # every rank knows the optimizer state entries of what it updates
                             record_json=shard_record_json(record, model if owner.rank == 0
@@ -125,13 +138,12 @@ class OwnerControl:
     def load(self, path: str, step: int) -> h.LoadResult:
         owner = self._owner
         with self._lock:
-            try:
-                read = restore(owner.engine, path)
-            except Exception as err:
-                raise _with_traceback(err, owner.rank) from err
+            read = restore(owner.engine, path)
         return h.LoadResult(step=owner.engine.position.step, bytes_read=read)
 
     def abort(self, reason: str, generation: int) -> bool:
+        # A step waiting for a staged piece that will never come (its staging failed) gives up too.
+        self._owner.data.abort(generation)
         return self._owner.abort(reason=reason, generation=generation)
 
     def heartbeat(self) -> h.Heartbeat:
@@ -149,5 +161,59 @@ class OwnerControl:
             return h.OwnerStats(step=0, rank=owner.rank, world_size=owner.world_size, stage=0, memory_bytes={},
                                 bytes_sent={})
         memory = {k: v for k, v in engine.memory_report().items() if k != "rank"}
+        memory["redundancy_host"] = owner.snapshots.nbytes  # peer snapshots in host memory
         return h.OwnerStats(step=engine.position.step, rank=owner.rank, world_size=owner.world_size,
                             stage=engine.spec.plan.stage, memory_bytes=memory, bytes_sent=dict(engine.last_bytes))
+
+    # -- membership: the actor's own operations, served here ------------------------------------------
+    def setup(self) -> h.SetupResult:
+        owner = self._owner
+        owner.touch()
+        owner.setup()
+        return h.SetupResult(rank=owner.rank, layout=layout_of(owner.engine))
+
+    def reform(self, generation: int) -> bool:
+        self._owner.touch()
+        return self._owner.reform(generation)
+
+    def set_peers(self, backup: int, ward: int) -> None:
+        self._owner.touch()
+        self._owner.set_peers(backup, ward)
+
+    def snapshots(self, committed_step: int) -> h.Plain:
+        self._owner.touch()
+        return self._owner.snapshot_info(committed_step)
+
+    def resize_info(self) -> h.Plain:
+        self._owner.touch()
+        return self._owner.resize_info()
+
+    def reshard(self, *, old_world: int, new_world: int, generation: int, description: h.Plain) -> int:
+        self._owner.touch()
+        return self._owner.reshard(old_world=old_world, new_world=new_world, generation=generation, info=description)
+
+    def rebuild(self, *, position: int, world_size: int, generation: int, restore: h.Plain | None) -> int:
+        self._owner.touch()
+        return self._owner.rebuild(position=position, world_size=world_size, generation=generation, restore=restore)
+
+    def status(self) -> h.OwnerStatus:
+        owner = self._owner
+        owner.touch()
+        s = owner.status()
+        engine = owner.engine_or_none
+        return h.OwnerStatus(rank=s["rank"], world_size=s["world_size"], generation=s["generation"],
+                             step=s["step"], samples_seen=s["samples_seen"], phase=s["phase"],
+                             busy=s["busy"], detached=bool((s["run"] or {}).get("detached")), node_id=s["node_id"],
+                             host=s["host"], ip=s["ip"], pid=s["pid"], control_address=s["control_address"],
+                             layout=layout_of(engine) if engine is not None else None)
+
+    def close(self) -> None:
+        owner = self._owner
+        owner.release()
+        # Stopping the server waits for the calls in flight, this one included: do it after replying.
+        threading.Thread(target=owner.close, name="zero_ray-close", daemon=True).start()
+
+    def failure_context(self) -> h.FailureContext:
+        owner = self._owner
+        engine = owner.engine_or_none
+        return h.FailureContext(rank=owner.rank, phase=engine.phase.value if engine is not None else "starting")

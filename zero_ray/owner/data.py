@@ -5,7 +5,9 @@ Two sources, named by the ``Piece`` a Step or Evaluate request carries:
 - staged batches: ``ZeroTrainer.step(batch)`` puts each owner's piece in Ray's object store and
   hands the reference to the owner in a Ray call (``PartitionOwner.stage_batch``), which Ray
   resolves and reference-counts (no out-of-band ObjectRef, so nothing stays pinned); the
-  request names it by key and the owner takes it, waiting a bounded time for it to arrive.
+  request names it by key and the owner takes it, waiting a bounded time for it to arrive. When
+  the staging call fails (its piece never comes) the driver sees that call fail and aborts the
+  step's generation, which ends the wait at once.
 - datasets: ``ZeroTrainer.fit`` ships a map-style dataset (or a factory for one) to every owner
   once; a request carries indices and the owner builds its piece with ``collate_fn``.
 """
@@ -47,6 +49,7 @@ class PieceSource:
         self._staged: dict[str, Any] = {}
         self._arrived = threading.Condition()
         self._datasets: dict[str, HeldDataset] = {}
+        self._aborted = -1  # the newest generation whose waits were abandoned
 
     # -- staged batches ----------------------------------------------------------------------------
     def stage(self, key: str, piece: Any) -> None:
@@ -60,6 +63,13 @@ class PieceSource:
         with self._arrived:
             self._staged = {k: v for k, v in self._staged.items()
                             if keep_generation is not None and k.split(":", 1)[0] == str(keep_generation)}
+
+    def abort(self, generation: int) -> None:
+        """Wake every take waiting for a piece of ``generation`` (or an earlier one): it fails
+        now instead of waiting out its timeout for a piece whose staging failed."""
+        with self._arrived:
+            self._aborted = max(self._aborted, generation)
+            self._arrived.notify_all()
 
     # -- datasets -----------------------------------------------------------------------------------
     def register(self, name: str, source: Any, *, factory: bool, collate: Collate | None) -> int:
@@ -76,12 +86,16 @@ class PieceSource:
         return name in self._datasets
 
     # -- pieces -----------------------------------------------------------------------------------
-    def take(self, piece: Piece, *, timeout_s: float) -> Any:
-        """The batch ``piece`` names: a staged batch (removed once taken) or the collated samples."""
+    def take(self, piece: Piece, *, timeout_s: float, generation: int | None = None) -> Any:
+        """The batch ``piece`` names: a staged batch (removed once taken) or the collated samples.
+        Waiting for a staged batch of ``generation`` ends when that generation is aborted."""
         if piece.batch_key:
             deadline = time.monotonic() + timeout_s
             with self._arrived:
                 while piece.batch_key not in self._staged:
+                    if generation is not None and generation <= self._aborted:
+                        raise CollectiveError(f"generation {generation} was aborted while this owner waited for "
+                                              f"the batch staged as {piece.batch_key!r}")
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise CollectiveError(f"the batch staged as {piece.batch_key!r} did not reach this owner "

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(zero_ray/control/_generated/common.proto\x12\x0bzero_ray.v1\"9\n\rRequestHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(zero_ray/control/_generated/common.proto\x12\x0bzero_ray.v1\"9\n\rRequestHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\"\x95\x01\n\rFailureDetail\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x11\n\x04rank\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05phase\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\r\n\x05\x63\x61use\x18\x05 \x01(\t\x12\x18\n\x10remote_traceback\x18\x06 \x01(\t\x12\x11\n\toperation\x18\x07 \x01(\tB\x07\n\x05_rankb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,4 +33,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REQUESTHEADER']._serialized_start=57
   _globals['_REQUESTHEADER']._serialized_end=114
+  _globals['_FAILUREDETAIL']._serialized_start=117
+  _globals['_FAILUREDETAIL']._serialized_end=266
 # @@protoc_insertion_point(module_scope)

@@ -223,3 +223,175 @@ class StatsReply(_message.Message):
     world_size: int
     stage: int
     def __init__(self, memory_bytes: _Optional[_Mapping[str, int]] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...
+
+class SetupRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
+
+class ParamInfo(_message.Message):
+    __slots__ = ("name", "shape", "trainable")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    trainable: bool
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., trainable: _Optional[bool] = ...) -> None: ...
+
+class ModelLayout(_message.Message):
+    __slots__ = ("numel", "padded_numel", "buckets", "params")
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    PADDED_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    numel: int
+    padded_numel: int
+    buckets: int
+    params: _containers.RepeatedCompositeFieldContainer[ParamInfo]
+    def __init__(self, numel: _Optional[int] = ..., padded_numel: _Optional[int] = ..., buckets: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ...) -> None: ...
+
+class SetupReply(_message.Message):
+    __slots__ = ("rank", "layout")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    layout: ModelLayout
+    def __init__(self, rank: _Optional[int] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ...) -> None: ...
+
+class ReformRequest(_message.Message):
+    __slots__ = ("header", "generation")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    generation: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ReformReply(_message.Message):
+    __slots__ = ("consistent",)
+    CONSISTENT_FIELD_NUMBER: _ClassVar[int]
+    consistent: bool
+    def __init__(self, consistent: _Optional[bool] = ...) -> None: ...
+
+class SetPeersRequest(_message.Message):
+    __slots__ = ("header", "backup", "ward")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    WARD_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    backup: int
+    ward: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., backup: _Optional[int] = ..., ward: _Optional[int] = ...) -> None: ...
+
+class SetPeersReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SnapshotsRequest(_message.Message):
+    __slots__ = ("header", "committed_step")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    committed_step: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., committed_step: _Optional[int] = ...) -> None: ...
+
+class SnapshotsReply(_message.Message):
+    __slots__ = ("snapshots_json",)
+    SNAPSHOTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    snapshots_json: bytes
+    def __init__(self, snapshots_json: _Optional[bytes] = ...) -> None: ...
+
+class ResizeInfoRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
+
+class ResizeInfoReply(_message.Message):
+    __slots__ = ("description_json",)
+    DESCRIPTION_JSON_FIELD_NUMBER: _ClassVar[int]
+    description_json: bytes
+    def __init__(self, description_json: _Optional[bytes] = ...) -> None: ...
+
+class ReshardRequest(_message.Message):
+    __slots__ = ("header", "old_world", "new_world", "generation", "description_json")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    OLD_WORLD_FIELD_NUMBER: _ClassVar[int]
+    NEW_WORLD_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_JSON_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    old_world: int
+    new_world: int
+    generation: int
+    description_json: bytes
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., old_world: _Optional[int] = ..., new_world: _Optional[int] = ..., generation: _Optional[int] = ..., description_json: _Optional[bytes] = ...) -> None: ...
+
+class RebuildRequest(_message.Message):
+    __slots__ = ("header", "position", "world_size", "generation", "restore_json")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_JSON_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    position: int
+    world_size: int
+    generation: int
+    restore_json: bytes
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., position: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., restore_json: _Optional[bytes] = ...) -> None: ...
+
+class TransferReply(_message.Message):
+    __slots__ = ("bytes_sent",)
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    bytes_sent: int
+    def __init__(self, bytes_sent: _Optional[int] = ...) -> None: ...
+
+class OwnerStatusRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
+
+class OwnerStatusReply(_message.Message):
+    __slots__ = ("rank", "world_size", "generation", "step", "phase", "samples_seen", "busy", "detached", "node_id", "host", "ip", "pid", "control_address", "layout")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_SEEN_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    IP_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    generation: int
+    step: int
+    phase: str
+    samples_seen: int
+    busy: bool
+    detached: bool
+    node_id: str
+    host: str
+    ip: str
+    pid: int
+    control_address: str
+    layout: ModelLayout
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[str] = ..., samples_seen: _Optional[int] = ..., busy: _Optional[bool] = ..., detached: _Optional[bool] = ..., node_id: _Optional[str] = ..., host: _Optional[str] = ..., ip: _Optional[str] = ..., pid: _Optional[int] = ..., control_address: _Optional[str] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ...) -> None: ...
+
+class CloseRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
+
+class CloseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -27,9 +27,14 @@ if _version_not_supported:
 
 class PartitionOwnerStub:
     """Served by each partition owner (one Ray actor holding one shard of the model
-    state) to the driver. Tensors never travel here: a step's piece of the batch is
-    either staged on the owner through Ray's object store under a key, or read by
-    the owner from a dataset it holds, by index.
+    state) to the driver: every control operation on a live owner is a method
+    here. Ray only creates, places and kills owners and carries data (a step's
+    staged batch pieces, datasets, filesystem objects, the explicit consolidation),
+    and tensors never travel here: a step's piece of the batch is either staged on
+    the owner through Ray's object store under a key, or read by the owner from a
+    dataset it holds, by index. Structured plain data (a resize's or a restore's
+    description, snapshot records) travels as JSON in bytes fields named *_json.
+    A handler's failure carries a FailureDetail (common.proto).
     """
 
     def __init__(self, channel):
@@ -38,6 +43,11 @@ class PartitionOwnerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Setup = channel.unary_unary(
+                '/zero_ray.v1.PartitionOwner/Setup',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.SetupRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.SetupReply.FromString,
+                _registered_method=True)
         self.Step = channel.unary_unary(
                 '/zero_ray.v1.PartitionOwner/Step',
                 request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.StepRequest.SerializeToString,
@@ -73,14 +83,67 @@ class PartitionOwnerStub:
                 request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.StatsRequest.SerializeToString,
                 response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Reform = channel.unary_unary(
+                '/zero_ray.v1.PartitionOwner/Reform',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.ReformRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.ReformReply.FromString,
+                _registered_method=True)
+        self.SetPeers = channel.unary_unary(
+                '/zero_ray.v1.PartitionOwner/SetPeers',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.SetPeersRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.SetPeersReply.FromString,
+                _registered_method=True)
+        self.Snapshots = channel.unary_unary(
+                '/zero_ray.v1.PartitionOwner/Snapshots',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.SnapshotsRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.SnapshotsReply.FromString,
+                _registered_method=True)
+        self.ResizeInfo = channel.unary_unary(
+                '/zero_ray.v1.PartitionOwner/ResizeInfo',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.ResizeInfoRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.ResizeInfoReply.FromString,
+                _registered_method=True)
+        self.Reshard = channel.unary_unary(
+                '/zero_ray.v1.PartitionOwner/Reshard',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.ReshardRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.TransferReply.FromString,
+                _registered_method=True)
+        self.Rebuild = channel.unary_unary(
+                '/zero_ray.v1.PartitionOwner/Rebuild',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.RebuildRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.TransferReply.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/zero_ray.v1.PartitionOwner/Status',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.OwnerStatusRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.OwnerStatusReply.FromString,
+                _registered_method=True)
+        self.Close = channel.unary_unary(
+                '/zero_ray.v1.PartitionOwner/Close',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.CloseRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.CloseReply.FromString,
+                _registered_method=True)
 
 
 class PartitionOwnerServicer:
     """Served by each partition owner (one Ray actor holding one shard of the model
-    state) to the driver. Tensors never travel here: a step's piece of the batch is
-    either staged on the owner through Ray's object store under a key, or read by
-    the owner from a dataset it holds, by index.
+    state) to the driver: every control operation on a live owner is a method
+    here. Ray only creates, places and kills owners and carries data (a step's
+    staged batch pieces, datasets, filesystem objects, the explicit consolidation),
+    and tensors never travel here: a step's piece of the batch is either staged on
+    the owner through Ray's object store under a key, or read by the owner from a
+    dataset it holds, by index. Structured plain data (a resize's or a restore's
+    description, snapshot records) travels as JSON in bytes fields named *_json.
+    A handler's failure carries a FailureDetail (common.proto).
     """
+
+    def Setup(self, request, context):
+        """Join the group of the owner's generation and build its model state (every owner
+        concurrently).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
         """Run one training step on this owner's shard.
@@ -125,7 +188,64 @@ class PartitionOwnerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Memory and traffic counters.
+        """Memory (the figures at the last step's peak) and traffic counters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reform(self, request, context):
+        """Leave the current group and join the given generation's (every owner concurrently).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPeers(self, request, context):
+        """Which peer keeps this owner's snapshots, and whose it keeps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Snapshots(self, request, context):
+        """The committed peer snapshots this owner holds, once the driver names the last step
+        every owner finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResizeInfo(self, request, context):
+        """This owner's part of a live resize's description.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reshard(self, request, context):
+        """Move this owner's part of the state to a new number of owners (every owner concurrently).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rebuild(self, request, context):
+        """Take a position in a pool rebuilt after a loss (every owner concurrently).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Where this owner stands: for a driver attaching to a detached run, and for operators.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Close(self, request, context):
+        """Leave the group and stop serving, so that the process can end (before it is killed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -134,6 +254,11 @@ class PartitionOwnerServicer:
 
 def add_PartitionOwnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Setup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Setup,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.SetupRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.SetupReply.SerializeToString,
+            ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
                     request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.StepRequest.FromString,
@@ -169,6 +294,46 @@ def add_PartitionOwnerServicer_to_server(servicer, server):
                     request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.StatsRequest.FromString,
                     response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.StatsReply.SerializeToString,
             ),
+            'Reform': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reform,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.ReformRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.ReformReply.SerializeToString,
+            ),
+            'SetPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPeers,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.SetPeersRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.SetPeersReply.SerializeToString,
+            ),
+            'Snapshots': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshots,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.SnapshotsRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.SnapshotsReply.SerializeToString,
+            ),
+            'ResizeInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResizeInfo,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.ResizeInfoRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.ResizeInfoReply.SerializeToString,
+            ),
+            'Reshard': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reshard,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.ReshardRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.TransferReply.SerializeToString,
+            ),
+            'Rebuild': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rebuild,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.RebuildRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.TransferReply.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.OwnerStatusRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.OwnerStatusReply.SerializeToString,
+            ),
+            'Close': grpc.unary_unary_rpc_method_handler(
+                    servicer.Close,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.CloseRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.CloseReply.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'zero_ray.v1.PartitionOwner', rpc_method_handlers)
@@ -179,10 +344,42 @@ def add_PartitionOwnerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class PartitionOwner:
     """Served by each partition owner (one Ray actor holding one shard of the model
-    state) to the driver. Tensors never travel here: a step's piece of the batch is
-    either staged on the owner through Ray's object store under a key, or read by
-    the owner from a dataset it holds, by index.
+    state) to the driver: every control operation on a live owner is a method
+    here. Ray only creates, places and kills owners and carries data (a step's
+    staged batch pieces, datasets, filesystem objects, the explicit consolidation),
+    and tensors never travel here: a step's piece of the batch is either staged on
+    the owner through Ray's object store under a key, or read by the owner from a
+    dataset it holds, by index. Structured plain data (a resize's or a restore's
+    description, snapshot records) travels as JSON in bytes fields named *_json.
+    A handler's failure carries a FailureDetail (common.proto).
     """
+
+    @staticmethod
+    def Setup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zero_ray.v1.PartitionOwner/Setup',
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.SetupRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.SetupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Step(request,
@@ -363,6 +560,222 @@ class PartitionOwner:
             '/zero_ray.v1.PartitionOwner/Stats',
             zero__ray_dot_control_dot___generated_dot_owner__pb2.StatsRequest.SerializeToString,
             zero__ray_dot_control_dot___generated_dot_owner__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reform(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zero_ray.v1.PartitionOwner/Reform',
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.ReformRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.ReformReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zero_ray.v1.PartitionOwner/SetPeers',
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.SetPeersRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.SetPeersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zero_ray.v1.PartitionOwner/Snapshots',
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.SnapshotsRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.SnapshotsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResizeInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zero_ray.v1.PartitionOwner/ResizeInfo',
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.ResizeInfoRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.ResizeInfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reshard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zero_ray.v1.PartitionOwner/Reshard',
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.ReshardRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.TransferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rebuild(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zero_ray.v1.PartitionOwner/Rebuild',
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.RebuildRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.TransferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zero_ray.v1.PartitionOwner/Status',
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.OwnerStatusRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.OwnerStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Close(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zero_ray.v1.PartitionOwner/Close',
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.CloseRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.CloseReply.FromString,
             options,
             channel_credentials,
             insecure,

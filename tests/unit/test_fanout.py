@@ -1,0 +1,109 @@
+"""FanOut without Ray: its thread pools grow with the pool, aborts never queue behind blocked
+steps, and failed calls become domain errors from their fields."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from zero_ray.driver.fanout import FanOut, control_error
+from zero_ray.errors import (
+    CheckpointError,
+    ConfigError,
+    ControlError,
+    FailureDetail,
+    OwnerError,
+    OwnerLostError,
+    RemoteFailure,
+)
+
+WAIT_S = 10.0  # every wait here is bounded by this
+ENTER_S = WAIT_S / 4  # shorter than a blocked step's wait: a step that cannot start is seen as such
+
+
+def _fan(world_size: int) -> FanOut:
+    return FanOut(world_size=world_size, lost=dict, abort=lambda reason: None, where=lambda rank: f"rank {rank}")
+
+
+@pytest.mark.parametrize("grown_to", [2, 24])
+def test_aborts_never_queue_behind_blocked_steps_after_the_pool_grew(grown_to: int) -> None:
+    fan = _fan(2)
+    fan.fit(grown_to)  # what OwnerPool does on every membership change
+    assert fan.threads >= FanOut.threads_for(grown_to)
+    clients: list[Any] = [object() for _ in range(grown_to)]
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+
+    def step(client: Any, rank: int) -> int:
+        entered.release()
+        if not release.wait(WAIT_S):
+            raise TimeoutError("the test never released the steps")
+        return rank
+
+    results: list[list[int]] = []
+    stepping = threading.Thread(target=lambda: results.append(fan.grpc(clients, "step", step)), daemon=True)
+    stepping.start()
+    try:
+        for _ in range(grown_to):  # every owner's step holds a thread: none waits for another
+            assert entered.acquire(timeout=ENTER_S), "a step never started: the pool is too small"
+        aborted = fan.urgent(dict(enumerate(clients)), lambda client: True, timeout_s=WAIT_S)
+        assert aborted == {r: True for r in range(grown_to)} and stepping.is_alive()
+    finally:
+        release.set()
+        stepping.join(WAIT_S)
+    assert results == [list(range(grown_to))]
+    fan.close()
+
+
+def test_the_pools_never_shrink_and_calls_in_flight_survive_a_resize() -> None:
+    fan = _fan(8)
+    size = fan.threads
+    fan.fit(2)
+    assert fan.threads == size
+    started, release = threading.Event(), threading.Event()
+
+    def slow(client: Any, rank: int) -> str:
+        started.set()
+        release.wait(WAIT_S)
+        return "done"
+
+    out: list[list[str]] = []
+    call = threading.Thread(target=lambda: out.append(fan.grpc([object()], "save", slow)), daemon=True)
+    call.start()
+    assert started.wait(WAIT_S)
+    fan.fit(64)  # replaces the pools while the call runs on the old one
+    release.set()
+    call.join(WAIT_S)
+    assert out == [["done"]] and fan.threads == FanOut.threads_for(64)
+    fan.close()
+
+
+def test_the_first_failure_is_raised_as_the_owners_own_error_naming_its_rank() -> None:
+    fan = _fan(3)
+    detail = FailureDetail(type="CheckpointError", message="rank-00002 is missing", rank=0, phase="idle",
+                           operation="PartitionOwner.Load")
+
+    def load(client: Any, i: int) -> None:
+        if i == 1:
+            raise RemoteFailure("PartitionOwner.Load failed", code="FAILED_PRECONDITION", detail=detail)
+
+    with pytest.raises(CheckpointError, match=r"^rank 7 failed in PartitionOwner.Load \(idle\): rank-00002") as info:
+        fan.grpc([object()] * 3, "load", load, ranks=[5, 7, 9])
+    assert info.value.failure is detail
+    fan.close()
+
+
+@pytest.mark.parametrize(("code", "expected"), [("UNAVAILABLE", OwnerLostError), ("DEADLINE_EXCEEDED", OwnerLostError),
+                                                ("CANCELLED", OwnerError)])
+def test_transport_failures_name_the_owner(code: str, expected: type) -> None:
+    err = control_error(ControlError("no", code=code), "rank 2 on node x", 2, "reshard")
+    assert type(err) is expected and err.rank == 2 and str(err).startswith("rank 2 on node x failed in reshard")
+
+
+def test_ray_carries_only_the_bootstrap_and_the_data_path() -> None:
+    fan = _fan(1)
+    with pytest.raises(ConfigError, match="'reshard' is a control operation: call it over gRPC"):
+        fan.ray([object()], "reshard", timeout_s=1.0)
+    fan.close()

@@ -1,0 +1,276 @@
+"""protobuf <-> plain translation on the server side: the servicers a :class:`ControlServer`
+registers for an :class:`OwnerHandler` and a :class:`CoordinatorHandler`.
+
+Every method runs its handler through :func:`zero_ray.control.status.serve`, so that a failure
+ends the call with a status and a FailureDetail; ``*_json`` fields are read and written with
+:mod:`zero_ray.control.plain`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from zero_ray.control import plain
+from zero_ray.control._generated import coordinator_pb2, coordinator_pb2_grpc, owner_pb2, owner_pb2_grpc
+from zero_ray.control.handlers import (
+    CheckpointResult,
+    CoordinatorHandler,
+    EvaluateArgs,
+    FailureContext,
+    Heartbeat,
+    JobStatus,
+    LoadResult,
+    LossTotals,
+    MetricsEvent,
+    ModelLayout,
+    OwnerHandler,
+    OwnerStats,
+    OwnerStatus,
+    Piece,
+    ResizeResult,
+    SavePhase,
+    SaveResult,
+    StepArgs,
+    StepResult,
+)
+from zero_ray.control.status import serve
+from zero_ray.control.streams import Streams
+
+T = TypeVar("T")
+
+_MIN_INTERVAL_MS, _MAX_INTERVAL_MS = 10, 60_000
+
+
+def _interval_s(interval_ms: int, context: grpc.ServicerContext, method: str) -> float:
+    if not _MIN_INTERVAL_MS <= interval_ms <= _MAX_INTERVAL_MS:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"{method}: interval_ms={interval_ms} must be in [{_MIN_INTERVAL_MS}, {_MAX_INTERVAL_MS}]")
+    return interval_ms / 1000.0
+
+
+def _piece(message: owner_pb2.Piece) -> Piece:
+    return Piece(batch_key=message.batch_key, dataset=message.dataset, indices=tuple(message.indices))
+
+
+def _totals(totals: LossTotals) -> owner_pb2.LossTotals:
+    return owner_pb2.LossTotals(loss_sum=totals.loss_sum, samples=totals.samples, count=totals.count,
+                                counted=totals.counted, items=totals.items)
+
+
+def _step_reply(result: StepResult) -> owner_pb2.StepReply:
+    return owner_pb2.StepReply(totals=_totals(result.totals), grad_norm=result.grad_norm,
+                               skipped=result.skipped, loss_scale=result.loss_scale,
+                               compute_seconds=result.compute_seconds, bytes_sent=dict(result.bytes_sent),
+                               rank=result.rank, lr=result.lr, refused=result.refused,
+                               nonfinite_loss_ranks=list(result.nonfinite_loss_ranks),
+                               nonfinite_grad_ranks=list(result.nonfinite_grad_ranks))
+
+
+def _heartbeat(beat: Heartbeat) -> owner_pb2.Heartbeat:
+    return owner_pb2.Heartbeat(rank=beat.rank, step=beat.step, state=beat.state, timestamp=beat.timestamp,
+                               rss_bytes=beat.rss_bytes)
+
+
+def _stats_reply(stats: OwnerStats) -> owner_pb2.StatsReply:
+    return owner_pb2.StatsReply(memory_bytes=dict(stats.memory_bytes), bytes_sent=dict(stats.bytes_sent),
+                                step=stats.step, rank=stats.rank, world_size=stats.world_size, stage=stats.stage)
+
+
+def _layout(layout: ModelLayout) -> owner_pb2.ModelLayout:
+    return owner_pb2.ModelLayout(numel=layout.numel, padded_numel=layout.padded_numel, buckets=layout.buckets,
+                                 params=[owner_pb2.ParamInfo(name=p.name, shape=list(p.shape), trainable=p.trainable)
+                                         for p in layout.params])
+
+
+def _owner_status(s: OwnerStatus) -> owner_pb2.OwnerStatusReply:
+    reply = owner_pb2.OwnerStatusReply(rank=s.rank, world_size=s.world_size, generation=s.generation,
+                                       step=s.step, samples_seen=s.samples_seen, phase=s.phase,
+                                       busy=s.busy, detached=s.detached, node_id=s.node_id, host=s.host, ip=s.ip,
+                                       pid=s.pid, control_address=s.control_address)
+    if s.layout is not None:
+        reply.layout.CopyFrom(_layout(s.layout))
+    return reply
+
+
+def _status_reply(status: JobStatus) -> coordinator_pb2.StatusReply:
+    ranks = [coordinator_pb2.RankStatus(rank=r.rank, node=r.node, healthy=r.healthy, state=r.state,
+                                        memory=dict(r.memory), last_heartbeat=r.last_heartbeat)
+             for r in status.ranks]
+    return coordinator_pb2.StatusReply(world_size=status.world_size, stage=status.stage, step=status.step,
+                                       last_loss=status.last_loss, state=status.state, ranks=ranks,
+                                       events=list(status.events))
+
+
+def _metrics_event(event: MetricsEvent) -> coordinator_pb2.MetricsEvent:
+    return coordinator_pb2.MetricsEvent(step=event.step, loss=event.loss, step_seconds=event.step_seconds,
+                                        tokens_per_second=event.tokens_per_second, values=dict(event.values))
+
+
+def _same(value: T) -> T:
+    return value
+
+
+class _Serving:
+    """What both servicers share: the handler, the stream admission, running a handler method."""
+
+    _SERVICE = ""
+
+    def __init__(self, handler: Any, streams: Streams) -> None:
+        self._handler = handler
+        self._streams = streams
+
+    def _failure_context(self) -> FailureContext:
+        return FailureContext()
+
+    def _serve(self, context: grpc.ServicerContext, method: str, call: Callable[[], Any],
+               build: Callable[[Any], T]) -> T:
+        return serve(context, f"{self._SERVICE}.{method}", call, build, self._failure_context)
+
+
+class OwnerServicer(_Serving, owner_pb2_grpc.PartitionOwnerServicer):
+    """protobuf <-> plain translation for an :class:`OwnerHandler`."""
+
+    _SERVICE = "PartitionOwner"
+    _handler: OwnerHandler
+
+    def _failure_context(self) -> FailureContext:
+        return self._handler.failure_context()
+
+    def Setup(self, request: owner_pb2.SetupRequest, context: grpc.ServicerContext) -> owner_pb2.SetupReply:
+        return self._serve(context, "Setup", self._handler.setup,
+                           lambda r: owner_pb2.SetupReply(rank=r.rank, layout=_layout(r.layout)))
+
+    def Step(self, request: owner_pb2.StepRequest, context: grpc.ServicerContext) -> owner_pb2.StepReply:
+        args = self._serve(context, "Step", lambda: StepArgs(
+            step=request.step, piece=_piece(request.piece), global_samples=request.global_samples,
+            generation=request.generation, samples_seen=request.samples_seen), _same)
+        return self._serve(context, "Step", lambda: self._handler.step(args), _step_reply)
+
+    def Evaluate(self, request: owner_pb2.EvaluateRequest,
+                 context: grpc.ServicerContext) -> owner_pb2.EvaluateReply:
+        args = self._serve(context, "Evaluate", lambda: EvaluateArgs(piece=_piece(request.piece),
+                                                                     generation=request.generation), _same)
+        return self._serve(context, "Evaluate", lambda: self._handler.evaluate(args),
+                           lambda r: owner_pb2.EvaluateReply(totals=_totals(r.totals), rank=r.rank))
+
+    def Save(self, request: owner_pb2.SaveRequest, context: grpc.ServicerContext) -> owner_pb2.SaveReply:
+        def build(r: SaveResult) -> owner_pb2.SaveReply:
+            return owner_pb2.SaveReply(path=r.path, step=r.step, bytes_written=r.bytes_written,
+                                       record_json=r.record_json)
+
+        phase = self._serve(context, "Save", lambda: SavePhase(request.phase), _same)
+        return self._serve(context, "Save", lambda: self._handler.save(request.path, request.step, phase), build)
+
+    def Load(self, request: owner_pb2.LoadRequest, context: grpc.ServicerContext) -> owner_pb2.LoadReply:
+        def build(r: LoadResult) -> owner_pb2.LoadReply:
+            return owner_pb2.LoadReply(step=r.step, bytes_read=r.bytes_read)
+
+        return self._serve(context, "Load", lambda: self._handler.load(request.path, request.step), build)
+
+    def Abort(self, request: owner_pb2.AbortRequest, context: grpc.ServicerContext) -> owner_pb2.AbortReply:
+        return self._serve(context, "Abort", lambda: self._handler.abort(request.reason, request.generation),
+                           lambda aborted: owner_pb2.AbortReply(aborted=bool(aborted)))
+
+    def Health(self, request: owner_pb2.HealthRequest, context: grpc.ServicerContext) -> Iterator[owner_pb2.Heartbeat]:
+        method = "PartitionOwner.Health"
+        interval = _interval_s(request.interval_ms, context, method)
+        with self._streams.open(context, method) as finished:
+            while True:  # the first heartbeat at once, so that a new monitor knows the owner is alive
+                yield self._serve(context, "Health", self._handler.heartbeat, _heartbeat)
+                if finished.wait(interval):
+                    return
+
+    def Stats(self, request: owner_pb2.StatsRequest, context: grpc.ServicerContext) -> owner_pb2.StatsReply:
+        return self._serve(context, "Stats", self._handler.stats, _stats_reply)
+
+    def Reform(self, request: owner_pb2.ReformRequest, context: grpc.ServicerContext) -> owner_pb2.ReformReply:
+        return self._serve(context, "Reform", lambda: self._handler.reform(request.generation),
+                           lambda consistent: owner_pb2.ReformReply(consistent=bool(consistent)))
+
+    def SetPeers(self, request: owner_pb2.SetPeersRequest,
+                 context: grpc.ServicerContext) -> owner_pb2.SetPeersReply:
+        return self._serve(context, "SetPeers", lambda: self._handler.set_peers(request.backup, request.ward),
+                           lambda _: owner_pb2.SetPeersReply())
+
+    def Snapshots(self, request: owner_pb2.SnapshotsRequest,
+                  context: grpc.ServicerContext) -> owner_pb2.SnapshotsReply:
+        return self._serve(context, "Snapshots", lambda: self._handler.snapshots(request.committed_step),
+                           lambda held: owner_pb2.SnapshotsReply(snapshots_json=plain.dumps(held)))
+
+    def ResizeInfo(self, request: owner_pb2.ResizeInfoRequest,
+                   context: grpc.ServicerContext) -> owner_pb2.ResizeInfoReply:
+        return self._serve(context, "ResizeInfo", self._handler.resize_info,
+                           lambda info: owner_pb2.ResizeInfoReply(description_json=plain.dumps(info)))
+
+    def Reshard(self, request: owner_pb2.ReshardRequest, context: grpc.ServicerContext) -> owner_pb2.TransferReply:
+        description = self._serve(context, "Reshard", lambda: plain.loads(request.description_json), _same)
+        return self._serve(context, "Reshard", lambda: self._handler.reshard(
+            old_world=request.old_world, new_world=request.new_world, generation=request.generation,
+            description=description), lambda sent: owner_pb2.TransferReply(bytes_sent=sent))
+
+    def Rebuild(self, request: owner_pb2.RebuildRequest, context: grpc.ServicerContext) -> owner_pb2.TransferReply:
+        # An empty field is "no restore": fresh state, a checkpoint being loaded next.
+        restore = self._serve(context, "Rebuild",
+                              lambda: plain.loads(request.restore_json) if request.restore_json else None, _same)
+        return self._serve(context, "Rebuild", lambda: self._handler.rebuild(
+            position=request.position, world_size=request.world_size, generation=request.generation,
+            restore=restore), lambda sent: owner_pb2.TransferReply(bytes_sent=sent))
+
+    def Status(self, request: owner_pb2.OwnerStatusRequest,
+               context: grpc.ServicerContext) -> owner_pb2.OwnerStatusReply:
+        return self._serve(context, "Status", self._handler.status, _owner_status)
+
+    def Close(self, request: owner_pb2.CloseRequest, context: grpc.ServicerContext) -> owner_pb2.CloseReply:
+        return self._serve(context, "Close", self._handler.close, lambda _: owner_pb2.CloseReply())
+
+
+class CoordinatorServicer(_Serving, coordinator_pb2_grpc.CoordinatorServicer):
+    """protobuf <-> plain translation for a :class:`CoordinatorHandler`."""
+
+    _SERVICE = "Coordinator"
+    _handler: CoordinatorHandler
+
+    def Status(self, request: coordinator_pb2.StatusRequest,
+               context: grpc.ServicerContext) -> coordinator_pb2.StatusReply:
+        return self._serve(context, "Status", self._handler.status, _status_reply)
+
+    def Checkpoint(self, request: coordinator_pb2.CheckpointRequest,
+                   context: grpc.ServicerContext) -> coordinator_pb2.CheckpointReply:
+        def build(r: CheckpointResult) -> coordinator_pb2.CheckpointReply:
+            return coordinator_pb2.CheckpointReply(path=r.path, step=r.step)
+
+        # proto3 has no "unset" string; empty means the job's configured directory.
+        return self._serve(context, "Checkpoint", lambda: self._handler.checkpoint(request.path or None), build)
+
+    def Stop(self, request: coordinator_pb2.StopRequest, context: grpc.ServicerContext) -> coordinator_pb2.StopReply:
+        return self._serve(context, "Stop", lambda: self._handler.stop(request.reason),
+                           lambda state: coordinator_pb2.StopReply(state=state))
+
+    def Resize(self, request: coordinator_pb2.ResizeRequest,
+               context: grpc.ServicerContext) -> coordinator_pb2.ResizeReply:
+        def build(r: ResizeResult) -> coordinator_pb2.ResizeReply:
+            return coordinator_pb2.ResizeReply(previous_world_size=r.previous_world_size, world_size=r.world_size)
+
+        if request.world_size < 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"Coordinator.Resize: world_size={request.world_size} must be >= 1")
+        return self._serve(context, "Resize", lambda: self._handler.resize(request.world_size), build)
+
+    def Metrics(self, request: coordinator_pb2.MetricsRequest,
+                context: grpc.ServicerContext) -> Iterator[coordinator_pb2.MetricsEvent]:
+        method = "Coordinator.Metrics"
+        with self._streams.open(context, method) as finished:
+            events = self._serve(context, "Metrics", lambda: iter(self._handler.metrics(finished)), _same)
+            try:
+                while not finished.is_set():
+                    event = self._serve(context, "Metrics", lambda: next(events, None), _same)
+                    if event is None:  # the handler ended the stream: training is over
+                        return
+                    yield self._serve(context, "Metrics", lambda: event, _metrics_event)
+            finally:
+                close = getattr(events, "close", None)
+                if close is not None:  # run the handler generator's cleanup now, not at garbage collection
+                    close()

@@ -1,0 +1,150 @@
+"""How a handler's failure becomes a gRPC status, and how a client reads it back.
+
+A failed call ends with a status code (from the exception's type, the table in
+:mod:`zero_ray.control.handlers`), a short human-readable message, and the structured
+``FailureDetail`` (protos/zero_ray/v1/common.proto) serialized into the binary trailing-metadata
+entry ``zero-ray-failure-bin``. Clients rebuild the error from that message's fields; the status
+text is for people and logs and is never parsed.
+
+Why a trailer of our own rather than gRPC's rich error model (``grpc-status-details-bin``
+holding a ``google.rpc.Status`` with ``Any`` details, grpcio-status): the detail is one message
+of this project's protos, so a trailer holding it needs no further dependency (grpcio-status and
+googleapis-common-protos), no ``Any`` packing and no type-URL lookup, and any gRPC client in any
+language reads it with the generated ``FailureDetail`` alone. What a status can carry is bounded
+by the peer's header-list limit (8 KiB by default, trailers included; binary values are
+base64-encoded on the wire), so the detail is kept under ``MAX_DETAIL_BYTES`` serialized: the
+message and cause are cut at the end, the traceback at its beginning (its last frames matter).
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+import grpc
+
+from zero_ray.control._generated import common_pb2
+from zero_ray.control.handlers import FailureContext
+from zero_ray.errors import CollectiveError, FailureDetail, OwnerError, ZeroRayError
+
+_log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+FAILURE_TRAILER = "zero-ray-failure-bin"  # gRPC requires the "-bin" suffix for binary values
+MAX_DETAIL_BYTES = 4096  # serialized; about 5.5 KiB base64-encoded, under the default 8 KiB limit
+# In UTF-8 bytes, leaving the traceback at least 2 KiB of the detail.
+_MAX_MESSAGE_BYTES = 1500
+_MAX_CAUSE_BYTES = 400
+_MAX_STATUS_CHARS = 1000  # the human-readable status message, also in the trailers
+_MAX_TRACE_LINE_CHARS = 300
+
+
+def status_code(exc: BaseException) -> grpc.StatusCode:
+    """The status code for a handler's exception."""
+    # Order matters: ConfigError is a ZeroRayError too, CollectiveTimeout a TimeoutError.
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, FileNotFoundError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, (CollectiveError, OwnerError)):
+        return grpc.StatusCode.ABORTED
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED
+    if isinstance(exc, ZeroRayError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INTERNAL
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 16] + " ... (truncated)"
+
+
+def _cut_bytes(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` UTF-8 bytes (cut at the end, never inside a character)."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[: limit - 16].decode(errors="ignore") + " ... (truncated)"
+
+
+def _cause(exc: BaseException) -> str:
+    cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return "" if cause is None else _cut_bytes(f"{type(cause).__name__}: {cause}", _MAX_CAUSE_BYTES)
+
+
+def failure_detail(exc: BaseException, *, operation: str, context: FailureContext) -> common_pb2.FailureDetail:
+    """``exc`` (being handled: its traceback is read) as a FailureDetail of at most
+    ``MAX_DETAIL_BYTES`` serialized."""
+    detail = common_pb2.FailureDetail(type=type(exc).__name__, phase=context.phase, operation=operation,
+                                      message=_cut_bytes(str(exc), _MAX_MESSAGE_BYTES), cause=_cause(exc))
+    if context.rank is not None:
+        detail.rank = context.rank
+    budget = MAX_DETAIL_BYTES - detail.ByteSize() - 8  # the field's tag and length
+    # Lines cut short: the exception's own line repeats the message, which is sent already.
+    lines = "".join(traceback.format_exception(exc)).splitlines()
+    trace = "\n".join(_cut(line, _MAX_TRACE_LINE_CHARS) for line in lines).encode()
+    if len(trace) > budget:
+        marker = b"... (earlier frames cut)\n"
+        # Keep the end; cutting inside a multi-byte character is undone by errors="ignore".
+        trace = marker + trace[len(trace) - max(0, budget - len(marker)):]
+    detail.remote_traceback = trace.decode(errors="ignore")
+    return detail
+
+
+def abort(context: grpc.ServicerContext, method: str, exc: BaseException, failure: FailureContext) -> NoReturn:
+    """End the call with ``exc``'s status code, a short message and its FailureDetail."""
+    code = status_code(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        _log.exception("%s: handler failed", method)
+    else:
+        _log.info("%s: handler raised %s: %s", method, type(exc).__name__, _cut(str(exc), _MAX_STATUS_CHARS))
+    detail = failure_detail(exc, operation=method, context=failure)
+    context.set_trailing_metadata(((FAILURE_TRAILER, detail.SerializeToString()),))
+    context.abort(code, _cut(f"{method}: {type(exc).__name__}: {exc}", _MAX_STATUS_CHARS))
+    raise AssertionError("unreachable: context.abort raises")
+
+
+def serve(context: grpc.ServicerContext, method: str, call: Callable[[], R], build: Callable[[R], T],
+          failure: Callable[[], FailureContext]) -> T:
+    """Run a handler method and build its reply; an exception in either ends the call with a
+    status and FailureDetail (``failure()`` gives the rank and phase, asked after the failure)."""
+    try:
+        result = call()
+    except Exception as exc:  # a handler's failure is the caller's answer, not the server's crash
+        abort(context, method, exc, _context(failure))
+    try:
+        return build(result)
+    except Exception as exc:  # e.g. a negative count for a uint64 field: the handler's bug
+        _log.error("%s: the handler returned a value that does not fit the reply: %r", method, result)
+        abort(context, method, exc, _context(failure))
+
+
+def _context(failure: Callable[[], FailureContext]) -> FailureContext:
+    try:
+        return failure()
+    except Exception:  # the failure itself must still be reported
+        _log.exception("failure_context() failed")
+        return FailureContext()
+
+
+def detail_of(err: grpc.RpcError) -> FailureDetail | None:
+    """The FailureDetail a failed call carried, or None (a refusal before any handler ran, a
+    transport failure, or a server that sends none)."""
+    trailers = err.trailing_metadata() if isinstance(err, grpc.Call) else None
+    for key, value in trailers or ():
+        if key == FAILURE_TRAILER and isinstance(value, bytes):
+            try:
+                m = common_pb2.FailureDetail.FromString(value)
+            except Exception:  # a malformed trailer: the status alone then  # noqa: BLE001
+                _log.warning("ignoring a malformed %s trailer (%d bytes)", FAILURE_TRAILER, len(value))
+                return None
+            return FailureDetail(type=m.type, message=m.message, rank=m.rank if m.HasField("rank") else None,
+                                 phase=m.phase, cause=m.cause, remote_traceback=m.remote_traceback,
+                                 operation=m.operation)
+    return None
