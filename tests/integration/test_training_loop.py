@@ -5,6 +5,7 @@ export that from_pretrained opens."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -271,3 +272,37 @@ def test_checkpoint_export_command_writes_the_same_files(tmp_path) -> None:  # t
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "cli" / "model.safetensors").read_bytes() == (tmp_path / "live" / "model.safetensors").read_bytes()
+
+
+def _collective_breaks_once(marker: str, module: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    """mse_loss, but once ``marker`` is armed the first rank to see it fails as a broken
+    collective would (the error says nothing about the batch)."""
+    try:
+        os.unlink(marker)  # atomic: one rank, once; the step run again goes through
+    except FileNotFoundError:
+        return mse_loss(module, batch)
+    raise zr.CollectiveError("the all-reduce broke (injected by the test)")
+
+
+def test_fit_runs_a_reformed_step_again_when_its_collective_broke(tmp_path) -> None:
+    opt = zr.SGD(lr=0.1, momentum=0.9)
+    dataset = _dataset()
+    ref, _ = single_process(_linear, mse_loss, opt, _reference_batches(
+        dataset, global_batch_size=FIT_BATCH, steps=FIT_STEPS, seed=FIT_SEED))
+    marker = tmp_path / "break"
+    loss_fn = functools.partial(_collective_breaks_once, str(marker))
+    trainer = zr.ZeroTrainer(_linear, loss_fn, optimizer=opt, config=zr.ZeroConfig(stage=2, world_size=2))
+    try:
+        def arm_after_step_4(metrics: dict) -> None:
+            if metrics["step"] == 4:
+                marker.touch()
+
+        result = trainer.fit(dataset, global_batch_size=FIT_BATCH, steps=FIT_STEPS, seed=FIT_SEED, progress=False,
+                             callback=arm_after_step_4)
+        got = trainer.full_state_dict()
+        recovered = [(r.outcome.value, r.retry) for r in trainer.recoveries]
+    finally:
+        trainer.shutdown()
+    assert not marker.exists()  # the failure did happen
+    assert recovered == [("reformed", True)] and result["step"] == FIT_STEPS
+    assert max_dev(got, ref) <= 1e-6

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zero_ray.core.policy import Action, FailurePolicy
-from zero_ray.errors import ConfigError
+from zero_ray.errors import CollectiveError, CollectiveTimeout, ConfigError, OwnerError, OwnerLostError, ZeroRayError
 
 
 def test_a_lost_rank_fails_the_run_without_a_restore_source() -> None:
@@ -98,3 +98,16 @@ def test_without_room_the_run_carries_on_with_the_survivors_once() -> None:
     assert p.without_room(survivors=2, replacements=True)
     assert not p.without_room(survivors=2, replacements=False)  # already alone: this source is given up
     assert not p.without_room(survivors=1, replacements=True)
+
+
+@pytest.mark.parametrize(("error", "retry"), [
+    (CollectiveError("the all-gather of bucket 3 broke"), True),
+    (CollectiveTimeout("reduce-scatter did not end within 30s"), True),
+    (OwnerLostError("rank 1 stopped answering", rank=1), True),
+    (OwnerError("rank 1 failed in step: RuntimeError: bad batch", rank=1), False),
+    (ConfigError("global batch of 3 samples is smaller than world_size"), False),
+    (ZeroRayError("this batch cannot be unpickled on an owner"), False),
+])
+def test_a_reformed_step_is_run_again_only_when_the_failure_says_nothing_about_the_step(
+        error: ZeroRayError, retry: bool) -> None:
+    assert FailurePolicy().retry_reformed(error) is retry

@@ -9,7 +9,7 @@ import enum
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
-from zero_ray.errors import ConfigError
+from zero_ray.errors import CollectiveError, ConfigError, OwnerLostError
 
 
 class Action(enum.Enum):
@@ -100,6 +100,14 @@ class FailurePolicy:
             return Decision(action=Action.RESTORE, source=sources[0],
                             reason=f"a rank had started updating weights: restore from {sources[0].value} and replay")
         return Decision(action=Action.FAIL, reason="a rank had started updating weights: the partitions may disagree")
+
+    def retry_reformed(self, error: BaseException) -> bool:
+        """After a re-form (no rank lost, no weight changed): whether the driver runs the failed
+        step again itself. A broken or timed-out collective, or an owner that stopped answering and
+        is back, says nothing about the step: run it again (``max_failures`` bounds the retries).
+        An error the step raised itself (the loss function, the batch, a setting) would come back:
+        it goes to the caller."""
+        return isinstance(error, (CollectiveError, OwnerLostError))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,6 +55,7 @@ class RecoveryReport:
     restore_s: float = 0.0  # rebuilding the pool and restoring the partitions
     replay_s: float = 0.0
     outcome: Outcome = Outcome.FAILED
+    retry: bool = False  # re-formed, and the policy runs the step again (not the caller)
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -188,6 +189,7 @@ class RecoveryController:
             report.decision, report.reason = decision.action.value, decision.reason
             if decision.action is Action.REFORM:
                 report.outcome, report.world_size_after = Outcome.REFORMED, pool.world_size
+                report.retry = self._failure.retry_reformed(err)
                 return report
         if decision.action is Action.RESTORE:
             self._restore(decision, report, lost=set(lost), committed_step=failed_step - 1,

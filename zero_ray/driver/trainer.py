@@ -275,7 +275,8 @@ class ZeroTrainer(ResumeAPI):
             except ZeroRayError as err:
                 if not self._recover(err, failed_step=self.step_count, replay_until=index + 1, started=start):
                     self._raise_if_failed(err)
-                    raise
+                    if not self.recoveries[-1].retry:  # the step's own error: the caller's to handle
+                        raise
         self._submitted = index + 1
         if self.recoveries and self.recoveries[-1].replay_s < 0:  # this call recovered: time its replay
             self.recoveries[-1].replay_s = time.perf_counter() - self._restored_at
