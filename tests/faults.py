@@ -218,7 +218,11 @@ def kill_on_marker(module: torch.nn.Module, batch: Any, *, marks: str) -> torch.
 
 
 # -- runs with a kill at a chosen point ----------------------------------------------------------------
-KILL_POINTS = ("backward", "resize_transfer", "restore_after_loss", "peer_snapshot", "checkpoint_save", "freeze")
+KILL_POINTS = ("backward", "resize_transfer", "resize_formation", "grow_formation", "grow_transfer", "after_resize",
+               "restore_after_loss", "peer_snapshot", "checkpoint_save", "freeze")
+# The kills inside a resize: a shrink by one owner, or a grow by one.
+SHRINKS = ("resize_transfer", "resize_formation", "after_resize")
+GROWS = ("grow_formation", "grow_transfer")
 
 
 @dataclass(kw_only=True)
@@ -237,17 +241,24 @@ class KillRun:
 def _faults(point: str, marks: str, at: int) -> list[Fault]:
     if point == "restore_after_loss":  # a first loss in backward, then the replacement dies in the restore
         return [Fault(point="backward", rank=1, after=at, dir=marks), Fault(point="restore_transfer", rank=2, dir=marks)]
-    if point == "freeze":
+    if point in ("freeze", "after_resize"):  # the test stops or kills the process itself
         return []
+    if point == "resize_formation":  # rank 1's third group: the survivors' own, after the transfer freed its state
+        return [Fault(point="group_formation", rank=1, after=2, dir=marks)]
+    if point == "grow_formation":  # the new owner (rank 3 of 4) as it joins the transfer group
+        return [Fault(point="group_formation", rank=3, after=0, dir=marks)]
+    if point == "grow_transfer":  # an old owner while it sends its ranges to the new one
+        return [Fault(point="resize_transfer", rank=2, dir=marks)]
     return [Fault(point=point, rank=1, after=at if point in ("backward", "peer_snapshot") else 0, dir=marks)]
 
 
 def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, batches: list[Any],
                   config: Any, at: int, marks: str) -> KillRun:
-    """Train on ``batches`` with ``config`` (3 owners or more, peer redundancy) while rank 1's
-    process is SIGKILLed at ``point`` once ``at`` steps are done (``freeze``: SIGSTOPped before
-    step ``at``); before step ``at`` the run resizes to one owner fewer (``resize_transfer``) or
-    saves a checkpoint (``checkpoint_save``), as those kills need."""
+    """Train on ``batches`` with ``config`` (3 owners or more, peer redundancy) while an owner's
+    process is SIGKILLed at ``point`` once ``at`` steps are done (``freeze``: rank 1 SIGSTOPped
+    before step ``at``); before step ``at`` the run resizes to one owner fewer (``SHRINKS``; for
+    ``after_resize`` rank 0 is SIGKILLed as soon as the resize returned, before any step) or one
+    more (``GROWS``), or saves a checkpoint (``checkpoint_save``), as those kills need."""
     import zero_ray as zr
     from zero_ray.errors import ResizeInterrupted, ZeroRayError
 
@@ -261,11 +272,15 @@ def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, ba
     frozen_at = None
     try:
         for k, batch in enumerate(batches):
-            if k == at and point == "resize_transfer":
+            if k == at and point in SHRINKS + GROWS:
                 try:
-                    trainer.resize(trainer.world_size - 1)
+                    trainer.resize(trainer.world_size + (1 if point in GROWS else -1))
                 except ResizeInterrupted as err:
                     notes.append(str(err).splitlines()[0])
+                if point == "after_resize":
+                    pid = ray.get(trainer.actors[0].node.remote(), timeout=60)["pid"]
+                    frozen_at = time.time()
+                    os.kill(pid, signal.SIGKILL)
             if k == at and point == "checkpoint_save":
                 try:
                     trainer.save_checkpoint(wait=True)
@@ -283,7 +298,9 @@ def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, ba
     finally:
         trainer.shutdown()
     first = "backward" if point == "restore_after_loss" else point
-    killed = frozen_at if point == "freeze" else killed_at(marks, first)
+    first = {"resize_formation": "group_formation", "grow_formation": "group_formation",
+             "grow_transfer": "resize_transfer"}.get(first, first)
+    killed = frozen_at if point in ("freeze", "after_resize") else killed_at(marks, first)
     if killed is None:
         raise AssertionError(f"the planned kill at {first} never happened")
     if point == "restore_after_loss" and killed_at(marks, "restore_transfer") is None:

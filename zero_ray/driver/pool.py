@@ -413,14 +413,27 @@ class OwnerPool:
         return all(consistent)
 
     # -- changing the size --------------------------------------------------------------------------------
-    def assign_peers(self) -> list[int]:
-        """Tell every owner which peer keeps its snapshots (another node when there is one)."""
-        backup = backup_peers([n.get("node_id", "") for n in self.nodes])
+    def peers(self, count: int) -> dict[str, list[int]] | None:
+        """Which peer keeps each of the first ``count`` owners' snapshots (another node when there
+        is one) and whose each keeps; None without peer redundancy."""
+        if not self.spec.snapshot_every:
+            return None
+        backup = backup_peers([n.get("node_id", "") for n in self.nodes[:count]])
         ward = [0] * len(backup)
         for r, b in enumerate(backup):
             ward[b] = r
+        return {"backup": backup, "ward": ward}
+
+    def assign_peers(self, count: int | None = None) -> list[int]:
+        """Tell the first ``count`` owners (all) which peer keeps their snapshots. After a resize
+        or restore this also confirms the new layout's copies (every transfer has ended), which
+        then replace the old layout's."""
+        count = len(self.clients) if count is None else count
+        peers = self.peers(count) or {"backup": list(range(count)), "ward": list(range(count))}
+        backup, ward = peers["backup"], peers["ward"]
         timeout = self.spec.init_timeout_s
-        self.fan.grpc(self.clients, "set_peers", lambda c, r: c.set_peers(backup[r], ward[r], timeout_s=timeout))
+        self.fan.grpc(self.clients[:count], "set_peers",
+                      lambda c, r: c.set_peers(backup[r], ward[r], timeout_s=timeout))
         return backup
 
     def resize(self, world_size: int) -> dict[str, Any]:
@@ -447,18 +460,22 @@ class OwnerPool:
             self._start_owners(range(old, world_size), world_size=world_size)
         self.generation += 1
         generation, timeout = self.generation, self.spec.init_timeout_s + self.spec.collective_timeout_s
+        peers = self.peers(world_size)  # the new layout's copies are made inside the transfer
+        description = {**info, "peers": peers} if peers else info
         try:
             sent = self.fan.grpc(self.clients, "reshard", lambda c, r: c.reshard(
-                old_world=old, new_world=world_size, generation=generation, description=info, timeout_s=timeout))
+                old_world=old, new_world=world_size, generation=generation, description=description,
+                timeout_s=timeout))
         except BaseException:
             if world_size > old:  # the owners this resize added hold nothing: end them
                 self.remove(range(old, self.world_size))
             raise
         if world_size < old:
             self.generation += 1  # the survivors re-formed a group of their own after the transfer
+        if peers:  # confirmed before the surplus owners (holding old-layout copies) leave
+            self.assign_peers(world_size)
+        if world_size < old:
             self.remove(range(world_size, old), close=True)
-        if self.spec.snapshot_every:
-            self.assign_peers()
         return {"previous_world_size": old, "world_size": world_size, "bytes_sent": sum(sent),
                 "seconds": time.perf_counter() - start}
 
@@ -503,6 +520,9 @@ class OwnerPool:
         else:
             self._restart_health()
         plan = restore(position)
+        peers = self.peers(world_size)
+        if plan is not None and peers:  # the restored layout's copies are made inside the transfer
+            plan = {**plan, "peers": peers}
         generation, timeout = self.generation, self.spec.init_timeout_s + self.spec.collective_timeout_s
         self.fan.grpc(self.clients, "rebuild", lambda c, p: c.rebuild(
             position=p, world_size=world_size, generation=generation, restore=plan, timeout_s=timeout))

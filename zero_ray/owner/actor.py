@@ -207,8 +207,11 @@ class PartitionOwner:
 
     # -- in-memory redundancy ------------------------------------------------------------------------
     def set_peers(self, backup: int, ward: int) -> None:
-        """This rank sends its snapshots to ``backup`` and keeps ``ward``'s."""
+        """This rank sends its snapshots to ``backup`` and keeps ``ward``'s. After a resize or a
+        restore (the driver calls this once every rank's transfer ended) the new layout's copies
+        become the committed ones."""
         self.backup, self.ward = backup, ward
+        self.snapshots.confirm_layout(backup, ward)
 
     def after_step(self, step: int) -> None:
         """End of driver step ``step`` on the compute thread: take a peer snapshot when due. The
@@ -228,6 +231,7 @@ class PartitionOwner:
         with self._locked("snapshot_info", settle=True):
             self.snapshots.commit_upto(committed_step)
             self.snapshots.drop_pending()
+            self.snapshots.drop_layout()  # unconfirmed: its resize or restore did not complete
             return self.snapshots.info()
 
     @contextmanager
@@ -272,10 +276,25 @@ class PartitionOwner:
                 engine.set_counters(restore["scalars"])
                 engine.state.publish_masters()
             self._engine = engine
-            # The old layout's copies are spent only now: a rebuild cut short by another loss
-            # (even after this rank's transfers finished) is tried again from them.
-            self.snapshots = PeerSnapshots()
+            if restore is None:  # fresh state, a checkpoint loaded next: no copies to keep
+                self.snapshots = PeerSnapshots()
+            # Else the old layout's copies stay until the driver confirms the new layout's: a
+            # rebuild cut short by another loss (even after this rank's transfers finished) is
+            # tried again from them.
+            self._copy_layout(engine, group, (restore or {}).get("peers"))
             return sent
+
+    def _copy_layout(self, engine: OwnerEngine, group: Collective, peers: dict[str, list[int]] | None) -> None:
+        """Send the layout just installed to this rank's new backup (``peers``: every rank's,
+        the same on all), so that no partition has its only copy here once the old layout's
+        copies go (``set_peers`` confirms)."""
+        if not peers or not self._options.snapshot_every:
+            return
+        me = engine.rank
+        engine.phase = StepPhase.UPDATING
+        self.snapshots.take_layout(engine, group, step=engine.position.step - 1, backup=peers["backup"][me],
+                                   ward=peers["ward"][me], timeout_s=self._options.collective_timeout_s)
+        engine.phase = StepPhase.IDLE
 
     def resize_info(self) -> dict[str, Any]:
         """This rank's part of what every actor of a resize needs (the driver merges every
@@ -292,10 +311,13 @@ class PartitionOwner:
         Returns bytes sent. Afterwards a surplus actor (index >= new_world) holds nothing."""
         with self._locked("reshard"):  # a recovery after a failed transfer waits for it to give up
             self.data.drop_staged()
+            if self._engine is not None:  # the driver saw every rank finish the last step
+                self.snapshots.commit_upto(self._engine.position.step - 1)
             try:
                 return self._reshard(old_world=old_world, new_world=new_world, generation=generation, info=info)
             except BaseException:
                 self.world_size = old_world  # the old layout's state (if any) stays; a recovery decides
+                self.snapshots.drop_layout()
                 raise
 
     def _reshard(self, *, old_world: int, new_world: int, generation: int, info: dict[str, Any]) -> int:
@@ -329,7 +351,7 @@ class PartitionOwner:
         engine.set_counters(info)
         engine.state.publish_masters()
         self._engine = engine
-        self.snapshots = PeerSnapshots()  # of the old layout
+        self._copy_layout(engine, group, info.get("peers"))  # the old layout's copies stay until confirmed
         return sent
 
     # -- a driver reattaching ------------------------------------------------------------------------

@@ -88,6 +88,10 @@ class PeerSnapshots:
         self.own: Snapshot | None = None
         self.ward: Snapshot | None = None
         self._pending: tuple[Snapshot, Snapshot | None] | None = None
+        # Copies of a layout a resize or restore just installed, with the peers they went to:
+        # they replace the old layout's only when the driver confirms that every rank has them
+        # (``confirm_layout``), so a loss before that still finds every old partition twice.
+        self._layout: tuple[Snapshot, Snapshot | None, int, int] | None = None
 
     def take(self, engine: OwnerEngine, group: Collective, *, step: int, backup: int, ward: int,
              timeout_s: float) -> int:
@@ -128,6 +132,35 @@ class PeerSnapshots:
         self._pending = (own, theirs)
         return sent
 
+    def take_layout(self, engine: OwnerEngine, group: Collective, *, step: int, backup: int, ward: int,
+                    timeout_s: float) -> int:
+        """Copies of the layout just installed (after driver step ``step``), kept beside the old
+        layout's until ``confirm_layout``. Returns bytes sent."""
+        kept = self._pending
+        try:
+            sent = self.take(engine, group, step=step, backup=backup, ward=ward, timeout_s=timeout_s)
+            own, theirs = self._pending  # type: ignore[misc]
+            self._layout = (own, theirs, backup, ward)
+        finally:
+            self._pending = kept
+        return sent
+
+    def confirm_layout(self, backup: int, ward: int) -> bool:
+        """Every rank holds its copies of the new layout (the driver saw every transfer end and
+        now names the same peers): they become the committed snapshots, the old layout's go.
+        False (nothing changed but the unconfirmed copies dropped) when there are none or they
+        went to other peers."""
+        layout, self._layout = self._layout, None
+        if layout is None or layout[2:] != (backup, ward):
+            return False
+        self.own, self.ward = layout[0], layout[1]
+        self._pending = None
+        return True
+
+    def drop_layout(self) -> None:
+        """Forget unconfirmed copies of a new layout (its resize or restore did not complete)."""
+        self._layout = None
+
     def commit_upto(self, step: int) -> None:
         """Every rank finished driver step ``step``: a pending snapshot of it (or earlier) counts."""
         if self._pending is not None and self._pending[0].step <= step:
@@ -146,5 +179,5 @@ class PeerSnapshots:
 
     @property
     def nbytes(self) -> int:
-        held = [self.own, self.ward, *(self._pending or ())]
+        held = [self.own, self.ward, *(self._pending or ()), *(self._layout or ())[:2]]
         return sum(s.nbytes for s in held if s is not None)
