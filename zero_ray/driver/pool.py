@@ -41,6 +41,7 @@ from zero_ray.core.placement import NodeRoom, Target, place
 from zero_ray.core.reshard import backup_peers
 from zero_ray.driver.fanout import FanOut
 from zero_ray.driver.health import HealthMonitor
+from zero_ray.driver.terminate import end_process
 from zero_ray.errors import ConfigError, OwnerLostError, ResourceError
 from zero_ray.owner.actor import OwnerOptions, RemotePartitionOwner
 from zero_ray.owner.resize import merge_descriptions
@@ -400,9 +401,11 @@ class OwnerPool:
         return lost
 
     def kill(self, ranks: Sequence[int]) -> None:
-        """End these owners (their slots go back to the cluster)."""
+        """End these owners (their slots go back to the cluster) and their processes at once,
+        frozen ones included (``driver/terminate.py``)."""
         for rank in ranks:
             ray.kill(self.actors[rank], no_restart=True)
+            end_process(self.nodes[rank])
 
     def reform(self) -> bool:
         """Re-form the collective group as the next generation; returns whether every rank's
