@@ -26,8 +26,9 @@ ALLOWED = frozenset({
     # objects), the explicit consolidation's tensors
     "stage_batch", "register_dataset", "use_filesystem", "master_fragments",
 })
-# Creating an owner: RemotePartitionOwner.options(...).remote(...) (ray.kill ends one).
-ACTOR_CLASSES = frozenset({"RemotePartitionOwner"})
+# Creating an owner: RemotePartitionOwner.options(...).remote(...); ending one: ray.kill, and the
+# task pinned to its node that SIGKILLs a frozen owner's process (driver/terminate.py).
+ACTOR_CLASSES = frozenset({"RemotePartitionOwner", "_remote_sigkill"})
 # The one dynamic call, checked at run time against RAY_METHODS.
 DYNAMIC = ("driver/fanout.py", "FanOut.ray")
 # Modules with Ray actors of their own that never reach an owner: the DDP reference runs.
