@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import zero_ray as zr
+from fit_order import reference_batches
 from zero_ray.models import mse_loss
 from zero_ray.testing import single_process
 
@@ -30,18 +31,6 @@ def _model() -> torch.nn.Module:
 def _dataset(n: int = 96) -> TensorDataset:
     g = torch.Generator().manual_seed(33)
     return TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g))
-
-
-def _reference_batches(dataset: TensorDataset) -> list[list[torch.Tensor]]:
-    """The documented order (a permutation per epoch, seeded ``seed + epoch``), built here."""
-    per_epoch = len(dataset) // BATCH
-    batches = []
-    for k in range(STEPS):
-        epoch, offset = divmod(k, per_epoch)
-        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(SEED + epoch))
-        idx = order[offset * BATCH:(offset + 1) * BATCH]
-        batches.append([t[idx] for t in dataset.tensors])
-    return batches
 
 
 def _schedule(seed: int) -> tuple[dict[int, int], dict[int, int]]:
@@ -65,7 +54,7 @@ def _schedule(seed: int) -> tuple[dict[int, int], dict[int, int]]:
 def test_sixty_steps_of_kills_and_resizes_end_equal_to_the_uninterrupted_run() -> None:
     opt = zr.SGD(lr=0.05, momentum=0.9)
     dataset = _dataset()
-    ref, _ = single_process(_model, mse_loss, opt, _reference_batches(dataset))
+    ref, _ = single_process(_model, mse_loss, opt, reference_batches(dataset, global_batch_size=BATCH, steps=STEPS, seed=SEED))
     kills, resizes = _schedule(seed=11)
     config = zr.ZeroConfig(stage=3, world_size=SIZES[0], health_interval_s=0.2, health_timeout_s=5.0,
                            max_failures=len(kills) + 2, collective_timeout_s=600,

@@ -20,6 +20,7 @@ from torch.utils.data import TensorDataset
 
 import zero_ray as zr
 from finetune_models import llama, padded_token_batches, token_mean_loss, token_sum_loss
+from fit_order import reference_batches
 from zero_ray.models import mse_loss
 from zero_ray.testing import single_process
 
@@ -100,18 +101,6 @@ def _linear() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
-def _reference_batches(dataset: TensorDataset, *, global_batch_size: int, steps: int, seed: int) -> list:
-    """The documented order, built here independently of zero_ray's code."""
-    batches = []
-    per_epoch = len(dataset) // global_batch_size
-    for k in range(steps):
-        epoch, offset = divmod(k, per_epoch)
-        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch))
-        idx = order[offset * global_batch_size:(offset + 1) * global_batch_size]
-        batches.append([t[idx] for t in dataset.tensors])
-    return batches
-
-
 FIT_STEPS, FIT_BATCH, FIT_SEED = 9, 12, 4  # 3 batches an epoch: the run crosses two epoch boundaries
 
 
@@ -119,7 +108,7 @@ FIT_STEPS, FIT_BATCH, FIT_SEED = 9, 12, 4  # 3 batches an epoch: the run crosses
 def test_fit_matches_single_process_sgd_on_the_documented_order(stage: int) -> None:
     opt = zr.SGD(lr=0.1, momentum=0.9)
     dataset = _dataset()
-    ref, ref_losses = single_process(_linear, mse_loss, opt, _reference_batches(
+    ref, ref_losses = single_process(_linear, mse_loss, opt, reference_batches(
         dataset, global_batch_size=FIT_BATCH, steps=FIT_STEPS, seed=FIT_SEED))
     seen: list[float] = []
     trainer = zr.ZeroTrainer(_linear, mse_loss, optimizer=opt, config=zr.ZeroConfig(stage=stage, world_size=2))
@@ -137,7 +126,7 @@ def test_fit_matches_single_process_sgd_on_the_documented_order(stage: int) -> N
 def test_fit_continues_the_order_through_a_resize_and_a_killed_owner() -> None:
     opt = zr.SGD(lr=0.1, momentum=0.9)
     dataset = _dataset()
-    ref, _ = single_process(_linear, mse_loss, opt, _reference_batches(
+    ref, _ = single_process(_linear, mse_loss, opt, reference_batches(
         dataset, global_batch_size=FIT_BATCH, steps=FIT_STEPS, seed=FIT_SEED))
     config = zr.ZeroConfig(stage=3, world_size=2, health_interval_s=0.2, health_timeout_s=3.0,
                            elastic=zr.ElasticConfig(redundancy="peer", max_world_size=3))
@@ -287,7 +276,7 @@ def _collective_breaks_once(marker: str, module: torch.nn.Module, batch: list[to
 def test_fit_runs_a_reformed_step_again_when_its_collective_broke(tmp_path) -> None:
     opt = zr.SGD(lr=0.1, momentum=0.9)
     dataset = _dataset()
-    ref, _ = single_process(_linear, mse_loss, opt, _reference_batches(
+    ref, _ = single_process(_linear, mse_loss, opt, reference_batches(
         dataset, global_batch_size=FIT_BATCH, steps=FIT_STEPS, seed=FIT_SEED))
     marker = tmp_path / "break"
     loss_fn = functools.partial(_collective_breaks_once, str(marker))
