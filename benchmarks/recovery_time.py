@@ -3,12 +3,13 @@
     python -m benchmarks.recovery_time [--world-size 4 --stage 2 --points backward,freeze,...]
 
 For each kill point (``tests/faults.py``: ``KILL_POINTS``) a fresh run of ``--world-size``
-owners with peer redundancy trains, and once 3 steps are done rank 1's process is SIGKILLed
-inside backward, during a resize's transfer, during the restore after a first loss, during a
-peer snapshot or during a checkpoint save, or SIGSTOPped (``freeze``). Reports the kill-to-next-
-completed-step time and each recovery's detect / abort / restore / replay seconds, and checks the
-final parameters against the same run without a kill. Writes
-benchmarks/results/recovery_time.{json,md}.
+owners with peer redundancy trains, and once 3 steps are done the owner the point names is
+SIGKILLed: inside backward; in a shrink's transfer, in the group a shrink forms after it, right
+after a shrink; in a grow's group formation (the new owner) or transfer; during the restore
+after a first loss, a peer snapshot or a checkpoint save; or SIGSTOPped (``freeze``). Reports the
+kill-to-next-completed-step time and each recovery's detect / abort / restore / replay seconds,
+and checks the final parameters against the same run without a kill. Writes
+benchmarks/results/recovery_time_w<N>.{json,md}.
 """
 
 from __future__ import annotations
@@ -85,16 +86,16 @@ def main() -> None:
     md = ["# Recovery time by kill point", "",
           f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} · {machine} · torch {torch.__version__} · ray {ray.__version__}", "",
           f"{n} owners, stage {args.stage}, {args.depth} x Linear({args.width}), SGD, peer redundancy, "
-          f"health_timeout_s={args.health_timeout:g}; rank 1's process SIGKILLed (``freeze``: SIGSTOPped) once "
-          f"{AT} steps are done. A normal step took {sorted(normal)[len(normal) // 2]:.2f} s (median). Seconds:", "",
+          f"health_timeout_s={args.health_timeout:g}; the owner each point names (tests/faults.py) "
+          f"SIGKILLed (``freeze``: SIGSTOPped) once {AT} steps are done. A normal step took {sorted(normal)[len(normal) // 2]:.2f} s (median). Seconds:", "",
           "| kill point | kill -> next step | detect | abort | restore | replay | owners | max abs Δ vs no kill |",
           "|---|---:|---:|---:|---:|---:|---|---:|"]
     md += [f"| {r['point']} | {r['kill_to_next_step_s']:.2f} | {r['detect_s']:.2f} | {r['abort_s']:.2f} | "
            f"{r['restore_s']:.2f} | {r['replay_s']:.2f} | {r['sizes']} | {r['max_abs_dev']:.1e} |" for r in rows]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "recovery_time.json").write_text(json.dumps({"machine": machine, "normal_step_s": normal,
+    (RESULTS / f"recovery_time_w{n}.json").write_text(json.dumps({"machine": machine, "normal_step_s": normal,
                                                             "rows": rows}, indent=1))
-    (RESULTS / "recovery_time.md").write_text("\n".join(md) + "\n")
+    (RESULTS / f"recovery_time_w{n}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

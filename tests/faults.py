@@ -238,15 +238,15 @@ class KillRun:
     notes: list[str] = field(default_factory=list)
 
 
-def _faults(point: str, marks: str, at: int) -> list[Fault]:
+def _faults(point: str, marks: str, at: int, world_size: int) -> list[Fault]:
     if point == "restore_after_loss":  # a first loss in backward, then the replacement dies in the restore
         return [Fault(point="backward", rank=1, after=at, dir=marks), Fault(point="restore_transfer", rank=2, dir=marks)]
     if point in ("freeze", "after_resize"):  # the test stops or kills the process itself
         return []
     if point == "resize_formation":  # rank 1's third group: the survivors' own, after the transfer freed its state
         return [Fault(point="group_formation", rank=1, after=2, dir=marks)]
-    if point == "grow_formation":  # the new owner (rank 3 of 4) as it joins the transfer group
-        return [Fault(point="group_formation", rank=3, after=0, dir=marks)]
+    if point == "grow_formation":  # the new owner (rank N of N + 1) as it joins the transfer group
+        return [Fault(point="group_formation", rank=world_size, after=0, dir=marks)]
     if point == "grow_transfer":  # an old owner while it sends its ranges to the new one
         return [Fault(point="resize_transfer", rank=2, dir=marks)]
     return [Fault(point=point, rank=1, after=at if point in ("backward", "peer_snapshot") else 0, dir=marks)]
@@ -264,7 +264,7 @@ def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, ba
 
     if point not in KILL_POINTS:
         raise ValueError(f"point={point!r} is not one of {KILL_POINTS}")
-    trainer = zr.ZeroTrainer(faulty(model_fn, *_faults(point, marks, at)), loss_fn, optimizer=optimizer,
+    trainer = zr.ZeroTrainer(faulty(model_fn, *_faults(point, marks, at, config.world_size)), loss_fn, optimizer=optimizer,
                              config=config)
     done_at: list[float] = []
     sizes: list[int] = []
