@@ -233,9 +233,10 @@ class KillRun:
     params: dict[str, torch.Tensor]
     recoveries: list[Any]
     killed_at: float  # Unix time of the (first) kill
-    kill_to_next_step_s: float  # to the first step completed after it
+    kill_to_next_step_s: float  # to the first step completed after it (the longest, when repeated)
     world_sizes: list[int]
     notes: list[str] = field(default_factory=list)
+    each_kill_to_next_step_s: list[float] = field(default_factory=list)  # per repetition
 
 
 def _faults(point: str, marks: str, at: int, world_size: int) -> list[Fault]:
@@ -252,27 +253,40 @@ def _faults(point: str, marks: str, at: int, world_size: int) -> list[Fault]:
     return [Fault(point=point, rank=1, after=at if point in ("backward", "peer_snapshot") else 0, dir=marks)]
 
 
+def _point_marker(point: str) -> str:
+    """The marker a kill at ``point`` leaves (the first kill's, for restore_after_loss)."""
+    return {"restore_after_loss": "backward", "resize_formation": "group_formation",
+            "grow_formation": "group_formation", "grow_transfer": "resize_transfer"}.get(point, point)
+
+
 def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, batches: list[Any],
-                  config: Any, at: int, marks: str) -> KillRun:
+                  config: Any, at: int, marks: str, repeat: int = 1) -> KillRun:
     """Train on ``batches`` with ``config`` (3 owners or more, peer redundancy) while an owner's
     process is SIGKILLed at ``point`` once ``at`` steps are done (``freeze``: rank 1 SIGSTOPped
     before step ``at``); before step ``at`` the run resizes to one owner fewer (``SHRINKS``; for
     ``after_resize`` rank 0 is SIGKILLed as soon as the resize returned, before any step) or one
-    more (``GROWS``), or saves a checkpoint (``checkpoint_save``), as those kills need."""
+    more (``GROWS``), or saves a checkpoint (``checkpoint_save``), as those kills need. A resize
+    whose kill makes it fail is tried again before each of the next ``repeat - 1`` steps, the
+    fault re-armed each time (its marker taken away): the owner holding the faulted rank then is
+    another process, so the kills land on other processes and, for a formation, other moments."""
     import zero_ray as zr
     from zero_ray.errors import ResizeInterrupted, ZeroRayError
 
     if point not in KILL_POINTS:
         raise ValueError(f"point={point!r} is not one of {KILL_POINTS}")
-    trainer = zr.ZeroTrainer(faulty(model_fn, *_faults(point, marks, at, config.world_size)), loss_fn, optimizer=optimizer,
-                             config=config)
+    trainer = zr.ZeroTrainer(faulty(model_fn, *_faults(point, marks, at, config.world_size)), loss_fn,
+                             optimizer=optimizer, config=config)
     done_at: list[float] = []
     sizes: list[int] = []
     notes: list[str] = []
     frozen_at = None
+    kills: list[float] = []
+    repeats = repeat if point in SHRINKS + GROWS and point != "after_resize" else 1
     try:
         for k, batch in enumerate(batches):
-            if k == at and point in SHRINKS + GROWS:
+            if at < k < at + repeats:  # the last kill fired: re-arm it
+                kills.append(_take_marker(marks, _point_marker(point)))
+            if at <= k < at + repeats and point in SHRINKS + GROWS:
                 try:
                     trainer.resize(trainer.world_size + (1 if point in GROWS else -1))
                 except ResizeInterrupted as err:
@@ -297,14 +311,22 @@ def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, ba
         recoveries = list(trainer.recoveries)
     finally:
         trainer.shutdown()
-    first = "backward" if point == "restore_after_loss" else point
-    first = {"resize_formation": "group_formation", "grow_formation": "group_formation",
-             "grow_transfer": "resize_transfer"}.get(first, first)
+    first = _point_marker(point)
     killed = frozen_at if point in ("freeze", "after_resize") else killed_at(marks, first)
     if killed is None:
         raise AssertionError(f"the planned kill at {first} never happened")
     if point == "restore_after_loss" and killed_at(marks, "restore_transfer") is None:
         raise AssertionError("the second kill (in the restore) never happened")
-    next_step = min(t for t in done_at if t > killed)
-    return KillRun(point=point, params=params, recoveries=recoveries, killed_at=killed,
-                   kill_to_next_step_s=next_step - killed, world_sizes=sizes, notes=notes)
+    kills.append(killed)
+    each = [min(t for t in done_at if t > kill) - kill for kill in kills]
+    return KillRun(point=point, params=params, recoveries=recoveries, killed_at=kills[0],
+                   kill_to_next_step_s=max(each), world_sizes=sizes, notes=notes, each_kill_to_next_step_s=each)
+
+
+def _take_marker(directory: str, point: str) -> float:
+    """When the fault at ``point`` fired; removing its marker arms it again."""
+    when = killed_at(directory, point)
+    if when is None:
+        raise AssertionError(f"the planned kill at {point} never happened")
+    os.unlink(marker(directory, point))
+    return when

@@ -463,6 +463,11 @@ class OwnerPool:
             self._start_owners(range(old, world_size), world_size=world_size)
         self.generation += 1
         generation, timeout = self.generation, self.spec.init_timeout_s + self.spec.collective_timeout_s
+        if world_size < old:
+            # The survivors form a group of their own after the transfer (generation + 1): an
+            # abort names that one, so it reaches an owner forming it as well as one still in the
+            # transfer's group (an owner aborts its group for any generation at or past it).
+            self.generation += 1
         peers = self.peers(world_size)  # the new layout's copies are made inside the transfer
         description = {**info, "peers": peers} if peers else info
         try:
@@ -473,8 +478,6 @@ class OwnerPool:
             if world_size > old:  # the owners this resize added hold nothing: end them
                 self.remove(range(old, self.world_size))
             raise
-        if world_size < old:
-            self.generation += 1  # the survivors re-formed a group of their own after the transfer
         if peers:  # confirmed before the surplus owners (holding old-layout copies) leave
             self.assign_peers(world_size)
         if world_size < old:

@@ -174,16 +174,18 @@ class PartitionOwner:
         return self._engine
 
     def abort(self, *, reason: str, generation: int) -> bool:
-        """Tear down this generation's group so that collectives blocked on it fail (called
-        from a gRPC thread); remember an abort of a generation not yet reached, so that it is
-        never joined. Returns whether a step was in flight."""
+        """Tear down this owner's group when ``generation`` is its own or a later one (a shrink's
+        abort names the survivors' next group while some are still in the transfer's), so that
+        collectives blocked on it fail (called from a gRPC thread); remember an abort of a
+        generation not yet reached, so that it is never joined. An abort of an older generation
+        changes nothing. Returns whether a step was in flight."""
         self._aborted = max(self._aborted, generation)
         forming = self._forming
         if forming is not None and generation >= self.generation:
             log.warning("rank %d aborting the formation of generation %d: %s", self.rank, self.generation, reason)
             forming.set()
             return True
-        if generation != self.generation or self._group is None:
+        if generation < self.generation or self._group is None:
             return False
         log.warning("rank %d aborting generation %d: %s", self.rank, generation, reason)
         busy = self._engine is not None and self._engine.phase.value != "idle"
