@@ -184,8 +184,8 @@ def test_a_failed_staging_call_fails_the_step_at_once_with_its_own_error() -> No
             trainer.step((x.as_subclass(_Unloadable), y))
         failed_after = time.monotonic() - start
         print(f"a failed staging call failed the step after {failed_after:.2f}s: {str(info.value).splitlines()[0]}")
-        assert str(info.value).splitlines()[0].endswith("failed in stage_batch: this batch cannot be unpickled on "
-                                                        "an owner")
+        assert str(info.value).splitlines()[0].endswith("failed in stage_batch: RuntimeError: this batch cannot be "
+                                                        "unpickled on an owner")
         assert failed_after < 60  # not the owner's 3600 s wait for a piece that never comes
         assert trainer.state.value == "ready"  # nothing was lost or updated: re-formed
         assert trainer.step(_batch(8))["step"] == 1

@@ -60,16 +60,17 @@ def remote_error(err: Exception, where: str, rank: int, method: str) -> ZeroRayE
     if isinstance(err, ray.exceptions.RayActorError):
         return OwnerLostError(f"partition owner {where} died during {method}: {err}", rank=rank)
     if isinstance(err, ray.exceptions.RayTaskError):
-        cause = err.cause
-        tb = str(err)
-        return domain_error(type(cause), f"{where} failed in {method}: {cause}\n\nRemote traceback:\n{tb}", rank=rank,
-                            fallback=f"{where} failed in {method}: {cause!r}", remote_traceback=tb)
-    if isinstance(err, ray.exceptions.RaySystemError):  # e.g. an argument that cannot be unpickled there
+        cause, tb = err.cause, str(err)
+    elif isinstance(err, ray.exceptions.RaySystemError):  # e.g. an argument that cannot be unpickled there
         cause, tb = err.client_exc, err.traceback_str or ""
-        text = f"{where} failed in {method}: {cause}"
-        return domain_error(type(cause), f"{text}\n\nRemote traceback:\n{tb}" if tb else text, rank=rank,
-                            fallback=f"{where} failed in {method}: {cause!r}", remote_traceback=tb)
-    return OwnerError(f"{where} failed in {method}: {err!r}", rank=rank)
+    else:
+        return OwnerError(f"{where} failed in {method}: {err!r}", rank=rank)
+    while isinstance(cause, ray.exceptions.RaySystemError) and cause.client_exc is not None:  # Ray nests them
+        cause, tb = cause.client_exc, tb or cause.traceback_str or ""
+    text = f"{where} failed in {method}: {cause}"
+    # The user's own exception types keep their name in the text (as a control call's failure does).
+    return domain_error(type(cause), f"{text}\n\nRemote traceback:\n{tb}" if tb else text, rank=rank,
+                        fallback=f"{where} failed in {method}: {type(cause).__name__}: {cause}", remote_traceback=tb)
 
 
 def control_error(err: ControlError, where: str, rank: int, what: str) -> ZeroRayError:
