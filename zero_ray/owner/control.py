@@ -197,8 +197,8 @@ class OwnerControl:
         return self._owner.rebuild(position=position, world_size=world_size, generation=generation, restore=restore)
 
     def status(self) -> h.OwnerStatus:
+        # Not a driver's contact: `zero-ray status` listing an orphaned run must not keep it alive.
         owner = self._owner
-        owner.touch()
         s = owner.status()
         engine = owner.engine_or_none
         return h.OwnerStatus(rank=s["rank"], world_size=s["world_size"], generation=s["generation"],
