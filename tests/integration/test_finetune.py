@@ -116,7 +116,8 @@ def test_peft_lora_over_tied_embeddings_matches_single_process_at_stage_3(model:
     assert all(torch.equal(got[n], p.detach()) == (not p.requires_grad) for n, p in start.items())
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+# Stage 3 (parameters partitioned too); AdamW at stages 1-2 against DDP is test_parity's.
+@pytest.mark.parametrize("stage", [3])
 def test_peft_lora_llama_with_adamw_is_as_close_as_ddp(stage: int) -> None:
     opt = zr.AdamW(lr=1e-2, weight_decay=0.1)
     batches = token_batches()

@@ -1,8 +1,8 @@
 """An owner's process SIGKILLed at each point of a run's life: inside backward, during a
 shrinking resize's transfer, during the restore after a first loss, during a peer snapshot and
-during a checkpoint save (stages 1 and 3); in the group a shrink forms after its transfer, in a
-grow's group formation (the new owner) and transfer (an old one), and right after a shrink
-before any step (stage 3); and one SIGSTOPped (stage 3). A resize that a kill made fail is tried
+during a checkpoint save; in the group a shrink forms after its transfer, in a grow's group
+formation (the new owner) and transfer (an old one), and right after a shrink before any step;
+and one SIGSTOPped: all at stage 3, backward and the save at stage 1 too. A resize that a kill made fail is tried
 (and killed) again before each of the next two steps: three kills in one run, each on another
 process (the faulted rank's owner changes with each restore). Each run ends equal to the uninterrupted one
 (SGD, 1e-6), and the time from the kill to the next completed step stays within
@@ -36,10 +36,9 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g)) for _ in range(STEPS)]
 
 
-# The kills added with grow / formation / after-resize run at stage 3 (the most state moves);
-# the thread tier and the earlier points cover the other stages.
-CASES = [(p, s) for p in KILL_POINTS for s in (1, 3)
-         if s == 3 or p not in ("resize_formation", "grow_formation", "grow_transfer", "after_resize", "freeze")]
+# Every point at stage 3 (the most state moves); stage 1 (parameters replicated) where its path
+# differs: a step's backward and a checkpoint save. The thread tier covers the other stages.
+CASES = [(p, 3) for p in KILL_POINTS] + [("backward", 1), ("checkpoint_save", 1)]
 
 
 @pytest.mark.timeout(300)
