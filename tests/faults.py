@@ -28,7 +28,8 @@ import ray
 import torch
 import torch.nn.functional as F
 
-POINTS = ("backward", "group_formation", "resize_transfer", "restore_transfer", "peer_snapshot", "checkpoint_save")
+POINTS = ("backward", "group_formation", "resize_transfer", "restore_transfer", "peer_snapshot", "checkpoint_save",
+          "set_peers")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,10 +139,14 @@ def _install() -> None:
     def writing(*args: Any, rank: int, **kwargs: Any) -> None:
         state.reach("checkpoint_save", rank)
 
+    def confirming(*args: Any, **kwargs: Any) -> None:  # every SetPeers confirms (or finds nothing to)
+        state.reach("set_peers", state.rank)
+
     _wrap(actor, "form_group", forming)
     _wrap(actor, "exchange", transfer)
     _wrap(redundancy.PeerSnapshots, "take", snapshot)
     _wrap(checkpointing, "write_shard", writing)
+    _wrap(redundancy.PeerSnapshots, "confirm_layout", confirming)
 
 
 @dataclass(frozen=True)
@@ -218,10 +223,10 @@ def kill_on_marker(module: torch.nn.Module, batch: Any, *, marks: str) -> torch.
 
 
 # -- runs with a kill at a chosen point ----------------------------------------------------------------
-KILL_POINTS = ("backward", "resize_transfer", "resize_formation", "grow_formation", "grow_transfer", "after_resize",
-               "restore_after_loss", "peer_snapshot", "checkpoint_save", "freeze")
+KILL_POINTS = ("backward", "resize_transfer", "resize_formation", "resize_confirm", "grow_formation", "grow_transfer",
+               "after_resize", "restore_after_loss", "peer_snapshot", "checkpoint_save", "freeze")
 # The kills inside a resize: a shrink by one owner, or a grow by one.
-SHRINKS = ("resize_transfer", "resize_formation", "after_resize")
+SHRINKS = ("resize_transfer", "resize_formation", "resize_confirm", "after_resize")
 GROWS = ("grow_formation", "grow_transfer")
 
 
@@ -246,6 +251,8 @@ def _faults(point: str, marks: str, at: int, world_size: int) -> list[Fault]:
         return []
     if point == "resize_formation":  # rank 1's third group: the survivors' own, after the transfer freed its state
         return [Fault(point="group_formation", rank=1, after=2, dir=marks)]
+    if point == "resize_confirm":  # rank 1 as the driver confirms the new layout's copies (SetPeers)
+        return [Fault(point="set_peers", rank=1, after=1, dir=marks)]
     if point == "grow_formation":  # the new owner (rank N of N + 1) as it joins the transfer group
         return [Fault(point="group_formation", rank=world_size, after=0, dir=marks)]
     if point == "grow_transfer":  # an old owner while it sends its ranges to the new one
@@ -256,7 +263,8 @@ def _faults(point: str, marks: str, at: int, world_size: int) -> list[Fault]:
 def _point_marker(point: str) -> str:
     """The marker a kill at ``point`` leaves (the first kill's, for restore_after_loss)."""
     return {"restore_after_loss": "backward", "resize_formation": "group_formation",
-            "grow_formation": "group_formation", "grow_transfer": "resize_transfer"}.get(point, point)
+            "grow_formation": "group_formation", "grow_transfer": "resize_transfer",
+            "resize_confirm": "set_peers"}.get(point, point)
 
 
 def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, batches: list[Any],

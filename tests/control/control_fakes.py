@@ -135,8 +135,8 @@ class FakeOwner:
     def set_peers(self, backup: int, ward: int) -> None:
         self._called("set_peers", backup, ward)
 
-    def snapshots(self, committed_step: int) -> Any:
-        self._called("snapshots", committed_step)
+    def snapshots(self, committed_step: int, layout_complete: bool) -> Any:
+        self._called("snapshots", committed_step, layout_complete)
         return {1: {"step": committed_step, "world_size": 4, "scalars": DESCRIPTION}}
 
     def resize_info(self) -> Any:

@@ -27,14 +27,16 @@ def test_membership_operations_round_trip(owner: Served) -> None:
     assert client.rebuild(position=1, world_size=3, generation=7, restore=plan) == 123
     assert client.rebuild(position=0, world_size=3, generation=7, restore=None) == 0
     assert client.snapshots(-1) == {1: {"step": -1, "world_size": 4, "scalars": DESCRIPTION}}
+    assert client.snapshots(5, layout_complete=True)[1]["step"] == 5
     assert client.status() == OWNER_STATUS
     client.close_owner()
     assert handler.calls == ["setup", "reform", "reform", "set_peers", "resize_info", "reshard", "rebuild",
-                             "rebuild", "snapshots", "status", "close"]
+                             "rebuild", "snapshots", "snapshots", "status", "close"]
     assert handler.received[3] == ("set_peers", (2, 0))
     assert handler.received[5] == ("reshard", (2, 3, 6, DESCRIPTION))
     assert handler.received[6] == ("rebuild", (1, 3, 7, plan))
     assert handler.received[7] == ("rebuild", (0, 3, 7, None))  # empty restore_json: fresh state
+    assert handler.received[8:10] == [("snapshots", (-1, False)), ("snapshots", (5, True))]
 
 
 def _nested_failure() -> CheckpointError:

@@ -136,11 +136,14 @@ class OwnerClient(BaseClient):
         self._unary("SetPeers", self._stub.SetPeers,
                     owner_pb2.SetPeersRequest(header=self._header(), backup=backup, ward=ward), timeout_s)
 
-    def snapshots(self, committed_step: int, *, timeout_s: float | None = None) -> Plain:
+    def snapshots(self, committed_step: int, *, layout_complete: bool = False,
+                  timeout_s: float | None = None) -> Plain:
         """The committed peer snapshots the owner holds, by rank, once every owner finished
-        driver step ``committed_step`` (-1: none)."""
+        driver step ``committed_step`` (-1: none); ``layout_complete``: the last resize's or
+        restore's transfers all ended, so its layout's copies count where unconfirmed."""
         reply = self._unary("Snapshots", self._stub.Snapshots,
-                            owner_pb2.SnapshotsRequest(header=self._header(), committed_step=committed_step),
+                            owner_pb2.SnapshotsRequest(header=self._header(), committed_step=committed_step,
+                                                       layout_complete=layout_complete),
                             timeout_s)
         return plain.loads(reply.snapshots_json)
 

@@ -358,9 +358,10 @@ class OwnerHandler(Protocol):
         """Send snapshots to rank ``backup``; keep rank ``ward``'s."""
         ...
 
-    def snapshots(self, committed_step: int) -> Plain:
+    def snapshots(self, committed_step: int, layout_complete: bool) -> Plain:
         """The committed peer snapshots held (by rank), once every owner finished
-        ``committed_step``: JSON-able records."""
+        ``committed_step``: JSON-able records. ``layout_complete``: copies of the layout the last
+        resize or restore installed count even where they were not confirmed yet."""
         ...
 
     def resize_info(self) -> Plain:

@@ -197,7 +197,8 @@ class OwnerServicer(_Serving, owner_pb2_grpc.PartitionOwnerServicer):
 
     def Snapshots(self, request: owner_pb2.SnapshotsRequest,
                   context: grpc.ServicerContext) -> owner_pb2.SnapshotsReply:
-        return self._serve(context, "Snapshots", lambda: self._handler.snapshots(request.committed_step),
+        return self._serve(context, "Snapshots", lambda: self._handler.snapshots(request.committed_step,
+                                                                                 request.layout_complete),
                            lambda held: owner_pb2.SnapshotsReply(snapshots_json=plain.dumps(held)))
 
     def ResizeInfo(self, request: owner_pb2.ResizeInfoRequest,

@@ -179,6 +179,9 @@ class OwnerPool:
         self.filesystems: dict[str, Any] = {}
         self.fan = FanOut(world_size=spec.world_size, lost=self._lost, abort=self.abort, where=self.where)
         self._staging: dict[str, list[ray.ObjectRef]] = {}  # the staging calls of the batch in flight, by key
+        # Every rank's transfer of a resize or restore ended but SetPeers has not confirmed the new
+        # layout's peer copies on every owner yet: a recovery then counts them (owner/redundancy.py).
+        self._layout_unconfirmed = False
         self._options = OwnerOptions(backend=spec.backend, group_prefix=f"zero_ray-{self.run_id}",
                                      collective_timeout_s=spec.collective_timeout_s,
                                      threads=max(1, int(spec.num_cpus_per_owner)), credentials=credentials,
@@ -479,7 +482,9 @@ class OwnerPool:
                 self.remove(range(old, self.world_size))
             raise
         if peers:  # confirmed before the surplus owners (holding old-layout copies) leave
+            self._layout_unconfirmed = True  # every transfer ended; until SetPeers reached every owner
             self.assign_peers(world_size)
+            self._layout_unconfirmed = False
         if world_size < old:
             self.remove(range(world_size, old), close=True)
         return {"previous_world_size": old, "world_size": world_size, "bytes_sent": sum(sent),
@@ -500,8 +505,10 @@ class OwnerPool:
     def snapshot_info(self, ranks: Sequence[int], committed_step: int) -> dict[int, dict[int, Any]]:
         """Per surviving rank: the committed snapshots it holds (by the rank they belong to)."""
         timeout = self.spec.settle_timeout_s + 30
+        complete = self._layout_unconfirmed
         infos = self.fan.grpc([self.clients[r] for r in ranks], "snapshots",
-                              lambda c, i: c.snapshots(committed_step, timeout_s=timeout), watch=False, ranks=ranks)
+                              lambda c, i: c.snapshots(committed_step, layout_complete=complete, timeout_s=timeout),
+                              watch=False, ranks=ranks)
         return dict(zip(ranks, infos))
 
     def rebuild(self, survivors: Sequence[int], world_size: int, *,
@@ -533,7 +540,9 @@ class OwnerPool:
         self.fan.grpc(self.clients, "rebuild", lambda c, p: c.rebuild(
             position=p, world_size=world_size, generation=generation, restore=plan, timeout_s=timeout))
         if self.spec.snapshot_every:
+            self._layout_unconfirmed = plan is not None  # every transfer ended; until SetPeers reached all
             self.assign_peers()
+            self._layout_unconfirmed = False
 
     # -- the end ----------------------------------------------------------------------------------------
     def _close_owners(self, targets: dict[int, OwnerClient], *, timeout_s: float) -> None:

@@ -227,13 +227,17 @@ class PartitionOwner:
                                 timeout_s=self._options.collective_timeout_s)
             engine.phase = StepPhase.IDLE
 
-    def snapshot_info(self, committed_step: int) -> dict[int, Any]:
+    def snapshot_info(self, committed_step: int, *, layout_complete: bool = False) -> dict[int, Any]:
         """The committed snapshots held (by rank), once the driver says ``committed_step`` was
         finished everywhere; a pending snapshot of a later, interrupted step is dropped."""
         with self._locked("snapshot_info", settle=True):
             self.snapshots.commit_upto(committed_step)
             self.snapshots.drop_pending()
-            self.snapshots.drop_layout()  # unconfirmed: its resize or restore did not complete
+            # Unconfirmed copies of a new layout: kept when every rank's transfer ended (SetPeers
+            # was cut short), dropped when the resize or restore itself did not complete.
+            peers = self.snapshots.settle_layout(complete=layout_complete)
+            if peers is not None:
+                self.backup, self.ward = peers
             return self.snapshots.info()
 
     @contextmanager

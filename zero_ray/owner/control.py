@@ -53,7 +53,7 @@ class OwnerHost(Protocol):
 
     def set_peers(self, backup: int, ward: int) -> None: ...
 
-    def snapshot_info(self, committed_step: int) -> dict[int, Any]: ...
+    def snapshot_info(self, committed_step: int, *, layout_complete: bool) -> dict[int, Any]: ...
 
     def resize_info(self) -> dict[str, Any]: ...
 
@@ -180,9 +180,9 @@ class OwnerControl:
         self._owner.touch()
         self._owner.set_peers(backup, ward)
 
-    def snapshots(self, committed_step: int) -> h.Plain:
+    def snapshots(self, committed_step: int, layout_complete: bool) -> h.Plain:
         self._owner.touch()
-        return self._owner.snapshot_info(committed_step)
+        return self._owner.snapshot_info(committed_step, layout_complete=layout_complete)
 
     def resize_info(self) -> h.Plain:
         self._owner.touch()

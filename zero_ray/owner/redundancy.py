@@ -92,6 +92,7 @@ class PeerSnapshots:
         # they replace the old layout's only when the driver confirms that every rank has them
         # (``confirm_layout``), so a loss before that still finds every old partition twice.
         self._layout: tuple[Snapshot, Snapshot | None, int, int] | None = None
+        self._from_layout = False  # own/ward are a confirmed new layout's copies (not a step's)
 
     def take(self, engine: OwnerEngine, group: Collective, *, step: int, backup: int, ward: int,
              timeout_s: float) -> int:
@@ -155,17 +156,37 @@ class PeerSnapshots:
             return False
         self.own, self.ward = layout[0], layout[1]
         self._pending = None
+        self._from_layout = True
         return True
 
     def drop_layout(self) -> None:
         """Forget unconfirmed copies of a new layout (its resize or restore did not complete)."""
         self._layout = None
 
+    def settle_layout(self, *, complete: bool) -> tuple[int, int] | None:
+        """A loss came before ``confirm_layout`` reached every owner. ``complete`` (every rank's
+        transfer had ended): unconfirmed copies of the new layout are confirmed with the peers
+        they went to (returned), an owner confirmed already keeps its copies, and one that took
+        none (a shrink's surplus) holds nothing any more, its old-layout copies superseded.
+        Otherwise the unconfirmed copies are dropped and the old layout's stay."""
+        layout, self._layout = self._layout, None
+        if not complete:
+            return None
+        if layout is not None:
+            self.own, self.ward, self._pending = layout[0], layout[1], None
+            self._from_layout = True
+            return layout[2], layout[3]
+        if not self._from_layout:
+            self.own = self.ward = None
+            self._pending = None
+        return None
+
     def commit_upto(self, step: int) -> None:
         """Every rank finished driver step ``step``: a pending snapshot of it (or earlier) counts."""
         if self._pending is not None and self._pending[0].step <= step:
             self.own, self.ward = self._pending
             self._pending = None
+            self._from_layout = False
 
     def drop_pending(self) -> None:
         self._pending = None

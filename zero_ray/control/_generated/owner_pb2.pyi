@@ -289,12 +289,14 @@ class SetPeersReply(_message.Message):
     def __init__(self) -> None: ...
 
 class SnapshotsRequest(_message.Message):
-    __slots__ = ("header", "committed_step")
+    __slots__ = ("header", "committed_step", "layout_complete")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     committed_step: int
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., committed_step: _Optional[int] = ...) -> None: ...
+    layout_complete: bool
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., committed_step: _Optional[int] = ..., layout_complete: _Optional[bool] = ...) -> None: ...
 
 class SnapshotsReply(_message.Message):
     __slots__ = ("snapshots_json",)
