@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
 import grpc
@@ -97,16 +98,34 @@ def failure_detail(exc: BaseException, *, operation: str, context: FailureContex
     return detail
 
 
-def abort(context: grpc.ServicerContext, method: str, exc: BaseException, failure: FailureContext) -> NoReturn:
-    """End the call with ``exc``'s status code, a short message and its FailureDetail."""
+@dataclass(frozen=True)
+class _Failed:
+    """A handler's failure, as sent: plain values only."""
+
+    code: grpc.StatusCode
+    message: str
+    detail: common_pb2.FailureDetail
+
+
+def _failed(method: str, exc: BaseException, failure: FailureContext) -> _Failed:
+    """``exc`` (being handled) as its status code, a short message and its FailureDetail."""
     code = status_code(exc)
     if code is grpc.StatusCode.INTERNAL:
         _log.exception("%s: handler failed", method)
     else:
         _log.info("%s: handler raised %s: %s", method, type(exc).__name__, _cut(str(exc), _MAX_STATUS_CHARS))
     detail = failure_detail(exc, operation=method, context=failure)
-    context.set_trailing_metadata(((FAILURE_TRAILER, detail.SerializeToString()),))
-    context.abort(code, _cut(f"{method}: {type(exc).__name__}: {exc}", _MAX_STATUS_CHARS))
+    return _Failed(code, _cut(f"{method}: {type(exc).__name__}: {exc}", _MAX_STATUS_CHARS), detail)
+
+
+def _abort(context: grpc.ServicerContext, failed: _Failed) -> NoReturn:
+    # Called after the except clause: the exception, its traceback and the frames it holds (a
+    # half-built model after a MemoryError) are freed before the detail is serialized.
+    try:
+        context.set_trailing_metadata(((FAILURE_TRAILER, failed.detail.SerializeToString()),))
+    except Exception:  # still out of memory: the status alone, which names the type and message
+        _log.exception("could not serialize the FailureDetail; sending the status alone")
+    context.abort(failed.code, failed.message)
     raise AssertionError("unreachable: context.abort raises")
 
 
@@ -117,12 +136,14 @@ def serve(context: grpc.ServicerContext, method: str, call: Callable[[], R], bui
     try:
         result = call()
     except Exception as exc:  # a handler's failure is the caller's answer, not the server's crash
-        abort(context, method, exc, _context(failure))
-    try:
-        return build(result)
-    except Exception as exc:  # e.g. a negative count for a uint64 field: the handler's bug
-        _log.error("%s: the handler returned a value that does not fit the reply: %r", method, result)
-        abort(context, method, exc, _context(failure))
+        failed = _failed(method, exc, _context(failure))
+    else:
+        try:
+            return build(result)
+        except Exception as exc:  # e.g. a negative count for a uint64 field: the handler's bug
+            _log.error("%s: the handler returned a value that does not fit the reply: %r", method, result)
+            failed = _failed(method, exc, _context(failure))
+    _abort(context, failed)
 
 
 def _context(failure: Callable[[], FailureContext]) -> FailureContext:
