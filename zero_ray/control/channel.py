@@ -153,8 +153,10 @@ class Stream(Generic[T]):
 
     @staticmethod
     def _watch(ref: weakref.ref[Stream[Any]], done: threading.Event, stall_s: float) -> None:
-        # One thread per stream polling a timestamp: cheaper than a timer per message.
-        poll = max(stall_s / 4.0, 0.01)
+        # One thread per stream polling a timestamp: cheaper than a timer per message. The poll
+        # is what a stall's detection may lag by (a frozen owner is seen stall_s + poll late):
+        # stall_s / 4 added 1.25 s at health_timeout_s=5.
+        poll = min(max(stall_s / 20.0, 0.01), 0.25)
         while not done.wait(poll):
             stream = ref()
             if stream is None:
