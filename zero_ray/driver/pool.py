@@ -430,16 +430,18 @@ class OwnerPool:
             ward[b] = r
         return {"backup": backup, "ward": ward}
 
-    def assign_peers(self, count: int | None = None) -> list[int]:
+    def assign_peers(self, count: int | None = None, *, after_transfer: bool = False) -> list[int]:
         """Tell the first ``count`` owners (all) which peer keeps their snapshots. After a resize
-        or restore this also confirms the new layout's copies (every transfer has ended), which
-        then replace the old layout's."""
+        or restore (``after_transfer``: every transfer has ended) this also confirms the new
+        layout's copies, which then replace the old layout's; a recovery meanwhile counts them."""
         count = len(self.clients) if count is None else count
+        self._layout_unconfirmed = after_transfer
         peers = self.peers(count) or {"backup": list(range(count)), "ward": list(range(count))}
         backup, ward = peers["backup"], peers["ward"]
         timeout = self.spec.init_timeout_s
         self.fan.grpc(self.clients[:count], "set_peers",
                       lambda c, r: c.set_peers(backup[r], ward[r], timeout_s=timeout))
+        self._layout_unconfirmed = False  # left set when a loss cut SetPeers short
         return backup
 
     def resize(self, world_size: int) -> dict[str, Any]:
@@ -482,9 +484,7 @@ class OwnerPool:
                 self.remove(range(old, self.world_size))
             raise
         if peers:  # confirmed before the surplus owners (holding old-layout copies) leave
-            self._layout_unconfirmed = True  # every transfer ended; until SetPeers reached every owner
-            self.assign_peers(world_size)
-            self._layout_unconfirmed = False
+            self.assign_peers(world_size, after_transfer=True)
         if world_size < old:
             self.remove(range(world_size, old), close=True)
         return {"previous_world_size": old, "world_size": world_size, "bytes_sent": sum(sent),
@@ -540,9 +540,7 @@ class OwnerPool:
         self.fan.grpc(self.clients, "rebuild", lambda c, p: c.rebuild(
             position=p, world_size=world_size, generation=generation, restore=plan, timeout_s=timeout))
         if self.spec.snapshot_every:
-            self._layout_unconfirmed = plan is not None  # every transfer ended; until SetPeers reached all
-            self.assign_peers()
-            self._layout_unconfirmed = False
+            self.assign_peers(after_transfer=plan is not None)
 
     # -- the end ----------------------------------------------------------------------------------------
     def _close_owners(self, targets: dict[int, OwnerClient], *, timeout_s: float) -> None:
