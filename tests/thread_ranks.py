@@ -19,6 +19,7 @@ from zero_ray.core.batching import batch_size, split_batch, split_sizes
 from zero_ray.core.optim import check_optimizer_factories, declared_kinds
 from zero_ray.core.precision import LossScaleConfig, parse_dtype
 from zero_ray.core.stages import stage_plan
+from zero_ray.core.topology import Topology
 from zero_ray.core.units import WrapPolicy
 from zero_ray.owner.engine import OwnerEngine
 from zero_ray.owner.spec import EngineSpec
@@ -51,7 +52,8 @@ class ThreadGroup:
         return values
 
     def _count(self, op: str, buf: torch.Tensor) -> None:
-        self.counters.add(op, (self.world_size - 1) * (buf.numel() // self.world_size) * buf.element_size())
+        self.counters.add(op, (self.world_size - 1) * (buf.numel() // self.world_size) * buf.element_size(),
+                          peer=(self.rank + 1) % self.world_size)
 
     def reduce_scatter_(self, buf: torch.Tensor, *, op: str = "reduce_scatter") -> torch.Tensor:
         mine = chunks(buf, self.world_size)[self.rank]
@@ -84,7 +86,7 @@ class ThreadGroup:
                   op: str) -> None:
         for t, peer in sends:
             self.world.mail[(self.rank, peer)].put(t.detach().clone())
-            self.counters.add(op, t.numel() * t.element_size())
+            self.counters.add(op, t.numel() * t.element_size(), peer=peer)
         for t, peer in recvs:
             t.copy_(self.world.mail[(peer, self.rank)].get(timeout=60))
 
@@ -105,7 +107,7 @@ def engine_spec(model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer
                 clip: float | None = None, dtype: str = "float32", stage: int = 3,
                 checkpointing: ActivationCheckpointing | None = None, lr_scheduler: Any = None,
                 reduce_dtype: str | None = None, optimizer_kinds: Any = None, bucket_bytes: int = 2048,
-                on_nonfinite: str = "raise", **stage3: Any) -> EngineSpec:
+                on_nonfinite: str = "raise", topology: Topology | None = None, **stage3: Any) -> EngineSpec:
     """The spec thread ranks build from (2 KiB buckets; at stage 3 every module a unit by default)."""
     stage3.setdefault("wrap_policy", WrapPolicy(min_numel=0))
     return EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizers=check_optimizer_factories(optimizer),
@@ -114,7 +116,8 @@ def engine_spec(model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer
                       loss_scale=LossScaleConfig(), stage3=Stage3Config(**stage3) if stage == 3 else Stage3Config(),
                       activation_checkpointing=checkpointing, lr_scheduler=lr_scheduler,
                       reduce_dtype=parse_dtype(reduce_dtype) if reduce_dtype else None,
-                      optimizer_kinds=declared_kinds(optimizer_kinds), on_nonfinite=on_nonfinite)
+                      optimizer_kinds=declared_kinds(optimizer_kinds), on_nonfinite=on_nonfinite,
+                      topology=topology or Topology())
 
 
 def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any,
@@ -122,13 +125,15 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
               stage: int = 3, checkpointing: ActivationCheckpointing | None = None, lr_scheduler: Any = None,
               reduce_dtype: str | None = None, optimizer_kinds: Any = None, bucket_bytes: int = 2048,
               on_nonfinite: str = "raise", results: list[list[StepResult]] | None = None,
+              topology: Topology | None = None, nodes: list[str] | None = None,
               **stage3: Any) -> tuple[dict[str, torch.Tensor], list[OwnerEngine], list[list[dict[str, int]]]]:
     """Train on ``world_size`` thread ranks; the consolidated fp32 parameters, the engines and
-    each step's bytes sent per rank. ``results``: filled with each rank's StepResults."""
+    each step's bytes sent per rank. ``results``: filled with each rank's StepResults;
+    ``nodes``: the node each rank is on, for ``topology``."""
     spec = engine_spec(model_fn, loss_fn, optimizer, accum=accum, clip=clip, dtype=dtype, stage=stage,
                        checkpointing=checkpointing, lr_scheduler=lr_scheduler, reduce_dtype=reduce_dtype,
                        optimizer_kinds=optimizer_kinds, bucket_bytes=bucket_bytes, on_nonfinite=on_nonfinite,
-                       **stage3)
+                       topology=topology, **stage3)
     if results is not None:
         results[:] = [[] for _ in range(world_size)]
     world = ThreadWorld(world_size)
@@ -142,9 +147,9 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
             # Stages 0-2 seed the process-wide RNG and build the whole module: one rank at a time.
             if stage < 3 or spec.stage3.init == "low_memory" or spec.init_state_dict is not None:
                 with _BUILD_LOCK:
-                    engine = OwnerEngine(spec, rank=rank, group=group)
+                    engine = OwnerEngine(spec, rank=rank, group=group, nodes=nodes)
             else:
-                engine = OwnerEngine(spec, rank=rank, group=group)
+                engine = OwnerEngine(spec, rank=rank, group=group, nodes=nodes)
             engines[rank] = engine
             for batch in batches:
                 n = batch_size(batch)

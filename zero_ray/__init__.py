@@ -14,6 +14,7 @@ from zero_ray.config import (
 from zero_ray.core.optim import SGD, AdamW
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.schedule import WarmupCosine
+from zero_ray.core.topology import Topology
 from zero_ray.core.units import WrapPolicy
 from zero_ray.driver.callbacks import Callback
 from zero_ray.driver.lifecycle import RunState, TrainerState
@@ -49,6 +50,7 @@ __all__ = [
     "LossScaleConfig",
     "WarmupCosine",
     "Stage3Config",
+    "Topology",
     "WrapPolicy",
     "ZeroConfig",
     "ZeroTrainer",

@@ -13,6 +13,7 @@ from zero_ray.checkpoint.location import check_location
 from zero_ray.core.optim import declared_kinds
 from zero_ray.core.precision import LossScaleConfig, dtype_name, parse_dtype
 from zero_ray.core.stages import stage_plan
+from zero_ray.core.topology import Topology
 from zero_ray.core.units import WrapPolicy
 from zero_ray.errors import ConfigError
 
@@ -285,6 +286,9 @@ class ZeroConfig:
         time at stage 3) or a ``{name: tensor}`` dict (which travels to every rank whole).
     checkpoint: sharded-checkpoint options; see ``CheckpointConfig``.
     elastic: surviving lost owners, growing and shrinking; see ``ElasticConfig``.
+    topology: multi-node layout: shard groups (MiCS / HSDP), hpZ's secondary partition and
+        quantized collectives (qwZ / qgZ), learned from the nodes Ray placed the owners on; see
+        ``Topology`` (default: flat ZeRO over every owner).
     """
 
     stage: int = 2
@@ -315,6 +319,7 @@ class ZeroConfig:
     init_state_dict: str | os.PathLike[str] | Mapping[str, Any] | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    topology: Topology = field(default_factory=Topology)
 
     def __post_init__(self) -> None:
         stage_plan(self.stage)  # raises ConfigError naming the stage
@@ -372,6 +377,13 @@ class ZeroConfig:
             raise ConfigError(f"elastic.min_world_size={self.elastic.min_world_size} is above {self.world_size=}")
         if self.elastic.max_world_size is not None and self.elastic.max_world_size < self.world_size:
             raise ConfigError(f"elastic.max_world_size={self.elastic.max_world_size} is below {self.world_size=}")
+        if not isinstance(self.topology, Topology):
+            raise ConfigError(f"topology={self.topology!r} must be a zr.Topology")
+        self.topology.check_stage(self.stage)
+        for name in ("shard_group_size", "secondary_group_size"):
+            size = getattr(self.topology, name)
+            if isinstance(size, int) and self.world_size % size:
+                raise ConfigError(f"topology.{name}={size} does not divide world_size={self.world_size}")
 
 
 # -- the run's math, as checkpoints and detached runs record it ----------------------------------

@@ -20,7 +20,10 @@ from zero_ray.core.memory import (
     model_state_bytes,
     optimizer_bytes_per_param,
     optimizer_state,
+    topology_communication,
+    topology_state_bytes,
 )
+from zero_ray.core.topology import GRAD_COMM, WEIGHT_COMM
 from zero_ray.errors import ConfigError
 
 _GB = 1e9  # the paper's GB (Table 1 and 2 use 1e9 bytes)
@@ -116,7 +119,62 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--device-memory-gb", type=_device_gb, default=None, metavar="GB",
                         help="device memory in GB (1e9 bytes); also print the largest model whose "
                              "model states fit, per stage")
+    topo = parser.add_argument_group(
+        "multi-node topology", "shard groups (MiCS / HSDP), hpZ's secondary partition and quantized collectives "
+        "(ZeRO++): memory per owner and bytes sent inside a node and across nodes, per stage")
+    topo.add_argument("--node-size", type=positive_int, default=None, metavar="L",
+                      help="owners per node (default: the --shard-group or --secondary size, else 8)")
+    topo.add_argument("--shard-group", type=positive_int, default=None, metavar="G",
+                      help="partition within groups of G owners and replicate across groups")
+    topo.add_argument("--secondary", type=positive_int, default=None, metavar="S",
+                      help="stage 3: keep a secondary partition over S owners after forward (hpZ)")
+    topo.add_argument("--weight-comm", choices=WEIGHT_COMM, default="fp32",
+                      help="dtype of stage 3's forward all-gather (int8: qwZ); default: %(default)s")
+    topo.add_argument("--grad-comm", choices=GRAD_COMM, default="fp32",
+                      help="dtype of the gradient reduction across nodes (int4: qgZ); default: %(default)s")
     parser.set_defaults(func=run)
+
+
+def _topology_given(args: argparse.Namespace) -> bool:
+    return (args.shard_group is not None or args.secondary is not None or args.node_size is not None
+            or args.weight_comm != "fp32" or args.grad_comm != "fp32")
+
+
+def _print_topology(out: TextIO, args: argparse.Namespace, *, world_size: int, acct: _Accounting,
+                    fraction: float) -> None:
+    """Memory per owner and bytes sent inside / across nodes, flat against the topology."""
+    node = args.node_size or args.shard_group or args.secondary or 8
+    if world_size % node:
+        raise ConfigError(f"--node-size {node} does not divide --world-size {world_size}")
+    trainable = min(args.params, max(0, round(fraction * args.params)))
+    print(f"Topology at Nd = {world_size}, {node} owners per node ({world_size // node} nodes): shard group "
+          f"{args.shard_group or world_size}, secondary {args.secondary or '-'}, weights {args.weight_comm}, "
+          f"gradients {args.grad_comm}. Bytes each owner sends per step (ring collectives over node-major "
+          "ranks; int8/int4 include a 4 B scale per 256 elements)", file=out)
+    headers = ["stage", "GB/owner", "of which secondary", "inside node GB", "cross node GB", "flat cross GB",
+               "cross vs flat"]
+    rows = []
+    for stage in STAGES:
+        if stage != 3 and (args.secondary is not None or args.weight_comm != "fp32"):
+            continue
+        mem = topology_state_bytes(stage=stage, num_params=args.params, world_size=world_size,
+                                   shard_group_size=args.shard_group, secondary_group_size=args.secondary,
+                                   param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes,
+                                   optimizer_bytes=acct.optimizer_bytes, trainable_params=trainable)
+        comm = topology_communication(stage=stage, num_params=args.params, world_size=world_size, node_size=node,
+                                      shard_group_size=args.shard_group, secondary_group_size=args.secondary,
+                                      param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes,
+                                      weight_comm=args.weight_comm, grad_comm=args.grad_comm)
+        flat = topology_communication(stage=stage, num_params=args.params, world_size=world_size, node_size=node,
+                                      param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes)
+        ratio = f"{comm.cross / flat.cross:.3f}x" if flat.cross else "-"
+        rows.append([f"{stage} {STAGES[stage].name}", f"{mem.total / _GB:.2f}", f"{mem.secondary / _GB:.2f}",
+                     f"{comm.inside / _GB:.3f}", f"{comm.cross / _GB:.3f}", f"{flat.cross / _GB:.3f}", ratio])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(headers, widths))), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for row in rows:
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))), file=out)
 
 
 def _accounting(*, optimizer: str, precision: str, momentum: bool) -> _Accounting:
@@ -230,6 +288,9 @@ def run(args: argparse.Namespace) -> int:
             print(file=out)
             _print_block(out, num_params=args.params, world_size=world_size, acct=acct,
                          device_gb=args.device_memory_gb, fraction=args.trainable_fraction)
+            if _topology_given(args):
+                print(file=out)
+                _print_topology(out, args, world_size=world_size, acct=acct, fraction=args.trainable_fraction)
     except ConfigError as exc:
         print(f"zero-ray estimate: error: {exc}", file=sys.stderr)
         return 2

@@ -13,19 +13,28 @@ import torch
 
 
 class ByteCounters:
-    """Bytes this rank has sent, by collective, since the last ``reset()``."""
+    """Bytes this rank has sent, by collective, since the last ``reset()``; and by the world rank
+    they went to, where the sender says (``by_peer``: what splits them into inside-node and
+    cross-node bytes)."""
 
     def __init__(self) -> None:
         self._sent: Counter[str] = Counter()
+        self._to: Counter[int] = Counter()
 
-    def add(self, op: str, nbytes: int) -> None:
+    def add(self, op: str, nbytes: int, *, peer: int | None = None) -> None:
         self._sent[op] += nbytes
+        if peer is not None:
+            self._to[peer] += nbytes
 
     def reset(self) -> None:
         self._sent.clear()
+        self._to.clear()
 
     def snapshot(self) -> dict[str, int]:
         return dict(self._sent)
+
+    def by_peer(self) -> dict[int, int]:
+        return dict(self._to)
 
 
 class Collective(Protocol):

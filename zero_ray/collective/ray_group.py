@@ -69,7 +69,8 @@ class RingGroup:
     def _round(self, op: str, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
         """Post every send and receive ``(tensor, peer rank)`` at once and wait for them all."""
         dist = self._dist
-        self.counters.add(op, sum(t.numel() * t.element_size() for t, _ in sends))
+        for t, peer in sends:
+            self.counters.add(op, t.numel() * t.element_size(), peer=peer)
         if self._pg is None:  # a job queued on a communication thread after an abort
             raise CollectiveError(f"{op} on rank {self.rank} of {self.world_size}: the group was aborted")
         # A gloo work keeps its group's sockets open, and an exception raised here keeps this
@@ -206,7 +207,8 @@ class NcclGroup:
 
     def _count(self, op: str, buf: torch.Tensor) -> None:
         # NCCL's ring sends (N-1) of the N chunks; its internals are not observable from here.
-        self.counters.add(op, (self.world_size - 1) * (buf.numel() // self.world_size) * buf.element_size())
+        self.counters.add(op, (self.world_size - 1) * (buf.numel() // self.world_size) * buf.element_size(),
+                          peer=(self.rank + 1) % self.world_size)
 
     def reduce_scatter_(self, buf: torch.Tensor, *, op: str = "reduce_scatter") -> torch.Tensor:
         parts = list(chunks(buf, self.world_size))

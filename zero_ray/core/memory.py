@@ -29,6 +29,7 @@ __all__ = [
     "OptimizerState",
     "StageSpec",
     "StateBytes",
+    "TopologyComm",
     "communication_elements",
     "communication_volume_multiple",
     "factored_state_bytes",
@@ -37,6 +38,8 @@ __all__ = [
     "optimizer_bytes_per_param",
     "optimizer_state",
     "stage_spec",
+    "topology_communication",
+    "topology_state_bytes",
 ]
 
 
@@ -154,15 +157,16 @@ class StateBytes:
     params: int
     grads: int
     optimizer: int
+    secondary: int = 0  # hpZ's secondary partition of the parameters (stage 3 with a secondary group)
 
     def __post_init__(self) -> None:
-        for name in ("params", "grads", "optimizer"):
+        for name in ("params", "grads", "optimizer", "secondary"):
             _check_int(f"StateBytes.{name}", getattr(self, name), minimum=0)
 
     @property
     def total(self) -> int:
-        """Parameters + gradients + optimizer state, in bytes."""
-        return self.params + self.grads + self.optimizer
+        """Parameters + gradients + optimizer state (+ hpZ's secondary copy), in bytes."""
+        return self.params + self.grads + self.optimizer + self.secondary
 
     def as_dict(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "total": self.total}
@@ -309,3 +313,128 @@ def largest_trainable_params(*, stage: int, world_size: int, device_bytes: float
         raise ConfigError("param_bytes, grad_bytes and optimizer_bytes are all 0: "
                           "a parameter that costs nothing has no largest model")
     return device_bytes / bytes_per_param
+
+
+def topology_state_bytes(*, stage: int, num_params: int, world_size: int, shard_group_size: int | None = None,
+                         secondary_group_size: int | None = None, param_bytes: int = 2, grad_bytes: int = 2,
+                         optimizer_bytes: int = 12, trainable_params: int | None = None) -> StateBytes:
+    """Model-state bytes on one owner with shard groups (MiCS / HSDP) and hpZ: the paper's
+    formula with N = the shard group's size (None: the world), plus, with a secondary group of
+    S owners (stage 3), the secondary partition ``ceil(num_params / S) * param_bytes``."""
+    _check_int("world_size", world_size, minimum=1)
+    group = world_size if shard_group_size is None else _check_int("shard_group_size", shard_group_size, minimum=1)
+    if world_size % group:
+        raise ConfigError(f"{shard_group_size=} does not divide {world_size=}")
+    base = model_state_bytes(stage=stage, num_params=num_params, world_size=group, param_bytes=param_bytes,
+                             grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, trainable_params=trainable_params)
+    if secondary_group_size is None:
+        return base
+    _check_int("secondary_group_size", secondary_group_size, minimum=1)
+    if not stage_spec(stage).partitions_params:
+        raise ConfigError(f"secondary_group_size={secondary_group_size} (hpZ) applies to stage 3, not {stage=}")
+    if group % secondary_group_size:
+        raise ConfigError(f"{secondary_group_size=} must divide the shard group's {group} owners")
+    return StateBytes(params=base.params, grads=base.grads, optimizer=base.optimizer,
+                      secondary=-(-num_params // secondary_group_size) * param_bytes)
+
+
+#: bytes on the wire per element of each comm dtype of a Topology, quantization scales excluded
+#: (blockwise int8 / int4 add 4 bytes per block: ``quant_block`` elements)
+COMM_BYTES: Mapping[str, float] = MappingProxyType({"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5})
+
+
+def _comm_bytes(name: str | None, default: float, block: int) -> float:
+    if name is None or name == "fp32":
+        return default
+    try:
+        element = COMM_BYTES[name]
+    except KeyError as err:
+        raise ConfigError(f"comm dtype {name!r} is not one of {sorted(COMM_BYTES)}") from err
+    return element + (4 / block if name in ("int8", "int4") else 0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopologyComm:
+    """Bytes one owner sends per step (averaged over the owners), inside its node and across nodes."""
+
+    inside: float
+    cross: float
+
+    @property
+    def total(self) -> float:
+        return self.inside + self.cross
+
+
+def _ring(members: int, nodes: int, volume: float) -> TopologyComm:
+    """A ring over ``members`` consecutive owners spanning ``nodes`` nodes (node-major): each sends
+    (m-1)/m of ``volume``; one owner per node sends across (when it spans several), so on
+    average ``nodes (m-1) / m**2`` of it crosses."""
+    if members <= 1:
+        return TopologyComm(inside=0.0, cross=0.0)
+    sent = (members - 1) / members * volume
+    cross = nodes / members * sent if nodes > 1 else 0.0
+    return TopologyComm(inside=sent - cross, cross=cross)
+
+
+def _add(*parts: TopologyComm) -> TopologyComm:
+    return TopologyComm(inside=sum(p.inside for p in parts), cross=sum(p.cross for p in parts))
+
+
+def topology_communication(*, stage: int, num_params: int, world_size: int, node_size: int,
+                           shard_group_size: int | None = None, secondary_group_size: int | None = None,
+                           param_bytes: int = 2, grad_bytes: int = 2, weight_comm: str | None = None,
+                           grad_comm: str | None = None, quant_block: int = 256) -> TopologyComm:
+    """Bytes an owner sends per step with ring collectives over node-major ranks (``node_size``
+    owners per node), inside its node and across, under a Topology:
+
+    - parameters (stage 3: gathered for forward at ``weight_comm``, and for backward within the
+      secondary group, else the shard group, at ``param_bytes``; stages 1-2: gathered after the
+      update within the shard group; stage 0: part of the all-reduce);
+    - gradients: reduce-scattered within the shard group at ``grad_bytes``, then each shard
+      all-reduced across the replicas at ``grad_comm``; with one group and a quantized
+      ``grad_comm``, hierarchically: inside the inner group (the secondary group, else a node),
+      then across, at ``grad_comm``.
+
+    Frozen parameters are not modelled (every parameter trains).
+    """
+    spec = stage_spec(stage)
+    _check_int("num_params", num_params, minimum=0)
+    _check_int("world_size", world_size, minimum=1)
+    _check_int("node_size", node_size, minimum=1)
+    if world_size % node_size:
+        raise ConfigError(f"{node_size=} does not divide {world_size=}")
+    g = world_size if shard_group_size is None else shard_group_size
+    if world_size % g:
+        raise ConfigError(f"{shard_group_size=} does not divide {world_size=}")
+    psi = float(num_params)
+
+    def span(members: int) -> int:  # nodes a run of ``members`` consecutive owners covers
+        return max(1, -(-members // node_size))
+
+    w_bytes = _comm_bytes(weight_comm, param_bytes, quant_block)
+    g_bytes = _comm_bytes(grad_comm, grad_bytes, quant_block)
+    replicas = world_size // g
+    parts: list[TopologyComm] = []
+    if replicas > 1:
+        parts.append(_ring(g, span(g), psi * grad_bytes))
+        # one member per group, each group its own run: the replica ring crosses nodes as far as the groups do
+        parts.append(_ring(replicas, replicas if g >= node_size else span(world_size), 2 * psi / g * g_bytes))
+    elif grad_comm not in (None, "fp32") and world_size > 1:
+        inner = secondary_group_size or node_size
+        outer = world_size // inner
+        parts.append(_ring(inner, span(inner), psi * grad_bytes))
+        if outer > 1:
+            # an all-to-all among owners at the same place of each inner group, on different nodes
+            # when the inner group is a node (or more)
+            crossing = inner >= node_size or span(world_size) > 1
+            sent = (outer - 1) / outer * psi / inner * g_bytes
+            parts.append(TopologyComm(inside=0.0 if crossing else sent, cross=sent if crossing else 0.0))
+    else:
+        parts.append(_ring(g, span(g), psi * grad_bytes))
+    if spec.partitions_params:
+        parts.append(_ring(g, span(g), psi * w_bytes))  # forward
+        s = secondary_group_size
+        parts.append(_ring(s, span(s), psi * param_bytes) if s else _ring(g, span(g), psi * param_bytes))
+    else:  # the gather after the update (stages 1-2), or the all-reduce's second half (stage 0)
+        parts.append(_ring(g, span(g), psi * (param_bytes if spec.partitions_optimizer else grad_bytes)))
+    return _add(*parts)

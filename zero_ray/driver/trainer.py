@@ -122,7 +122,7 @@ class ZeroTrainer(ResumeAPI):
                                   activation_checkpointing=cfg.activation_checkpointing,
                                   lr_scheduler=self.lr_scheduler, optimizer_kinds=cfg.optimizer_kinds,
                                   reduce_dtype=parse_dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None,
-                                  on_nonfinite=cfg.on_nonfinite)
+                                  on_nonfinite=cfg.on_nonfinite, topology=cfg.topology)
         if _found is not None:
             self._credentials = ray.get(_found.actors[0].credentials.remote(), timeout=cfg.init_timeout_s)
         else:

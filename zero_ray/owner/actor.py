@@ -47,6 +47,7 @@ from zero_ray.owner.device import setup_device
 from zero_ray.owner.control import OwnerControl
 from zero_ray.errors import CollectiveError, OwnerError
 from zero_ray.owner.engine import OwnerEngine, StepPhase
+from zero_ray.owner.fabric import exchange_nodes
 from zero_ray.owner.spec import EngineSpec
 from zero_ray.owner.redundancy import PeerSnapshots
 from zero_ray.owner.resize import RankState, TransferPlan, describe_state, exchange, install
@@ -138,7 +139,9 @@ class PartitionOwner:
         return self._group
 
     def _new_engine(self, group: Collective) -> OwnerEngine:
-        return OwnerEngine(self._spec, rank=self.rank, group=group)
+        # Where Ray placed every rank (one scalar all-reduce): the Topology's groups follow the nodes.
+        nodes = exchange_nodes(group, ray.get_runtime_context().get_node_id())
+        return OwnerEngine(self._spec, rank=self.rank, group=group, nodes=nodes)
 
     def setup(self) -> dict[str, Any]:
         """Join the group (all ranks concurrently) and build the model state."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from zero_ray.core.position import Position
 from zero_ray.core.precision import LossScaler
 from zero_ray.core.usage import pack_marks, unpack_marks
 from zero_ray.errors import ConfigError, ModelError
+from zero_ray.owner.fabric import Fabric
 from zero_ray.owner.model_state import ModelState
 from zero_ray.owner.rollback import StepGuard
 from zero_ray.owner.spec import EngineSpec
@@ -124,13 +125,15 @@ class _NonFinite:
 class OwnerEngine:
     """One rank's model state and step."""
 
-    def __init__(self, spec: EngineSpec, *, rank: int, group: Collective) -> None:
+    def __init__(self, spec: EngineSpec, *, rank: int, group: Collective, nodes: Sequence[str] | None = None) -> None:
         self.spec = spec
         self.rank = rank
         self.world_size = group.world_size
         self.group = group
         self.device = torch.device(spec.device)
-        self.state = ModelState(spec, rank=rank, group=group, device=self.device)
+        # nodes: the node of every rank (the actor asks Ray; None: one node), for the Topology
+        self.fabric = Fabric(spec.topology, group, nodes)
+        self.state = ModelState(spec, rank=rank, group=group, device=self.device, fabric=self.fabric)
         self.layout = self.state.layout
         self.module = self.state.module
         self.scaler = LossScaler(config=spec.loss_scale, enabled=spec.compute_dtype == torch.float16)
@@ -139,6 +142,7 @@ class OwnerEngine:
         self.position = Position()
         self.guard = StepGuard(self.module, self.device)
         self.last_bytes: dict[str, int] = {}
+        self.last_peers: dict[int, int] = {}  # the last step's bytes by the world rank they went to
         self.phase = StepPhase.IDLE
 
     # -- the step -------------------------------------------------------------------------------
@@ -190,6 +194,7 @@ class OwnerEngine:
             self.state.end_step()
         self.phase = StepPhase.IDLE
         self.last_bytes = self.group.counters.snapshot()
+        self.last_peers = self.group.counters.by_peer()
         refused = bad is not None and spec.on_nonfinite == "raise"
         if bad is not None:
             self.guard.restore(kept)
@@ -243,7 +248,8 @@ class OwnerEngine:
         packed = pack_marks(marks, n)
         summed = self.state.stream.all_reduce_values(head + packed + pack_marks(flags, n))
         if not whole:
-            sq = summed[0]
+            # with shard groups every shard is summed once per group holding it
+            sq = summed[0] if self.fabric.replicas == 1 else summed[0] / self.fabric.replicas
         used = self.state.expand_marks(unpack_marks(summed[len(head):len(head) + len(packed)], len(marks), n))
         bad = unpack_marks(summed[len(head) + len(packed):], 2 * n, n)
         loss_ranks = [r for r in range(n) if bad[r]]
@@ -286,6 +292,7 @@ class OwnerEngine:
         """Use a re-formed group (a new generation) from the next step on."""
         self.group = group
         self.state.rebind(group)
+        self.fabric = self.state.fabric
 
     def counters(self) -> dict[str, Any]:
         """What a moved or restored model state continues from besides its tensors (equal on
@@ -308,7 +315,9 @@ class OwnerEngine:
         return report
 
     def comm_report(self) -> dict[str, int]:
-        return {"rank": self.rank, **self.last_bytes, "total": sum(self.last_bytes.values())}
+        """The last step's bytes sent, by collective, in all, and inside this rank's node / to others."""
+        return {"rank": self.rank, **self.last_bytes, "total": sum(self.last_bytes.values()),
+                **self.fabric.split(self.last_peers)}
 
     def master_fragments(self) -> dict[str, tuple[int, int, torch.Tensor]]:
         return self.state.master_fragments()

@@ -34,6 +34,7 @@ from zero_ray.errors import ConfigError
 from zero_ray.owner.accounting import StateCounter, held_storage_bytes
 from zero_ray.owner.activations import apply_activation_checkpointing, checkpointed_paths
 from zero_ray.owner.buffers import BufferPool
+from zero_ray.owner.fabric import Fabric
 from zero_ray.owner.materialize import build_recorded
 from zero_ray.owner.optimizer import ShardOptimizer
 from zero_ray.owner.param_group import OptimizerSlice, ParamGroup
@@ -62,9 +63,13 @@ STAGING_BUFFERS = 2
 class ModelState:
     """A rank's module, its parameter groups and what moves their gradients and parameters."""
 
-    def __init__(self, spec: EngineSpec, *, rank: int, group: Collective, device: torch.device) -> None:
+    def __init__(self, spec: EngineSpec, *, rank: int, group: Collective, device: torch.device,
+                 fabric: Fabric | None = None) -> None:
         self.spec = spec
         self.rank = rank
+        # What the groups are sharded over: the world group, or (a Topology) the rank's shard group.
+        self.fabric = fabric if fabric is not None else Fabric(spec.topology, group)
+        self.shard_rank = self.fabric.primary.rank
         self.dtype = spec.compute_dtype
         self.reduce_dtype = spec.reduce_dtype or spec.compute_dtype  # of gradient buffers and reductions
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
@@ -114,7 +119,7 @@ class ModelState:
             self._bind(module, ModuleSource(list(module.parameters())))
 
     def _bind(self, module: nn.Module, source: ParamSource) -> None:
-        spec, n = self.spec, self._collective.world_size
+        spec, n = self.spec, self.fabric.primary.world_size
         infos, sites, names = describe_modules(module)
         named = list(module.named_parameters())
         self.trainable = [p.requires_grad for _, p in named]
@@ -132,10 +137,11 @@ class ModelState:
                                                 groups=[list(g.params) for g in specs])
         params = self._placeholders(module, [p for _, p in named], names)
         gather_of, staging_of = self._pools(specs, units, layout)
-        self.groups = [ParamGroup(g, layout=layout, params=[params[i] for i in g.params], rank=self.rank,
+        self.groups = [ParamGroup(g, layout=layout, params=[params[i] for i in g.params], rank=self.shard_rank,
                                   dtype=self.dtype, device=self.device, source=source, empty=self._empty,
                                   staging=staging_of.get(g.index), reduce_dtype=self.reduce_dtype) for g in specs]
-        self.optimizer = ShardOptimizer(plan, self.groups, layout=layout, rank=self.rank,
+        self.fabric.allocate(self.groups)
+        self.optimizer = ShardOptimizer(plan, self.groups, layout=layout, rank=self.shard_rank,
                                         update_whole=spec.plan.updates_whole_buffer, scheduler=spec.lr_scheduler,
                                         device=self.device)
         for name, buf in module.named_buffers():
@@ -147,7 +153,7 @@ class ModelState:
         cast_buffers(module, self.dtype)
         self.module = module
         staging = [p for p in self.pools if p.name.endswith(("staging", "reduce"))]
-        self.reducer = GradReducer(self.groups, self._collective, rank=self.rank,
+        self.reducer = GradReducer(self.groups, self.fabric.primary, rank=self.rank,
                                    micro_batches=spec.grad_accum_steps, staging=staging, sync=self.sync)
         if units is not None:
             self.units = [Unit(spec=u, module=module.get_submodule(u.path), pool=gather_of[u.index],
@@ -155,7 +161,7 @@ class ModelState:
                                              key=lambda g: not g.policy.trainable))
                           for u in units.units]
             self.scheduler = UnitScheduler(self.units, root=module, config=spec.stage3, stream=self.reducer.stream,
-                                           reducer=self.reducer, device=self.device,
+                                           reducer=self.reducer, device=self.device, fabric=self.fabric,
                                            pools=[p for p in self.pools if p.name.endswith(("gather", "reduce"))])
         self.checkpointed = self._checkpoint_activations(module, infos, sites, [p.numel() for _, p in named], units)
         for g in self.groups:
@@ -302,12 +308,14 @@ class ModelState:
         # taken again only then.
         if self._counted_state != self.optimizer.version:
             self._in_step, self._counted_state = self._count(), self.optimizer.version
+        self.fabric.forget()  # hpZ's copies hold the old parameters
         for g in self.trainable_groups:
             g.publish(stream)
 
     def publish_masters(self) -> None:
         """Make the compute-dtype parameters agree with the masters after they were overwritten
         (a checkpoint restore, a reshard): copy, and all-gather where parameters are whole."""
+        self.fabric.forget()
         for g in self.groups:
             g.publish(self.reducer.stream)
 
@@ -321,10 +329,15 @@ class ModelState:
         if self.scheduler is not None:
             self.scheduler.discard()
         self.reducer.reset()
+        self.fabric.forget()
 
     def rebind(self, group: Collective) -> None:
         self._collective = group
-        self.reducer.rebind(group)
+        self.fabric = self.fabric.rebind(group)
+        self.fabric.allocate(self.groups)
+        self.reducer.rebind(self.fabric.primary)
+        if self.scheduler is not None:
+            self.scheduler.fabric = self.fabric
 
     # -- reports and transfer -------------------------------------------------------------------------
     def _count(self) -> dict[str, int]:
@@ -332,14 +345,16 @@ class ModelState:
         for g in self.groups:
             g.count(counter)
         self.optimizer.count(counter)
+        self.fabric.count(counter)
         report = counter.finish()
-        for key in ("persistent_params", "persistent_grads"):
+        for key in ("persistent_params", "persistent_grads", "params_secondary"):
             report.setdefault(key, 0)
         gathered = sum(p.nbytes for p in self.pools if p.name.endswith("gather"))
         reduce = sum(p.nbytes for p in self.pools if p.name.endswith("reduce"))
         report["gather_buffers"], report["reduce_buffers"] = gathered, reduce
-        report["total"] += report["persistent_params"] + report["persistent_grads"] + gathered + reduce
-        tensors = [t for g in self.groups for t in g.tensors()] + self.optimizer.tensors()
+        report["total"] += (report["persistent_params"] + report["persistent_grads"] + report["params_secondary"]
+                            + gathered + reduce)
+        tensors = [t for g in self.groups for t in g.tensors()] + self.optimizer.tensors() + self.fabric.tensors()
         tensors += [b.tensor for p in self.pools if p.name.endswith(("gather", "reduce")) for b in p.buffers]
         report["held_storage_bytes"] = held_storage_bytes(tensors)
         return report

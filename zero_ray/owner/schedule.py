@@ -45,6 +45,7 @@ from zero_ray.config import Stage3Config
 from zero_ray.core.units import UnitSpec
 from zero_ray.errors import ModelError
 from zero_ray.owner.buffers import BufferPool, PoolBuffer
+from zero_ray.owner.fabric import Fabric
 from zero_ray.owner.param_group import ParamGroup
 from zero_ray.owner.reducer import GradReducer
 
@@ -146,8 +147,10 @@ class UnitScheduler:
     """Gathers and frees one rank's units around forward and backward (module hooks)."""
 
     def __init__(self, units: list[Unit], *, root: nn.Module, config: Stage3Config, stream: CommStream,
-                 reducer: GradReducer, pools: list[BufferPool], device: torch.device) -> None:
+                 reducer: GradReducer, pools: list[BufferPool], device: torch.device,
+                 fabric: Fabric | None = None) -> None:
         self.units = units
+        self.fabric = fabric  # how units are gathered (hpZ's secondary copies, qwZ); None: from the shards
         self.config = config
         self.stream = stream
         self.reducer = reducer
@@ -193,7 +196,10 @@ class UnitScheduler:
 
     def _gather_job(self, u: Unit, buf: torch.Tensor, label: str) -> None:
         for g, (start, end) in zip(u.groups, u.regions):
-            g.gather_into(buf[start:end], self.stream, op=label)
+            if self.fabric is None:
+                g.gather_into(buf[start:end], self.stream, op=label)
+            else:
+                self.fabric.gather(g, buf[start:end], self.stream, backward=label == "all_gather_backward", op=label)
 
     def _wait(self, u: Unit) -> None:
         if u.state is UnitState.GATHERING:
@@ -403,6 +409,8 @@ class UnitScheduler:
 
     # -- the micro-batch ------------------------------------------------------------------------------
     def begin_micro_batch(self) -> None:
+        if self.fabric is not None:
+            self.fabric.forget()  # forward gathers afresh (and refills hpZ's copies)
         for phase in Pass:
             if self._seen[phase]:
                 self._order[phase] = self._seen[phase]

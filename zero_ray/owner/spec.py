@@ -13,6 +13,7 @@ from zero_ray.config import ActivationCheckpointing, Stage3Config
 from zero_ray.core.optim import OptimizerFactory, SchedulerFactory
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.stages import StagePlan
+from zero_ray.core.topology import Topology
 
 ModelFn = Callable[[], torch.nn.Module]
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -40,3 +41,4 @@ class EngineSpec:
     optimizer_kinds: tuple[tuple[str, str], ...] = ()  # declared classes: (qualified name, kind)
     reduce_dtype: torch.dtype | None = None  # of gradient reductions; None: the compute dtype
     on_nonfinite: str = "raise"  # ZeroConfig.on_nonfinite: a non-finite step is refused ("raise") or skipped
+    topology: Topology = field(default_factory=Topology)  # groups and comm dtypes (default: flat)

@@ -1,0 +1,146 @@
+"""SubGroup: collectives among some ranks of a world group, as point-to-point rounds.
+
+A shard group, a replica group, a node: each is a list of world ranks. Rather than a process
+group of its own (gloo groups are formed by every rank of the world together, one
+``new_group`` per subgroup), a SubGroup runs its collectives as rounds of ``send_recv`` on the
+world group, as ``RingGroup`` does: every member of a subgroup issues the same rounds in the same
+order, and disjoint subgroups run at once. The world group counts every message by the world
+rank it went to, so bytes split into inside-node and cross-node wherever they were sent from.
+
+Plain collectives go round a ring (each member sends ``(m-1)/m`` of the buffer). Coded ones
+(``codecs``: bf16, blockwise int8 / int4) send encoded bytes: the reduce-scatter is one all-to-all
+round (each member sums what the others encoded, its own chunk in full precision, in member
+order), the all-gather a ring of encoded chunks decoded on arrival; every member decodes its own
+chunk too, so all hold identical values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zero_ray.collective.codecs import Codec
+from zero_ray.collective.group import ByteCounters, Collective, chunks
+from zero_ray.errors import ConfigError
+
+
+class SubGroup:
+    """The Collective protocol over ``members`` (world ranks, in this group's rank order) of
+    ``world``; this process is world rank ``me``."""
+
+    def __init__(self, world: Collective, members: Sequence[int], *, me: int) -> None:
+        if me not in members:
+            raise ConfigError(f"world rank {me} is not among the subgroup's members {list(members)}")
+        self.world = world
+        self.members = tuple(members)
+        self.rank = self.members.index(me)
+        self.world_size = len(self.members)
+        self.counters: ByteCounters = world.counters
+        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def peer(self, rank: int) -> int:
+        """The world rank of this group's ``rank``."""
+        return self.members[rank]
+
+    def _scratch_for(self, numel: int, like: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        key = (dtype or like.dtype, like.device)
+        s = self._scratch.get(key)
+        if s is None or s.numel() < numel:
+            s = self._scratch[key] = torch.empty(numel, dtype=key[0], device=like.device)
+        return s[:numel]
+
+    def _exchange(self, op: str, send: torch.Tensor, recv: torch.Tensor) -> None:
+        n, r = self.world_size, self.rank
+        self.world.send_recv([(send, self.members[(r + 1) % n])], [(recv, self.members[(r - 1) % n])], op=op)
+
+    # -- plain rings ----------------------------------------------------------------------------
+    def reduce_scatter_(self, buf: torch.Tensor, *, op: str = "reduce_scatter") -> torch.Tensor:
+        n, r = self.world_size, self.rank
+        parts = chunks(buf, n)
+        if n == 1:
+            return parts[0]
+        tmp = self._scratch_for(parts[0].numel(), parts[0])
+        for k in range(n - 1):
+            self._exchange(op, parts[(r - k - 1) % n], tmp)
+            parts[(r - k - 2) % n].add_(tmp)
+        return parts[r]
+
+    def all_gather_(self, buf: torch.Tensor, *, op: str = "all_gather") -> None:
+        n, r = self.world_size, self.rank
+        parts = chunks(buf, n)
+        for k in range(n - 1):
+            self._exchange(op, parts[(r - k) % n], parts[(r - k - 1) % n])
+
+    def all_reduce_(self, buf: torch.Tensor, *, op: str = "all_reduce") -> None:
+        self.reduce_scatter_(buf, op=op)
+        self.all_gather_(buf, op=op)
+
+    def all_reduce_values(self, values: list[float]) -> list[float]:
+        mine = torch.tensor([float(v) for v in values] or [0.0], dtype=torch.float64)
+        rows = [mine if k == self.rank else torch.empty_like(mine) for k in range(self.world_size)]
+        peers = [k for k in range(self.world_size) if k != self.rank]
+        self.world.send_recv([(mine, self.members[k]) for k in peers], [(rows[k], self.members[k]) for k in peers],
+                             op="scalars")
+        total = rows[0].clone()
+        for row in rows[1:]:
+            total.add_(row)
+        return total[: len(values)].tolist()
+
+    def send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], *,
+                  op: str) -> None:
+        self.world.send_recv([(t, self.members[p]) for t, p in sends], [(t, self.members[p]) for t, p in recvs], op=op)
+
+    def barrier(self) -> None:
+        self.all_reduce_values([0.0])
+
+    def destroy(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        self.world.abort()
+
+    # -- coded collectives --------------------------------------------------------------------------
+    def all_gather_coded_(self, buf: torch.Tensor, codec: Codec, *, op: str) -> None:
+        """All-gather ``buf`` with every chunk sent encoded; each chunk, this rank's included,
+        ends as its decoded value."""
+        n, r = self.world_size, self.rank
+        parts = chunks(buf, n)
+        size = codec.nbytes(parts[0].numel())
+        wire = self._scratch_for(n * size, buf, dtype=torch.uint8).view(n, size)
+        codec.encode(parts[r], wire[r])
+        for k in range(n - 1):
+            self._exchange(op, wire[(r - k) % n], wire[(r - k - 1) % n])
+        for k in range(n):
+            codec.decode(wire[k], parts[k])
+
+    def reduce_scatter_coded_(self, buf: torch.Tensor, codec: Codec, *, op: str) -> torch.Tensor:
+        """Reduce-scatter ``buf`` in one all-to-all round of encoded chunks; this rank's chunk
+        becomes the sum, in member order, of its own values and the others' decoded ones."""
+        n, r = self.world_size, self.rank
+        parts = chunks(buf, n)
+        if n == 1:
+            return parts[0]
+        size = codec.nbytes(parts[0].numel())
+        wire = self._scratch_for(2 * n * size, buf, dtype=torch.uint8).view(2, n, size)
+        out, into = wire[0], wire[1]
+        peers = [k for k in range(n) if k != r]
+        for k in peers:
+            codec.encode(parts[k], out[k])
+        self.world.send_recv([(out[k], self.members[k]) for k in peers], [(into[k], self.members[k]) for k in peers],
+                             op=op)
+        total = torch.zeros_like(parts[r], dtype=torch.float32)
+        got = torch.empty_like(total)
+        for k in range(n):
+            if k == r:
+                total.add_(parts[r])
+            else:
+                codec.decode(into[k], got)
+                total.add_(got)
+        parts[r].copy_(total)
+        return parts[r]
+
+    def all_reduce_coded_(self, buf: torch.Tensor, codec: Codec, *, op: str) -> None:
+        """Coded reduce-scatter, then coded all-gather: identical values on every member."""
+        self.reduce_scatter_coded_(buf, codec, op=op)
+        self.all_gather_coded_(buf, codec, op=op)
