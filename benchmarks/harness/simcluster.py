@@ -1,0 +1,303 @@
+"""A simulated multi-node Ray cluster on this machine: K Ray nodes, each in a network namespace
+of its own, joined by veth pairs on a bridge, every node's uplink shaped by ``tc`` (rate, delay).
+
+Layout, for the cluster of process P (names carry P in hex, so leftovers of a dead process are
+recognisable and removed by ``sweep``):
+
+    namespace zrsim-<P>-n<k>:  lo, and ``zrsim0`` (198.18.213.<k+1>/24): the node's only link,
+                               egress shaped with netem (delay + rate)
+    root namespace:            bridge zrs<P>b (no address), veth ends zrs<P>h<k> on it
+
+Only addresses inside those namespaces are used (198.18.0.0/15 is the range set aside for
+network benchmarks); the bridge has no address and no route leads out, so nothing can leave.
+Ray runs ``ray start`` inside each namespace with ``--node-ip-address`` (head in n0, token
+auth, no dashboard) and ``GLOO_SOCKET_IFNAME=zrsim0`` in its environment (the owners inherit
+it), since gloo would otherwise bind by hostname to 127.0.0.1. Drivers run inside n0
+(``run_in_head``). Cross-node bytes are counted by the kernel: everything node k sends to
+another node enters the root namespace through ``zrs<P>h<k>`` (its rx counter).
+
+Teardown (``close``: in ``finally``, at process exit, and for a dead process's leftovers in
+``sweep``) stops every process it started, by pid and by the Ray temp dirs it made, then every
+process still inside its namespaces, then deletes the namespaces and the bridge by name.
+Every wait is bounded. Needs root and ``ip``/``tc``; ``available()`` says why not when it can't.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUBNET = "198.18.213"
+IFNAME = "zrsim0"
+CMD_TIMEOUT_S = 20.0
+START_TIMEOUT_S = 120.0
+STOP_GRACE_S = 10.0
+GCS_PORT = 6379
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=CMD_TIMEOUT_S, check=check)
+
+
+def _ns(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return _ip("netns", "exec", ns, *args, check=check)
+
+
+def available() -> str | None:
+    """None when namespaces can be made here, else why not."""
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    probe = f"zrsim-{os.getpid()}-probe"
+    try:
+        made = _ip("netns", "add", probe, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"ip netns add failed: {err}"
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.strip() or made.returncode}"
+    _ip("netns", "delete", probe, check=False)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_pids(pids: set[int]) -> None:
+    """SIGTERM, then SIGKILL what is left after STOP_GRACE_S (bounded)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in list(pids):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pids.discard(pid)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while pids and time.monotonic() < deadline:
+            pids = {p for p in pids if _alive(p) and not _zombie(p)}
+            if pids:
+                time.sleep(0.1)
+        if not pids:
+            return
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return text[text.rindex(")") + 2] == "Z"
+
+
+def _mentioning(text: str) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.add(int(entry.name))
+            except OSError:
+                continue
+    found.discard(os.getpid())
+    return found
+
+
+def _ns_pids(ns: str) -> set[int]:
+    got = _ip("netns", "pids", ns, check=False)
+    return {int(p) for p in got.stdout.split() if p.isdigit()} - {os.getpid()}
+
+
+def _remove(tag: str, namespaces: list[str], temp_dirs: list[Path], pids: set[int]) -> None:
+    """Stop the processes, then delete namespaces and links by name (never raises)."""
+    for d in temp_dirs:
+        pids |= _mentioning(str(d))
+    for ns in namespaces:
+        pids |= _ns_pids(ns)
+    _kill_pids(pids)
+    for ns in namespaces:
+        _kill_pids(_ns_pids(ns))
+        _ip("netns", "delete", ns, check=False)
+    _ip("link", "delete", f"zrs{tag}b", check=False)
+    for d in temp_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def sweep() -> list[str]:
+    """Remove the namespaces and bridges of simulated clusters whose process is gone; returns
+    the names removed."""
+    removed: list[str] = []
+    listed = _ip("netns", "list", check=False).stdout.split("\n")
+    for line in listed:
+        m = re.match(r"(zrsim-(\d+)-n\d+)", line.strip())
+        if m and not _alive(int(m.group(2))):
+            _remove(f"{int(m.group(2)):06x}", [m.group(1)], [], set())
+            removed.append(m.group(1))
+    for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.split("\n"):
+        m = re.search(r"\d+: (zrs([0-9a-f]{6})b)[:@]", line)
+        if m and not _alive(int(m.group(2), 16)):
+            _ip("link", "delete", m.group(1), check=False)
+            removed.append(m.group(1))
+    return removed
+
+
+@dataclass(kw_only=True)
+class SimNode:
+    index: int
+    namespace: str
+    ip: str
+    host_if: str  # the root namespace's end of its veth (counts its cross-node bytes)
+    temp_dir: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+
+@dataclass(kw_only=True)
+class SimCluster:
+    """K Ray nodes in namespaces (see the module docstring). Use as a context manager."""
+
+    nodes: int
+    cpus_per_node: int
+    link_mbit: float
+    delay_ms: float
+    token: str = field(default_factory=lambda: secrets.token_hex(32))
+    members: list[SimNode] = field(default_factory=list)
+    _pids: set[int] = field(default_factory=set)
+    _closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.tag = f"{os.getpid():06x}"
+        if len(self.tag) > 6:
+            raise RuntimeError(f"pid {os.getpid()} does not fit the 15-character interface names")
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def __enter__(self) -> SimCluster:
+        atexit.register(self.close)
+        try:
+            sweep()
+            self._network()
+            self._start_ray()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for n in self.members:
+            if n.proc is not None:
+                self._pids.add(n.proc.pid)
+        _remove(self.tag, [n.namespace for n in self.members], [n.temp_dir for n in self.members], set(self._pids))
+
+    # -- the network --------------------------------------------------------------------------------
+    def _network(self) -> None:
+        bridge = f"zrs{self.tag}b"
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("link", "set", bridge, "up")
+        for k in range(self.nodes):
+            ns = f"zrsim-{os.getpid()}-n{k}"
+            node = SimNode(index=k, namespace=ns, ip=f"{SUBNET}.{k + 1}", host_if=f"zrs{self.tag}h{k}",
+                           temp_dir=Path(tempfile.mkdtemp(prefix=f"zrsim{k}-", dir="/tmp")))
+            self.members.append(node)
+            _ip("netns", "add", ns)
+            peer = f"zrs{self.tag}e{k}"
+            _ip("link", "add", node.host_if, "type", "veth", "peer", "name", peer)
+            _ip("link", "set", peer, "netns", ns)
+            _ns(ns, "ip", "link", "set", peer, "name", IFNAME)
+            _ns(ns, "ip", "addr", "add", f"{node.ip}/24", "dev", IFNAME)
+            _ns(ns, "ip", "link", "set", IFNAME, "up")
+            _ns(ns, "ip", "link", "set", "lo", "up")
+            _ip("link", "set", node.host_if, "master", bridge)
+            _ip("link", "set", node.host_if, "up")
+            # the node's uplink: what it sends waits delay_ms and leaves at link_mbit
+            _ns(ns, "tc", "qdisc", "add", "dev", IFNAME, "root", "netem", "delay", f"{self.delay_ms}ms",
+                "rate", f"{self.link_mbit}mbit", "limit", "100000")
+
+    def cross_node_bytes(self) -> int:
+        """Bytes every node has sent to the others so far (the root-side veth ends' rx counters)."""
+        total = 0
+        for n in self.members:
+            total += int(Path(f"/sys/class/net/{n.host_if}/statistics/rx_bytes").read_text())
+        return total
+
+    # -- Ray ----------------------------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
+        env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_USAGE_STATS_ENABLED": "0",
+                    "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": IFNAME})
+        return env
+
+    @property
+    def address(self) -> str:
+        return f"{self.members[0].ip}:{GCS_PORT}"
+
+    def _start_ray(self) -> None:
+        for n in self.members:
+            head = n.index == 0
+            role = (["--head", f"--port={GCS_PORT}", "--include-dashboard=false"] if head
+                    else [f"--address={self.address}"])
+            cmd = ["ip", "netns", "exec", n.namespace, sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+                   *role, f"--node-ip-address={n.ip}", f"--temp-dir={n.temp_dir}" if head else "",
+                   f"--num-cpus={self.cpus_per_node}", "--num-gpus=0", "--disable-usage-stats"]
+            log = (n.temp_dir / "ray.log").open("wb")
+            n.proc = subprocess.Popen([c for c in cmd if c], env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+            self._pids.add(n.proc.pid)
+            if head:
+                self._wait_nodes(1)
+        self._wait_nodes(self.nodes)
+
+    def _wait_nodes(self, count: int) -> None:
+        """Until ``count`` nodes are alive (asked from inside the head's namespace), bounded."""
+        probe = ("import ray,sys; ray.init(address='%s', log_to_driver=False); "
+                 "print(sum(1 for n in ray.nodes() if n['Alive'])); ray.shutdown()") % self.address
+        deadline = time.monotonic() + START_TIMEOUT_S
+        last = ""
+        while time.monotonic() < deadline:
+            for n in self.members:
+                if n.proc is not None and n.proc.poll() is not None:
+                    raise RuntimeError(f"ray start on node {n.index} exited with {n.proc.returncode}: "
+                                       f"{(n.temp_dir / 'ray.log').read_text(errors='replace')[-3000:]}")
+            try:
+                got = self.run_in_head([sys.executable, "-c", probe], timeout_s=60)
+                last = got.stdout.strip().splitlines()[-1] if got.stdout.strip() else got.stderr[-500:]
+                if got.returncode == 0 and int(last) >= count:
+                    return
+            except (subprocess.TimeoutExpired, ValueError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"{count} simulated Ray nodes were not up within {START_TIMEOUT_S:g}s (last: {last})")
+
+    def run_in_head(self, argv: list[str], *, timeout_s: float, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` inside the head node's namespace with the cluster's environment
+        (``RAY_ADDRESS`` set), bounded by ``timeout_s``; its output is returned."""
+        env = {**self.env(), "RAY_ADDRESS": self.address}
+        proc = subprocess.Popen(["ip", "netns", "exec", self.members[0].namespace, *argv], env=env, cwd=cwd,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self._pids.add(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_pids({proc.pid})
+            proc.communicate(timeout=STOP_GRACE_S)
+            raise
+        finally:
+            self._pids.discard(proc.pid)
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
