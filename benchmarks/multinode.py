@@ -4,8 +4,9 @@
 
 Builds ``--nodes`` Ray nodes on this machine, each in its own network namespace, whose uplinks
 ``tc`` shapes to ``--link-mbit`` and ``--delay-ms`` (benchmarks/harness/simcluster.py). Each
-configuration trains the same model (the benchmarks' GPT, benchmarks/harness/workloads.py) on
-the same batches from the same seed, in a driver inside the head node's namespace:
+configuration trains the same model (a GPT with many parameters for its compute, 12.7M by
+default, so that two shared cores are bound by the link rather than by arithmetic) on the same
+learnable batches from the same seed, in a driver inside the head node's namespace:
 
 - flat: stage 3 over every owner (today's ZeRO);
 - shard-groups: stage 3 partitioned within each node, replicated across nodes (HSDP / MiCS);
@@ -65,11 +66,11 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 
     import zero_ray as zr
     from benchmarks.harness.netdev import read_interface
-    from benchmarks.harness.workloads import GPT_BENCH
-    from zero_ray.models import GPT, lm_loss
+    from zero_ray.models import GPT, GPTConfig, lm_loss
 
     world = args.nodes * args.owners_per_node
-    cfg = GPT_BENCH
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.block_size, n_layer=args.n_layer, n_head=4,
+                    n_embd=args.n_embd)
     batches = learnable_batches(steps=args.warmup + args.steps, batch=args.batch_per_owner * world,
                                 length=cfg.block_size + 1, vocab=cfg.vocab_size, seed=args.seed)
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
@@ -127,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-ms", type=float, default=0.5)
     p.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--batch-per-owner", type=int, default=2)
+    p.add_argument("--batch-per-owner", type=int, default=1)
+    # A GPT whose parameters are many for its compute, so that a 2-core machine is bound by the
+    # link, not by arithmetic: 12.7M parameters, 32 tokens a sequence.
+    p.add_argument("--n-embd", type=int, default=512)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--zpp-grad", choices=("int4", "int8"), default="int4")
@@ -150,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     with SimCluster(nodes=args.nodes, cpus_per_node=args.owners_per_node, link_mbit=args.link_mbit,
                     delay_ms=args.delay_ms) as cluster:
         ifs = ",".join(n.host_if for n in cluster.members)
+        shaper, delay_applied = cluster.shaper, cluster.delay_applied
         for name in args.configs.split(","):
             argv_ = [sys.executable, "-m", "benchmarks.multinode", "--config", name, "--host-ifs", ifs,
                      *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                        if k in ("nodes", "owners_per_node", "steps", "warmup", "batch_per_owner", "lr", "seed",
-                                "zpp_grad"))]
+                                "zpp_grad", "n_embd", "n_layer", "block_size", "vocab"))]
             got = cluster.run_in_head(argv_, timeout_s=1800, cwd=str(REPO))
             row = next((json.loads(line[4:]) for line in got.stdout.splitlines() if line.startswith("ROW ")), None)
             if row is None:
@@ -164,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"(comm_report {row['comm_report_cross_node_bytes_per_step']:,}), loss {row['loss_last']:.3f}",
                   flush=True)
     header = (f"Simulated cluster: {args.nodes} nodes x {args.owners_per_node} owners (network namespaces, "
-              f"netem uplinks {args.link_mbit:g} Mbit/s, {args.delay_ms:g} ms), stage 3, GPT_BENCH "
-              f"({rows[0]['numel']:,} parameters, fp32), batch {args.batch_per_owner}/owner, {args.steps} timed steps "
+              f"uplinks shaped to {args.link_mbit:g} Mbit/s with {shaper}, delay {args.delay_ms:g} ms "
+              f"{'applied' if delay_applied else 'NOT applied (no netem in this kernel)'}), stage 3, GPT "
+              f"{args.n_layer} x {args.n_embd}, ctx {args.block_size}, vocab {args.vocab} ({rows[0]['numel']:,} "
+              f"parameters, fp32), batch {args.batch_per_owner}/owner, {args.steps} timed steps "
               f"after {args.warmup}; load average at start {load[0]:.2f}, at end {os.getloadavg()[0]:.2f} "
               f"on {os.cpu_count()} cores")
     text = table(rows, header)
@@ -173,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.json) if args.json else RESULTS / "multinode.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: v for k, v in vars(args).items() if k not in ("config", "host_ifs", "json")}
-    out.write_text(json.dumps({"rows": rows, "args": meta, "load_start": load[0], "load_end": os.getloadavg()[0]},
+    out.write_text(json.dumps({"rows": rows, "args": meta, "load_start": load[0], "load_end": os.getloadavg()[0],
+                               "shaper": shaper, "delay_applied": delay_applied},
                               indent=1) + "\n")
     out.with_suffix(".md").write_text(text)
     return 0

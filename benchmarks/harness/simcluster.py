@@ -176,6 +176,8 @@ class SimCluster:
     members: list[SimNode] = field(default_factory=list)
     _pids: set[int] = field(default_factory=set)
     _closed: bool = False
+    delay_applied: bool = False  # netem added the delay (False: the kernel has no netem; rate only)
+    shaper: str = "netem"
 
     def __post_init__(self) -> None:
         self.tag = f"{os.getpid():06x}"
@@ -226,9 +228,24 @@ class SimCluster:
             _ns(ns, "ip", "link", "set", "lo", "up")
             _ip("link", "set", node.host_if, "master", bridge)
             _ip("link", "set", node.host_if, "up")
-            # the node's uplink: what it sends waits delay_ms and leaves at link_mbit
-            _ns(ns, "tc", "qdisc", "add", "dev", IFNAME, "root", "netem", "delay", f"{self.delay_ms}ms",
-                "rate", f"{self.link_mbit}mbit", "limit", "100000")
+            self._shape(ns)
+
+    def _shape(self, ns: str) -> None:
+        """The node's uplink: what it sends waits ``delay_ms`` and leaves at ``link_mbit`` (netem);
+        where the kernel has no netem, a token bucket (tbf) shapes the rate only, and
+        ``delay_applied`` says so."""
+        rate = f"{self.link_mbit:g}mbit"
+        got = _ns(ns, "tc", "qdisc", "add", "dev", IFNAME, "root", "netem", "delay", f"{self.delay_ms:g}ms",
+                  "rate", rate, "limit", "100000", check=False)
+        if got.returncode == 0:
+            self.delay_applied = self.delay_ms > 0
+            return
+        # burst: at least one 10 ms tick's worth of bytes, so the rate is reached
+        burst = max(64 * 1024, int(self.link_mbit * 1e6 / 8 / 100))
+        _ns(ns, "tc", "qdisc", "add", "dev", IFNAME, "root", "tbf", "rate", rate, "burst", str(burst),
+            "latency", "100ms")
+        self.delay_applied = False
+        self.shaper = f"tbf (netem unavailable: {got.stderr.strip()})"
 
     def cross_node_bytes(self) -> int:
         """Bytes every node has sent to the others so far (the root-side veth ends' rx counters)."""
@@ -285,10 +302,11 @@ class SimCluster:
             time.sleep(1.0)
         raise TimeoutError(f"{count} simulated Ray nodes were not up within {START_TIMEOUT_S:g}s (last: {last})")
 
-    def run_in_head(self, argv: list[str], *, timeout_s: float, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    def run_in_head(self, argv: list[str], *, timeout_s: float, cwd: str | None = None,
+                    extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` inside the head node's namespace with the cluster's environment
         (``RAY_ADDRESS`` set), bounded by ``timeout_s``; its output is returned."""
-        env = {**self.env(), "RAY_ADDRESS": self.address}
+        env = {**self.env(), "RAY_ADDRESS": self.address, **(extra_env or {})}
         proc = subprocess.Popen(["ip", "netns", "exec", self.members[0].namespace, *argv], env=env, cwd=cwd,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self._pids.add(proc.pid)

@@ -87,6 +87,8 @@ class BlockQuant:
         n = x.numel()
         pad = self._blocks(n) * self.block - n
         x = x.float()
+        if not pad:
+            return x.view(-1, self.block)
         if pad:
             x = torch.cat([x, x.new_zeros(pad)])
         return x.view(-1, self.block)
@@ -96,16 +98,17 @@ class BlockQuant:
         return torch.where(scales > 0, scales, torch.ones_like(scales))
 
     def encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        # few passes over the data: a step's every gather and reduction goes through here
         n = x.numel()
         payload = self._payload(n)
         blocks = self._padded(x)
         scales = self._scales(blocks)
-        q = torch.round(blocks / scales[:, None]).clamp_(-self.qmax, self.qmax).to(torch.int16).view(-1)
+        q = torch.div(blocks, scales[:, None]).round_().clamp_(-self.qmax, self.qmax).view(-1)
         if self.bits == 8:
             out[:payload].view(torch.int8).copy_(q)
         else:
-            u = (q + 8).to(torch.uint8).view(-1, 2)  # 1..15: two per byte, the first in the low nibble
-            out[:payload].copy_(u[:, 0] | (u[:, 1] << 4))
+            u = q.add_(8).to(torch.uint8).view(-1, 2)  # 1..15: two per byte, the first in the low nibble
+            torch.bitwise_or(u[:, 0], u[:, 1].bitwise_left_shift(4), out=out[:payload])
         out[payload:].view(torch.float32).copy_(scales)
 
     def decode(self, src: torch.Tensor, out: torch.Tensor) -> None:
@@ -113,12 +116,18 @@ class BlockQuant:
         payload = self._payload(n)
         scales = src[payload:].view(torch.float32)
         if self.bits == 8:
-            q = src[:payload].view(torch.int8).float()
+            q = src[:payload].view(torch.int8)
         else:
             packed = src[:payload]
-            q = torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1).float() - 8
-        values = (q.view(-1, self.block) * scales[:, None]).view(-1)[:n]
-        out.copy_(values)
+            q = torch.empty(2 * payload, dtype=torch.int8, device=src.device)
+            torch.bitwise_and(packed, 0x0F, out=q.view(torch.uint8)[0::2])
+            torch.bitwise_right_shift(packed, 4, out=q.view(torch.uint8)[1::2])
+            q.sub_(8)
+        full = n // self.block * self.block
+        if full:  # whole blocks straight into the output
+            torch.mul(q[:full].view(-1, self.block), scales[:full // self.block, None], out=out[:full].view(-1, self.block))
+        if full < n:
+            out[full:].copy_(q[full:n].float() * scales[-1])
 
 
 def codec(name: str, *, block: int = 256) -> Codec | None:

@@ -8,10 +8,10 @@ order, and disjoint subgroups run at once. The world group counts every message 
 rank it went to, so bytes split into inside-node and cross-node wherever they were sent from.
 
 Plain collectives go round a ring (each member sends ``(m-1)/m`` of the buffer). Coded ones
-(``codecs``: bf16, blockwise int8 / int4) send encoded bytes: the reduce-scatter is one all-to-all
-round (each member sums what the others encoded, its own chunk in full precision, in member
-order), the all-gather a ring of encoded chunks decoded on arrival; every member decodes its own
-chunk too, so all hold identical values.
+(``codecs``: bf16, blockwise int8 / int4) send encoded bytes in one round to every member: the
+reduce-scatter is an all-to-all (each member sums what the others encoded, its own chunk in full
+precision, in member order), the all-gather sends each member's encoded chunk to all; every
+member decodes its own chunk too, so all hold identical values.
 """
 
 from __future__ import annotations
@@ -109,8 +109,11 @@ class SubGroup:
         size = codec.nbytes(parts[0].numel())
         wire = self._scratch_for(n * size, buf, dtype=torch.uint8).view(n, size)
         codec.encode(parts[r], wire[r])
-        for k in range(n - 1):
-            self._exchange(op, wire[(r - k) % n], wire[(r - k - 1) % n])
+        # Encoded chunks are small: one round to every peer (a ring's n - 1 rounds each wait for
+        # the one before), the same bytes sent
+        peers = [k for k in range(n) if k != r]
+        self.world.send_recv([(wire[r], self.members[k]) for k in peers], [(wire[k], self.members[k]) for k in peers],
+                             op=op)
         for k in range(n):
             codec.decode(wire[k], parts[k])
 
