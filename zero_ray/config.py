@@ -380,6 +380,9 @@ class ZeroConfig:
         if not isinstance(self.topology, Topology):
             raise ConfigError(f"topology={self.topology!r} must be a zr.Topology")
         self.topology.check_stage(self.stage)
+        if not self.topology.flat and self.elastic.redundancy == "peer":
+            raise ConfigError("elastic.redundancy='peer' is not supported with a non-flat topology yet (peer "
+                              "snapshots assume one shard per rank); use redundancy='none' with checkpoints")
         for name in ("shard_group_size", "secondary_group_size"):
             size = getattr(self.topology, name)
             if isinstance(size, int) and self.world_size % size:

@@ -83,3 +83,19 @@ def test_group_size_must_divide_world() -> None:
         plan_mesh(Topology(secondary_group_size=4), ["n"] * 6)
     with pytest.raises(ConfigError, match="stage 0"):
         plan_mesh(Topology(shard_group_size=1), ["n"] * 2)
+
+
+def test_zero_config_validates_its_topology() -> None:
+    import zero_ray as zr
+
+    assert zr.ZeroConfig().topology == zr.Topology()
+    zr.ZeroConfig(stage=3, world_size=4, topology=zr.Topology(shard_group_size=2, secondary_group_size=2))
+    with pytest.raises(ConfigError, match="stage=3"):
+        zr.ZeroConfig(stage=2, world_size=4, topology=zr.Topology(secondary_group_size=2))
+    with pytest.raises(ConfigError, match="does not divide world_size=4"):
+        zr.ZeroConfig(stage=2, world_size=4, topology=zr.Topology(shard_group_size=3))
+    with pytest.raises(ConfigError, match="must be a zr.Topology"):
+        zr.ZeroConfig(topology={"shard_group_size": 2})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="redundancy='peer'"):
+        zr.ZeroConfig(world_size=4, topology=zr.Topology(shard_group_size=2),
+                      elastic=zr.ElasticConfig(redundancy="peer"))
