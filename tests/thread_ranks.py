@@ -100,6 +100,30 @@ class ThreadGroup:
         return None
 
 
+def on_threads(world_size: int, fn: Callable[[ThreadGroup], Any], *, timeout_s: float = 120.0) -> list[Any]:
+    """``fn(group)`` on ``world_size`` thread ranks of one in-memory group; each rank's result.
+    The first failure is raised (the others are released from the group's barrier)."""
+    world = ThreadWorld(world_size)
+    out: list[Any] = [None] * world_size
+    errors: list[BaseException] = []
+
+    def main(rank: int) -> None:
+        try:
+            out[rank] = fn(ThreadGroup(world, rank))
+        except BaseException as err:  # reported by the test thread
+            errors.append(err)
+            world.barrier.abort()
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    if errors:
+        raise errors[0]
+    return out
+
+
 _BUILD_LOCK = threading.Lock()  # low_memory construction patches process-wide torch hooks
 
 
@@ -136,39 +160,27 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
                        topology=topology, **stage3)
     if results is not None:
         results[:] = [[] for _ in range(world_size)]
-    world = ThreadWorld(world_size)
     engines: list[OwnerEngine | None] = [None] * world_size
     sent: list[list[dict[str, int]]] = [[] for _ in range(world_size)]
-    errors: list[BaseException] = []
 
-    def rank_main(rank: int) -> None:
-        try:
-            group = ThreadGroup(world, rank)
-            # Stages 0-2 seed the process-wide RNG and build the whole module: one rank at a time.
-            if stage < 3 or spec.stage3.init == "low_memory" or spec.init_state_dict is not None:
-                with _BUILD_LOCK:
-                    engine = OwnerEngine(spec, rank=rank, group=group, nodes=nodes)
-            else:
+    def rank_main(group: ThreadGroup) -> None:
+        rank = group.rank
+        # Stages 0-2 seed the process-wide RNG and build the whole module: one rank at a time.
+        if stage < 3 or spec.stage3.init == "low_memory" or spec.init_state_dict is not None:
+            with _BUILD_LOCK:
                 engine = OwnerEngine(spec, rank=rank, group=group, nodes=nodes)
-            engines[rank] = engine
-            for batch in batches:
-                n = batch_size(batch)
-                piece = split_batch(batch, split_sizes(n, world_size))[rank]
-                result = engine.step(piece, global_samples=n)
-                if results is not None:
-                    results[rank].append(result)
-                sent[rank].append(dict(engine.last_bytes))
-        except BaseException as err:  # reported by the test thread
-            errors.append(err)
-            world.barrier.abort()
+        else:
+            engine = OwnerEngine(spec, rank=rank, group=group, nodes=nodes)
+        engines[rank] = engine
+        for batch in batches:
+            n = batch_size(batch)
+            piece = split_batch(batch, split_sizes(n, world_size))[rank]
+            result = engine.step(piece, global_samples=n)
+            if results is not None:
+                results[rank].append(result)
+            sent[rank].append(dict(engine.last_bytes))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
+    on_threads(world_size, rank_main)
     full: dict[str, torch.Tensor] = {}
     ready = [e for e in engines if e is not None]
     for engine in ready:

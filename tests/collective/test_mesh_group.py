@@ -3,39 +3,13 @@ identical bits on replicas, and bytes split by the peer they went to."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
 
-from thread_ranks import ThreadGroup, ThreadWorld
+from thread_ranks import ThreadGroup, on_threads
 from zero_ray.collective.codecs import BlockQuant, codec
 from zero_ray.collective.mesh_group import MeshGroup
 from zero_ray.core.topology import Topology, plan_mesh
-
-
-def on_ranks(n: int, fn: Callable[[ThreadGroup], Any]) -> list[Any]:
-    world = ThreadWorld(n)
-    out: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def main(r: int) -> None:
-        try:
-            out[r] = fn(ThreadGroup(world, r))
-        except BaseException as err:
-            errors.append(err)
-            world.barrier.abort()
-
-    threads = [threading.Thread(target=main, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    if errors:
-        raise errors[0]
-    return out
 
 
 def inputs(n: int, numel: int) -> list[torch.Tensor]:
@@ -58,7 +32,7 @@ def test_shard_groups_reduce_scatter_then_across(nodes: list[str]) -> None:
         m.all_gather_(full)
         return m.rank, part, full
 
-    got = on_ranks(4, run)
+    got = on_threads(4, run)
     for group_rank, part, full in got:
         assert torch.allclose(part, total.view(2, 8)[group_rank], atol=1e-6)
         assert torch.allclose(full, total, atol=1e-6)
@@ -73,7 +47,7 @@ def test_bytes_split_inside_and_across_nodes() -> None:
         MeshGroup(g, mesh).reduce_scatter_(torch.ones(1024))
         return g.counters.by_peer()
 
-    for r, peers in enumerate(on_ranks(4, run)):
+    for r, peers in enumerate(on_threads(4, run)):
         inside = sum(b for p, b in peers.items() if nodes[p] == nodes[r])
         across = sum(b for p, b in peers.items() if nodes[p] != nodes[r])
         assert inside == 512 * 4  # (G-1)/G of the buffer to the node's other owner
@@ -91,7 +65,7 @@ def test_quantized_across_replicas_identical_on_replicas(name: str) -> None:
         m = MeshGroup(g, mesh, grad_codec=c)
         return m.rank, m.reduce_scatter_(xs[g.rank].clone()).clone()
 
-    got = on_ranks(4, run)
+    got = on_threads(4, run)
     assert torch.equal(got[0][1], got[2][1]) and torch.equal(got[1][1], got[3][1])
     for group_rank, part in got:
         want = total.view(2, -1)[group_rank]
@@ -112,7 +86,7 @@ def test_hierarchical_reduce_scatter_quantizes_only_across() -> None:
         part = m.reduce_scatter_(xs[g.rank].clone()).clone()
         return m.rank, part, g.counters.by_peer()
 
-    for r, (position, part, peers) in enumerate(on_ranks(4, run)):
+    for r, (position, part, peers) in enumerate(on_threads(4, run)):
         assert position == mesh.position(r)
         want = total.view(4, -1)[position]
         assert float((part - want).norm() / want.norm()) < 0.02
@@ -132,7 +106,22 @@ def test_coded_all_gather_identical_everywhere() -> None:
         m.all_gather_coded_(buf, q, op="all_gather_forward")
         return buf
 
-    got = on_ranks(4, run)
+    got = on_threads(4, run)
     want = torch.cat([xs[r].view(4, -1)[r] for r in range(4)])
     assert all(torch.equal(got[0], b) for b in got[1:])
     assert bool(((got[0] - want).abs() <= q.bound(want) * (1 + 1e-6)).all())
+
+
+def test_subgroup_scalars_and_send_recv_map_to_world_ranks() -> None:
+    from zero_ray.collective.subgroup import SubGroup
+
+    def run(g: ThreadGroup) -> tuple[list[float], float]:
+        sub = SubGroup(g, [1, 3] if g.rank % 2 else [0, 2], me=g.rank)
+        summed = sub.all_reduce_values([float(g.rank), 1.0, 0.5])
+        got = torch.zeros(1)
+        sub.send_recv([(torch.tensor([float(g.rank)]), 1 - sub.rank)], [(got, 1 - sub.rank)], op="p2p")
+        return summed, float(got)
+
+    out = on_threads(4, run)
+    assert out[0][0] == [2.0, 2.0, 1.0] and out[1][0] == [4.0, 2.0, 1.0]
+    assert [v for _, v in out] == [2.0, 3.0, 0.0, 1.0]

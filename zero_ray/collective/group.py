@@ -7,6 +7,7 @@ split into ``world_size`` equal chunks; chunk ``r`` belongs to rank ``r``.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -75,6 +76,26 @@ class Collective(Protocol):
     def abort(self) -> None:
         """Tear down from another thread so that peers blocked on this rank fail promptly."""
         ...
+
+
+Exchange = Callable[[torch.Tensor, torch.Tensor], None]  # send to the next rank, receive from the previous
+
+
+def ring_reduce_scatter(parts: Sequence[torch.Tensor], rank: int, exchange: Exchange, tmp: torch.Tensor) -> torch.Tensor:
+    """Ring reduce-scatter of ``parts`` (one chunk per rank) in place: N - 1 exchanges, each
+    rank adding what it receives into ``tmp``'s chunk; returns this rank's summed chunk."""
+    n, r = len(parts), rank
+    for k in range(n - 1):
+        exchange(parts[(r - k - 1) % n], tmp)
+        parts[(r - k - 2) % n].add_(tmp)
+    return parts[r]
+
+
+def ring_all_gather(parts: Sequence[torch.Tensor], rank: int, exchange: Exchange) -> None:
+    """Ring all-gather of ``parts`` in place: N - 1 exchanges, each passing on a chunk."""
+    n, r = len(parts), rank
+    for k in range(n - 1):
+        exchange(parts[(r - k) % n], parts[(r - k - 1) % n])
 
 
 def chunks(buf: torch.Tensor, world_size: int) -> tuple[torch.Tensor, ...]:

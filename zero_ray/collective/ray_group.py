@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import gc
 import logging
 import threading
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from zero_ray.collective.group import ByteCounters, Collective, SoloGroup, chunks
+from zero_ray.collective.group import ByteCounters, Collective, SoloGroup, chunks, ring_all_gather, ring_reduce_scatter
 from zero_ray.collective.rendezvous import RendezvousAborted, form_default_group
 from zero_ray.errors import CollectiveError, CollectiveTimeout, ConfigError
 
@@ -137,10 +138,7 @@ class RingGroup:
             parts[r].add_(got[0])
             return parts[r]
         tmp = self._scratch_for(parts[0].numel(), parts[0])
-        for k in range(n - 1):
-            self._exchange(op, parts[(r - k - 1) % n], tmp)
-            parts[(r - k - 2) % n].add_(tmp)
-        return parts[r]
+        return ring_reduce_scatter(parts, r, functools.partial(self._exchange, op), tmp)
 
     def all_gather_(self, buf: torch.Tensor, *, op: str = "all_gather") -> None:
         n, r = self.world_size, self.rank
@@ -149,8 +147,7 @@ class RingGroup:
             peers = self._peers()
             self._round(op, [(parts[r], k) for k in peers], [(parts[k], k) for k in peers])
             return
-        for k in range(n - 1):
-            self._exchange(op, parts[(r - k) % n], parts[(r - k - 1) % n])
+        ring_all_gather(parts, r, functools.partial(self._exchange, op))
 
     def all_reduce_(self, buf: torch.Tensor) -> None:
         # Reduce-scatter then all-gather: each chunk is summed once, on its owner, so every

@@ -16,12 +16,13 @@ member decodes its own chunk too, so all hold identical values.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
 from zero_ray.collective.codecs import Codec
-from zero_ray.collective.group import ByteCounters, Collective, chunks
+from zero_ray.collective.group import ByteCounters, Collective, chunks, ring_all_gather, ring_reduce_scatter
 from zero_ray.errors import ConfigError
 
 
@@ -61,31 +62,23 @@ class SubGroup:
         if n == 1:
             return parts[0]
         tmp = self._scratch_for(parts[0].numel(), parts[0])
-        for k in range(n - 1):
-            self._exchange(op, parts[(r - k - 1) % n], tmp)
-            parts[(r - k - 2) % n].add_(tmp)
-        return parts[r]
+        return ring_reduce_scatter(parts, r, functools.partial(self._exchange, op), tmp)
 
     def all_gather_(self, buf: torch.Tensor, *, op: str = "all_gather") -> None:
-        n, r = self.world_size, self.rank
-        parts = chunks(buf, n)
-        for k in range(n - 1):
-            self._exchange(op, parts[(r - k) % n], parts[(r - k - 1) % n])
+        ring_all_gather(chunks(buf, self.world_size), self.rank, functools.partial(self._exchange, op))
 
     def all_reduce_(self, buf: torch.Tensor, *, op: str = "all_reduce") -> None:
         self.reduce_scatter_(buf, op=op)
         self.all_gather_(buf, op=op)
 
     def all_reduce_values(self, values: list[float]) -> list[float]:
-        mine = torch.tensor([float(v) for v in values] or [0.0], dtype=torch.float64)
-        rows = [mine if k == self.rank else torch.empty_like(mine) for k in range(self.world_size)]
-        peers = [k for k in range(self.world_size) if k != self.rank]
-        self.world.send_recv([(mine, self.members[k]) for k in peers], [(rows[k], self.members[k]) for k in peers],
-                             op="scalars")
-        total = rows[0].clone()
-        for row in rows[1:]:
-            total.add_(row)
-        return total[: len(values)].tolist()
+        # Rarely used (the engine's scalars span the world group): the ring all-reduce of a
+        # small float64 buffer, identical bits on every member.
+        n = self.world_size
+        buf = torch.zeros(-(-max(1, len(values)) // n) * n, dtype=torch.float64)
+        buf[:len(values)] = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        self.all_reduce_(buf, op="scalars")
+        return buf[:len(values)].tolist()
 
     def send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], *,
                   op: str) -> None:
