@@ -139,18 +139,21 @@ def _remove(tag: str, namespaces: list[str], temp_dirs: list[Path], pids: set[in
 def sweep() -> list[str]:
     """Remove the namespaces and bridges of simulated clusters whose process is gone; returns
     the names removed."""
-    removed: list[str] = []
-    listed = _ip("netns", "list", check=False).stdout.split("\n")
-    for line in listed:
+    spaces: dict[int, list[str]] = {}
+    for line in _ip("netns", "list", check=False).stdout.split("\n"):
         m = re.match(r"(zrsim-(\d+)-n\d+)", line.strip())
-        if m and not _alive(int(m.group(2))):
-            _remove(f"{int(m.group(2)):06x}", [m.group(1)], [], set())
-            removed.append(m.group(1))
+        if m:
+            spaces.setdefault(int(m.group(2)), []).append(m.group(1))
+    bridges: dict[int, str] = {}
     for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.split("\n"):
         m = re.search(r"\d+: (zrs([0-9a-f]{6})b)[:@]", line)
-        if m and not _alive(int(m.group(2), 16)):
-            _ip("link", "delete", m.group(1), check=False)
-            removed.append(m.group(1))
+        if m:
+            bridges[int(m.group(2), 16)] = m.group(1)
+    removed: list[str] = []
+    for pid in sorted(set(spaces) | set(bridges)):
+        if not _alive(pid):
+            _remove(f"{pid:06x}", spaces.get(pid, []), [], set())
+            removed += spaces.get(pid, []) + ([bridges[pid]] if pid in bridges else [])
     return removed
 
 

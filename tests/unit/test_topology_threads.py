@@ -44,7 +44,7 @@ TOPOLOGIES = {
 }
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("name", list(TOPOLOGIES))
 def test_parity_with_single_process(stage: int, name: str) -> None:
     topology, nodes = TOPOLOGIES[name]
