@@ -116,7 +116,7 @@ class FakeOwner:
     def stats(self) -> OwnerStats:
         self.calls.append("stats")
         return OwnerStats(step=9, rank=1, world_size=4, stage=3, memory_bytes={"params": 100, "optimizer": 800},
-                          bytes_sent={"all_gather": 5})
+                          bytes_sent={"all_gather": 5}, inside_node_bytes=3, cross_node_bytes=2)
 
     def _called(self, name: str, *args: Any) -> None:
         self.calls.append(name)

@@ -87,7 +87,8 @@ def test_owner_state_calls(owner: Served) -> None:
     assert client.save("/ckpt/s", 7) == SaveResult(path="/ckpt/s/rank-1", step=7, bytes_written=1234)
     assert client.load("/ckpt/s", 7) == LoadResult(step=7, bytes_read=4321)
     assert client.stats() == OwnerStats(step=9, rank=1, world_size=4, stage=3,
-                                        memory_bytes={"params": 100, "optimizer": 800}, bytes_sent={"all_gather": 5})
+                                        memory_bytes={"params": 100, "optimizer": 800}, bytes_sent={"all_gather": 5},
+                                        inside_node_bytes=3, cross_node_bytes=2)
     assert client.abort("peer lost", 2) is False
     assert owner.handler.aborts == [("peer lost", 2)]
 

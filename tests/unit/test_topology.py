@@ -34,6 +34,14 @@ def test_stage_checks() -> None:
     Topology(shard_group_size=2, grad_comm="int4").check_stage(1)
 
 
+def test_resizing_is_refused_unless_flat() -> None:
+    Topology().check_resize(4, 2)
+    Topology(shard_group_size=2).check_resize(4, 4)  # the same size: nothing moves
+    for topology in (Topology(shard_group_size=2), Topology(grad_comm="int8")):
+        with pytest.raises(ConfigError, match="resize from 4 to 6 owners with a non-flat topology"):
+            topology.check_resize(4, 6)
+
+
 def test_node_major_orders_nodes_by_lowest_rank() -> None:
     # Ray spread the owners alternately: positions put each node's owners together.
     assert node_major(["b", "a", "b", "a"]) == (0, 2, 1, 3)

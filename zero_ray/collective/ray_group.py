@@ -246,7 +246,7 @@ class NcclGroup:
                 for t in tensors:
                     if what == "send":
                         self._col.send(t, peer, group_name=self.group_name)
-                        self.counters.add(op, t.numel() * t.element_size())
+                        self.counters.add(op, t.numel() * t.element_size(), peer=peer)
                     else:
                         self._col.recv(t, peer, group_name=self.group_name)
 

@@ -118,7 +118,8 @@ class OwnerClient(BaseClient):
         """The owner's memory and traffic counters."""
         reply = self._unary("Stats", self._stub.Stats, owner_pb2.StatsRequest(header=self._header()), timeout_s)
         return OwnerStats(step=reply.step, rank=reply.rank, world_size=reply.world_size, stage=reply.stage,
-                          memory_bytes=dict(reply.memory_bytes), bytes_sent=dict(reply.bytes_sent))
+                          memory_bytes=dict(reply.memory_bytes), bytes_sent=dict(reply.bytes_sent),
+                          inside_node_bytes=reply.inside_node_bytes, cross_node_bytes=reply.cross_node_bytes)
 
     def setup(self, *, timeout_s: float | None = None) -> SetupResult:
         """Have the owner join its group and build its model state (call every owner at once)."""

@@ -201,6 +201,8 @@ class OwnerStats:
     stage: int
     memory_bytes: Mapping[str, int] = field(default_factory=dict)
     bytes_sent: Mapping[str, int] = field(default_factory=dict)
+    inside_node_bytes: int = 0  # of the last step's bytes_sent: to owners on this owner's node
+    cross_node_bytes: int = 0  # and to owners on other nodes
 
 
 @dataclass(frozen=True, kw_only=True)

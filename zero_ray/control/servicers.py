@@ -76,7 +76,8 @@ def _heartbeat(beat: Heartbeat) -> owner_pb2.Heartbeat:
 
 def _stats_reply(stats: OwnerStats) -> owner_pb2.StatsReply:
     return owner_pb2.StatsReply(memory_bytes=dict(stats.memory_bytes), bytes_sent=dict(stats.bytes_sent),
-                                step=stats.step, rank=stats.rank, world_size=stats.world_size, stage=stats.stage)
+                                step=stats.step, rank=stats.rank, world_size=stats.world_size, stage=stats.stage,
+                                inside_node_bytes=stats.inside_node_bytes, cross_node_bytes=stats.cross_node_bytes)
 
 
 def _layout(layout: ModelLayout) -> owner_pb2.ModelLayout:

@@ -93,6 +93,14 @@ class Topology:
         return (self.shard_group_size is None and self.secondary_group_size is None
                 and self.weight_comm == "fp32" and self.grad_comm == "fp32")
 
+    def check_resize(self, old: int, new: int) -> None:
+        """Refuse a resize from ``old`` to ``new`` owners unless the topology is flat: a resize moves
+        ranges of the flat layout, and shard groups lay the state out per group (a resize of one
+        went through and left wrong parameters); resizing with a topology is not supported yet."""
+        if new != old and not self.flat:
+            raise ConfigError(f"resize from {old} to {new} owners with a non-flat topology ({self}) is not "
+                              "supported yet (docs/multinode.md: Limits)")
+
     def check_stage(self, stage: int) -> None:
         """Refuse options the stage has no use for (hpZ and qwZ act on stage 3's gathers)."""
         if stage != 3 and self.secondary_group_size is not None:

@@ -367,9 +367,11 @@ class OwnerPool:
         return [{"rank": s.rank, **s.memory_bytes} for s in stats]
 
     def comm_reports(self, *, timeout_s: float) -> list[dict[str, int]]:
-        """Per rank, bytes sent in the last step by collective, and their total."""
+        """Per rank, bytes sent in the last step by collective, their total, and how much of it
+        went to owners on the same node and to others (``inside_node`` / ``cross_node``)."""
         stats = self.fan.grpc(self.clients, "stats", lambda c, r: c.stats(timeout_s=timeout_s), watch=False)
-        return [{"rank": s.rank, **s.bytes_sent, "total": sum(s.bytes_sent.values())} for s in stats]
+        return [{"rank": s.rank, **s.bytes_sent, "total": sum(s.bytes_sent.values()),
+                 "inside_node": s.inside_node_bytes, "cross_node": s.cross_node_bytes} for s in stats]
 
     def master_fragments(self, *, timeout_s: float) -> list[dict[str, tuple[int, int, Any]]]:
         """Every owner's fp32 master fragments (the explicit consolidation: tensors, so through Ray)."""

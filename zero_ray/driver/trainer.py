@@ -462,7 +462,7 @@ class ZeroTrainer(ResumeAPI):
         return reports
 
     def comm_report(self) -> list[dict[str, int]]:
-        """Per rank, bytes sent in the last step by collective."""
+        """Per rank, bytes sent in the last step by collective, in all, and inside / across nodes."""
         self._life.require_alive()
         return self._pool.comm_reports(timeout_s=self.config.init_timeout_s)
 
@@ -496,6 +496,7 @@ class ZeroTrainer(ResumeAPI):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size={world_size!r} must be an integer >= 1")
         self._recovery.scaling.check_resize(world_size)
+        self.config.topology.check_resize(self.world_size, world_size)
         return self._resize(world_size, desired=world_size)
 
     def _resize(self, world_size: int, *, desired: int) -> dict[str, Any]:

@@ -162,8 +162,10 @@ class OwnerControl:
                                 bytes_sent={})
         memory = {k: v for k, v in engine.memory_report().items() if k != "rank"}
         memory["redundancy_host"] = owner.snapshots.nbytes  # peer snapshots in host memory
+        split = engine.fabric.split(engine.last_peers)  # by the node each message went to
         return h.OwnerStats(step=engine.position.step, rank=owner.rank, world_size=owner.world_size,
-                            stage=engine.spec.plan.stage, memory_bytes=memory, bytes_sent=dict(engine.last_bytes))
+                            stage=engine.spec.plan.stage, memory_bytes=memory, bytes_sent=dict(engine.last_bytes),
+                            inside_node_bytes=split["inside_node"], cross_node_bytes=split["cross_node"])
 
     # -- membership: the actor's own operations, served here ------------------------------------------
     def setup(self) -> h.SetupResult:

@@ -195,7 +195,7 @@ class StatsRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("memory_bytes", "bytes_sent", "step", "rank", "world_size", "stage")
+    __slots__ = ("memory_bytes", "bytes_sent", "step", "rank", "world_size", "stage", "inside_node_bytes", "cross_node_bytes")
     class MemoryBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -216,13 +216,17 @@ class StatsReply(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    INSIDE_NODE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CROSS_NODE_BYTES_FIELD_NUMBER: _ClassVar[int]
     memory_bytes: _containers.ScalarMap[str, int]
     bytes_sent: _containers.ScalarMap[str, int]
     step: int
     rank: int
     world_size: int
     stage: int
-    def __init__(self, memory_bytes: _Optional[_Mapping[str, int]] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...
+    inside_node_bytes: int
+    cross_node_bytes: int
+    def __init__(self, memory_bytes: _Optional[_Mapping[str, int]] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., stage: _Optional[int] = ..., inside_node_bytes: _Optional[int] = ..., cross_node_bytes: _Optional[int] = ...) -> None: ...
 
 class SetupRequest(_message.Message):
     __slots__ = ("header",)
