@@ -66,6 +66,20 @@ def test_integer_groups_on_one_node() -> None:
     assert mesh.node_count == 1
 
 
+def test_the_first_shard_group_writes_the_checkpoint_as_a_flat_run_of_its_size() -> None:
+    mesh = plan_mesh(Topology(shard_group_size=2), ["n"] * 4)
+    roles = [mesh.save_role(r) for r in range(4)]
+    assert [(r.writes, r.rank, r.world_size) for r in roles] == [(True, 0, 2), (True, 1, 2), (False, 0, 2),
+                                                                   (False, 1, 2)]
+    # Ray spread the owners alternately: the first node's owners (world ranks 0 and 2) write, as 0 and 1 of 2.
+    mesh = plan_mesh(Topology(shard_group_size="node"), ["b", "a", "b", "a"])
+    assert [(mesh.save_role(r).writes, mesh.save_role(r).rank) for r in range(4)] == [(True, 0), (False, 0),
+                                                                                       (True, 1), (False, 1)]
+    flat = plan_mesh(Topology(), ["n"] * 3)  # flat: every rank writes its own file, as today
+    assert [(flat.save_role(r).writes, flat.save_role(r).rank, flat.save_role(r).world_size) for r in range(3)] == \
+        [(True, 0, 3), (True, 1, 3), (True, 2, 3)]
+
+
 def test_hpz_without_shard_groups() -> None:
     mesh = plan_mesh(Topology(secondary_group_size="node", weight_comm="int8", grad_comm="int4"), ["a", "a", "b", "b"])
     assert (mesh.shard, mesh.replicas, mesh.secondary, mesh.inner, mesh.outer) == (4, 1, 2, 2, 2)

@@ -174,6 +174,24 @@ class Mesh:
     def same_node(self, a: int, b: int) -> bool:
         return self.nodes[a] == self.nodes[b]
 
+    def save_role(self, rank: int) -> SaveRole:
+        """What ``rank`` writes in a checkpoint: the state is laid out over the G members of a
+        shard group, the same as a flat run of G owners, and every shard group holds a copy; so
+        the first shard group (positions 0..G-1) writes the G rank files, as ranks 0..G-1 of G,
+        and the other groups write nothing (each element once)."""
+        position = self.position(rank)
+        return SaveRole(writes=position < self.shard, rank=position % self.shard, world_size=self.shard)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveRole:
+    """A rank's part in a checkpoint (``Mesh.save_role``): whether it writes a file, and the rank
+    and world size of the flat layout its file belongs to (its shard group's)."""
+
+    writes: bool
+    rank: int
+    world_size: int
+
 
 def node_major(nodes: Sequence[str]) -> tuple[int, ...]:
     """World ranks in node-major order: nodes by their lowest rank, ranks ascending within one."""

@@ -101,9 +101,12 @@ class Checkpointer:
             if held != record.position:  # one position: the owners hold the driver's
                 raise CheckpointError(f"the owners' state is at {held} but the driver's position is "
                                       f"{record.position}; not saved")
-            manifest = build_manifest(models=records, files=[shard_file_from_data(r["file"]) for r in records],
+            # With shard groups only the first group writes (owner/checkpointing): G files, laid out
+            # as a flat run of G owners, which is the world size a reader reshards from.
+            files = [shard_file_from_data(r["file"]) for r in records if r["file"] is not None]
+            manifest = build_manifest(models=records, files=files,
                                       step=record.step, samples_seen=record.position.samples_seen,
-                                      world_size=record.world_size, stage=record.stage,
+                                      world_size=len(files), stage=record.stage,
                                       compute_dtype=record.training["dtype"], seed=record.training["seed"],
                                       extra=record.extra, training=record.training)
             path = store.commit(pending, manifest, keep=self._keep, storage=storage)

@@ -4,7 +4,10 @@ restore the ranges a (possibly different) layout needs.
 Saving copies every slice this rank owns to host memory (the only part that stalls training)
 and writes the rank file on a background thread; the driver commits the checkpoint once every
 rank's file is durable. With a replicated optimizer (stage 0) every rank holds everything, so
-each saves only its own shard range: no element is written twice.
+each saves only its own shard range: no element is written twice. With shard groups
+(``Topology(shard_group_size=G)``) the state is laid out over G owners and every group holds a
+copy: the first group writes it, as ranks 0..G-1 of a flat run of G (``Mesh.save_role``), and
+the other groups write nothing, so any layout reads it back as it reads a flat checkpoint.
 
 Restoring reads, for every range this rank updates in the new layout, the saved pieces that
 cover it; everything is read and verified before any live tensor changes.
@@ -54,9 +57,12 @@ def _param_aliases(module: torch.nn.Module) -> dict[int, list[str]]:
 def snapshot(engine: OwnerEngine) -> list[Item]:
     """This rank's saved tensors as host copies: master weights and element-wise optimizer state
     of every element it owns, the whole-tensor state of the parameters it is the assignee of,
-    its RNG states (``rng/torch/<rank>``, and ``rng/cuda/<rank>`` on a GPU), and (rank 0) the
-    module's buffers."""
-    rank, layout = engine.rank, engine.layout
+    its RNG states (``rng/torch/<rank>``, and ``rng/cuda/<rank>`` on a GPU; by world rank), and
+    (rank 0) the module's buffers. Shard ranges are those of the rank in its shard group (the
+    world rank when flat); a rank of a group that does not write (``Mesh.save_role``) saves nothing."""
+    if not engine.fabric.save_role.writes:
+        return []
+    rank, layout = engine.state.shard_rank, engine.layout
     optimizer = engine.state.optimizer
     table = optimizer.table()
     items: list[Item] = []
@@ -82,7 +88,8 @@ def snapshot(engine: OwnerEngine) -> list[Item]:
     # One pass of (pinned, non-blocking on a GPU) copies: training goes on while they are written.
     items = [replace(item, tensor=value) for item, value in zip(items, host_copies(sources, dtype=torch.float32))]
     for generator, state in rng_states(engine.device).items():
-        items.append(Item(key=f"{RNG}/{generator}/{rank}", kind=RNG, name=f"{generator}/{rank}", start=0, end=0,
+        me = engine.rank  # restored by world rank
+        items.append(Item(key=f"{RNG}/{generator}/{me}", kind=RNG, name=f"{generator}/{me}", start=0, end=0,
                           tensor=state.clone()))
     if rank == 0:
         for name, buf in persistent_buffers(engine.module).items():
@@ -116,20 +123,27 @@ class ShardSaver:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_ray-ckpt")
-        self._writes: dict[str, tuple[Future[ShardFile], dict[str, Any]]] = {}
+        self._writes: dict[str, tuple[Future[ShardFile | None], dict[str, Any]]] = {}
 
     def start(self, engine: OwnerEngine, directory: str) -> int:
-        """Snapshot now, write under ``directory`` in the background; returns bytes to write."""
+        """Snapshot now, write under ``directory`` in the background; returns bytes to write
+        (nothing where another shard group writes this rank's shard: ``wait`` gives None)."""
         items = snapshot(engine)
         model = describe_model(engine)  # as of the snapshot: training goes on meanwhile
-        rank, n = engine.rank, engine.world_size
-        future = self._pool.submit(_write_into, directory, shard_file_name(rank, n), items, rank)
+        role = engine.fabric.save_role
+        future: Future[ShardFile | None]
+        if role.writes:
+            future = self._pool.submit(_write_into, directory, shard_file_name(role.rank, role.world_size), items,
+                                       role.rank)
+        else:
+            future = Future()
+            future.set_result(None)
         self._writes[directory] = (future, model)
         return sum(it.tensor.numel() * it.tensor.element_size() for it in items)
 
-    def wait(self, directory: str, *, timeout_s: float) -> tuple[ShardFile, dict[str, Any]]:
-        """The durable file's record and the model description taken with the snapshot;
-        raises what the write raised."""
+    def wait(self, directory: str, *, timeout_s: float) -> tuple[ShardFile | None, dict[str, Any]]:
+        """The durable file's record (None: this rank writes none) and the model description
+        taken with the snapshot; raises what the write raised."""
         if directory not in self._writes:
             raise CheckpointError(f"no save into {directory} was started on this rank")
         future, model = self._writes[directory]
@@ -153,8 +167,8 @@ def _write_into(directory: str, name: str, items: list[Item], rank: int) -> Shar
                        chunk_bytes=DEFAULT_CHUNK_BYTES)
 
 
-def shard_record_json(record: ShardFile, extra: dict[str, Any]) -> str:
-    return json.dumps({"file": asdict(record), **extra})
+def shard_record_json(record: ShardFile | None, extra: dict[str, Any]) -> str:
+    return json.dumps({"file": asdict(record) if record is not None else None, **extra})
 
 
 def optimizer_mismatch(manifest: Manifest, engine: OwnerEngine) -> str | None:

@@ -130,7 +130,8 @@ class OwnerControl:
         if phase is h.SavePhase.SNAPSHOT:
             return h.SaveResult(path=path, step=step, bytes_written=written)
         record, model = owner.saver.wait(path, timeout_s=self._save_timeout_s)
-        return h.SaveResult(path=f"{path}/{record.name}", step=step, bytes_written=record.size,
+        return h.SaveResult(path=f"{path}/{record.name}" if record else path, step=step,
+                            bytes_written=record.size if record else 0,  # None: another shard group wrote it
                             # every rank knows the optimizer state entries of what it updates
                             record_json=shard_record_json(record, model if owner.rank == 0
                                                           else {"param_state": model["param_state"]}))

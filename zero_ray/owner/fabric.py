@@ -28,7 +28,7 @@ from zero_ray.collective.mesh_group import MeshGroup
 from zero_ray.collective.stream import CommStream
 from zero_ray.collective.subgroup import SubGroup
 from zero_ray.core.groups import ParamResidency
-from zero_ray.core.topology import Mesh, Topology, plan_mesh
+from zero_ray.core.topology import Mesh, SaveRole, Topology, plan_mesh
 from zero_ray.owner.accounting import StateCounter
 from zero_ray.owner.param_group import ParamGroup
 
@@ -58,6 +58,9 @@ class Fabric:
         self.secondary: SubGroup | None = None
         if self.mesh.secondary is not None:
             self.secondary = SubGroup(world, self.mesh.secondary_members(world.rank), me=world.rank)
+        # What this rank writes in a checkpoint (flat: its own file, by world rank, as always).
+        self.save_role: SaveRole = (SaveRole(writes=True, rank=world.rank, world_size=world.world_size)
+                                    if topology.flat else self.mesh.save_role(world.rank))
         self.weight_codec: Codec | None = codec(topology.weight_comm, block=block)
         self._copies: dict[int, torch.Tensor] = {}  # hpZ: group index -> this rank's secondary slice
         self._kept: set[int] = set()  # groups whose copy holds this step's parameters
