@@ -395,7 +395,7 @@ class ZeroConfig:
 # here and why every other field is not): recorded in every checkpoint, restored by a resume
 # without a config, and compared field by field with a config that is passed.
 TRAINING_FIELDS = ("dtype", "reduce_dtype", "grad_accum_steps", "max_grad_norm", "seed", "loss_scale",
-                   "optimizer_kinds", "on_nonfinite")
+                   "optimizer_kinds", "on_nonfinite", "topology")
 
 
 def training_record(config: ZeroConfig) -> dict[str, Any]:
@@ -407,7 +407,9 @@ def training_record(config: ZeroConfig) -> dict[str, Any]:
               "grad_accum_steps": config.grad_accum_steps, "max_grad_norm": config.max_grad_norm,
               "seed": config.seed, "loss_scale": asdict(config.loss_scale),
               "optimizer_kinds": [list(pair) for pair in declared_kinds(config.optimizer_kinds)],
-              "on_nonfinite": config.on_nonfinite}
+              "on_nonfinite": config.on_nonfinite,
+              # quantized collectives (qwZ, qgZ) only: shard groups and hpZ in fp32 do not change the math
+              "topology": config.topology.math_record()}
     return json.loads(json.dumps(record))  # exactly what a manifest reads back
 
 
@@ -421,6 +423,8 @@ def config_from_training(record: Mapping[str, Any], *, stage: int, world_size: i
         fields["loss_scale"] = LossScaleConfig(**fields["loss_scale"])
     if "optimizer_kinds" in fields:
         fields["optimizer_kinds"] = tuple((str(n), str(k)) for n, k in fields["optimizer_kinds"])
+    if "topology" in fields:
+        fields["topology"] = Topology.from_math_record(dict(fields["topology"]))
     try:
         return ZeroConfig(stage=stage, world_size=world_size, **fields)
     except TypeError as err:

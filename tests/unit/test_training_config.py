@@ -64,6 +64,29 @@ def test_a_config_that_changes_the_math_is_refused_naming_each_field() -> None:
         refuse_conflicts(saved, other, override=("world_size",), source="c", how="from_checkpoint")
 
 
+def test_quantized_collectives_are_recorded_shard_groups_and_hpz_are_not() -> None:
+    zero_pp = zr.ZeroConfig(stage=3, world_size=4, topology=zr.Topology(secondary_group_size=2, weight_comm="int8",
+                                                                        grad_comm="int4"))
+    saved = training_record(zero_pp)
+    assert saved["topology"] == {"weight_comm": "int8", "grad_comm": "int4", "quant_block": 256}
+    # Shard groups and hpZ move the same sums in full precision: a flat run of any size keeps the math.
+    groups = zr.ZeroConfig(stage=3, world_size=4, topology=zr.Topology(shard_group_size=2, secondary_group_size=2))
+    assert training_conflicts(training_record(groups), zr.ZeroConfig(stage=3, world_size=3)) == []
+    assert training_record(groups)["topology"] == {"weight_comm": "fp32", "grad_comm": "fp32", "quant_block": None}
+    with pytest.raises(ConfigError) as err:
+        refuse_conflicts(saved, groups, override=(), source="checkpoint /c/step-3", how="from_checkpoint")
+    assert "topology={'weight_comm': 'int8', 'grad_comm': 'int4', 'quant_block': 256} in the checkpoint but " \
+           "{'weight_comm': 'fp32', 'grad_comm': 'fp32', 'quant_block': None} in config" in str(err.value)
+    assert "override=('topology',)" in str(err.value)
+    assert refuse_conflicts(saved, groups, override=("topology",), source="c", how="from_checkpoint")[0][0] == "topology"
+    other_block = dataclasses.replace(zero_pp, topology=dataclasses.replace(zero_pp.topology, quant_block=128))
+    assert [c[0] for c in training_conflicts(saved, other_block)] == ["topology"]
+    # A resume without a config restores the collectives' dtypes (not the saving layout's groups).
+    back = config_from_training(saved, stage=3, world_size=2)
+    assert back.topology == zr.Topology(weight_comm="int8", grad_comm="int4")
+    assert training_record(back) == saved
+
+
 def test_loss_scaling_matters_only_in_float16() -> None:
     scaled = dataclasses.replace(RUN, loss_scale=zr.LossScaleConfig(init_scale=2.0**10))
     assert training_conflicts(training_record(RUN), scaled) == []

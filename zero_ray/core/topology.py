@@ -93,6 +93,21 @@ class Topology:
         return (self.shard_group_size is None and self.secondary_group_size is None
                 and self.weight_comm == "fp32" and self.grad_comm == "fp32")
 
+    def math_record(self) -> dict[str, object]:
+        """What of the topology changes what a step computes, as JSON data (checkpoints record it
+        among the training configuration): the dtypes of the collectives, and the block of an
+        integer code. Shard groups and hpZ move the same sums in full precision (replicas end
+        every step with identical bits), so their sizes are not recorded."""
+        integer = {self.weight_comm, self.grad_comm} & {"int8", "int4"}
+        return {"weight_comm": self.weight_comm, "grad_comm": self.grad_comm,
+                "quant_block": self.quant_block if integer else None}
+
+    @classmethod
+    def from_math_record(cls, record: dict[str, object]) -> Topology:
+        """A flat topology with the recorded collectives' dtypes (``math_record``'s inverse)."""
+        fields = {k: v for k, v in record.items() if k in ("weight_comm", "grad_comm", "quant_block") and v is not None}
+        return cls(**fields)  # type: ignore[arg-type]
+
     def check_resize(self, old: int, new: int) -> None:
         """Refuse a resize from ``old`` to ``new`` owners unless the topology is flat: a resize moves
         ranges of the flat layout, and shard groups lay the state out per group (a resize of one

@@ -124,7 +124,8 @@ class ResumeAPI:
 
         ``config`` defaults to the checkpoint's: stage and world size as saved and every setting
         that changes the math (``grad_accum_steps``, ``max_grad_norm``, dtypes, ``seed``,
-        ``loss_scale``, ``optimizer_kinds``, ``on_nonfinite``; ``saved_config(path)`` returns
+        ``loss_scale``, ``optimizer_kinds``, ``on_nonfinite``, the ``topology``'s quantized
+        collectives (``weight_comm``, ``grad_comm``); ``saved_config(path)`` returns
         it). A config that sets any of those otherwise is a ConfigError naming the field and both
         values, unless ``override`` names it (e.g. ``override=("max_grad_norm",)``); stage, world
         size and every other field may differ freely. ``optimizer`` defaults to the checkpoint's
