@@ -104,6 +104,9 @@ class Checkpointer:
             # With shard groups only the first group writes (owner/checkpointing): G files, laid out
             # as a flat run of G owners, which is the world size a reader reshards from.
             files = [shard_file_from_data(r["file"]) for r in records if r["file"] is not None]
+            if not files or record.world_size % len(files):  # one file per owner of a shard group
+                raise CheckpointError(f"the owners wrote {len(files)} rank files for {record.world_size} owners, "
+                                      "which is no shard group's layout; not saved")
             manifest = build_manifest(models=records, files=files,
                                       step=record.step, samples_seen=record.position.samples_seen,
                                       world_size=len(files), stage=record.stage,
