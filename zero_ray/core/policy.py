@@ -23,6 +23,7 @@ class Action(enum.Enum):
 class Source(enum.Enum):
     """Where lost (or untrustworthy) partitions come back from."""
 
+    REPLICA = "replica"  # shard groups: a surviving group's live state (every group holds a full copy)
     PEER = "peer"  # the in-memory copies every rank keeps of its own and one peer's shard
     CHECKPOINT = "checkpoint"  # the last committed checkpoint
 
@@ -48,6 +49,12 @@ class FailurePolicy:
     def __post_init__(self) -> None:
         if self.max_failures < 0 or self.backoff_s < 0:
             raise ConfigError(f"{self.max_failures=} and {self.backoff_s=} must be >= 0")
+
+    def sources(self, *, replica: bool, peer: bool, checkpoint: bool) -> list[Source]:
+        """The restore sources to try, best first: a surviving shard group's live state
+        (``replica``: the topology has replicas and a whole group survived; nothing to read and
+        no step lost), then peer snapshots, then the last committed checkpoint."""
+        return [s for s, ok in ((Source.REPLICA, replica), (Source.PEER, peer), (Source.CHECKPOINT, checkpoint)) if ok]
 
     def after_step_failure(self, *, lost_ranks: Set[int], failures_so_far: int,
                            sources: Sequence[Source] = ()) -> Decision:
@@ -136,11 +143,13 @@ class ScalingPolicy:
             raise ConfigError(f"resize to {world_size} owners is above elastic.max_world_size={self.max_world_size}; "
                               "raise max_world_size to grow further")
 
-    def after_loss(self, *, survivors: int, free_slots: int, desired: int) -> int | None:
-        """The size to restore to: survivors plus as many new owners as fit, up to ``desired``;
-        None when even that is below ``min_world_size``."""
+    def after_loss(self, *, survivors: int, free_slots: int, desired: int, multiple: int = 1) -> int | None:
+        """The size to restore to: survivors plus as many new owners as fit, up to ``desired``,
+        rounded down to a ``multiple`` (a shard group's size: the groups stay whole, surplus
+        survivors leave); None when even that is below ``min_world_size`` or is no group."""
         target = min(desired, survivors + max(0, free_slots))
-        return target if target >= self.min_world_size else None
+        target -= target % max(1, multiple)
+        return target if target >= max(self.min_world_size, 1) else None
 
     def without_room(self, *, survivors: int, replacements: bool) -> bool:
         """No room for the replacements after all (another job took the freed slots): whether to
