@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from zero_ray.checkpoint import store
 from zero_ray.checkpoint.location import open_location
 from zero_ray.core.policy import Action, Decision, FailurePolicy, ScalingPolicy, Source
+from zero_ray.core.topology import Topology
 from zero_ray.driver.data import GlobalBatch
 from zero_ray.driver.pool import OwnerPool
+from zero_ray.driver.replica_restore import replica_mesh, restore_from_replica
 from zero_ray.errors import CheckpointError, CollectiveError, OwnerError, ResourceError, ZeroRayError
 
 log = logging.getLogger(__name__)
@@ -124,7 +126,7 @@ class RecoveryController:
 
     def __init__(self, pool: OwnerPool, *, failure: FailurePolicy, scaling: ScalingPolicy, desired: int,
                  peer_redundancy: bool, checkpoint_root: Callable[[], str | None],
-                 probe_timeout_s: float = 2.0) -> None:
+                 probe_timeout_s: float = 2.0, topology: Topology | None = None) -> None:
         self._pool = pool
         self._failure = failure
         self.scaling = scaling
@@ -132,19 +134,20 @@ class RecoveryController:
         self._peer = peer_redundancy
         self._checkpoint_root = checkpoint_root  # the root of the last committed save, or None
         self._probe_timeout_s = probe_timeout_s
+        self._topology = topology or Topology()
         self.failures = 0
 
-    def _sources(self) -> list[Source]:
-        out = [Source.PEER] if self._peer else []
+    def _sources(self, lost: set[int] | frozenset[int] = frozenset()) -> list[Source]:
+        checkpoint = False
         root = self._checkpoint_root()
         if root is not None:
             try:
                 storage, path = open_location(root)
-                if store.committed(path, storage=storage):
-                    out.append(Source.CHECKPOINT)
+                checkpoint = store.committed(path, storage=storage)
             except CheckpointError as err:  # e.g. the object store is unreachable: not a source now
                 log.warning("the checkpoint root %s cannot be used for recovery: %s", root, err)
-        return out
+        replica = bool(lost) and replica_mesh(self._pool, self._topology, lost) is not None
+        return self._failure.sources(replica=replica, peer=self._peer, checkpoint=checkpoint)
 
     def _end(self, lost: dict[int, str], reason: str) -> None:
         """End the lost owners (a frozen process holds its sockets open; its slot is freed) and
@@ -162,7 +165,7 @@ class RecoveryController:
         lost = pool.find_lost(timeout_s=self._probe_timeout_s)
         beats = {h.rank: h.last_beat for h in pool.health.snapshot()} if pool.health else {}
         since = min((beats.get(r) or step_started for r in lost), default=step_started)
-        sources = self._sources()
+        sources = self._sources(set(lost))
         decision = self._failure.after_step_failure(lost_ranks=set(lost), failures_so_far=self.failures,
                                                     sources=sources)
         report = RecoveryReport(failed_step=failed_step, error=str(err).splitlines()[0], lost=dict(lost),
@@ -207,17 +210,25 @@ class RecoveryController:
         survivors = [r for r in range(pool.world_size) if r not in lost]
         source = decision.source
         attempt, replacements = 0, True
+        first = pool.generation  # a replica is live only in the pool the loss happened in
         while source is not None:
             left = sources[sources.index(source) + 1:] if source in sources else []
+            # With shard groups every source restores whole groups (G a fixed int, or the lost mesh's).
+            mesh = replica_mesh(pool, self._topology, lost) if pool.generation == first else None
+            size = self._topology.shard_group_size
+            multiple = size if isinstance(size, int) else (mesh.shard if mesh is not None else 1)
             target = self.scaling.after_loss(survivors=len(survivors), desired=self.desired,
-                                              free_slots=pool.free_slots() if replacements else 0)
+                                              free_slots=pool.free_slots() if replacements else 0, multiple=multiple)
             if target is None:
                 report.reason = (f"only {len(survivors)} owners survive, below min_world_size="
                                  f"{self.scaling.min_world_size}")
                 return
             generation = pool.generation
             try:
-                report.resume_step = self._restore_from(source, survivors, target, committed_step, load_checkpoint)
+                if source is Source.REPLICA and pool.generation != first:
+                    raise CheckpointError("the pool was rebuilt since the loss: the replicas' live state is gone")
+                report.resume_step = self._restore_from(source, survivors, target, committed_step, load_checkpoint,
+                                                        lost=lost)
             except ResourceError as err:  # no room for the replacements after all
                 report.notes.append(f"no replacements ({err})")
                 if self.scaling.without_room(survivors=len(survivors), replacements=replacements):
@@ -261,7 +272,11 @@ class RecoveryController:
             source = decision.source
 
     def _restore_from(self, source: Source, survivors: list[int], target: int, committed_step: int,
-                      load_checkpoint: Callable[[], int]) -> int:
+                      load_checkpoint: Callable[[], int], *, lost: set[int]) -> int:
+        if source is Source.REPLICA:
+            return restore_from_replica(self._pool, self._topology, lost=lost, survivors=survivors, target=target,
+                                        committed_step=committed_step,
+                                        timeout_s=self._pool.spec.settle_timeout_s + 30)
         if source is Source.PEER:
             return self._restore_from_peers(survivors, target, committed_step)
         self._pool.rebuild(survivors, target, restore=lambda position: None)

@@ -169,7 +169,7 @@ class ZeroTrainer(ResumeAPI):
             self._pool, failure=FailurePolicy(max_failures=cfg.max_failures, backoff_s=elastic.backoff_s),
             scaling=ScalingPolicy(min_world_size=elastic.min_world_size, max_world_size=elastic.max_world_size),
             desired=cfg.world_size, peer_redundancy=elastic.redundancy == "peer",
-            checkpoint_root=self._checkpoints.recovery_root)
+            checkpoint_root=self._checkpoints.recovery_root, topology=cfg.topology)
         self._coordinator = Coordinator(self)
         host = "127.0.0.1" if cluster_is_local() else ray.util.get_node_ip_address()
         self._server = serve_coordinator(self._coordinator, ServerConfig(host=host, credentials=self._credentials,

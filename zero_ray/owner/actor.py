@@ -50,6 +50,7 @@ from zero_ray.owner.engine import OwnerEngine, StepPhase
 from zero_ray.owner.fabric import exchange_nodes
 from zero_ray.owner.spec import EngineSpec
 from zero_ray.owner.redundancy import PeerSnapshots
+from zero_ray.owner.replica import is_replica, live_state, restore_replica
 from zero_ray.owner.resize import RankState, TransferPlan, describe_state, exchange, install
 
 log = logging.getLogger(__name__)
@@ -269,12 +270,19 @@ class PartitionOwner:
             self._group = None
         with self._locked("rebuild", settle=True):
             self.data.drop_staged()
-            sources = ({r: s.state for r, s in self.snapshots.sources().items()} if restore is not None else {})
+            replica = is_replica(restore)
+            if replica:  # a surviving shard group's live state (core/replica.py)
+                sources = live_state(self._engine, restore)
+            else:
+                sources = ({r: s.state for r, s in self.snapshots.sources().items()} if restore is not None else {})
             self._engine = None
             self.rank, self.world_size, self.generation = position, world_size, generation
             group = self._join()
             sent, staged, plan = 0, None, None
-            if restore is not None:
+            if replica:
+                plan, staged, sent = restore_replica(restore, me=position, sources=sources, group=group,
+                                                     timeout_s=self._options.collective_timeout_s)
+            elif restore is not None:
                 plan = TransferPlan.of(restore["scalars"], old_world=restore["old_world"], new_world=world_size)
                 staged = plan.staging(position, world_size)
                 sent = exchange(plan, me=position, sources=sources, senders=restore["holders"], staged=staged,

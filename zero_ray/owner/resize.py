@@ -114,12 +114,15 @@ class TransferPlan:
         return Staged(ranges=ranges, whole=whole)
 
 
-def exchange(plan: TransferPlan, *, me: int, sources: dict[int, RankState], senders: list[int],
-             staged: Staged | None, group: Collective | None, timeout_s: float) -> int:
+def exchange(plan: TransferPlan, *, me: int, sources: dict[int, RankState], senders: Sequence[int],
+             staged: Staged | None, group: Collective | None, timeout_s: float,
+             receivers: Sequence[int] | None = None) -> int:
     """Carry out this actor's part of ``plan``. Moves name old ranks as sources; ``senders[i]``
     is the position of the actor holding old rank i's state (itself for a live resize; a peer's
-    copy after a loss) and ``sources`` the state this actor holds, by old rank. Local pieces are
-    copied, others sent or received into ``staged``. Returns bytes sent."""
+    copy after a loss) and ``sources`` the state this actor holds, by old rank; ``receivers[j]``
+    the position taking new rank j (default: position j; a shard group's replica restore maps
+    group ranks to world positions). Local pieces are copied, others sent or received into
+    ``staged``. Returns bytes sent."""
     import torch.distributed as dist
 
     src_of = {rank: {s.bucket.index: s for s in state.slices} for rank, state in sources.items()}
@@ -129,6 +132,7 @@ def exchange(plan: TransferPlan, *, me: int, sources: dict[int, RankState], send
     sent = 0
     pg = getattr(group, "process_group", None)
     width = max((len(k) for k in plan.kinds), default=1)
+    at = (lambda j: j) if receivers is None else (lambda j: receivers[j])
 
     def pair(sender: int, dst: int, tag: int, value: torch.Tensor | None, into: torch.Tensor | None) -> None:
         nonlocal sent
@@ -145,8 +149,8 @@ def exchange(plan: TransferPlan, *, me: int, sources: dict[int, RankState], send
             ops.append(dist.P2POp(dist.irecv, into, sender, group=pg, tag=tag))
 
     for i, m in enumerate(plan.moves):
-        sender = senders[m.src]
-        if me not in (sender, m.dst):
+        sender, dst = senders[m.src], at(m.dst)
+        if me not in (sender, dst):
             continue
         for k, kind in enumerate(plan.kinds[m.bucket]):
             value = into = None
@@ -157,19 +161,19 @@ def exchange(plan: TransferPlan, *, me: int, sources: dict[int, RankState], send
                 value = (held[m.start - s.start:m.end - s.start] if held is not None
                          else torch.zeros(m.end - m.start, dtype=torch.float32))
                 value = value.float()
-            if m.dst == me:
+            if dst == me:
                 assert staged is not None
                 r = dst_of[m.bucket]
                 into = r.tensors[kind][m.start - r.start:m.end - r.start]
-            pair(sender, m.dst, i * width + k, value, into)
+            pair(sender, dst, i * width + k, value, into)
     base = len(plan.moves) * width
     for j, w in enumerate(plan.whole_moves):
-        sender = senders[w.src]
-        if me not in (sender, w.dst):
+        sender, dst = senders[w.src], at(w.dst)
+        if me not in (sender, dst):
             continue
         value = sources[w.src].whole[w.param][w.key] if sender == me else None
-        into = staged.whole[w.param][w.key] if (w.dst == me and staged is not None) else None
-        pair(sender, w.dst, base + j, value, into)
+        into = staged.whole[w.param][w.key] if (dst == me and staged is not None) else None
+        pair(sender, dst, base + j, value, into)
     run_p2p(ops, me=me, pg=pg, timeout_s=timeout_s, what="resharding transfer")
     return sent
 
