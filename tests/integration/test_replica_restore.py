@@ -1,0 +1,46 @@
+"""Shard groups restore a lost group from another group's replica: 4 owners in groups of 2,
+stage 3, no redundancy and no checkpoint configured; both owners of one group SIGKILLed between
+steps; training continues and ends where one process does (SGD, 1e-6)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+
+import pytest
+import ray
+import torch
+
+import zero_ray as zr
+from zero_ray.models import mlp, mse_loss
+from zero_ray.testing import single_process
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+MLP_FN = functools.partial(mlp, 16, 3)
+
+
+@pytest.mark.parametrize("lost_group", [(2, 3), (0, 1)])
+def test_lost_group_restored_from_replica(lost_group: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(11)
+    batches = [(torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)) for _ in range(6)]
+    opt = zr.SGD(lr=0.05, momentum=0.9, weight_decay=0.01)
+    config = zr.ZeroConfig(stage=3, world_size=4, bucket_bytes=4096, health_interval_s=0.2, health_timeout_s=5.0,
+                           collective_timeout_s=600, topology=zr.Topology(shard_group_size=2),
+                           stage3=zr.Stage3Config(wrap_policy=zr.WrapPolicy(min_numel=0)))
+    with zr.ZeroTrainer(MLP_FN, mse_loss, optimizer=opt, config=config) as trainer:
+        for i, b in enumerate(batches):
+            if i == 3:
+                pids = [ray.get(trainer.actors[r].node.remote(), timeout=60)["pid"] for r in lost_group]
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+            trainer.step(b)
+        got = trainer.full_state_dict()
+        reports = list(trainer.recoveries)
+        world = trainer.world_size
+    ref, _ = single_process(MLP_FN, mse_loss, opt, batches)
+    print("; ".join(r.summary() for r in reports))
+    assert [(r.outcome.value, r.source) for r in reports] == [("restored", "replica")]
+    assert sorted(reports[0].lost) == sorted(lost_group) and world == 4
+    assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
