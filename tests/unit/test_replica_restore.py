@@ -73,3 +73,14 @@ def test_plan_refusals_name_the_problem():
 def test_keep_whole_groups():
     assert keep_whole_groups([0, 2, 3], (2, 3), 2) == [2, 3]
     assert keep_whole_groups([0, 1, 2], (0, 1), 4) == [0, 1, 2]
+
+
+def test_no_growing_back_with_shard_groups():
+    """Growing back is a resize of the flat layout, which shard groups refuse: a run restored
+    below its size stays there (the pool is never asked)."""
+    from zero_ray.driver.recovery import RecoveryController
+
+    rc = RecoveryController(None, failure=FailurePolicy(), scaling=ScalingPolicy(), desired=4,  # type: ignore[arg-type]
+                            peer_redundancy=False, checkpoint_root=lambda: None,
+                            topology=Topology(shard_group_size=2))
+    assert rc.grow_target(2) is None
