@@ -84,3 +84,24 @@ def test_no_growing_back_with_shard_groups():
                             peer_redundancy=False, checkpoint_root=lambda: None,
                             topology=Topology(shard_group_size=2))
     assert rc.grow_target(2) is None
+
+
+def test_checkpoint_restore_keeps_whole_groups():
+    """A checkpoint restore at a size rounded down to whole groups lets the surplus survivors go
+    (fresh state: any may) instead of giving the rebuilt pool more owners than its size."""
+    from zero_ray.driver.recovery import RecoveryController
+
+    calls = []
+
+    class Pool:
+        def kill(self, ranks):
+            calls.append(("kill", list(ranks)))
+
+        def rebuild(self, survivors, world_size, *, restore):
+            calls.append(("rebuild", list(survivors), world_size))
+
+    rc = RecoveryController(Pool(), failure=FailurePolicy(), scaling=ScalingPolicy(), desired=4,  # type: ignore[arg-type]
+                            peer_redundancy=False, checkpoint_root=lambda: None,
+                            topology=Topology(shard_group_size=2))
+    assert rc._restore_from(Source.CHECKPOINT, [0, 1, 2], 2, 0, lambda: 5, lost={3}) == 5
+    assert calls == [("kill", [2]), ("rebuild", [0, 1], 2)]

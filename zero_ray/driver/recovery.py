@@ -279,6 +279,9 @@ class RecoveryController:
                                         timeout_s=self._pool.spec.settle_timeout_s + 30)
         if source is Source.PEER:
             return self._restore_from_peers(survivors, target, committed_step)
+        if target < len(survivors):  # shard groups: a size kept a multiple of G; fresh state, any may leave
+            self._pool.kill(survivors[target:])
+            survivors = survivors[:target]
         self._pool.rebuild(survivors, target, restore=lambda position: None)
         return int(load_checkpoint())
 
