@@ -13,9 +13,9 @@ from typing import Any
 
 from zero_ray.collective.group import Collective
 from zero_ray.owner.engine import OwnerEngine
+from zero_ray.owner.host_copy import host_copies
 from zero_ray.owner.redundancy import _slices
 from zero_ray.owner.resize import RankState, Staged, TransferPlan, exchange
-from zero_ray.owner.host_copy import host_copies
 
 
 def is_replica(restore: Mapping[str, Any] | None) -> bool:
