@@ -44,3 +44,42 @@ def test_lost_group_restored_from_replica(lost_group: tuple[int, int]) -> None:
     assert [(r.outcome.value, r.source) for r in reports] == [("restored", "replica")]
     assert sorted(reports[0].lost) == sorted(lost_group) and world == 4
     assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
+
+
+@ray.remote(num_cpus=0)
+class _Hog:
+    def ping(self) -> int:
+        return 1
+
+
+def test_no_room_restores_whole_groups_only() -> None:
+    """One owner of group (2, 3) lost and no room for a replacement: 3 survivors are no whole set
+    of groups, so the run continues at 2 owners, group (0, 1) restored from its own live state
+    and rank 2 let go; equal to one process."""
+    g = torch.Generator().manual_seed(11)
+    batches = [(torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)) for _ in range(6)]
+    opt = zr.SGD(lr=0.05, momentum=0.9, weight_decay=0.01)
+    config = zr.ZeroConfig(stage=3, world_size=4, bucket_bytes=4096, health_interval_s=0.2, health_timeout_s=5.0,
+                           collective_timeout_s=600, topology=zr.Topology(shard_group_size=2),
+                           stage3=zr.Stage3Config(wrap_policy=zr.WrapPolicy(min_numel=0)))
+    hog = None
+    try:
+        with zr.ZeroTrainer(MLP_FN, mse_loss, optimizer=opt, config=config) as trainer:
+            for i, b in enumerate(batches):
+                if i == 3:
+                    free = ray.available_resources().get("CPU", 0.0)
+                    hog = _Hog.options(num_cpus=free + config.num_cpus_per_owner).remote()  # waits for the freed slot
+                    os.kill(ray.get(trainer.actors[3].node.remote(), timeout=60)["pid"], signal.SIGKILL)
+                    ray.get(hog.ping.remote(), timeout=60)
+                trainer.step(b)
+            got = trainer.full_state_dict()
+            reports = list(trainer.recoveries)
+            world = trainer.world_size
+    finally:
+        if hog is not None:
+            ray.kill(hog)
+    ref, _ = single_process(MLP_FN, mse_loss, opt, batches)
+    print("; ".join(r.summary() for r in reports))
+    assert [(r.outcome.value, r.source, r.world_size_after) for r in reports] == [("restored", "replica", 2)]
+    assert world == 2
+    assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
