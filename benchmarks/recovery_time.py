@@ -6,7 +6,9 @@ For each kill point (``tests/faults.py``: ``KILL_POINTS``) a fresh run of ``--wo
 owners with peer redundancy trains, and once 3 steps are done the owner the point names is
 SIGKILLed: inside backward; in a shrink's transfer, in the group a shrink forms after it, right
 after a shrink; in a grow's group formation (the new owner) or transfer; during the restore
-after a first loss, a peer snapshot or a checkpoint save; or SIGSTOPped (``freeze``). Reports the
+after a first loss, a peer snapshot or a checkpoint save; or SIGSTOPped (``freeze``). The run
+continues on the survivors (the default) except at the points whose restore waits for a
+replacement (``faults.WAITS``: the resizes, and the replacement killed in its restore). Reports the
 kill-to-next-completed-step time and each recovery's detect / abort / restore / replay seconds,
 and checks the final parameters against the same run without a kill. Writes
 benchmarks/results/recovery_time_w<N>.{json,md}.
@@ -31,7 +33,7 @@ import zero_ray as zr
 # Fault injection lives with the tests (the library knows nothing of it); the benchmark borrows it.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import faults  # noqa: E402
-from faults import KILL_POINTS, run_with_kill  # noqa: E402
+from faults import KILL_POINTS, WAITS, run_with_kill  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
 cloudpickle.register_pickle_by_value(faults)  # its model_fn wrapper runs in the owners' processes
@@ -70,7 +72,9 @@ def main() -> None:
     rows = []
     for point in args.points.split(","):
         marks = tempfile.mkdtemp(prefix="zr-recovery-")
-        config = zr.ZeroConfig(**base, checkpoint=zr.CheckpointConfig(dir=os.path.join(marks, "ckpt")))
+        config = zr.ZeroConfig(**{**base, "elastic": zr.ElasticConfig(redundancy="peer",
+                                                                      continue_on_survivors=point not in WAITS)},
+                               checkpoint=zr.CheckpointConfig(dir=os.path.join(marks, "ckpt")))
         run = run_with_kill(point, model_fn=model_fn, loss_fn=mse_loss, optimizer=opt, batches=batches, config=config,
                             at=AT, marks=marks)
         dev = max(float((run.params[k] - expected[k]).abs().max()) for k in expected)

@@ -228,6 +228,11 @@ KILL_POINTS = ("backward", "resize_transfer", "resize_formation", "resize_confir
 # The kills inside a resize: a shrink by one owner, or a grow by one.
 SHRINKS = ("resize_transfer", "resize_formation", "resize_confirm", "after_resize")
 GROWS = ("grow_formation", "grow_transfer")
+# These points' restores wait for a replacement (``continue_on_survivors=False``): a resize case
+# tries its resize again from the full size, and restore_after_loss kills the replacement in its
+# restore (a second survivor lost there would take the only other copy of a partition with it).
+# Every other point continues on the survivors at once, the default.
+WAITS = (*SHRINKS, *GROWS, "restore_after_loss")
 
 
 @dataclass(kw_only=True)
