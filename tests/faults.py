@@ -228,6 +228,11 @@ KILL_POINTS = ("backward", "resize_transfer", "resize_formation", "resize_confir
 # The kills inside a resize: a shrink by one owner, or a grow by one.
 SHRINKS = ("resize_transfer", "resize_formation", "resize_confirm", "after_resize")
 GROWS = ("grow_formation", "grow_transfer")
+# These points' restores wait for a replacement (``continue_on_survivors=False``): a resize case
+# tries its resize again from the full size, and restore_after_loss kills the replacement in its
+# restore (a second survivor lost there would take the only other copy of a partition with it).
+# Every other point continues on the survivors at once, the default.
+WAITS = (*SHRINKS, *GROWS, "restore_after_loss")
 
 
 @dataclass(kw_only=True)
@@ -242,6 +247,9 @@ class KillRun:
     world_sizes: list[int]
     notes: list[str] = field(default_factory=list)
     each_kill_to_next_step_s: list[float] = field(default_factory=list)  # per repetition
+    # to the first step completed at the run's size again, the replacements joined (None: not
+    # within the run, or a resize point)
+    kill_to_full_size_s: float | None = None
 
 
 def _faults(point: str, marks: str, at: int, world_size: int) -> list[Fault]:
@@ -327,8 +335,11 @@ def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, ba
         raise AssertionError("the second kill (in the restore) never happened")
     kills.append(killed)
     each = [min(t for t in done_at if t > kill) - kill for kill in kills]
+    full = ([] if point in SHRINKS + GROWS  # a resize changes the size on purpose
+            else [t - kills[-1] for t, n in zip(done_at, sizes) if t > kills[-1] and n == config.world_size])
     return KillRun(point=point, params=params, recoveries=recoveries, killed_at=kills[0],
-                   kill_to_next_step_s=max(each), world_sizes=sizes, notes=notes, each_kill_to_next_step_s=each)
+                   kill_to_next_step_s=max(each), world_sizes=sizes, notes=notes, each_kill_to_next_step_s=each,
+                   kill_to_full_size_s=full[0] if full else None)
 
 
 def _take_marker(directory: str, point: str) -> float:

@@ -134,7 +134,8 @@ class ElasticConfig:
     for. It grows beyond it only by ``resize()``. After a loss it continues with the survivors
     plus as many replacements as the cluster has room for (the lost owners' slots are freed at
     once), up to the desired size, and grows back to it when room appears (``grow_back``);
-    never beyond it, whatever ``max_world_size`` allows.
+    never beyond it, whatever ``max_world_size`` allows. By default the survivors go on alone
+    until the replacements are up (``continue_on_survivors``).
 
     redundancy: "peer" keeps, in every owner's host memory, a copy of its own shard and of one
         peer's (on another node when there is one), refreshed every ``snapshot_every`` steps, so
@@ -145,6 +146,11 @@ class ElasticConfig:
         and the largest ``resize`` may ask for (None: no bound).
     grow_back: after a loss, grow again to the desired size when the cluster has room (a
         replaced node), checking Ray's free resources at most every ``grow_check_s`` seconds.
+    continue_on_survivors: with ``grow_back``, a loss is restored onto the survivors at once and
+        the next step runs on them, while replacements start (seconds: a process, torch) and
+        join at the first step boundary at which they answer. Each survivor holds 1/(N-1) of the
+        state meanwhile: False restores straight onto replacements, waiting for their start
+        (``min_world_size`` equal to the size also keeps the partitions from growing).
     max_replay_steps: global batches the driver keeps to replay after a restore.
     backoff_s: wait this long times (failures - 1) before acting on a failure.
     detached: the owners are detached, named Ray actors: they outlive the driver's process, and a
@@ -158,6 +164,7 @@ class ElasticConfig:
     min_world_size: int = 1
     max_world_size: int | None = None
     grow_back: bool = True
+    continue_on_survivors: bool = True
     grow_check_s: float = 5.0
     max_replay_steps: int = 100
     backoff_s: float = 0.0
@@ -175,8 +182,9 @@ class ElasticConfig:
             raise ConfigError(f"max_world_size={self.max_world_size} is below min_world_size={self.min_world_size}")
         if not (self.backoff_s >= 0 and self.grow_check_s >= 0):
             raise ConfigError(f"backoff_s={self.backoff_s!r} and grow_check_s={self.grow_check_s!r} must be >= 0")
-        if not isinstance(self.detached, bool):
-            raise ConfigError(f"detached={self.detached!r} must be True or False")
+        for name in ("detached", "grow_back", "continue_on_survivors"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         if not (self.orphan_timeout_s > 0 and math.isfinite(self.orphan_timeout_s)):
             raise ConfigError(f"orphan_timeout_s={self.orphan_timeout_s!r} must be a finite number of seconds > 0")
 

@@ -1,6 +1,7 @@
 """Run by test_capacity.py in its own process, on a local Ray of exactly 4 CPUs: placement
 follows membership. A run started at 3 with max_world_size=4 stays at 3; an owner SIGKILLed
-twice is replaced both times; resize(4) fits; resize(2) gives 2 CPUs back.
+twice is replaced both times (the run continues on the survivors until the replacement, started
+meanwhile, joins); resize(4) fits; resize(2) gives 2 CPUs back.
 
 Prints one JSON line with what it saw; the parent test asserts on it.
 """
@@ -49,8 +50,11 @@ def main() -> None:
         for kill in range(2):
             pid = ray.get(trainer.actors[1].node.remote(), timeout=60)["pid"]
             os.kill(pid, signal.SIGKILL)
-            for _ in range(3):  # recovered at once, then (if it restored on the survivors) grown back
-                trainer.step(batch)
+            trainer.step(batch)  # recovered onto the survivors at once, a replacement starting
+            seen.setdefault("restored_to", []).append(trainer.recoveries[-1].world_size_after)
+            deadline = time.monotonic() + 60
+            while trainer.world_size < 3 and time.monotonic() < deadline:
+                trainer.step(batch)  # the replacement joins at the first step boundary it is up
             after.append(trainer.world_size)
         seen["after_kills"] = after
         seen["free_after_kills"] = free_cpus(1.0)

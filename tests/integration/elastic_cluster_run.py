@@ -1,5 +1,6 @@
 """Run by test_elastic_cluster.py in its own process: a multi-node Ray cluster on this machine
-(``ray.cluster_utils.Cluster``) loses a worker node mid-run and later gains one back.
+(``ray.cluster_utils.Cluster``) loses a worker node mid-run and later gains one back; it steps
+until the run is back at its size (bounded).
 
 Prints one JSON line with the outcome; the parent test asserts on it.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 
 import ray
 import torch
@@ -27,14 +29,15 @@ def main() -> None:
     ray.init(address=cluster.address, log_to_driver=False)
     fn = functools.partial(mlp, 16, 3)
     g = torch.Generator().manual_seed(21)
-    batches = [(torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)) for _ in range(8)]
+    batches = [(torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)) for _ in range(60)]
     opt = zr.SGD(lr=0.05, momentum=0.9)
     cfg = zr.ZeroConfig(stage=stage, world_size=4, bucket_bytes=4096, placement_strategy="SPREAD",
                         health_interval_s=0.5, health_timeout_s=5.0, collective_timeout_s=20.0,
                         elastic=zr.ElasticConfig(redundancy="peer", min_world_size=2, grow_check_s=0.0),
                         stage3=zr.Stage3Config(wrap_policy=zr.WrapPolicy(min_numel=0)) if stage == 3 else zr.Stage3Config())
     trainer = zr.ZeroTrainer(fn, mse_loss, optimizer=opt, config=cfg)
-    sizes = []
+    sizes: list[int] = []
+    deadline = time.monotonic() + 180
     try:
         for i, b in enumerate(batches):
             if i == 3:
@@ -44,6 +47,10 @@ def main() -> None:
                 cluster.wait_for_nodes()
             trainer.step(b)
             sizes.append(trainer.world_size)
+            # Replacements join at the first step boundary at which they are up (their start takes
+            # seconds): step until the run is back at 4, within a bound.
+            if i >= 7 and (sizes[-1] == 4 or time.monotonic() > deadline):
+                break
         got = trainer.full_state_dict()
         recoveries = [r.summary() for r in trainer.recoveries]
         events = list(trainer.events)
@@ -51,7 +58,7 @@ def main() -> None:
         trainer.shutdown()
         ray.shutdown()
         cluster.shutdown()
-    ref, _ = single_process(fn, mse_loss, opt, batches)
+    ref, _ = single_process(fn, mse_loss, opt, batches[:len(sizes)])
     dev = max(float((got[k] - ref[k]).abs().max()) for k in ref)
     print(json.dumps({"dev": dev, "sizes": sizes, "recoveries": recoveries, "events": events}))
 

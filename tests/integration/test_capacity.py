@@ -23,6 +23,7 @@ def test_slots_follow_the_owners() -> None:
     seen = json.loads(lines[-1])
     print(json.dumps(seen, indent=1))
     assert seen["before_loss"] == [3, 3, 3] and seen["free_at_3"] == 1.0  # max_world_size=4 grows nothing
+    assert seen["restored_to"] == [2, 2]  # on the survivors at once
     assert seen["after_kills"] == [3, 3] and seen["free_after_kills"] == 1.0  # replaced twice, nothing leaked
     assert len(seen["recoveries"]) == 2
     assert seen["resize_4"] == 4 and seen["free_at_4"] == 0.0

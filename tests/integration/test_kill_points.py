@@ -6,7 +6,9 @@ and one SIGSTOPped: all at stage 3, backward and the save at stage 1 too. A resi
 (and killed) again before each of the next two steps: three kills in one run, each on another
 process (the faulted rank's owner changes with each restore). Each run ends equal to the uninterrupted one
 (SGD, 1e-6), and the time from the kill to the next completed step stays within
-health_timeout_s + 5 s: no path waits out collective_timeout_s (set far above that)."""
+health_timeout_s + 5 s: no path waits out collective_timeout_s (set far above that). The run
+continues on the survivors, replacements joining once up, except where ``faults.WAITS`` says
+the restore waits for its replacement."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 import zero_ray as zr
-from faults import GROWS, KILL_POINTS, SHRINKS, run_with_kill
+from faults import GROWS, KILL_POINTS, SHRINKS, WAITS, run_with_kill
 from zero_ray.models import mlp, mse_loss
 from zero_ray.testing import single_process
 
@@ -48,7 +50,8 @@ def test_a_sigkilled_owner_is_survived(point: str, stage: int, tmp_path: Path) -
     batches = _batches()
     ref, _ = single_process(_model, mse_loss, opt, batches)
     config = zr.ZeroConfig(stage=stage, world_size=3, health_interval_s=0.2, health_timeout_s=HEALTH_TIMEOUT_S,
-                           collective_timeout_s=600, elastic=zr.ElasticConfig(redundancy="peer"),
+                           collective_timeout_s=600,
+                           elastic=zr.ElasticConfig(redundancy="peer", continue_on_survivors=point not in WAITS),
                            checkpoint=zr.CheckpointConfig(dir=str(tmp_path / "ckpt")),
                            stage3=zr.Stage3Config(wrap_policy=zr.WrapPolicy(min_numel=0)) if stage == 3
                            else zr.Stage3Config())
@@ -62,10 +65,7 @@ def test_a_sigkilled_owner_is_survived(point: str, stage: int, tmp_path: Path) -
     # A new owner lost as it joins leaves the old owners' state whole: re-formed, not restored.
     allowed = {"restored", "reformed"} if point == "grow_formation" else {"restored"}
     assert run.recoveries and all(r.outcome.value in allowed for r in run.recoveries)
-    # The target is health_timeout_s + 5 s for every point. A frozen owner misses it: measured
-    # 12.4 s here (detect 5.1, abort 0.5, restore 6.7 against 4.9 after a SIGKILL; the extra
-    # restore time is not explained yet), so its case asserts what is met, not the target.
-    assert run.kill_to_next_step_s <= HEALTH_TIMEOUT_S + (10 if point == "freeze" else 5)
+    assert run.kill_to_next_step_s <= HEALTH_TIMEOUT_S + 5
     if point in SHRINKS + GROWS and point != "after_resize":  # the resize was killed, and survived, thrice
         assert len(run.each_kill_to_next_step_s) == REPEAT and len(run.notes) == REPEAT
     if point in SHRINKS and point != "after_resize":

@@ -75,9 +75,10 @@ def test_owner_killed_mid_step_is_restored_from_peer_memory(stage: int, tmp_path
     assert max_dev(got, ref) <= 1e-6
     (r,) = recoveries
     print(f"stage {stage}: {r.summary()}; step with the kill took {times[3]:.2f}s")
-    assert (r.source, sorted(r.lost), r.world_size_after) == ("peer", [1], 3)
+    # continued on the two survivors at once; the replacement joins once it is up (test_capacity)
+    assert (r.source, sorted(r.lost), r.world_size_after) == ("peer", [1], 2)
     assert r.resume_step == 3 and r.replayed_steps == 1  # no committed step lost
-    assert world_size == 3
+    assert any("1 replacements starting" in n for n in r.notes) and world_size in (2, 3)
 
 
 def test_restore_from_the_last_checkpoint_replays_the_steps_since(tmp_path: Path) -> None:
@@ -90,11 +91,14 @@ def test_restore_from_the_last_checkpoint_replays_the_steps_since(tmp_path: Path
 
 
 def test_two_failures_in_a_row(tmp_path: Path) -> None:
-    batches = batches_with_kills({2: 0, 3: 8})
+    # The first loss leaves two survivors, which go on alone (row 6 then starts rank 1's piece);
+    # the second would leave one, holding the only copies: that restore waits for replacements.
+    batches = batches_with_kills({2: 0, 3: 6})
     got, recoveries, _, _ = run(batches, tmp_path, config(1, 3, elastic=zr.ElasticConfig(redundancy="peer")))
     ref, _ = single_process(MLP_FN, plain_mse, zr.SGD(lr=0.05, momentum=0.9), batches)
     assert max_dev(got, ref) <= 1e-6
-    assert [sorted(r.lost) for r in recoveries] == [[0], [2]]
+    assert [sorted(r.lost) for r in recoveries] == [[0], [1]]
+    assert [r.world_size_after for r in recoveries] == [2, 3]
 
 
 def test_failures_beyond_max_failures_end_with_a_clear_error(tmp_path: Path) -> None:
@@ -122,7 +126,7 @@ def test_failure_during_a_resize_and_during_a_save_recover(tmp_path: Path) -> No
         trainer.step(batches[0])
         trainer.step(batches[1])
         kill_and_wait(trainer.actors[2])
-        with pytest.raises(zr.ResizeInterrupted, match="restored at 3 owners"):
+        with pytest.raises(zr.ResizeInterrupted, match="restored at 2 owners"):  # the survivors go on
             trainer.resize(4)
         trainer.step(batches[2])
         kill_and_wait(trainer.actors[0])

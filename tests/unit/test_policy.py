@@ -53,6 +53,24 @@ def test_scaling_policy_bounds_the_size() -> None:
     assert p.grow_to(current=4, free_slots=3, desired=4) is None
 
 
+def test_continuing_on_the_survivors_restores_onto_them_unless_one_would_be_left_alone() -> None:
+    from zero_ray.core.policy import ScalingPolicy
+
+    p = ScalingPolicy(continue_on_survivors=True)
+    assert p.after_loss(survivors=2, free_slots=4, desired=3) == 2  # replacements join later (grow_to)
+    assert p.grow_to(current=2, free_slots=4, desired=3) == 3
+    assert p.after_loss(survivors=1, free_slots=4, desired=3) == 3  # a lone survivor holds the only copies: wait
+    assert p.after_loss(survivors=1, free_slots=0, desired=3) == 1  # no room: carry on alone
+    strict = ScalingPolicy(continue_on_survivors=True, min_world_size=3)
+    assert strict.after_loss(survivors=2, free_slots=1, desired=3) == 3  # never below min_world_size
+    assert strict.after_loss(survivors=2, free_slots=0, desired=3) is None
+    # Shard groups of 2: the survivors of whole groups go on; a broken group's survivor leaves.
+    assert p.after_loss(survivors=3, free_slots=0, desired=4, multiple=2) == 2
+    assert p.after_loss(survivors=4, free_slots=2, desired=6, multiple=2) == 4
+    assert p.after_loss(survivors=1, free_slots=3, desired=4, multiple=2) == 4  # no whole group left: wait
+    assert p.after_loss(survivors=1, free_slots=2, desired=4, multiple=2) == 2
+
+
 def test_room_in_the_cluster_never_grows_a_run_beyond_its_desired_size() -> None:
     from zero_ray.core.policy import ScalingPolicy
 

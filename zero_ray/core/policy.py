@@ -120,14 +120,17 @@ class FailurePolicy:
 @dataclass(frozen=True, kw_only=True)
 class ScalingPolicy:
     """How many owners to run. The run has a desired size: the one it started with, or the one
-    the last ``resize`` asked for. After a loss it continues with the survivors plus as many
-    replacements as the cluster has room for, up to the desired size, never fewer than
-    ``min_world_size``; it grows back to the desired size when room appears, never beyond.
+    the last ``resize`` asked for. After a loss it continues with the survivors alone
+    (``continue_on_survivors``: replacements start meanwhile and join once up), or else with the
+    survivors plus as many replacements as the cluster has room for, up to the desired size;
+    never with fewer than ``min_world_size``. It grows back to the desired size when room
+    appears, never beyond.
     ``resize`` may ask for any size in ``[min_world_size, max_world_size]`` (no upper bound
     when ``max_world_size`` is None)."""
 
     min_world_size: int = 1
     max_world_size: int | None = None
+    continue_on_survivors: bool = False
 
     def __post_init__(self) -> None:
         if self.min_world_size < 1:
@@ -144,9 +147,15 @@ class ScalingPolicy:
                               "raise max_world_size to grow further")
 
     def after_loss(self, *, survivors: int, free_slots: int, desired: int, multiple: int = 1) -> int | None:
-        """The size to restore to: survivors plus as many new owners as fit, up to ``desired``,
-        rounded down to a ``multiple`` (a shard group's size: the groups stay whole, surplus
-        survivors leave); None when even that is below ``min_world_size`` or is no group."""
+        """The size to restore to, rounded down to a ``multiple`` (a shard group's size: the groups
+        stay whole, surplus survivors leave): the survivors alone when continuing on them (at least
+        ``min_world_size`` of them, and two: a lone survivor would hold the only copy of every
+        partition until its replacements joined), else survivors plus as many new owners as fit,
+        up to ``desired``; None when even that is below ``min_world_size`` or is no group."""
+        multiple = max(1, multiple)
+        kept = survivors - survivors % multiple
+        if self.continue_on_survivors and kept >= max(2, self.min_world_size):
+            return kept
         target = min(desired, survivors + max(0, free_slots))
         target -= target % max(1, multiple)
         return target if target >= max(self.min_world_size, 1) else None

@@ -24,7 +24,7 @@ from zero_ray.core.position import Position
 from zero_ray.driver.pool import NAMESPACE, client_tls
 from zero_ray.errors import ConfigError, ControlError, ModelError, OwnerLostError
 
-_NAME = re.compile(r"^zero_ray-(?P<run>[0-9a-f]+)-rank(?P<rank>\d+)-g(?P<gen>\d+)$")
+_NAME = re.compile(r"^zero_ray-(?P<run>[0-9a-f]+)-rank(?P<rank>\d+)-g(?P<gen>\d+)(-s\d+)?$")
 
 
 def _owner_names() -> dict[str, list[str]]:

@@ -41,6 +41,7 @@ from zero_ray.core.placement import NodeRoom, Target, place
 from zero_ray.core.reshard import backup_peers
 from zero_ray.driver.fanout import FanOut
 from zero_ray.driver.health import HealthMonitor
+from zero_ray.driver.replacements import Replacements
 from zero_ray.driver.terminate import end_process
 from zero_ray.errors import ConfigError, OwnerLostError, ResourceError
 from zero_ray.owner.actor import OwnerOptions, RemotePartitionOwner
@@ -52,8 +53,11 @@ log = logging.getLogger(__name__)
 NAMESPACE = "zero_ray"  # owners are named actors here, so that a new driver can find a detached run
 
 
-def owner_name(run_id: str, rank: int, generation: int) -> str:
-    return f"zero_ray-{run_id}-rank{rank}-g{generation}"
+def owner_name(run_id: str, rank: int, generation: int, start: int = 0) -> str:
+    """An owner's actor name. ``start`` tells apart replacements started ahead of a grow from
+    owners of the same rank and generation started before or after (an ended actor's name may
+    still be taken for a moment)."""
+    return f"zero_ray-{run_id}-rank{rank}-g{generation}" + (f"-s{start}" if start else "")
 
 
 def actor_alive(name: str | None) -> bool:
@@ -182,6 +186,8 @@ class OwnerPool:
         # Every rank's transfer of a resize or restore ended but SetPeers has not confirmed the new
         # layout's peer copies on every owner yet: a recovery then counts them (owner/redundancy.py).
         self._layout_unconfirmed = False
+        self.replacements = Replacements()  # owners started for a later grow (after a loss)
+        self._replacement_starts = 0
         self._options = OwnerOptions(backend=spec.backend, group_prefix=f"zero_ray-{self.run_id}",
                                      collective_timeout_s=spec.collective_timeout_s,
                                      threads=max(1, int(spec.num_cpus_per_owner)), credentials=credentials,
@@ -212,10 +218,9 @@ class OwnerPool:
         return place(self.spec.placement_strategy, count=count, demand=self.spec.demand, nodes=nodes,
                      occupied=[n.get("node_id", "") for n in self.nodes])
 
-    def _start_owners(self, ranks: range, *, world_size: int) -> None:
-        """Start owners for ``ranks`` (each asking Ray for its own slot), connect their control
-        clients and restart the health monitor over every owner. Owners that cannot be placed
-        within the start-up timeout are ended and ResourceError raised: nothing is kept."""
+    def _launch(self, ranks: range, world_size: int, *, start: int = 0) -> list[Any]:
+        """Create owner actors for ``ranks`` of a ``world_size``-owner pool (each asking Ray for
+        its own slot); returns at once."""
         spec = self.spec
         new = []
         for rank, target in zip(ranks, self._targets(len(ranks))):
@@ -227,9 +232,20 @@ class OwnerPool:
             new.append(RemotePartitionOwner.options(
                 num_cpus=spec.demand["CPU"], num_gpus=spec.demand.get("GPU", 0.0), scheduling_strategy=strategy,
                 max_concurrency=4,  # reports, re-forming and consolidation beside a step
-                name=owner_name(self.run_id, rank, self.generation), namespace=NAMESPACE,
+                name=owner_name(self.run_id, rank, self.generation, start), namespace=NAMESPACE,
                 lifetime="detached" if spec.detached else None,
             ).remote(rank=rank, world_size=world_size, spec=self._engine, options=self._options))
+        return new
+
+    def _start_owners(self, ranks: range, *, world_size: int) -> None:
+        """Start owners for ``ranks`` (or take the replacements already started for them),
+        connect their control clients and restart the health monitor over every owner. Owners
+        that cannot be placed within the start-up timeout are ended and ResourceError raised:
+        nothing is kept."""
+        spec = self.spec
+        new = self.replacements.take(ranks, world_size)
+        if new is None:
+            new = self._launch(ranks, world_size)
         try:
             nodes = self.fan.ray(new, "node", timeout_s=spec.init_timeout_s, watch=False, ranks=list(ranks))
         except OwnerLostError as err:
@@ -238,6 +254,17 @@ class OwnerPool:
             raise ResourceError(f"{len(new)} new owners of {spec.demand} could not all start within "
                                 f"{spec.init_timeout_s:g}s (free now: {ray.available_resources()}): {err}") from err
         self._connect(new, nodes)
+
+    def start_replacements(self, world_size: int) -> None:
+        """Start owners that a grow to ``world_size`` will take in, without waiting for them
+        (``driver/replacements.py``). Not for a detached run: its owners outlive this driver,
+        and owners it never took in would be left in its pool's name."""
+        if self.spec.detached or world_size <= self.world_size:
+            return
+        self._replacement_starts += 1
+        start = self._replacement_starts
+        self.replacements.start(range(self.world_size, world_size), world_size,
+                                lambda ranks, size: self._launch(ranks, size, start=start))
 
     def _connect(self, actors: list[Any], nodes: list[dict[str, Any]] | None = None) -> None:
         spec = self.spec
@@ -463,11 +490,14 @@ class OwnerPool:
         if world_size > old:
             check_resources(world_size=world_size, use_gpu=self.spec.use_gpu,
                             num_cpus_per_owner=self.spec.num_cpus_per_owner)
-            if self.free_slots() < world_size - old:
-                raise ResourceError(f"growing to {world_size} owners needs {world_size - old} more slots of "
+            needed = world_size - old - self.replacements.held(range(old, world_size), world_size)
+            if self.free_slots() < needed:
+                raise ResourceError(f"growing to {world_size} owners needs {needed} more slots of "
                                     f"{self.spec.demand} but the cluster has {self.free_slots()} free "
                                     f"({ray.available_resources()})")
             self._start_owners(range(old, world_size), world_size=world_size)
+        else:
+            self.replacements.discard()
         self.generation += 1
         generation, timeout = self.generation, self.spec.init_timeout_s + self.spec.collective_timeout_s
         if world_size < old:
@@ -519,8 +549,9 @@ class OwnerPool:
         ``world_size``; ``restore(position_of_old_rank)`` gives the snapshot transfer (or None for
         fresh state, a checkpoint being loaded next)."""
         position = {old: new for new, old in enumerate(survivors)}
-        if world_size > len(survivors) and self.free_slots() < world_size - len(survivors):
-            raise ResourceError(f"no room for {world_size - len(survivors)} replacements of {self.spec.demand} "
+        added = range(len(survivors), world_size)
+        if added and self.free_slots() < len(added) - self.replacements.held(added, world_size):
+            raise ResourceError(f"no room for {len(added)} replacements of {self.spec.demand} "
                                 f"(free: {ray.available_resources()})")
         keep = set(survivors)
         for r, client in enumerate(self.clients):
@@ -530,9 +561,10 @@ class OwnerPool:
         self.nodes = [self.nodes[r] for r in survivors]
         self.clients = [self.clients[r] for r in survivors]
         self.generation += 1
-        if world_size > len(survivors):
-            self._start_owners(range(len(survivors), world_size), world_size=world_size)
+        if added:
+            self._start_owners(added, world_size=world_size)
         else:
+            self.replacements.discard()  # started for the pool before this loss
             self._restart_health()
         plan = restore(position)
         peers = self.peers(world_size)
@@ -557,6 +589,7 @@ class OwnerPool:
         """Stop the owners (their slots go back to the cluster)."""
         if self.health is not None:
             self.health.close()
+        self.replacements.discard()
         lost = self._lost()
         self._close_owners({r: c for r, c in enumerate(self.clients) if r not in lost}, timeout_s=10.0)
         for actor in self.actors:

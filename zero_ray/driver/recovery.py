@@ -3,7 +3,8 @@
 The FailurePolicy and ScalingPolicy (``core/policy.py``) decide; this controller acts: it ends
 lost owners (their slots go back to the cluster), aborts the survivors' collectives, and then
 either re-forms the group (nothing lost, nothing updated), or rebuilds the pool at the size the
-scaling policy allows (replacements in freed slots, up to the size before the loss) and
+scaling policy allows (the survivors alone, replacements starting meanwhile to join once up; or
+replacements in freed slots, waited for, up to the size before the loss) and
 restores every partition (from the peers' in-memory snapshots when they hold a complete, common
 step, else from the last committed checkpoint), reporting the step to replay from. An owner
 lost or stuck while that restore runs is ended too and the restore tried again from what is
@@ -126,7 +127,8 @@ class RecoveryController:
 
     def __init__(self, pool: OwnerPool, *, failure: FailurePolicy, scaling: ScalingPolicy, desired: int,
                  peer_redundancy: bool, checkpoint_root: Callable[[], str | None],
-                 probe_timeout_s: float = 2.0, topology: Topology | None = None) -> None:
+                 grow_back: bool = True, grow_check_s: float = 5.0, probe_timeout_s: float = 2.0,
+                 topology: Topology | None = None) -> None:
         self._pool = pool
         self._failure = failure
         self.scaling = scaling
@@ -135,6 +137,8 @@ class RecoveryController:
         self._checkpoint_root = checkpoint_root  # the root of the last committed save, or None
         self._probe_timeout_s = probe_timeout_s
         self._topology = topology or Topology()
+        self._grow_back, self._grow_check_s = grow_back, grow_check_s
+        self._last_grow_check = 0.0  # monotonic: when the cluster's free room was last asked
         self.failures = 0
 
     def _sources(self, lost: set[int] | frozenset[int] = frozenset()) -> list[Source]:
@@ -193,12 +197,14 @@ class RecoveryController:
             if decision.action is Action.REFORM:
                 report.outcome, report.world_size_after = Outcome.REFORMED, pool.world_size
                 report.retry = self._failure.retry_reformed(err)
+                self._last_grow_check = time.monotonic()
                 return report
         if decision.action is Action.RESTORE:
             self._restore(decision, report, lost=set(lost), committed_step=failed_step - 1,
                           sources=sources, load_checkpoint=load_checkpoint)
         if report.outcome is not Outcome.RESTORED:
             report.decision = Action.FAIL.value
+        self._last_grow_check = time.monotonic()  # room is asked grow_check_s later, not on top of the replay
         return report
 
     def _restore(self, decision: Decision, report: RecoveryReport, *, lost: set[int], committed_step: int,
@@ -264,6 +270,7 @@ class RecoveryController:
                 report.source, report.outcome = source.value, Outcome.RESTORED
                 report.world_size_after = pool.world_size
                 report.restore_s = time.time() - t0
+                self._start_replacements(report)
                 return
             report.notes.append(f"{decision.action.value}: {decision.reason}")
             if decision.action is Action.FAIL:
@@ -306,6 +313,38 @@ class RecoveryController:
         pool.rebuild(survivors, target, restore=lambda position: plan)
         return step + 1
 
+    def _start_replacements(self, report: RecoveryReport) -> None:
+        """Continuing on the survivors: start the owners that bring the run back towards its
+        desired size (as many as there is room for), to join once they answer (``grow_now``)."""
+        pool = self._pool
+        target = self.grow_target(pool.world_size) if self.scaling.continue_on_survivors else None
+        if target is not None:
+            pool.start_replacements(target)
+            if pool.replacements.started is not None:
+                report.notes.append(f"{target - pool.world_size} replacements starting, to join once up")
+
+    def grow_now(self) -> int | None:
+        """The size to grow back to at this step boundary (``grow_back``), or None: the started
+        replacements' once every one answers (None while they start; ended when they have not
+        started within the start-up timeout), else a larger size the cluster has room for now
+        (asked at most every ``grow_check_s``, and not right after a recovery)."""
+        started = self._pool.replacements
+        if not self._grow_back or self._pool.world_size >= self.desired:
+            started.discard()  # a resize met the desired size first
+            return None
+        if started.started is not None:
+            if started.ready():
+                return started.started.world_size
+            if not started.expired(self._pool.spec.init_timeout_s):
+                return None
+            log.warning("replacements did not start within %gs: ended", self._pool.spec.init_timeout_s)
+            started.discard()
+        now = time.monotonic()
+        if now - self._last_grow_check < self._grow_check_s:
+            return None
+        self._last_grow_check = now
+        return self.grow_target(self._pool.world_size)
+
     def grow_target(self, current: int) -> int | None:
         """A larger size to grow back to when the cluster has room again (never beyond the size
         the run should have), else None. None with a non-flat topology: growing is a resize of
@@ -314,4 +353,3 @@ class RecoveryController:
         if not self._topology.flat:
             return None
         return self.scaling.grow_to(current=current, free_slots=self._pool.free_slots(), desired=self.desired)
-

@@ -147,7 +147,6 @@ class ZeroTrainer(ResumeAPI):
         self._submitted = 0  # steps the user has asked for (equal to step_count except during a replay)
         self._replay = Replay(elastic.max_replay_steps)  # batches (fit: indices) to replay after a restore
         self._evaluations = 0  # staging keys of evaluate() calls
-        self._last_grow_check = 0.0
         self._restored_at = 0.0
         self.recoveries: list[RecoveryReport] = []
         # Held for a whole step and for a save's snapshot, so that an operator's checkpoint
@@ -167,8 +166,10 @@ class ZeroTrainer(ResumeAPI):
         self._checkpoints = CheckpointAPI(self._pool, cfg.checkpoint)
         self._recovery = RecoveryController(
             self._pool, failure=FailurePolicy(max_failures=cfg.max_failures, backoff_s=elastic.backoff_s),
-            scaling=ScalingPolicy(min_world_size=elastic.min_world_size, max_world_size=elastic.max_world_size),
+            scaling=ScalingPolicy(min_world_size=elastic.min_world_size, max_world_size=elastic.max_world_size,
+                                  continue_on_survivors=elastic.continue_on_survivors and elastic.grow_back),
             desired=cfg.world_size, peer_redundancy=elastic.redundancy == "peer",
+            grow_back=elastic.grow_back, grow_check_s=elastic.grow_check_s,
             checkpoint_root=self._checkpoints.recovery_root, topology=cfg.topology)
         self._coordinator = Coordinator(self)
         host = "127.0.0.1" if cluster_is_local() else ray.util.get_node_ip_address()
@@ -412,7 +413,6 @@ class ZeroTrainer(ResumeAPI):
             self._restored_at = time.perf_counter()
         self.recoveries.append(report)
         self._callbacks.on_event(report.summary())
-        self._last_grow_check = time.monotonic()  # grow back grow_check_s later, not on top of the replay
         log.warning("recovery: %s (%s)", report.summary(), report.reason)
         self._life.move(TrainerState.FAILED if report.outcome is Outcome.FAILED else TrainerState.READY,
                         cause=report.summary())
@@ -429,18 +429,11 @@ class ZeroTrainer(ResumeAPI):
         raise err
 
     def _maybe_grow(self) -> None:
-        """Grow back towards the desired size when the cluster has room again (checked at most
-        every ``elastic.grow_check_s``: it asks Ray for its free resources)."""
-        cfg = self.config.elastic
-        if not cfg.grow_back or self.world_size >= self._recovery.desired:
-            return
-        now = time.monotonic()
-        if now - self._last_grow_check < cfg.grow_check_s:
-            return
-        self._last_grow_check = now
-        target = self._recovery.grow_target(self.world_size)
+        """Grow back towards the desired size when the recovery controller says so (``grow_now``:
+        replacements started after a loss are up, or the cluster has room again)."""
+        target = self._recovery.grow_now()
         if target is not None:
-            log.info("the cluster has room again: growing %d -> %d owners", self.world_size, target)
+            log.info("growing back %d -> %d owners", self.world_size, target)
             try:
                 self._resize(target, desired=self._recovery.desired)
             except ResourceError as err:  # the room went to someone else: try again later
