@@ -1,12 +1,14 @@
-"""Shard groups restore a lost group from another group's replica: 4 owners in groups of 2,
-stage 3, no redundancy and no checkpoint configured; both owners of one group SIGKILLed between
-steps; training continues and ends where one process does (SGD, 1e-6)."""
+"""Shard groups restore a lost group from another group's replica and resize by whole groups:
+4 owners in groups of 2, stage 3, no redundancy and no checkpoint configured; both owners of one
+group SIGKILLed between steps, or a resize 4 -> 2 -> 4; training continues and ends where one
+process does (SGD, 1e-6)."""
 
 from __future__ import annotations
 
 import functools
 import os
 import signal
+import time
 
 import pytest
 import ray
@@ -21,28 +23,68 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 MLP_FN = functools.partial(mlp, 16, 3)
 
 
+def _config(**topology: object) -> zr.ZeroConfig:
+    return zr.ZeroConfig(stage=3, world_size=4, bucket_bytes=4096, health_interval_s=0.2, health_timeout_s=5.0,
+                         collective_timeout_s=600, topology=zr.Topology(**topology),  # type: ignore[arg-type]
+                         stage3=zr.Stage3Config(wrap_policy=zr.WrapPolicy(min_numel=0)))
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)) for _ in range(n)]
+
+
 @pytest.mark.parametrize("lost_group", [(2, 3), (0, 1)])
 def test_lost_group_restored_from_replica(lost_group: tuple[int, int]) -> None:
-    g = torch.Generator().manual_seed(11)
-    batches = [(torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)) for _ in range(6)]
+    """The run goes on at once on the surviving group (its own live state) and takes the
+    replacements in, by a grow that gives the new group that state, once they answer."""
+    batches = _batches(1000)  # steps until the replacements have joined (seconds)
     opt = zr.SGD(lr=0.05, momentum=0.9, weight_decay=0.01)
-    config = zr.ZeroConfig(stage=3, world_size=4, bucket_bytes=4096, health_interval_s=0.2, health_timeout_s=5.0,
-                           collective_timeout_s=600, topology=zr.Topology(shard_group_size=2),
-                           stage3=zr.Stage3Config(wrap_policy=zr.WrapPolicy(min_numel=0)))
-    with zr.ZeroTrainer(MLP_FN, mse_loss, optimizer=opt, config=config) as trainer:
+    sizes = []
+    with zr.ZeroTrainer(MLP_FN, mse_loss, optimizer=opt, config=_config(shard_group_size=2)) as trainer:
+        deadline = time.monotonic() + 180
         for i, b in enumerate(batches):
             if i == 3:
                 pids = [ray.get(trainer.actors[r].node.remote(), timeout=60)["pid"] for r in lost_group]
                 for pid in pids:
                     os.kill(pid, signal.SIGKILL)
             trainer.step(b)
+            sizes.append(trainer.world_size)
+            if i >= 5 and (sizes[-1] == 4 or time.monotonic() > deadline):
+                break
         got = trainer.full_state_dict()
         reports = list(trainer.recoveries)
+    ref, _ = single_process(MLP_FN, mse_loss, opt, batches[:len(sizes)])
+    print("; ".join(r.summary() + str(r.notes) for r in reports), sizes)
+    assert [(r.outcome.value, r.source, r.world_size_after) for r in reports] == [("restored", "replica", 2)]
+    assert sorted(reports[0].lost) == sorted(lost_group)
+    assert sizes[3] == 2 and sizes[-1] == 4  # on the survivors, then grown back by a whole group
+    assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
+
+
+@pytest.mark.parametrize("topology", [{"shard_group_size": 2, "secondary_group_size": 2},
+                                      {"secondary_group_size": 2}], ids=["groups+hpz", "hpz"])
+def test_resize_keeps_the_groups_whole(topology: dict[str, object]) -> None:
+    """Shard groups resize by whole groups (the new group takes the first group's live state);
+    hpZ alone resizes the flat layout and rebuilds its secondary partition; a size that would
+    break a group is refused before anything changes. Equal to one process."""
+    batches = _batches(6)
+    opt = zr.SGD(lr=0.05, momentum=0.9, weight_decay=0.01)
+    with zr.ZeroTrainer(MLP_FN, mse_loss, optimizer=opt, config=_config(**topology)) as trainer:
+        moved = []
+        for i, b in enumerate(batches):
+            if i in (2, 4):
+                moved.append(trainer.resize(2 if i == 2 else 4)["bytes_sent"])
+            trainer.step(b)
+        with pytest.raises(zr.ConfigError, match="resize to 3 owners would break the groups"):
+            trainer.resize(3)
         world = trainer.world_size
+        memory = trainer.memory_report()
+        got = trainer.full_state_dict()
     ref, _ = single_process(MLP_FN, mse_loss, opt, batches)
-    print("; ".join(r.summary() for r in reports))
-    assert [(r.outcome.value, r.source) for r in reports] == [("restored", "replica")]
-    assert sorted(reports[0].lost) == sorted(lost_group) and world == 4
+    print(topology, moved)
+    assert world == 4 and len(memory) == 4
+    assert all(m["params_secondary"] > 0 for m in memory)  # hpZ's copies are held again
     assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
 
 
@@ -56,12 +98,9 @@ def test_no_room_restores_whole_groups_only() -> None:
     """One owner of group (2, 3) lost and no room for a replacement: 3 survivors are no whole set
     of groups, so the run continues at 2 owners, group (0, 1) restored from its own live state
     and rank 2 let go; equal to one process."""
-    g = torch.Generator().manual_seed(11)
-    batches = [(torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)) for _ in range(6)]
+    batches = _batches(6)
     opt = zr.SGD(lr=0.05, momentum=0.9, weight_decay=0.01)
-    config = zr.ZeroConfig(stage=3, world_size=4, bucket_bytes=4096, health_interval_s=0.2, health_timeout_s=5.0,
-                           collective_timeout_s=600, topology=zr.Topology(shard_group_size=2),
-                           stage3=zr.Stage3Config(wrap_policy=zr.WrapPolicy(min_numel=0)))
+    config = _config(shard_group_size=2)
     hog = None
     try:
         with zr.ZeroTrainer(MLP_FN, mse_loss, optimizer=opt, config=config) as trainer:

@@ -41,6 +41,7 @@ def test_surviving_group():
     assert surviving_group(m, {1}) == (2, 3)
     assert surviving_group(m, {1, 2}) is None
     assert surviving_group(mesh(["a"] * 2), {1}) is None  # one group: no replica
+    assert surviving_group(mesh(["a"] * 2), set()) == (0, 1)  # a resize with one group copies it
     # node-major: ranks 0, 2 on node a, 1, 3 on b; G = "node": groups are (0, 2) and (1, 3)
     m2 = plan_mesh(Topology(shard_group_size="node"), ["a", "b", "a", "b"])
     assert surviving_group(m2, {1, 3}) == (0, 2)
@@ -75,15 +76,30 @@ def test_keep_whole_groups():
     assert keep_whole_groups([0, 1, 2], (0, 1), 4) == [0, 1, 2]
 
 
-def test_no_growing_back_with_shard_groups():
-    """Growing back is a resize of the flat layout, which shard groups refuse: a run restored
-    below its size stays there (the pool is never asked)."""
+def test_growing_back_with_shard_groups_adds_whole_groups():
+    """A run restored below its size grows back by whole groups, as the room allows; with
+    ``"node"`` groups it keeps its size (a group's size would follow Ray's placement)."""
     from zero_ray.driver.recovery import RecoveryController
 
-    rc = RecoveryController(None, failure=FailurePolicy(), scaling=ScalingPolicy(), desired=4,  # type: ignore[arg-type]
-                            peer_redundancy=False, checkpoint_root=lambda: None,
-                            topology=Topology(shard_group_size=2))
-    assert rc.grow_target(2) is None
+    class Pool:
+        free = 0
+
+        def free_slots(self):
+            return self.free
+
+    def controller(topology: Topology, free: int) -> RecoveryController:
+        pool = Pool()
+        pool.free = free
+        return RecoveryController(pool, failure=FailurePolicy(), scaling=ScalingPolicy(), desired=6,  # type: ignore[arg-type]
+                                  peer_redundancy=False, checkpoint_root=lambda: None, topology=topology)
+
+    groups = Topology(shard_group_size=2)
+    assert controller(groups, free=1).grow_target(2) is None  # room for half a group
+    assert controller(groups, free=3).grow_target(2) == 4
+    assert controller(groups, free=9).grow_target(2) == 6  # never beyond the desired size
+    assert controller(Topology(shard_group_size=2, secondary_group_size=2), free=4).grow_target(2) == 6
+    assert controller(Topology(shard_group_size="node"), free=9).grow_target(2) is None
+    assert controller(Topology(), free=1).grow_target(2) == 3
 
 
 def test_checkpoint_restore_keeps_whole_groups():

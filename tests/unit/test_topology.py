@@ -34,12 +34,18 @@ def test_stage_checks() -> None:
     Topology(shard_group_size=2, grad_comm="int4").check_stage(1)
 
 
-def test_resizing_is_refused_unless_flat() -> None:
-    Topology().check_resize(4, 2)
-    Topology(shard_group_size=2).check_resize(4, 4)  # the same size: nothing moves
-    for topology in (Topology(shard_group_size=2), Topology(grad_comm="int8")):
-        with pytest.raises(ConfigError, match="resize from 4 to 6 owners with a non-flat topology"):
-            topology.check_resize(4, 6)
+def test_a_resize_keeps_every_group_whole() -> None:
+    Topology().check_resize(4, 3)
+    Topology(grad_comm="int8").check_resize(4, 3)
+    Topology(shard_group_size=2).check_resize(4, 6)
+    Topology(shard_group_size=2, secondary_group_size=2).check_resize(4, 2)
+    Topology(shard_group_size="node").check_resize(4, 4)  # the same size: nothing moves
+    for topology in (Topology(shard_group_size=2), Topology(secondary_group_size=2)):
+        with pytest.raises(ConfigError, match="resize to 5 owners would break the groups of .*=2: resize to a "
+                                              "multiple of 2"):
+            topology.check_resize(4, 5)
+    with pytest.raises(ConfigError, match="shard_group_size='node' is not supported"):
+        Topology(shard_group_size="node").check_resize(4, 6)
 
 
 def test_node_major_orders_nodes_by_lowest_rank() -> None:
@@ -121,3 +127,11 @@ def test_zero_config_validates_its_topology() -> None:
     with pytest.raises(ConfigError, match="redundancy='peer'"):
         zr.ZeroConfig(world_size=4, topology=zr.Topology(shard_group_size=2),
                       elastic=zr.ElasticConfig(redundancy="peer"))
+
+
+def test_resize_multiple_is_every_integer_group_size() -> None:
+    assert Topology().resize_multiple() == 1
+    assert Topology(grad_comm="int4").resize_multiple() == 1
+    assert Topology(shard_group_size=4, secondary_group_size=2).resize_multiple() == 4
+    assert Topology(secondary_group_size=3).resize_multiple() == 3
+    assert Topology(shard_group_size="node").resize_multiple() is None

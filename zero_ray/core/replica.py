@@ -46,9 +46,7 @@ class ReplicaPlan:
 
 def surviving_group(mesh: Mesh, lost: Set[int]) -> tuple[int, ...] | None:
     """World ranks (by group rank) of the first shard group none of whose members was lost;
-    None when every group lost a member, or there is only one group (no replica)."""
-    if mesh.replicas < 2:
-        return None
+    None when every group lost a member (with one group, a loss leaves no replica)."""
     for start in range(0, mesh.world_size, mesh.shard):
         members = mesh.order[start:start + mesh.shard]
         if not set(members) & set(lost):

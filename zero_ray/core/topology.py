@@ -23,6 +23,7 @@ Pure: imports neither ray nor grpc nor torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -109,12 +110,28 @@ class Topology:
         return cls(**fields)  # type: ignore[arg-type]
 
     def check_resize(self, old: int, new: int) -> None:
-        """Refuse a resize from ``old`` to ``new`` owners unless the topology is flat: a resize moves
-        ranges of the flat layout, and shard groups lay the state out per group (a resize of one
-        went through and left wrong parameters); resizing with a topology is not supported yet."""
-        if new != old and not self.flat:
-            raise ConfigError(f"resize from {old} to {new} owners with a non-flat topology ({self}) is not "
-                              "supported yet (docs/multinode.md: Limits)")
+        """Refuse a resize from ``old`` to ``new`` owners that would break a group: with shard
+        groups or hpZ the new size must be a multiple of each integer group size (shard groups
+        are added or let go whole, ``driver/replica_restore.py``); a ``"node"`` size follows where
+        Ray places the new owners, so such a run keeps its size."""
+        if new == old:
+            return
+        for name in ("shard_group_size", "secondary_group_size"):
+            size = getattr(self, name)
+            if size == "node":
+                raise ConfigError(f"resize from {old} to {new} owners with {name}='node' is not supported: the "
+                                  "groups would follow where Ray places new owners; give the size as an integer")
+            if isinstance(size, int) and new % size:
+                raise ConfigError(f"resize to {new} owners would break the groups of {name}={size}: resize to a "
+                                  f"multiple of {size}")
+
+    def resize_multiple(self) -> int | None:
+        """What every size a resize goes to must be a multiple of: the least common multiple of
+        the integer group sizes (1 when flat); None when a group size is ``"node"``."""
+        sizes = [self.shard_group_size, self.secondary_group_size]
+        if "node" in sizes:
+            return None
+        return math.lcm(*(s for s in sizes if isinstance(s, int)))
 
     def check_stage(self, stage: int) -> None:
         """Refuse options the stage has no use for (hpZ and qwZ act on stage 3's gathers)."""

@@ -544,10 +544,10 @@ class OwnerPool:
         return dict(zip(ranks, infos))
 
     def rebuild(self, survivors: Sequence[int], world_size: int, *,
-                restore: Callable[[dict[int, int]], dict[str, Any] | None]) -> None:
+                restore: Callable[[dict[int, int]], dict[str, Any] | None]) -> int:
         """Continue with the ``survivors`` (old ranks, keeping their order) plus new owners up to
         ``world_size``; ``restore(position_of_old_rank)`` gives the snapshot transfer (or None for
-        fresh state, a checkpoint being loaded next)."""
+        fresh state, a checkpoint being loaded next). Returns bytes sent."""
         position = {old: new for new, old in enumerate(survivors)}
         added = range(len(survivors), world_size)
         if added and self.free_slots() < len(added) - self.replacements.held(added, world_size):
@@ -571,10 +571,11 @@ class OwnerPool:
         if plan is not None and peers:  # the restored layout's copies are made inside the transfer
             plan = {**plan, "peers": peers}
         generation, timeout = self.generation, self.spec.init_timeout_s + self.spec.collective_timeout_s
-        self.fan.grpc(self.clients, "rebuild", lambda c, p: c.rebuild(
+        sent = self.fan.grpc(self.clients, "rebuild", lambda c, p: c.rebuild(
             position=p, world_size=world_size, generation=generation, restore=plan, timeout_s=timeout))
         if self.spec.snapshot_every:
             self.assign_peers(after_transfer=plan is not None)
+        return sum(sent)
 
     # -- the end ----------------------------------------------------------------------------------------
     def _close_owners(self, targets: dict[int, OwnerClient], *, timeout_s: float) -> None:

@@ -347,9 +347,11 @@ class RecoveryController:
 
     def grow_target(self, current: int) -> int | None:
         """A larger size to grow back to when the cluster has room again (never beyond the size
-        the run should have), else None. None with a non-flat topology: growing is a resize of
-        the flat layout, which shard groups refuse (``Topology.check_resize``); a run restored
-        below its size stays there for now."""
-        if not self._topology.flat:
+        the run should have), else None. With integer group sizes, a multiple of each (groups
+        join whole); None with a ``"node"`` group size (``Topology.check_resize``)."""
+        target = self.scaling.grow_to(current=current, free_slots=self._pool.free_slots(), desired=self.desired)
+        multiple = self._topology.resize_multiple()
+        if target is None or multiple is None:
             return None
-        return self.scaling.grow_to(current=current, free_slots=self._pool.free_slots(), desired=self.desired)
+        target -= target % multiple
+        return target if target > current else None

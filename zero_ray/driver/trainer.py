@@ -49,6 +49,7 @@ from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.metrics import RunMetrics
 from zero_ray.driver.pool import Adopted, OwnerPool, PoolSpec, cluster_is_local
 from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport, Replay, failed_error
+from zero_ray.driver.replica_restore import resize_groups
 from zero_ray.driver.resume import ResumeAPI
 from zero_ray.errors import (
     ConfigError,
@@ -485,7 +486,9 @@ class ZeroTrainer(ResumeAPI):
         training continues as the uninterrupted run. ``world_size`` becomes the run's desired
         size (what it grows back to after a loss). Returns the sizes, bytes sent and seconds
         taken. A loss during the transfer aborts it at once: the run is recovered (peer copies
-        or a checkpoint) and ``ResizeInterrupted`` raised, or the run fails with the reason."""
+        or a checkpoint) and ``ResizeInterrupted`` raised, or the run fails with the reason.
+        With shard groups or hpZ the size is a multiple of the group sizes: groups join and leave
+        whole, a new group taking the first group's live state."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size={world_size!r} must be an integer >= 1")
         self._recovery.scaling.check_resize(world_size)
@@ -501,7 +504,9 @@ class ZeroTrainer(ResumeAPI):
             self._checkpoints.wait(raise_error=False)  # a save in flight reads the current owners
             try:
                 with self._life.during(TrainerState.RESIZING, cause=f"{self.world_size} -> {world_size} owners"):
-                    report = self._pool.resize(world_size)
+                    report = (self._pool.resize(world_size) if self.config.topology.shard_group_size is None
+                              else resize_groups(self._pool, self.config.topology, world_size,
+                                                 timeout_s=self.config.init_timeout_s))
             except ResourceError:  # refused before any owner changed: the run goes on as it was
                 raise
             except ZeroRayError as err:
