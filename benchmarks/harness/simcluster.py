@@ -121,6 +121,18 @@ def _ns_pids(ns: str) -> set[int]:
     return {int(p) for p in got.stdout.split() if p.isdigit()} - {os.getpid()}
 
 
+def kill_node(namespace: str) -> list[int]:
+    """Lose a simulated node at once: SIGKILL every process in its namespace (its raylet, its
+    Ray workers and owners), as a machine that dies does. Returns the pids killed."""
+    pids = sorted(_ns_pids(namespace))
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
 def _remove(tag: str, namespaces: list[str], temp_dirs: list[Path], pids: set[int]) -> None:
     """Stop the processes, then delete namespaces and links by name (never raises)."""
     for d in temp_dirs:
