@@ -1,7 +1,7 @@
 """Shard groups with hpZ on Ray actors over gloo (one node, integer group sizes): parity with
 the single process, replicas identical, memory per the formula with N = the group size plus the
 secondary copy, bytes split inside / across nodes (through the owners' Stats replies), and a
-resize refused. The two-node case runs on a simulated cluster of network namespaces
+resize that would break a group refused. The two-node case runs on a simulated cluster of network namespaces
 (test_multinode.py)."""
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def test_shard_groups_with_hpz_match_single_process_on_ray() -> None:
             trainer.step(b)
         got = trainer.full_state_dict()
         memory, comm = trainer.memory_report(), trainer.comm_report()
-        with pytest.raises(zr.ConfigError, match="non-flat topology"):  # not supported yet: refused at once
-            trainer.resize(2)
+        with pytest.raises(zr.ConfigError, match="resize to 3 owners would break the groups"):  # at once
+            trainer.resize(3)
         assert trainer.world_size == 4
     ref, _ = single_process(GPT_FN, lm_loss, opt, batches)
     assert max(float((got[k] - ref[k]).abs().max()) for k in ref) <= 1e-5

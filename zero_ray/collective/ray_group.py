@@ -41,6 +41,9 @@ BACKENDS = ("gloo", "nccl")
 DIRECT_MAX_BYTES = 16 * 2**20
 
 
+_ABORT_TAG = 0x5A5A  # no collective sends with it: a receive on it only ever times out
+
+
 class RingGroup:
     """Ring collectives from isend/irecv over a torch.distributed gloo group (direct sends to
     every peer for buffers up to ``DIRECT_MAX_BYTES``)."""
@@ -176,17 +179,38 @@ class RingGroup:
     def barrier(self) -> None:
         self.all_reduce_values([0.0])
 
-    def destroy(self) -> None:
-        self.abort()
+    def _close_pairs(self) -> None:
+        # gloo has no way to cancel a posted wait, but a wait that times out closes its
+        # connection to that peer, failing every wait on it on both sides (measured: two live
+        # ranks blocked on each other both fail within 10 ms). So post a receive nobody sends
+        # (its own tag) to each peer and let it time out at once.
+        pg = self._pg
+        if pg is None:
+            return
+        probe = torch.empty(1)
+        for peer in self._peers():
+            try:
+                pg.recv([probe], peer, _ABORT_TAG).wait(datetime.timedelta(milliseconds=1))
+            except RuntimeError:
+                pass  # the expected timeout, or the connection was already gone
 
-    def abort(self) -> None:
-        """Tear the group down and drop every reference to it, so its sockets close: peers
-        blocked waiting on this rank then fail at once (measured: destroying the group while a
-        reference survives leaves them blocked until their timeout)."""
+    def destroy(self) -> None:
+        """Tear the group down and drop every reference to it, so its sockets close (measured:
+        destroying the group while a reference survives leaves peers blocked until their
+        timeout)."""
         destroy_group(self.group_name)
         self._pg = None
         self._scratch = {}
         gc.collect()
+
+    def abort(self) -> None:
+        """Close every connection to the peers, then destroy the group: peers blocked waiting on
+        this rank, and this rank's own waits, fail at once. Destroying alone does neither while a
+        wait holds the group: a survivor blocked on another live one stayed blocked past
+        ``settle_timeout_s`` and was dropped as stuck (tests/integration/test_replica_restore.py,
+        2 runs in 7 under load; tests/collective/test_abort.py)."""
+        self._close_pairs()
+        self.destroy()
 
 
 class NcclGroup:
