@@ -34,10 +34,11 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("lost_group", [(2, 3), (0, 1)])
-def test_lost_group_restored_from_replica(lost_group: tuple[int, int]) -> None:
-    """The run goes on at once on the surviving group (its own live state) and takes the
-    replacements in, by a grow that gives the new group that state, once they answer."""
+def test_lost_group_restored_from_replica() -> None:
+    """Rank 0's group lost: the run goes on at once on the other group (its own live state, now
+    ranks 0 and 1) and takes the replacements in, by a grow that gives the new group that state,
+    once they answer. (A lost last group takes the same path: the no-room case below.)"""
+    lost_group = (0, 1)
     batches = _batches(1000)  # steps until the replacements have joined (seconds)
     opt = zr.SGD(lr=0.05, momentum=0.9, weight_decay=0.01)
     sizes = []

@@ -66,8 +66,8 @@ def ddp_dev(model_fn, loss_fn, optimizer, batches, ref, world_size: int) -> floa
         ddp.shutdown()
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
+# Every world size once, each model at an even and an odd one (the full grid cost a minute more).
+@pytest.mark.parametrize(("model", "world_size"), [("mlp", 1), ("mlp", 3), ("gpt", 2), ("gpt", 4)])
 def test_sgd_matches_single_process(model: str, world_size: int) -> None:
     opt = zr.SGD(lr=0.05, momentum=0.9, weight_decay=0.01)
     fn, loss, batches, clip = ((MLP_FN, mse_loss, mlp_batches(), 0.15) if model == "mlp"
