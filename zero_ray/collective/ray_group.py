@@ -207,7 +207,7 @@ class RingGroup:
         """Close every connection to the peers, then destroy the group: peers blocked waiting on
         this rank, and this rank's own waits, fail at once. Destroying alone does neither while a
         wait holds the group: a survivor blocked on another live one stayed blocked past
-        ``settle_timeout_s`` and was dropped as stuck (tests/integration/test_replica_restore.py,
+        ``settle_timeout_s`` and was dropped as stuck (tests/integration/test_replica_recovery.py,
         2 runs in 7 under load; tests/collective/test_abort.py)."""
         self._close_pairs()
         self.destroy()
