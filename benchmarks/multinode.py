@@ -3,7 +3,8 @@
     sudo python -m benchmarks.multinode --nodes 2 --owners-per-node 2 --link-mbit 1000 --delay-ms 0.5 [--json OUT]
 
 Builds ``--nodes`` Ray nodes on this machine, each in its own network namespace, whose uplinks
-``tc`` shapes to ``--link-mbit`` and ``--delay-ms`` (benchmarks/harness/simcluster.py). Each
+``tc`` shapes to ``--link-mbit`` and that are delayed by ``--delay-ms`` (netem, or where the
+kernel has none, a user-space delay line: benchmarks/harness/simcluster.py). Each
 configuration trains the same model (a GPT with many parameters for its compute, 12.7M by
 default, so that two shared cores are bound by the link rather than by arithmetic) on the same
 learnable batches from the same seed, in a driver inside the head node's namespace:
@@ -65,7 +66,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import zero_ray as zr
-    from benchmarks.harness.netdev import read_interface
+    from benchmarks.harness.simcluster import cross_node_bytes
     from zero_ray.models import GPT, GPTConfig, lm_loss
 
     world = args.nodes * args.owners_per_node
@@ -74,10 +75,10 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     batches = learnable_batches(steps=args.warmup + args.steps, batch=args.batch_per_owner * world,
                                 length=cfg.block_size + 1, vocab=cfg.vocab_size, seed=args.seed)
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-    host_ifs = args.host_ifs.split(",")
+    namespaces = args.namespaces.split(",")
 
-    def counted() -> int:  # /proc/1 is in the root namespace, where the veth ends are
-        return sum(read_interface(i, path="/proc/1/net/dev").rx_bytes for i in host_ifs)
+    def counted() -> int:
+        return cross_node_bytes(namespaces)
 
     config = zr.ZeroConfig(stage=3, world_size=world, device="cpu", seed=args.seed, topology=topology_of(
         args.config, zpp_grad=args.zpp_grad), collective_timeout_s=120.0, step_timeout_s=600.0, init_timeout_s=180.0)
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
     p.add_argument("--json", default=None, help="write the JSON here (default: benchmarks/results/multinode.json)")
     p.add_argument("--config", help=argparse.SUPPRESS)  # worker mode: one configuration, in the head namespace
-    p.add_argument("--host-ifs", help=argparse.SUPPRESS)
+    p.add_argument("--namespaces", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.config:
         print("ROW " + json.dumps(run_config(args)), flush=True)
@@ -156,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     with SimCluster(nodes=args.nodes, cpus_per_node=args.owners_per_node, link_mbit=args.link_mbit,
                     delay_ms=args.delay_ms) as cluster:
-        ifs = ",".join(n.host_if for n in cluster.members)
-        shaper, delay_applied = cluster.shaper, cluster.delay_applied
+        namespaces = ",".join(n.namespace for n in cluster.members)
+        link = cluster.link
         for name in args.configs.split(","):
-            argv_ = [sys.executable, "-m", "benchmarks.multinode", "--config", name, "--host-ifs", ifs,
+            argv_ = [sys.executable, "-m", "benchmarks.multinode", "--config", name, "--namespaces", namespaces,
                      *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                        if k in ("nodes", "owners_per_node", "steps", "warmup", "batch_per_owner", "lr", "seed",
                                 "zpp_grad", "n_embd", "n_layer", "block_size", "vocab"))]
@@ -172,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(comm_report {row['comm_report_cross_node_bytes_per_step']:,}), loss {row['loss_last']:.3f}",
                   flush=True)
     header = (f"Simulated cluster: {args.nodes} nodes x {args.owners_per_node} owners (network namespaces, "
-              f"uplinks shaped to {args.link_mbit:g} Mbit/s with {shaper}, delay {args.delay_ms:g} ms "
-              f"{'applied' if delay_applied else 'NOT applied (no netem in this kernel)'}), stage 3, GPT "
+              f"links: {link}), stage 3, GPT "
               f"{args.n_layer} x {args.n_embd}, ctx {args.block_size}, vocab {args.vocab} ({rows[0]['numel']:,} "
               f"parameters, fp32), batch {args.batch_per_owner}/owner, {args.steps} timed steps "
               f"after {args.warmup}; load average at start {load[0]:.2f}, at end {os.getloadavg()[0]:.2f} "
@@ -182,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out = Path(args.json) if args.json else RESULTS / "multinode.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {k: v for k, v in vars(args).items() if k not in ("config", "host_ifs", "json")}
+    meta = {k: v for k, v in vars(args).items() if k not in ("config", "namespaces", "json")}
     out.write_text(json.dumps({"rows": rows, "args": meta, "load_start": load[0], "load_end": os.getloadavg()[0],
-                               "shaper": shaper, "delay_applied": delay_applied},
+                               "link": link},
                               indent=1) + "\n")
     out.with_suffix(".md").write_text(text)
     return 0

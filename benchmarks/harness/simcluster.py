@@ -1,25 +1,32 @@
 """A simulated multi-node Ray cluster on this machine: K Ray nodes, each in a network namespace
-of its own, joined by veth pairs on a bridge, every node's uplink shaped by ``tc`` (rate, delay).
+of its own, every node's only link shaped by ``tc`` (rate) and delayed (netem, or a delay line).
 
 Layout, for the cluster of process P (names carry P in hex, so leftovers of a dead process are
 recognisable and removed by ``sweep``):
 
     namespace zrsim-<P>-n<k>:  lo, and ``zrsim0`` (198.18.213.<k+1>/24): the node's only link,
-                               egress shaped with netem (delay + rate)
-    root namespace:            bridge zrs<P>b (no address), veth ends zrs<P>h<k> on it
+                               egress shaped with netem (delay + rate), or with tbf (rate)
+    root namespace, netem:     bridge zrs<P>b (no address), veth ends zrs<P>h<k> on it
+    root namespace, no netem:  the delay line (benchmarks/harness/delayline.py), a process
+                               holding every node's ``zrsim0`` as a TUN device (created as
+                               zrs<P>t<k>, then moved into the node's namespace)
 
-Only addresses inside those namespaces are used (198.18.0.0/15 is the range set aside for
-network benchmarks); the bridge has no address and no route leads out, so nothing can leave.
-Ray runs ``ray start`` inside each namespace with ``--node-ip-address`` (head in n0, token
-auth, no dashboard) and ``GLOO_SOCKET_IFNAME=zrsim0`` in its environment (the owners inherit
-it), since gloo would otherwise bind by hostname to 127.0.0.1. Drivers run inside n0
-(``run_in_head``). Cross-node bytes are counted by the kernel: everything node k sends to
-another node enters the root namespace through ``zrs<P>h<k>`` (its rx counter).
+The kernels this project runs on have no netem, and no other qdisc delays packets by a fixed
+time; where a delay is asked for and netem is missing, the nodes are joined by the delay line
+instead of the bridge (``link`` says which). Only addresses inside those namespaces are used
+(198.18.0.0/15 is the range set aside for network benchmarks); the bridge has no address, the
+delay line forwards only between the nodes' addresses, and no route leads out. Ray runs
+``ray start`` inside each namespace with ``--node-ip-address`` (head in n0, token auth, no
+dashboard) and ``GLOO_SOCKET_IFNAME=zrsim0`` in its environment (the owners inherit it), since
+gloo would otherwise bind by hostname to 127.0.0.1. Drivers run inside n0 (``run_in_head``).
+Cross-node bytes are counted by the kernel: everything node k sends to another node leaves
+through its ``zrsim0`` (its tx counter; ``cross_node_bytes``).
 
 Teardown (``close``: in ``finally``, at process exit, and for a dead process's leftovers in
 ``sweep``) stops every process it started, by pid and by the Ray temp dirs it made, then every
-process still inside its namespaces, then deletes the namespaces and the bridge by name.
-Every wait is bounded. Needs root and ``ip``/``tc``; ``available()`` says why not when it can't.
+process still inside its namespaces, then deletes the namespaces and the bridge by name (the
+delay line's devices go with its process and the namespaces). Every wait is bounded. Needs root
+and ``ip``/``tc``; ``available()`` says why not when it can't.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import atexit
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -37,12 +45,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.harness.netdev import parse_net_dev
+
 SUBNET = "198.18.213"
 IFNAME = "zrsim0"
 CMD_TIMEOUT_S = 20.0
 START_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0
 GCS_PORT = 6379
+TUN_MTU = 65000  # the delay line forwards one packet per write: large packets keep it cheap
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -121,6 +132,26 @@ def _ns_pids(ns: str) -> set[int]:
     return {int(p) for p in got.stdout.split() if p.isdigit()} - {os.getpid()}
 
 
+def cross_node_bytes(namespaces: list[str]) -> int:
+    """Bytes the nodes have sent each other so far: the tx counters of each node's only link,
+    read inside its namespace (so from any namespace, as root)."""
+    total = 0
+    for ns in namespaces:
+        total += parse_net_dev(_ns(ns, "cat", "/proc/net/dev").stdout)[IFNAME].tx_bytes
+    return total
+
+
+def netem_available() -> bool:
+    """Whether this kernel has the netem qdisc (tried on a namespace's loopback, then removed)."""
+    probe = f"zrsim-{os.getpid()}-netem"
+    _ip("netns", "add", probe)
+    try:
+        return _ns(probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
+                   check=False).returncode == 0
+    finally:
+        _ip("netns", "delete", probe, check=False)
+
+
 def kill_node(namespace: str) -> list[int]:
     """Lose a simulated node at once: SIGKILL every process in its namespace (its raylet, its
     Ray workers and owners), as a machine that dies does. Returns the pids killed."""
@@ -143,7 +174,12 @@ def _remove(tag: str, namespaces: list[str], temp_dirs: list[Path], pids: set[in
     for ns in namespaces:
         _kill_pids(_ns_pids(ns))
         _ip("netns", "delete", ns, check=False)
-    _ip("link", "delete", f"zrs{tag}b", check=False)
+    # The veth ends go with their namespace's deletion, but later (the kernel cleans a namespace
+    # up asynchronously): delete them and the bridge by name now.
+    for line in _ip("-o", "link", "show", check=False).stdout.split("\n"):
+        m = re.match(rf"\d+: (zrs{tag}[bh]\d*)[:@]", line)
+        if m:
+            _ip("link", "delete", m.group(1), check=False)
     for d in temp_dirs:
         shutil.rmtree(d, ignore_errors=True)
 
@@ -153,7 +189,7 @@ def sweep() -> list[str]:
     the names removed."""
     spaces: dict[int, list[str]] = {}
     for line in _ip("netns", "list", check=False).stdout.split("\n"):
-        m = re.match(r"(zrsim-(\d+)-n\d+)", line.strip())
+        m = re.match(r"(zrsim-(\d+)-(?:n\d+|netem|probe))", line.strip())
         if m:
             spaces.setdefault(int(m.group(2)), []).append(m.group(1))
     bridges: dict[int, str] = {}
@@ -174,7 +210,6 @@ class SimNode:
     index: int
     namespace: str
     ip: str
-    host_if: str  # the root namespace's end of its veth (counts its cross-node bytes)
     temp_dir: Path
     proc: subprocess.Popen[bytes] | None = None
 
@@ -187,12 +222,12 @@ class SimCluster:
     cpus_per_node: int
     link_mbit: float
     delay_ms: float
+    start_ray: bool = True  # False: the namespaces and links only (to test the network itself)
     token: str = field(default_factory=lambda: secrets.token_hex(32))
     members: list[SimNode] = field(default_factory=list)
     _pids: set[int] = field(default_factory=set)
     _closed: bool = False
-    delay_applied: bool = False  # netem added the delay (False: the kernel has no netem; rate only)
-    shaper: str = "netem"
+    link: str = ""  # how the nodes are joined and shaped, in words (set by _network)
 
     def __post_init__(self) -> None:
         self.tag = f"{os.getpid():06x}"
@@ -205,7 +240,8 @@ class SimCluster:
         try:
             sweep()
             self._network()
-            self._start_ray()
+            if self.start_ray:
+                self._start_ray()
         except BaseException:
             self.close()
             raise
@@ -225,49 +261,72 @@ class SimCluster:
 
     # -- the network --------------------------------------------------------------------------------
     def _network(self) -> None:
+        netem = netem_available()
+        for k in range(self.nodes):
+            ns = f"zrsim-{os.getpid()}-n{k}"
+            self.members.append(SimNode(index=k, namespace=ns, ip=f"{SUBNET}.{k + 1}",
+                                        temp_dir=Path(tempfile.mkdtemp(prefix=f"zrsim{k}-", dir="/tmp"))))
+            _ip("netns", "add", ns)
+        if netem or self.delay_ms == 0:
+            self._bridge()
+        else:
+            self._delay_line()
+        rate = f"{self.link_mbit:g}mbit"
+        for n in self.members:
+            _ns(n.namespace, "ip", "addr", "add", f"{n.ip}/24", "dev", IFNAME)
+            _ns(n.namespace, "ip", "link", "set", IFNAME, "up")
+            _ns(n.namespace, "ip", "link", "set", "lo", "up")
+            if netem:
+                _ns(n.namespace, "tc", "qdisc", "add", "dev", IFNAME, "root", "netem", "delay",
+                    f"{self.delay_ms:g}ms", "rate", rate, "limit", "100000")
+            else:
+                # burst: at least one 10 ms tick's worth of bytes (so the rate is reached) and one packet
+                burst = max(TUN_MTU + 1024, int(self.link_mbit * 1e6 / 8 / 100))
+                _ns(n.namespace, "tc", "qdisc", "add", "dev", IFNAME, "root", "tbf", "rate", rate, "burst",
+                    str(burst), "latency", "100ms")
+        self.link = (f"netem: {self.link_mbit:g} Mbit/s, {self.delay_ms:g} ms delay" if netem else
+                     f"tbf {self.link_mbit:g} Mbit/s, " + ("no delay" if self.delay_ms == 0 else
+                     f"{self.delay_ms:g} ms delay by a user-space delay line (no netem in this kernel)"))
+
+    def _bridge(self) -> None:
+        """Each node's ``zrsim0`` is a veth whose other end is on a bridge in the root namespace."""
         bridge = f"zrs{self.tag}b"
         _ip("link", "add", bridge, "type", "bridge")
         _ip("link", "set", bridge, "up")
-        for k in range(self.nodes):
-            ns = f"zrsim-{os.getpid()}-n{k}"
-            node = SimNode(index=k, namespace=ns, ip=f"{SUBNET}.{k + 1}", host_if=f"zrs{self.tag}h{k}",
-                           temp_dir=Path(tempfile.mkdtemp(prefix=f"zrsim{k}-", dir="/tmp")))
-            self.members.append(node)
-            _ip("netns", "add", ns)
-            peer = f"zrs{self.tag}e{k}"
-            _ip("link", "add", node.host_if, "type", "veth", "peer", "name", peer)
-            _ip("link", "set", peer, "netns", ns)
-            _ns(ns, "ip", "link", "set", peer, "name", IFNAME)
-            _ns(ns, "ip", "addr", "add", f"{node.ip}/24", "dev", IFNAME)
-            _ns(ns, "ip", "link", "set", IFNAME, "up")
-            _ns(ns, "ip", "link", "set", "lo", "up")
-            _ip("link", "set", node.host_if, "master", bridge)
-            _ip("link", "set", node.host_if, "up")
-            self._shape(ns)
+        for n in self.members:
+            host, peer = f"zrs{self.tag}h{n.index}", f"zrs{self.tag}e{n.index}"
+            _ip("link", "add", host, "type", "veth", "peer", "name", peer)
+            _ip("link", "set", peer, "netns", n.namespace)
+            _ns(n.namespace, "ip", "link", "set", peer, "name", IFNAME)
+            _ip("link", "set", host, "master", bridge)
+            _ip("link", "set", host, "up")
 
-    def _shape(self, ns: str) -> None:
-        """The node's uplink: what it sends waits ``delay_ms`` and leaves at ``link_mbit`` (netem);
-        where the kernel has no netem, a token bucket (tbf) shapes the rate only, and
-        ``delay_applied`` says so."""
-        rate = f"{self.link_mbit:g}mbit"
-        got = _ns(ns, "tc", "qdisc", "add", "dev", IFNAME, "root", "netem", "delay", f"{self.delay_ms:g}ms",
-                  "rate", rate, "limit", "100000", check=False)
-        if got.returncode == 0:
-            self.delay_applied = self.delay_ms > 0
-            return
-        # burst: at least one 10 ms tick's worth of bytes, so the rate is reached
-        burst = max(64 * 1024, int(self.link_mbit * 1e6 / 8 / 100))
-        _ns(ns, "tc", "qdisc", "add", "dev", IFNAME, "root", "tbf", "rate", rate, "burst", str(burst),
-            "latency", "100ms")
-        self.delay_applied = False
-        self.shaper = f"tbf (netem unavailable: {got.stderr.strip()})"
+    def _delay_line(self) -> None:
+        """Each node's ``zrsim0`` is a TUN device of the delay line, which forwards between them."""
+        names = [f"zrs{self.tag}t{n.index}" for n in self.members]
+        cmd = [sys.executable, "-m", "benchmarks.harness.delayline", "--names", ",".join(names),
+               "--ips", ",".join(n.ip for n in self.members), "--delay-ms", f"{self.delay_ms:g}",
+               "--parent-pid", str(os.getpid())]
+        repo = str(Path(__file__).resolve().parent.parent.parent)
+        log = self.members[0].temp_dir / "delayline.log"
+        with log.open("wb") as err_out:
+            proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=err_out, start_new_session=True)
+        self._pids.add(proc.pid)
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], CMD_TIMEOUT_S)
+        line = proc.stdout.readline() if ready else b""
+        if line.strip() != b"READY":
+            _kill_pids({proc.pid})
+            raise RuntimeError(f"the delay line did not start within {CMD_TIMEOUT_S:g}s: {line!r} "
+                               f"{log.read_text(errors='replace')[-2000:]}")
+        for n, name in zip(self.members, names):
+            _ip("link", "set", name, "netns", n.namespace)
+            _ns(n.namespace, "ip", "link", "set", name, "name", IFNAME)
+            _ns(n.namespace, "ip", "link", "set", IFNAME, "mtu", str(TUN_MTU))
 
     def cross_node_bytes(self) -> int:
-        """Bytes every node has sent to the others so far (the root-side veth ends' rx counters)."""
-        total = 0
-        for n in self.members:
-            total += int(Path(f"/sys/class/net/{n.host_if}/statistics/rx_bytes").read_text())
-        return total
+        """Bytes every node has sent to the others so far (see the module function)."""
+        return cross_node_bytes([n.namespace for n in self.members])
 
     # -- Ray ----------------------------------------------------------------------------------------
     def env(self) -> dict[str, str]:

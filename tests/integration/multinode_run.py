@@ -17,17 +17,16 @@ import ray
 import torch
 
 import zero_ray as zr
-from benchmarks.harness.netdev import read_interface
-from benchmarks.harness.simcluster import kill_node
+from benchmarks.harness.simcluster import cross_node_bytes, kill_node
 from zero_ray.models import GPT, GPTConfig, lm_loss
 from zero_ray.testing import single_process
 
 
 def main() -> None:
-    host_ifs, other_node = sys.argv[1].split(","), sys.argv[2]
+    namespaces, other_node = sys.argv[1].split(","), sys.argv[2]
 
-    def counted() -> int:  # the root namespace's veth ends (pid 1 lives there)
-        return sum(read_interface(i, path="/proc/1/net/dev").rx_bytes for i in host_ifs)
+    def counted() -> int:
+        return cross_node_bytes(namespaces)
 
     fn = functools.partial(GPT, GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=64))
     g = torch.Generator().manual_seed(3)

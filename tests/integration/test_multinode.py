@@ -21,13 +21,14 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no simulated cluster h
 
 def test_two_node_cluster_parity_cross_node_bytes_and_a_lost_node() -> None:
     with SimCluster(nodes=2, cpus_per_node=2, link_mbit=1000, delay_ms=0.5) as cluster:
-        ifs = ",".join(n.host_if for n in cluster.members)
-        got = cluster.run_in_head([sys.executable, "tests/integration/multinode_run.py", ifs,
+        namespaces = ",".join(n.namespace for n in cluster.members)
+        got = cluster.run_in_head([sys.executable, "tests/integration/multinode_run.py", namespaces,
                                    cluster.members[1].namespace], timeout_s=600,
                                   cwd=REPO_ROOT, extra_env={"PYTHONPATH": REPO_ROOT})
-        namespaces = [n.namespace for n in cluster.members]
+        link = cluster.link
     assert got.returncode == 0, got.stderr[-4000:]
     out = json.loads(got.stdout.strip().splitlines()[-1])
+    print(f"links: {link}")
     print(f"lost node: {out['summaries']}; next step {out['next_step_s']:.2f}s; dev {out['dev']:.2e}")
     assert out["dev"] <= 1e-5
     assert len(set(out["nodes"])) == 2 and out["nodes"].count(out["nodes"][0]) == 2  # two owners per node
@@ -48,4 +49,4 @@ def test_two_node_cluster_parity_cross_node_bytes_and_a_lost_node() -> None:
     import subprocess
 
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
-    assert not any(ns in left for ns in namespaces)
+    assert not any(ns in left for ns in namespaces.split(","))
