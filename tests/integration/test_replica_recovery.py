@@ -1,7 +1,7 @@
 """Shard groups restore a lost group from another group's replica and resize by whole groups:
-4 owners in groups of 2, stage 3, no redundancy and no checkpoint configured; both owners of one
-group SIGKILLed between steps, or a resize 4 -> 2 -> 4; training continues and ends where one
-process does (SGD, 1e-6)."""
+4 owners in groups of 2, stage 3, no redundancy configured; both owners of one group SIGKILLed
+between steps, or a resize 4 -> 2 -> 4; training continues and ends where one process does (SGD,
+1e-6). Where no whole group survives, the last checkpoint restores whole groups."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import functools
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -34,33 +35,55 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)) for _ in range(n)]
 
 
-def test_lost_group_restored_from_replica() -> None:
-    """Rank 0's group lost: the run goes on at once on the other group (its own live state, now
-    ranks 0 and 1) and takes the replacements in, by a grow that gives the new group that state,
-    once they answer. (A lost last group takes the same path: the no-room case below.)"""
-    lost_group = (0, 1)
+def _kill_then_grow_back(*, kill_at: int, ranks: tuple[int, ...], save: Path | None = None):  # type: ignore[no-untyped-def]
+    """4 owners in groups of 2: SIGKILL ``ranks`` before step ``kill_at`` (a checkpoint saved two
+    steps earlier when ``save`` is given), then step until the replacements have joined (bounded).
+    Returns the world size after each step, the recoveries and the deviation from one process."""
     batches = _batches(1000)  # steps until the replacements have joined (seconds)
     opt = zr.SGD(lr=0.05, momentum=0.9, weight_decay=0.01)
     sizes = []
     with zr.ZeroTrainer(MLP_FN, mse_loss, optimizer=opt, config=_config(shard_group_size=2)) as trainer:
         deadline = time.monotonic() + 180
         for i, b in enumerate(batches):
-            if i == 3:
-                pids = [ray.get(trainer.actors[r].node.remote(), timeout=60)["pid"] for r in lost_group]
+            if save is not None and i == kill_at - 2:
+                trainer.save_checkpoint(save, wait=True)
+            if i == kill_at:
+                pids = [ray.get(trainer.actors[r].node.remote(), timeout=60)["pid"] for r in ranks]
                 for pid in pids:
                     os.kill(pid, signal.SIGKILL)
             trainer.step(b)
             sizes.append(trainer.world_size)
-            if i >= 5 and (sizes[-1] == 4 or time.monotonic() > deadline):
+            if i >= kill_at + 2 and (sizes[-1] == 4 or time.monotonic() > deadline):
                 break
         got = trainer.full_state_dict()
         reports = list(trainer.recoveries)
     ref, _ = single_process(MLP_FN, mse_loss, opt, batches[:len(sizes)])
     print("; ".join(r.summary() + str(r.notes) for r in reports), sizes)
+    return sizes, reports, max(float((got[n] - ref[n]).abs().max()) for n in ref)
+
+
+def test_lost_group_restored_from_replica() -> None:
+    """Rank 0's group lost: the run goes on at once on the other group (its own live state, now
+    ranks 0 and 1) and takes the replacements in, by a grow that gives the new group that state,
+    once they answer. (A lost last group takes the same path: the no-room case below.)"""
+    sizes, reports, dev = _kill_then_grow_back(kill_at=3, ranks=(0, 1))
     assert [(r.outcome.value, r.source, r.world_size_after) for r in reports] == [("restored", "replica", 2)]
-    assert sorted(reports[0].lost) == sorted(lost_group)
+    assert sorted(reports[0].lost) == [0, 1]
     assert sizes[3] == 2 and sizes[-1] == 4  # on the survivors, then grown back by a whole group
-    assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
+    assert dev <= 1e-6
+
+
+def test_no_whole_group_left_falls_back_to_the_checkpoint(tmp_path: Path) -> None:
+    """One owner of each group SIGKILLed: no group is whole, so no replica holds the state; the
+    last checkpoint (saved by the first group, as a flat run of 2) is loaded into one whole group
+    of the survivors, the steps since are replayed, and the replacements join as a second group.
+    Equal to one process."""
+    sizes, reports, dev = _kill_then_grow_back(kill_at=4, ranks=(1, 2), save=tmp_path / "ckpt")
+    assert [(r.outcome.value, r.source, r.world_size_after, r.resume_step) for r in reports] == [
+        ("restored", "checkpoint", 2, 2)]
+    assert sorted(reports[0].lost) == [1, 2]
+    assert sizes[4] == 2 and sizes[-1] == 4  # one whole group, then grown back by a second
+    assert dev <= 1e-6
 
 
 @pytest.mark.parametrize("topology", [{"shard_group_size": 2, "secondary_group_size": 2},
@@ -123,3 +146,4 @@ def test_no_room_restores_whole_groups_only() -> None:
     assert [(r.outcome.value, r.source, r.world_size_after) for r in reports] == [("restored", "replica", 2)]
     assert world == 2
     assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
+
