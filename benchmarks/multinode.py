@@ -77,21 +77,18 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     namespaces = args.namespaces.split(",")
 
-    def counted() -> int:
-        return cross_node_bytes(namespaces)
-
     config = zr.ZeroConfig(stage=3, world_size=world, device="cpu", seed=args.seed, topology=topology_of(
         args.config, zpp_grad=args.zpp_grad), collective_timeout_s=120.0, step_timeout_s=600.0, init_timeout_s=180.0)
     times, losses = [], []
     with zr.ZeroTrainer(lambda: GPT(cfg), lm_loss, optimizer=zr.AdamW(lr=args.lr), config=config) as trainer:
         for b in batches[:args.warmup]:
             losses.append(trainer.step(b)["loss"])
-        before = counted()
+        before = cross_node_bytes(namespaces)
         for b in batches[args.warmup:]:
             t0 = time.perf_counter()
             losses.append(trainer.step(b)["loss"])
             times.append(time.perf_counter() - t0)
-        after = counted()
+        after = cross_node_bytes(namespaces)
         comm, memory = trainer.comm_report(), trainer.memory_report()
     ray.shutdown()
     return {"config": args.config, "step_s": statistics.median(times), "step_s_all": times,

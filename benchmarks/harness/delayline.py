@@ -57,9 +57,7 @@ def forward(fds: dict[bytes, int], *, delay_s: float, parent_pid: int) -> None:
             while True:
                 try:
                     packet = os.read(fd, READ_SIZE)
-                except BlockingIOError:
-                    break
-                except OSError:
+                except OSError:  # BlockingIOError: drained; others: the device is gone
                     break
                 if len(packet) >= 20 and packet[0] >> 4 == 4:
                     target = fds.get(packet[16:20])

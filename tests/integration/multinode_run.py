@@ -25,9 +25,6 @@ from zero_ray.testing import single_process
 def main() -> None:
     namespaces, other_node = sys.argv[1].split(","), sys.argv[2]
 
-    def counted() -> int:
-        return cross_node_bytes(namespaces)
-
     fn = functools.partial(GPT, GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=64))
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 64, (8, 17), generator=g) for _ in range(5)]
@@ -39,9 +36,9 @@ def main() -> None:
     with zr.ZeroTrainer(fn, lm_loss, optimizer=opt, config=cfg) as trainer:
         for b in batches[:2]:
             trainer.step(b)
-        before = counted()
+        before = cross_node_bytes(namespaces)
         trainer.step(batches[2])
-        after = counted()
+        after = cross_node_bytes(namespaces)
         comm = trainer.comm_report()
         nodes = [r["node_id"] for r in ray.get([a.node.remote() for a in trainer._pool.actors])]
         head = ray.get_runtime_context().get_node_id()

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no simulated cluster h
 
 def test_two_node_cluster_parity_cross_node_bytes_and_a_lost_node() -> None:
     with SimCluster(nodes=2, cpus_per_node=2, link_mbit=1000, delay_ms=0.5) as cluster:
-        namespaces = ",".join(n.namespace for n in cluster.members)
-        got = cluster.run_in_head([sys.executable, "tests/integration/multinode_run.py", namespaces,
+        namespaces = [n.namespace for n in cluster.members]
+        got = cluster.run_in_head([sys.executable, "tests/integration/multinode_run.py", ",".join(namespaces),
                                    cluster.members[1].namespace], timeout_s=600,
                                   cwd=REPO_ROOT, extra_env={"PYTHONPATH": REPO_ROOT})
         link = cluster.link
@@ -49,4 +49,4 @@ def test_two_node_cluster_parity_cross_node_bytes_and_a_lost_node() -> None:
     import subprocess
 
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
-    assert not any(ns in left for ns in namespaces.split(","))
+    assert not any(ns in left for ns in namespaces)

@@ -146,4 +146,3 @@ def test_no_room_restores_whole_groups_only() -> None:
     assert [(r.outcome.value, r.source, r.world_size_after) for r in reports] == [("restored", "replica", 2)]
     assert world == 2
     assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
-

@@ -5,6 +5,7 @@ made is left after it closes. Skips, with the reason, where namespaces cannot be
 
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 import sys
@@ -50,8 +51,6 @@ SIZE = 4 << 20
 
 @pytest.mark.parametrize("delay_ms", [0.0, 2.0])
 def test_links_delay_rate_counters_and_teardown(delay_ms: float) -> None:
-    import json
-
     with SimCluster(nodes=2, cpus_per_node=1, link_mbit=100, delay_ms=delay_ms, start_ray=False) as cluster:
         a, b = cluster.members
         server = subprocess.Popen(["ip", "netns", "exec", b.namespace, sys.executable, "-c", SERVER, b.ip, str(SIZE)],
