@@ -243,9 +243,8 @@ class OwnerPool:
         that cannot be placed within the start-up timeout are ended and ResourceError raised:
         nothing is kept."""
         spec = self.spec
-        new = self.replacements.take(ranks, world_size)
-        if new is None:
-            new = self._launch(ranks, world_size)
+        new = self.replacements.take(ranks)
+        new += self._launch(ranks[len(new):], world_size)
         try:
             nodes = self.fan.ray(new, "node", timeout_s=spec.init_timeout_s, watch=False, ranks=list(ranks))
         except OwnerLostError as err:
@@ -300,9 +299,10 @@ class OwnerPool:
         return f"rank {rank}" + (f" on node {node.get('ip')} (pid {node.get('pid')})" if node else "")
 
     def free_slots(self) -> int:
-        """How many more owners the cluster could host right now."""
+        """How many more owners the cluster could host right now, counting the slots of the
+        replacements starting (the next membership change takes them in or ends them)."""
         free = ray.available_resources()
-        return int(min(free.get(k, 0.0) // v for k, v in self.spec.demand.items()))
+        return int(min(free.get(k, 0.0) // v for k, v in self.spec.demand.items())) + self.replacements.slots
 
     # -- calls ---------------------------------------------------------------------------------------
     def step(self, args: Sequence[StepArgs], *, timeout_s: float) -> list[StepResult]:
@@ -490,10 +490,11 @@ class OwnerPool:
         if world_size > old:
             check_resources(world_size=world_size, use_gpu=self.spec.use_gpu,
                             num_cpus_per_owner=self.spec.num_cpus_per_owner)
-            needed = world_size - old - self.replacements.held(range(old, world_size), world_size)
-            if self.free_slots() < needed:
-                raise ResourceError(f"growing to {world_size} owners needs {needed} more slots of "
-                                    f"{self.spec.demand} but the cluster has {self.free_slots()} free "
+            room = self.free_slots()
+            if room < world_size - old:
+                raise ResourceError(f"growing to {world_size} owners needs {world_size - old} more slots of "
+                                    f"{self.spec.demand} but the cluster has {room} free, counting "
+                                    f"{self.replacements.slots} held by replacements starting "
                                     f"({ray.available_resources()})")
             self._start_owners(range(old, world_size), world_size=world_size)
         else:
@@ -550,7 +551,7 @@ class OwnerPool:
         fresh state, a checkpoint being loaded next). Returns bytes sent."""
         position = {old: new for new, old in enumerate(survivors)}
         added = range(len(survivors), world_size)
-        if added and self.free_slots() < len(added) - self.replacements.held(added, world_size):
+        if added and self.free_slots() < len(added):
             raise ResourceError(f"no room for {len(added)} replacements of {self.spec.demand} "
                                 f"(free: {ray.available_resources()})")
         keep = set(survivors)

@@ -4,8 +4,11 @@ After a loss the run continues on the survivors at once (``ElasticConfig.continu
 while replacements start: an owner's start (a Ray worker process, then importing torch) takes
 seconds (measured 3.8-4.2 s on a 2-core machine), which the next step then does not wait for.
 They join at the first step boundary at which every one of them answers, as a grow
-(``OwnerPool.resize``). They are for one pool size: a pool that changes any other way first, or
-shuts down, ends them, as does a start that has not answered within the start-up timeout.
+(``OwnerPool.resize``). The next membership change takes them in or ends them: a grow or a
+rebuild adding owners from the same rank takes as many as it adds (ending the rest), any other
+change ends them, and so do a shutdown and a start that has not answered within the start-up
+timeout. Their slots therefore count as room for that change (``slots``): a resize or restore
+while they start sees the room the cluster will have, not the room they hold.
 """
 
 from __future__ import annotations
@@ -54,23 +57,24 @@ class Replacements:
         """Started more than ``timeout_s`` ago and still not all answering (no room after all)."""
         return self.started is not None and time.monotonic() - self.started.since > timeout_s and not self.ready()
 
-    def held(self, ranks: range, world_size: int) -> int:
-        """How many of the owners a grow to ``ranks`` of ``world_size`` needs are already started
-        (and hold their slots)."""
-        return len(self.started.actors) if self.matches(ranks, world_size) else 0
+    @property
+    def slots(self) -> int:
+        """How many slots the started owners hold: the next membership change takes them in or
+        ends them, so they count as room for it."""
+        return len(self.started.actors) if self.started is not None else 0
 
-    def matches(self, ranks: range, world_size: int) -> bool:
-        return self.started is not None and (self.started.ranks, self.started.world_size) == (ranks, world_size)
-
-    def take(self, ranks: range, world_size: int) -> list[Any] | None:
-        """The started owners when they are the ones a grow to ``ranks`` of ``world_size`` needs
-        (they are the caller's now), else None, having ended any others."""
-        if not self.matches(ranks, world_size):
-            self.discard()
-            return None
-        assert self.started is not None
-        actors, self.started = self.started.actors, None
-        return actors
+    def take(self, ranks: range) -> list[Any]:
+        """The started owners a change adding ``ranks`` can take in (they are the caller's now):
+        those of the ranks both share, when both begin at the same rank (replacements are started
+        for the ranks just past the pool's size, and an owner's rank is fixed at its start). Every
+        other started owner is ended, its slot going back to the cluster."""
+        started, self.started = self.started, None
+        if started is None:
+            return []
+        keep = min(len(started.ranks), len(ranks)) if started.ranks.start == ranks.start else 0
+        for actor in started.actors[keep:]:
+            ray.kill(actor, no_restart=True)
+        return started.actors[:keep]
 
     def discard(self) -> bool:
         """End the started owners, if any; returns whether there were some."""
