@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zero_ray import memory
+from zero_ray import data, memory
 from zero_ray.config import (
     ActivationCheckpointing,
     CheckpointConfig,
@@ -24,6 +24,7 @@ from zero_ray.errors import (
     CollectiveError,
     CollectiveTimeout,
     ConfigError,
+    DataError,
     ModelError,
     NonFiniteError,
     OwnerError,
@@ -55,11 +56,13 @@ __all__ = [
     "ZeroConfig",
     "ZeroTrainer",
     "submit",
+    "data",
     "memory",
     "CheckpointError",
     "CollectiveError",
     "CollectiveTimeout",
     "ConfigError",
+    "DataError",
     "ModelError",
     "NonFiniteError",
     "OwnerError",

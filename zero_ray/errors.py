@@ -64,6 +64,12 @@ class CheckpointError(ZeroRayError):
     """A checkpoint is missing, incomplete, corrupt or does not match the model."""
 
 
+class DataError(ZeroRayError):
+    """Training data cannot be read or does not match what the run expects: a missing or
+    unreadable file, a truncated token file, a schema mismatch, a read that kept failing. Fails
+    the step that needed it (no owner is taken for lost); the message names the file."""
+
+
 class ControlError(ZeroRayError):
     """A control-plane (gRPC) call failed. ``code`` is the gRPC status code's name
     (e.g. ``"UNAVAILABLE"``), empty when the call never got a status."""

@@ -1,6 +1,6 @@
 """The package's import graph, read from the sources: no cycles, and dependencies pointing one
-way (driver -> owner -> collective -> core; control/ and checkpoint/ know neither driver nor
-owner; the pure planning modules import neither ray, grpc nor torch; the library imports no
+way (driver -> owner -> collective -> core; control/, checkpoint/ and data/ know neither driver
+nor owner; the pure planning modules import neither ray, grpc nor torch; the library imports no
 test or benchmark code)."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ FORBIDDEN = {
     "owner": ("driver", "testing", "cli"),
     "control": ("driver", "owner", "testing", "cli"),
     "checkpoint": ("driver", "owner", "testing", "cli"),
+    "data": ("driver", "owner", "collective", "control", "testing", "cli"),
 }
 # Code for tests and benchmarks inside the package (the reference runs): it may
 # import the library, the library never imports it.

@@ -245,6 +245,9 @@ class FileSystemStorage:
     def read_range(self, path: str, offset: int, size: int) -> bytes:
         return self.open_ranged(path).read(offset, size)
 
+    def open_input(self, path: str) -> Any:
+        return self.call("opening it", path, lambda: self.fs.open_input_file(self._fs(path)))
+
 
 class _Guarded:
     """An output stream whose failures (a part upload that exhausted its retries) are

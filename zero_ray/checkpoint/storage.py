@@ -62,6 +62,10 @@ class Storage(Protocol):
 
     def open_ranged(self, path: str) -> RangedFile: ...
 
+    def open_input(self, path: str) -> BinaryIO:
+        """``path`` opened for random-access reads as a file object (what ``pyarrow.parquet``
+        reads footers and row groups from); the caller closes it."""
+
     def read_range(self, path: str, offset: int, size: int) -> bytes: ...
 
     def write_atomic(self, path: str, data: bytes) -> None: ...
@@ -154,6 +158,9 @@ class LocalStorage:
 
     def open_ranged(self, path: str) -> RangedFile:
         return _LocalRanged(path)
+
+    def open_input(self, path: str) -> BinaryIO:
+        return open(path, "rb")
 
     def read_range(self, path: str, offset: int, size: int) -> bytes:
         return _LocalRanged(path).read(offset, size)

@@ -84,7 +84,8 @@ class OwnerClient(BaseClient):
                           skipped=reply.skipped, loss_scale=reply.loss_scale, compute_seconds=reply.compute_seconds,
                           rank=reply.rank, bytes_sent=dict(reply.bytes_sent), lr=reply.lr,
                           nonfinite_loss_ranks=tuple(reply.nonfinite_loss_ranks),
-                          nonfinite_grad_ranks=tuple(reply.nonfinite_grad_ranks), refused=reply.refused)
+                          nonfinite_grad_ranks=tuple(reply.nonfinite_grad_ranks), refused=reply.refused,
+                          data_seconds=reply.data_seconds)
 
     def evaluate(self, args: EvaluateArgs, *, timeout_s: float | None = None) -> EvaluateResult:
         """The owner's loss on its piece, forward only."""

@@ -135,6 +135,7 @@ class StepResult:
     nonfinite_loss_ranks: tuple[int, ...] = ()
     nonfinite_grad_ranks: tuple[int, ...] = ()
     refused: bool = False  # on_nonfinite="raise": not a completed step; the driver raises
+    data_seconds: float = 0.0  # how long the step waited for its piece (staged, or read from a dataset)
 
 
 @dataclass(frozen=True, kw_only=True)

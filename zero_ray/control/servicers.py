@@ -65,6 +65,7 @@ def _step_reply(result: StepResult) -> owner_pb2.StepReply:
                                skipped=result.skipped, loss_scale=result.loss_scale,
                                compute_seconds=result.compute_seconds, bytes_sent=dict(result.bytes_sent),
                                rank=result.rank, lr=result.lr, refused=result.refused,
+                               data_seconds=result.data_seconds,
                                nonfinite_loss_ranks=list(result.nonfinite_loss_ranks),
                                nonfinite_grad_ranks=list(result.nonfinite_grad_ranks))
 

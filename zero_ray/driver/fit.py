@@ -1,10 +1,12 @@
-"""``ZeroTrainer.fit``: training over a dataset that every owner holds.
+"""``ZeroTrainer.fit``: training over a dataset that every owner holds or reads itself.
 
-The dataset (or a factory for it) goes to every owner once; each step sends each owner its
-indices only (``core/epochs.EpochOrder`` fixes which) and the owner builds its piece. The driver
-holds indices, never samples, so a replay after a lost owner, a resize or a resume from a
-checkpoint reads exactly the same samples. A checkpoint records the order's parameters so that
-``fit`` after ``from_checkpoint`` continues at the right epoch and offset.
+A map-style dataset (or a factory for it) goes to every owner once; a ``zero_ray.data`` source
+is scanned here (metadata only) and every owner opens it itself. Each step sends each owner its
+indices only (``core/epochs.EpochOrder``, or ``BlockOrder`` for a source, fixes which) and the
+owner builds its piece. The driver holds indices, never samples, so a replay after a lost owner,
+a resize or a resume from a checkpoint reads exactly the same samples. A checkpoint records the
+order's parameters and the source's identity so that ``fit`` after ``from_checkpoint``
+continues at the right epoch and offset of the same data, or says what changed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any, Protocol
 import ray
 
 from zero_ray.config import ZeroConfig
-from zero_ray.core.epochs import EpochOrder, evaluation_chunks
+from zero_ray.core.epochs import BlockOrder, EpochOrder, evaluation_chunks
+from zero_ray.data import DataSource, opener
 from zero_ray.driver.data import GlobalBatch, IndexedBatch
 from zero_ray.errors import ConfigError
 
@@ -77,18 +80,59 @@ class FitPlan:
             raise ConfigError(f"fit(seed={self.seed!r}): must be an integer")
 
 
-def _ship(trainer: Trainer, name: str, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> int:
-    """Register ``dataset`` (a map-style dataset, or a zero-argument factory) on every owner;
-    returns its length."""
+@dataclass(frozen=True, kw_only=True)
+class Shipped:
+    """A dataset registered on every owner: its length, and for a ``zero_ray.data`` source
+    what a checkpoint records of it and the order it is read in for training."""
+
+    length: int
+    identity: dict[str, Any] | None = None
+    order: EpochOrder | BlockOrder | None = None
+
+
+def _ship(trainer: Trainer, name: str, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, *,
+          plan: FitPlan | None = None) -> Shipped:
+    """Register ``dataset`` (a ``zero_ray.data`` source, a map-style dataset, or a zero-argument
+    factory) on every owner. ``plan``: training, whose order it returns."""
     if collate_fn is not None and not callable(collate_fn):
         raise ConfigError(f"collate_fn={collate_fn!r} must be callable: list of samples -> batch")
+    if isinstance(dataset, DataSource):
+        layout = dataset.scan()  # file sizes and footers only: no sample passes through the driver
+        order = (BlockOrder(block_sizes=layout.block_sizes, global_batch_size=plan.global_batch_size, seed=plan.seed,
+                            window=layout.window) if plan is not None else None)
+        length = trainer._pool.register_dataset(name, opener(layout, order), factory=True, collate=collate_fn)
+        return Shipped(length=length, identity=layout.identity(), order=order)
     factory = callable(dataset) and not hasattr(dataset, "__getitem__")
     if not factory and not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise ConfigError(f"{name} dataset is a {type(dataset).__name__}; pass a map-style dataset (__len__ and "
-                          "__getitem__, e.g. torch.utils.data.TensorDataset or datasets.Dataset) or a zero-argument "
-                          "factory that builds one on each owner")
+        raise ConfigError(f"{name} dataset is a {type(dataset).__name__}; pass a zero_ray.data source (TokenFiles, "
+                          "Parquet), a map-style dataset (__len__ and __getitem__, e.g. "
+                          "torch.utils.data.TensorDataset or datasets.Dataset) or a zero-argument factory that "
+                          "builds one on each owner")
     source = dataset if factory else ray.put(dataset)  # the object store ships it to each owner once
-    return trainer._pool.register_dataset(name, source, factory=factory, collate=collate_fn)
+    length = trainer._pool.register_dataset(name, source, factory=factory, collate=collate_fn)
+    order = (EpochOrder(length=length, global_batch_size=plan.global_batch_size, seed=plan.seed)
+             if plan is not None else None)
+    return Shipped(length=length, order=order)
+
+
+def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between two fit records, each as ``key: saved -> now`` (a source's files
+    named one by one)."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{key}.{c}" for c in changes(a, b)]
+        elif key == "files" and isinstance(a, list) and isinstance(b, list):
+            gone = [f"{u} ({n} bytes)" for u, n in a if [u, n] not in b]
+            new = [f"{u} ({n} bytes)" for u, n in b if [u, n] not in a]
+            out.append(f"files: {len(a)} -> {len(b)} files; no longer read: {gone[:3]}; new or changed: {new[:3]}"
+                       if gone or new else "files: the same files in another order")
+        else:
+            out.append(f"{key}: {a!r} -> {b!r}")
+    return out
 
 
 def fit(trainer: Trainer, dataset: Any, *, global_batch_size: int, steps: int, seed: int = 0,
@@ -106,16 +150,20 @@ def fit(trainer: Trainer, dataset: Any, *, global_batch_size: int, steps: int, s
     if plan.checkpoint_every is not None and root is None:
         raise ConfigError(f"fit(checkpoint_every={plan.checkpoint_every}) needs "
                           "ZeroConfig(checkpoint=CheckpointConfig(dir=...))")
-    order = EpochOrder(length=_ship(trainer, TRAIN, dataset, collate_fn), global_batch_size=plan.global_batch_size,
-                       seed=plan.seed)
-    record = {"global_batch_size": order.global_batch_size, "seed": order.seed, "length": order.length}
-    saved = trainer.resumed.pop("fit", None)  # the order of the fit a loaded checkpoint came from
-    if saved is not None and saved != record:
-        raise ConfigError(f"the checkpoint this run resumed from was saved by a fit over {saved} but this fit reads "
-                          f"{record}: it would not continue the same sample order; pass the same dataset, "
-                          "global_batch_size and seed")
+    train = _ship(trainer, TRAIN, dataset, collate_fn, plan=plan)
+    order = train.order
+    assert order is not None
+    record: dict[str, Any] = {"global_batch_size": order.global_batch_size, "seed": order.seed, "length": order.length}
+    if train.identity is not None:
+        record["source"] = train.identity
+    saved = trainer.resumed.get("fit")  # the order of the fit a loaded checkpoint came from
+    if saved is not None and saved != record:  # kept for the next fit to check: this one changes nothing
+        raise ConfigError(f"the checkpoint this run resumed from was saved by a fit over other data or in another "
+                          f"order ({'; '.join(changes(saved, record))}): it would not continue the same samples; "
+                          "pass the same data, global_batch_size and seed")
+    trainer.resumed.pop("fit", None)
     trainer.run_extra["fit"] = record
-    eval_length = _ship(trainer, EVAL, eval_dataset, collate_fn) if eval_dataset is not None else 0
+    eval_length = _ship(trainer, EVAL, eval_dataset, collate_fn).length if eval_dataset is not None else 0
     bar = _progress(plan.steps, trainer.step_count) if progress else None
     result: dict[str, Any] = {}
     start, start_step, items = time.perf_counter(), trainer.step_count, 0.0
@@ -145,7 +193,7 @@ def fit(trainer: Trainer, dataset: Any, *, global_batch_size: int, steps: int, s
             bar.close()
     result.setdefault("step", trainer.step_count)
     result["steps_run"] = trainer.step_count - start_step
-    result["order"] = asdict(order)
+    result["order"] = {k: v for k, v in asdict(order).items() if k != "block_sizes"}
     return result
 
 

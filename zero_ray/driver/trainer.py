@@ -297,6 +297,7 @@ class ZeroTrainer(ResumeAPI):
             "items_per_second": totals["items"] / seconds if seconds > 0 else 0.0,
             "step_seconds": seconds,
             "owner_compute_seconds": max(r.compute_seconds for r in results),
+            "data_wait_seconds": max(r.data_seconds for r in results),  # the slowest owner's wait for its piece
             "bytes_sent": sum(sum(r.bytes_sent.values()) for r in results),
         }
         if "count" in totals:

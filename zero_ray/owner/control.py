@@ -10,6 +10,7 @@ the call's FailureDetail beside the exception's type, message and traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -100,9 +101,13 @@ class OwnerControl:
         self._check_generation(args.generation, "step")
         with self._lock:
             owner.snapshots.commit_upto(args.step - 1)  # the driver saw every rank finish that step
-            piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s, generation=args.generation)
+            started = time.perf_counter()
+            piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s, generation=args.generation,
+                                    step=args.step)
+            waited = time.perf_counter() - started
             result = owner.engine.step(piece, global_samples=args.global_samples,
                                        position=Position(step=args.step, samples_seen=args.samples_seen))
+            result = dataclasses.replace(result, data_seconds=waited)
             if not result.refused:  # a refused step changed nothing: no snapshot is due
                 owner.after_step(args.step)
         return result

@@ -9,7 +9,9 @@ Two sources, named by the ``Piece`` a Step or Evaluate request carries:
   the staging call fails (its piece never comes) the driver sees that call fail and aborts the
   step's generation, which ends the wait at once.
 - datasets: ``ZeroTrainer.fit`` ships a map-style dataset (or a factory for one) to every owner
-  once; a request carries indices and the owner builds its piece with ``collate_fn``.
+  once; a request carries indices and the owner builds its piece with ``collate_fn``. A source
+  of ``zero_ray.data`` arrives as a factory that opens it here (``BlockReader``): it reads whole
+  blocks, and prefetches the next global batches' blocks given the step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zero_ray.control.handlers import Piece
+from zero_ray.data.reader import BlockReader
 from zero_ray.errors import CollectiveError, ConfigError
 
 Collate = Callable[[list[Any]], Any]
@@ -76,6 +79,9 @@ class PieceSource:
         """Hold ``source`` (a dataset, or a zero-argument factory returning one) as ``name``;
         returns its length."""
         dataset = source() if factory else source
+        old = self._datasets.get(name)
+        if old is not None and isinstance(old.dataset, BlockReader):
+            old.dataset.close()  # a later fit() replaced it: end its prefetch threads
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise ConfigError(f"dataset {name!r} is a {type(dataset).__name__}; fit() needs a map-style dataset "
                               "(__len__ and __getitem__), such as a torch.utils.data.Dataset or a datasets.Dataset")
@@ -86,9 +92,11 @@ class PieceSource:
         return name in self._datasets
 
     # -- pieces -----------------------------------------------------------------------------------
-    def take(self, piece: Piece, *, timeout_s: float, generation: int | None = None) -> Any:
+    def take(self, piece: Piece, *, timeout_s: float, generation: int | None = None, step: int | None = None) -> Any:
         """The batch ``piece`` names: a staged batch (removed once taken) or the collated samples.
-        Waiting for a staged batch of ``generation`` ends when that generation is aborted."""
+        Waiting for a staged batch of ``generation`` ends when that generation is aborted.
+        ``step``: the global batch a training piece belongs to (a block source prefetches the
+        ones after it)."""
         if piece.batch_key:
             deadline = time.monotonic() + timeout_s
             with self._arrived:
@@ -106,6 +114,8 @@ class PieceSource:
         if held is None:
             raise ConfigError(f"this owner holds no dataset named {piece.dataset!r} (it holds "
                               f"{sorted(self._datasets)}); register it with fit() first")
+        if isinstance(held.dataset, BlockReader):
+            return held.collate(held.dataset.read(piece.indices, step=step))
         return held.collate(_samples(held.dataset, piece.indices, piece.dataset))
 
 

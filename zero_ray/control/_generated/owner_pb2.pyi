@@ -58,7 +58,7 @@ class LossTotals(_message.Message):
     def __init__(self, loss_sum: _Optional[float] = ..., samples: _Optional[int] = ..., count: _Optional[float] = ..., counted: _Optional[bool] = ..., items: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("totals", "grad_norm", "skipped", "loss_scale", "compute_seconds", "bytes_sent", "rank", "lr", "nonfinite_loss_ranks", "nonfinite_grad_ranks", "refused")
+    __slots__ = ("totals", "grad_norm", "skipped", "loss_scale", "compute_seconds", "bytes_sent", "rank", "lr", "nonfinite_loss_ranks", "nonfinite_grad_ranks", "refused", "data_seconds")
     class BytesSentEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class StepReply(_message.Message):
     NONFINITE_LOSS_RANKS_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_GRAD_RANKS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    DATA_SECONDS_FIELD_NUMBER: _ClassVar[int]
     totals: LossTotals
     grad_norm: float
     skipped: bool
@@ -88,7 +89,8 @@ class StepReply(_message.Message):
     nonfinite_loss_ranks: _containers.RepeatedScalarFieldContainer[int]
     nonfinite_grad_ranks: _containers.RepeatedScalarFieldContainer[int]
     refused: bool
-    def __init__(self, totals: _Optional[_Union[LossTotals, _Mapping]] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., rank: _Optional[int] = ..., lr: _Optional[float] = ..., nonfinite_loss_ranks: _Optional[_Iterable[int]] = ..., nonfinite_grad_ranks: _Optional[_Iterable[int]] = ..., refused: _Optional[bool] = ...) -> None: ...
+    data_seconds: float
+    def __init__(self, totals: _Optional[_Union[LossTotals, _Mapping]] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., rank: _Optional[int] = ..., lr: _Optional[float] = ..., nonfinite_loss_ranks: _Optional[_Iterable[int]] = ..., nonfinite_grad_ranks: _Optional[_Iterable[int]] = ..., refused: _Optional[bool] = ..., data_seconds: _Optional[float] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("header", "piece", "generation")
