@@ -1,9 +1,11 @@
 """The main job: a small GPT trained on the Python standard library's own source files.
 
 Every machine with Python has that corpus, so the job needs no downloads. Bytes are tokens
-(vocabulary 256). The corpus is cut into windows; the last ``--eval-fraction`` of them is held
-out and the validation loss printed. ``ZeroTrainer.fit`` ships the windows to the actors once
-and each builds its own piece of every batch. Used by ``zero-ray train`` and
+(vocabulary 256). The job writes the corpus once as nanoGPT-style token files (``train.bin``,
+and the last ``--eval-fraction`` of it as ``val.bin``, uint16) to ``--data`` (a directory or a
+URL such as ``s3://bucket/corpus``; by default beside the checkpoints, else a local temporary
+directory) and trains from them through ``zero_ray.data.TokenFiles``: every actor reads its own
+samples from there, the driver only the files' sizes. Used by ``zero-ray train`` and
 ``examples/train_gpt.py``.
 """
 
@@ -15,6 +17,7 @@ import glob
 import logging
 import os
 import sysconfig
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -71,6 +74,38 @@ class CorpusWindows:
                 CorpusWindows(self.corpus, self.block_size, cut, self.last))
 
 
+def write_token_files(data: str, corpus: torch.Tensor, *, eval_fraction: float, block_size: int) -> tuple[str, str]:
+    """``corpus`` (bytes) as uint16 token files ``train.bin`` and ``val.bin`` (its last
+    ``eval_fraction``) under ``data``, written once: files already there with the right sizes
+    are kept. Returns their locations."""
+    import numpy as np
+
+    from zero_ray.checkpoint.location import open_location
+
+    storage, root = open_location(data)
+    tokens = corpus.numpy().astype("<u2")
+    held = max(block_size + 2, int(len(tokens) * eval_fraction))
+    if held >= len(tokens) - block_size - 1:
+        raise ConfigError(f"--eval-fraction={eval_fraction} leaves too little of the {len(tokens)}-token corpus to "
+                          f"train on with --block-size={block_size}")
+    storage.makedirs(root)
+    out = []
+    for name, part in (("train.bin", tokens[:-held]), ("val.bin", tokens[-held:])):
+        path = storage.join(root, name)
+        if not storage.exists(path) or storage.size(path) != part.nbytes:
+            storage.write_atomic(path, np.ascontiguousarray(part).tobytes())
+        out.append(storage.locate(path))
+    return out[0], out[1]
+
+
+def default_data(args: argparse.Namespace) -> str:
+    """Where the corpus goes without ``--data``: beside the checkpoints (every actor reaches
+    them), else a local temporary directory (a single-machine cluster)."""
+    if args.checkpoint_dir:
+        return args.checkpoint_dir.rstrip("/") + "/corpus"
+    return os.path.join(tempfile.gettempdir(), f"zero_ray-stdlib-{args.corpus_bytes}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The main job's options (defaults: stage 2, 2 actors, CPU unless the cluster has GPUs)."""
     parser.add_argument("--stage", type=int, default=2)
@@ -90,6 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-bytes", type=int, default=4 * 2**20)
+    parser.add_argument("--data", default=None,
+                        help="where the corpus is written as token files and read from: a directory every actor "
+                             "can read, or a URL such as s3://bucket/corpus (default: <checkpoint-dir>/corpus, else "
+                             "a local temporary directory)")
     parser.add_argument("--address", default=None, help="Ray address; default: a running cluster, else a local one")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     parser.add_argument("--checkpoint-dir", default=None,
@@ -98,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its latest checkpoint when there is one and saves every --checkpoint-every steps and "
                              "at the end")
     parser.add_argument("--checkpoint-every", type=int, default=50)
-    parser.add_argument("--eval-fraction", type=float, default=0.05, help="share of windows held out for validation")
+    parser.add_argument("--eval-fraction", type=float, default=0.05, help="share of the corpus held out for validation")
     parser.add_argument("--eval-every", type=int, default=None,
                         help="steps between validation losses (default: a quarter of --steps; always at the end)")
     parser.add_argument("--no-resume", action="store_true", help="start fresh even if --checkpoint-dir has one")
@@ -140,7 +179,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--eval-fraction={args.eval_fraction} must be between 0 and 1")
     gpt = GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                     n_embd=args.n_embd)
-    train, held_out = CorpusWindows(stdlib_corpus(args.corpus_bytes), args.block_size).split(args.eval_fraction)
+    data = args.data or default_data(args)
+    train_url, val_url = write_token_files(data, stdlib_corpus(args.corpus_bytes), eval_fraction=args.eval_fraction,
+                                           block_size=args.block_size)
+    train = zr.data.TokenFiles(train_url, seq_len=args.block_size)
+    held_out = zr.data.TokenFiles(val_url, seq_len=args.block_size)
+    windows = {"train": sum(train.scan().block_sizes), "val": sum(held_out.scan().block_sizes)}  # file sizes only
     config = zr.ZeroConfig(stage=args.stage, world_size=args.world_size, dtype=args.dtype, device=args.device,
                            grad_accum_steps=args.grad_accum_steps, max_grad_norm=args.max_grad_norm, seed=args.seed,
                            reduce_dtype=args.reduce_dtype, checkpoint=zr.CheckpointConfig(dir=args.checkpoint_dir))
@@ -154,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         trainer = zr.ZeroTrainer(model_fn, lm_loss_sum, optimizer=optimizer, lr_scheduler=schedule, config=config)
     print(f"zero_ray: stage {args.stage}, {trainer.world_size} actors on {trainer.device}, "
           f"{trainer.num_params / 1e6:.2f}M parameters, global batch {args.batch_size} x {args.block_size} tokens; "
-          f"{len(train)} training windows, {len(held_out)} held out")
+          f"{windows['train']} training windows, {windows['val']} held out, as token files in {data}")
     try:
         done = trainer.step_count
         start = time.perf_counter()
@@ -168,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"trained {ran} steps (to step {result['step']}, epoch {result['epoch']}) in {elapsed:.1f}s: "
                   f"loss {result['loss']:.4f}, {result['items_per_second']:,.0f} tokens/s")
         if "eval_loss" in result:
-            print(f"validation loss {result['eval_loss']:.4f} over {len(held_out)} held-out windows")
+            print(f"validation loss {result['eval_loss']:.4f} over {windows['val']} held-out windows")
         if args.checkpoint_dir and ran:
             print(f"checkpoint: {trainer.save_checkpoint(args.checkpoint_dir, wait=True)}")
         elif done == trainer.step_count and args.checkpoint_dir:

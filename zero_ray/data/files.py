@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from zero_ray.checkpoint.location import open_location
 from zero_ray.checkpoint.objectstore import classify
-from zero_ray.checkpoint.storage import Storage
+from zero_ray.checkpoint.storage import RangedFile, Storage
 from zero_ray.errors import CheckpointError, ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,7 @@ class FileReader:
         self._filesystem = filesystem
         self._what = what
         self._storages: dict[str, tuple[Storage, str]] = {}
+        self._handles: dict[str, RangedFile] = {}  # ranged reads are safe from several threads at once
 
     def _location(self, url: str) -> tuple[Storage, str]:
         if url not in self._storages:  # a race opens twice, harmlessly
@@ -125,11 +126,22 @@ class FileReader:
         return self._storages[url]
 
     def read(self, index: int, offset: int, size: int) -> bytes:
-        """Bytes ``[offset, offset + size)`` of file ``index``, retried with backoff."""
+        """Bytes ``[offset, offset + size)`` of file ``index``, retried with backoff (the file
+        is opened once, for every read: an object store's open asks for its size)."""
         f = self._files[index]
-        storage, path = self._location(f.url)
-        return self.retrying(lambda: storage.read_range(path, offset, size), f.url,
-                             f"reading bytes [{offset}, {offset + size})")
+
+        def attempt() -> bytes:
+            handle = self._handles.get(f.url)
+            if handle is None:
+                storage, path = self._location(f.url)
+                handle = self._handles[f.url] = storage.open_ranged(path)
+            try:
+                return handle.read(offset, size)
+            except BaseException:
+                self._handles.pop(f.url, None)  # opened again on the next try
+                raise
+
+        return self.retrying(attempt, f.url, f"reading bytes [{offset}, {offset + size})")
 
     def open_input(self, index: int) -> Any:
         """File ``index`` opened as a random-access file object (the caller closes it)."""

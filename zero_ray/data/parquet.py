@@ -141,10 +141,10 @@ class ParquetLayout:
                 return pq.ParquetFile(handle).read_row_group(group, columns=list(self.columns))
 
         table = files.retrying(read, url, f"reading row group {group}")
-        return ParquetBlock(columns={c: _column(table.column(c)) for c in self.columns})
+        return ParquetBlock(columns={c: column_data(table.column(c)) for c in self.columns})
 
 
-def _column(column: Any) -> Any:
+def column_data(column: Any) -> Any:
     """A column as what a sample reads: a numpy array (numbers), (values, offsets) (lists of
     numbers), or a Python list."""
     import pyarrow as pa

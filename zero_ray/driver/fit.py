@@ -23,7 +23,7 @@ import ray
 
 from zero_ray.config import ZeroConfig
 from zero_ray.core.epochs import BlockOrder, EpochOrder, evaluation_chunks
-from zero_ray.data import DataSource, opener
+from zero_ray.data import as_source, opener
 from zero_ray.driver.data import GlobalBatch, IndexedBatch
 from zero_ray.errors import ConfigError
 
@@ -96,8 +96,9 @@ def _ship(trainer: Trainer, name: str, dataset: Any, collate_fn: Callable[[list[
     factory) on every owner. ``plan``: training, whose order it returns."""
     if collate_fn is not None and not callable(collate_fn):
         raise ConfigError(f"collate_fn={collate_fn!r} must be callable: list of samples -> batch")
-    if isinstance(dataset, DataSource):
-        layout = dataset.scan()  # file sizes and footers only: no sample passes through the driver
+    source = as_source(dataset)
+    if source is not None:
+        layout = source.scan()  # file sizes and footers only: no sample passes through the driver
         order = (BlockOrder(block_sizes=layout.block_sizes, global_batch_size=plan.global_batch_size, seed=plan.seed,
                             window=layout.window) if plan is not None else None)
         length = trainer._pool.register_dataset(name, opener(layout, order), factory=True, collate=collate_fn)
@@ -105,11 +106,11 @@ def _ship(trainer: Trainer, name: str, dataset: Any, collate_fn: Callable[[list[
     factory = callable(dataset) and not hasattr(dataset, "__getitem__")
     if not factory and not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise ConfigError(f"{name} dataset is a {type(dataset).__name__}; pass a zero_ray.data source (TokenFiles, "
-                          "Parquet), a map-style dataset (__len__ and __getitem__, e.g. "
+                          "Parquet), a ray.data.Dataset, a map-style dataset (__len__ and __getitem__, e.g. "
                           "torch.utils.data.TensorDataset or datasets.Dataset) or a zero-argument factory that "
                           "builds one on each owner")
-    source = dataset if factory else ray.put(dataset)  # the object store ships it to each owner once
-    length = trainer._pool.register_dataset(name, source, factory=factory, collate=collate_fn)
+    shipped = dataset if factory else ray.put(dataset)  # the object store ships it to each owner once
+    length = trainer._pool.register_dataset(name, shipped, factory=factory, collate=collate_fn)
     order = (EpochOrder(length=length, global_batch_size=plan.global_batch_size, seed=plan.seed)
              if plan is not None else None)
     return Shipped(length=length, order=order)

@@ -250,7 +250,8 @@ class ZeroTrainer(ResumeAPI):
         clipping), ``lr``, ``skipped`` (fp16 overflow, or a non-finite step under
         ``on_nonfinite="skip"``, which adds ``nonfinite_loss_ranks`` and ``nonfinite_grad_ranks``),
         ``loss_scale``, ``samples``, ``items`` (the count, or tokens of an integer batch, or
-        samples) and ``items_per_second``, ``step_seconds``. Under ``on_nonfinite="raise"`` a
+        samples) and ``items_per_second``, ``step_seconds``, ``data_wait_seconds`` (the slowest
+        owner's wait for its piece of the batch). Under ``on_nonfinite="raise"`` a
         non-finite step raises ``NonFiniteError`` having changed nothing: ``step()`` again.
         """
         with self._step_mutex:
@@ -377,9 +378,11 @@ class ZeroTrainer(ResumeAPI):
             progress: bool = True, callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Train until ``step_count`` reaches ``steps`` on a map-style ``dataset`` (``__len__`` and
         ``__getitem__``: a ``torch.utils.data.Dataset``, a Hugging Face ``datasets.Dataset``) or a
-        zero-argument factory building one, which goes to every owner once; each owner builds
-        its own piece of every global batch with ``collate_fn`` (default
-        ``torch.utils.data.default_collate``). The step RPC carries indices only.
+        zero-argument factory building one, which goes to every owner once, or on a source each
+        owner reads itself: ``zr.data.TokenFiles``, ``zr.data.Parquet`` or a ``ray.data.Dataset``
+        (read in ``BlockOrder``, docs/data.md). Each owner builds its own piece of every global
+        batch with ``collate_fn`` (default ``torch.utils.data.default_collate``). The step RPC
+        carries indices only.
 
         Order (fixed): epoch ``e`` is ``torch.randperm(len(dataset),
         generator=torch.Generator().manual_seed(seed + e))``; global batches are consecutive
