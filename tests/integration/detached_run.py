@@ -4,8 +4,8 @@
                                            steps, then keep training slowly until killed
     detached_run.py second OUT RUN_ID      attach to the run, finish to STEPS and write OUT/final.pt
 
-Both read the same batches (a function of the step index alone), so the second driver continues
-exactly where the owners are.
+Both fit over the same token file (zero_ray.data.TokenFiles, whose order is a function of the
+step alone), so the second driver continues exactly where the owners are, mid-epoch.
 """
 
 from __future__ import annotations
@@ -14,38 +14,48 @@ import json
 import os
 import sys
 
+import numpy as np
 import ray
 import torch
+import torch.nn.functional as F
 
 import zero_ray as zr
-from zero_ray.models import mlp, mse_loss
+from zero_ray.models import mlp
 
-STEPS, STEPS_BEFORE = 8, 3
+STEPS, STEPS_BEFORE = 8, 3  # 3 batches an epoch: the second driver attaches mid-epoch
+SEQ, BATCH, SEED, WINDOW, BLOCK_TOKENS = 8, 12, 4, 2, 32
 
 
 def model() -> torch.nn.Module:
     return mlp(8, 2)
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g)
+def corpus_tokens() -> np.ndarray:
+    return np.random.default_rng(7).integers(0, 64, size=300).astype("<u2")
+
+
+def source(out: str) -> zr.data.TokenFiles:
+    """The run's data: a token file in ``out`` (written by the first driver)."""
+    return zr.data.TokenFiles(os.path.join(out, "corpus.bin"), seq_len=SEQ, block_tokens=BLOCK_TOKENS, window=WINDOW)
+
+
+def token_mse(module: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Each window's next tokens from its tokens, as floats."""
+    return F.mse_loss(module(batch[:, :-1].float() / 64), batch[:, 1:].float() / 64)
 
 
 def first(out: str, orphan_s: float) -> None:
     config = zr.ZeroConfig(stage=2, world_size=2, health_interval_s=0.2, health_timeout_s=5.0,
                            elastic=zr.ElasticConfig(detached=True, orphan_timeout_s=orphan_s, redundancy="peer"))
-    trainer = zr.ZeroTrainer(model, mse_loss, optimizer=zr.SGD(lr=0.1, momentum=0.9), config=config)
-    for k in range(STEPS_BEFORE):
-        trainer.step(batch(k))
+    corpus_tokens().tofile(os.path.join(out, "corpus.bin"))
+    trainer = zr.ZeroTrainer(model, token_mse, optimizer=zr.SGD(lr=0.1, momentum=0.9), config=config)
+    trainer.fit(source(out), global_batch_size=BATCH, steps=STEPS_BEFORE, seed=SEED, progress=False)
     tmp = os.path.join(out, "run.json.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump({"run_id": trainer.run_id, "step": trainer.step_count, "pid": os.getpid()}, fh)
     os.replace(tmp, os.path.join(out, "run.json"))
-    k = STEPS_BEFORE
-    while k < STEPS - 1:  # the test SIGKILLs this process meanwhile; it never shuts the run down
-        trainer.step(batch(k))
-        k += 1
+    # The test SIGKILLs this process meanwhile; it never shuts the run down.
+    trainer.fit(source(out), global_batch_size=BATCH, steps=STEPS - 1, seed=SEED, progress=False)
     threading_wait_forever()
 
 
@@ -56,11 +66,10 @@ def threading_wait_forever() -> None:
 
 
 def second(out: str, run_id: str) -> None:
-    trainer = zr.ZeroTrainer.attach(run_id, model, mse_loss)
+    trainer = zr.ZeroTrainer.attach(run_id, model, token_mse)
     try:
         resumed, resumed_samples = trainer.step_count, trainer.samples_seen
-        for k in range(resumed, STEPS):
-            trainer.step(batch(k))
+        trainer.fit(source(out), global_batch_size=BATCH, steps=STEPS, seed=SEED, progress=False)
         torch.save(trainer.full_state_dict(), os.path.join(out, "final.pt"))
         summary = {"resumed": resumed, "resumed_samples": resumed_samples, "samples_seen": trainer.samples_seen,
                    "step": trainer.step_count, "world_size": trainer.world_size,

@@ -1,6 +1,6 @@
 """A driver SIGKILLed mid-run on a `ray start` cluster, with no checkpoint directory: its detached
-owners keep the run, `zero-ray status` lists it, a second driver process attaches and finishes,
-and the parameters equal the uninterrupted run's. Owners no driver reattaches end themselves
+owners keep the run, `zero-ray status` lists it, a second driver process attaches and finishes
+the fit over the same token files (mid-epoch), and the parameters equal the uninterrupted run's. Owners no driver reattaches end themselves
 after orphan_timeout_s. Uses a Ray head of its own (not the session's)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import zero_ray as zr
+from fit_order import reference_block_indices, token_windows
 from ray_head import Head, ray_head
 from tests_paths import REPO_ROOT
-from zero_ray.models import mse_loss
 from zero_ray.testing import single_process
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "integration", "detached_run.py")
@@ -62,8 +62,13 @@ def _status(head: Head) -> str:
 def test_a_second_driver_attaches_and_finishes_the_run(tmp_path: Path) -> None:
     import detached_run as run
 
-    batches = [run.batch(k) for k in range(run.STEPS)]
-    ref, _ = single_process(run.model, mse_loss, zr.SGD(lr=0.1, momentum=0.9), batches)
+    tokens = run.corpus_tokens()
+    samples, per = (len(tokens) - 1) // run.SEQ, run.BLOCK_TOKENS // run.SEQ
+    sizes = [per] * (samples // per) + ([samples % per] if samples % per else [])
+    order = reference_block_indices(sizes, global_batch_size=run.BATCH, steps=run.STEPS, seed=run.SEED,
+                                    window=run.WINDOW)
+    batches = [token_windows(tokens, run.SEQ, idx) for idx in order]
+    ref, _ = single_process(run.model, run.token_mse, zr.SGD(lr=0.1, momentum=0.9), batches)
     with ray_head(num_cpus=4) as head:
         first, info = _start_first(head, tmp_path / "a", orphan_s=120.0)
         _kill(first)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fit_order import reference_block_indices, token_windows
+from s3_server import S3Server
 from tests_paths import REPO_ROOT
 from zero_ray.core.epochs import BlockOrder
 from zero_ray.data import Parquet, TokenFiles, opener
@@ -193,3 +194,25 @@ def test_bad_parquet_is_named(tmp_path: Path) -> None:
         Parquet(str(tmp_path / "junk.parquet")).scan()
     with pytest.raises(ConfigError, match="columns='a'"):
         Parquet(str(tmp_path / "one.parquet"), columns="a")
+
+
+# -- an object store ----------------------------------------------------------------------------------------
+def test_token_files_on_s3_read_through_a_flaky_store_and_name_refused_credentials(s3: S3Server,
+                                                                                   tmp_path: Path) -> None:
+    from s3_server import SECRET_KEY
+
+    tokens = write_tokens(tmp_path, [3000, 1000])
+    bucket = s3.create_bucket("data-sources")
+    for name in ("part-000.bin", "part-001.bin"):
+        s3.put(bucket, f"corpus/{name}", (tmp_path / name).read_bytes())
+    source = TokenFiles(f"s3://{bucket}/corpus/part-*.bin", seq_len=16, block_tokens=256)
+    layout = source.scan()
+    assert [f.url for f in layout.files] == [f"s3://{bucket}/corpus/part-000.bin", f"s3://{bucket}/corpus/part-001.bin"]
+    with s3.failing(r"/corpus/part-001\.bin", count=2, methods=("GET",)) as rule:  # two 503s, then served
+        got = torch.stack(opener(layout)().read(list(range(len(tokens) // 16 - 1))))
+    assert rule.remaining == 0  # both faults fired
+    assert torch.equal(got, token_windows(tokens, 16, list(range(len(tokens) // 16 - 1))))
+    with s3.authenticating(), pytest.raises(DataError) as caught:
+        source.scan()
+    message = str(caught.value)
+    assert "part-" in message and "refused the credentials" in message and SECRET_KEY not in message
