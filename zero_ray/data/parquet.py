@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from zero_ray.data.files import DataFile, FileReader, resolve
+from zero_ray.data.options import FromSource, check_read_options
 from zero_ray.errors import ConfigError, DataError
 
 
@@ -44,12 +45,7 @@ class Parquet:
         if self.columns is not None and (isinstance(self.columns, str) or not self.columns
                                          or not all(isinstance(c, str) for c in self.columns)):
             raise ConfigError(f"Parquet(columns={self.columns!r}) must be a non-empty list of column names")
-        for name in ("window", "prefetch_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "prefetch_steps" else 1):
-                raise ConfigError(f"Parquet({name}={value!r}) must be a positive integer")
-        if self.cache_bytes is not None and (not isinstance(self.cache_bytes, int) or self.cache_bytes < 1):
-            raise ConfigError(f"Parquet(cache_bytes={self.cache_bytes!r}) must be a positive number of bytes")
+        check_read_options(self)
 
     def scan(self) -> ParquetLayout:
         """Every file's footer: the schema (checked alike across files), row groups and sizes."""
@@ -95,7 +91,7 @@ class Parquet:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParquetLayout:
+class ParquetLayout(FromSource):
     """``Parquet`` scanned: what the owners read by."""
 
     source: Parquet
@@ -105,18 +101,6 @@ class ParquetLayout:
     block_sizes: tuple[int, ...]
     group_bytes: tuple[int, ...]
     cache_bytes: int
-
-    @property
-    def filesystem(self) -> Any:
-        return self.source.filesystem
-
-    @property
-    def prefetch_steps(self) -> int:
-        return self.source.prefetch_steps
-
-    @property
-    def window(self) -> int:
-        return self.source.window
 
     @property
     def what(self) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 import ray
 
 from zero_ray.data.files import DataFile, FileReader
+from zero_ray.data.options import FromSource, check_read_options
 from zero_ray.data.parquet import ParquetBlock, column_data
 from zero_ray.errors import ConfigError, DataError
 
@@ -48,6 +49,9 @@ class RayDataset:
     cache_bytes: int | None = None
     prefetch_steps: int = 2
 
+    def __post_init__(self) -> None:
+        check_read_options(self)
+
     def scan(self) -> RayDatasetLayout:
         """Execute the dataset into blocks in the object store; their rows and sizes."""
         refs = list(self.dataset.to_arrow_refs())
@@ -68,7 +72,7 @@ class RayDataset:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RayDatasetLayout:
+class RayDatasetLayout(FromSource):
     """A Ray Dataset executed into blocks: what the owners read by (the blocks' references)."""
 
     source: RayDataset
@@ -78,19 +82,10 @@ class RayDatasetLayout:
     columns: tuple[str, ...]
     cache_bytes: int
     files: tuple[DataFile, ...] = ()
-    filesystem: Any = None
 
     def __reduce__(self) -> Any:  # owners get the references, not the driver's Dataset object
         return (_rebuild, (self.refs, self.block_sizes, self.group_bytes, self.columns, self.cache_bytes,
                            self.source.window, self.source.prefetch_steps))
-
-    @property
-    def prefetch_steps(self) -> int:
-        return self.source.prefetch_steps
-
-    @property
-    def window(self) -> int:
-        return self.source.window
 
     @property
     def what(self) -> str:

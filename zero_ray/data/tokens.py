@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from zero_ray.data.files import DataFile, FileReader, resolve
+from zero_ray.data.options import FromSource, check_read_options
 from zero_ray.errors import ConfigError, DataError
 
 DTYPES = {"uint16": "<u2", "uint32": "<u4"}
@@ -50,12 +51,7 @@ class TokenFiles:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"TokenFiles(dtype={self.dtype!r}) must be one of {sorted(DTYPES)}")
-        for name in ("seq_len", "block_tokens", "window", "prefetch_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "prefetch_steps" else 1):
-                raise ConfigError(f"TokenFiles({name}={value!r}) must be a positive integer")
-        if self.cache_bytes is not None and (not isinstance(self.cache_bytes, int) or self.cache_bytes < 1):
-            raise ConfigError(f"TokenFiles(cache_bytes={self.cache_bytes!r}) must be a positive number of bytes")
+        check_read_options(self, seq_len=self.seq_len, block_tokens=self.block_tokens)
 
     def scan(self) -> TokenLayout:
         """The files' sizes (metadata only: no token is read) and the blocks they make."""
@@ -79,7 +75,7 @@ class TokenFiles:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TokenLayout:
+class TokenLayout(FromSource):
     """``TokenFiles`` scanned: what the owners read by."""
 
     source: TokenFiles
@@ -87,18 +83,6 @@ class TokenLayout:
     block_sizes: tuple[int, ...]
     itemsize: int
     cache_bytes: int
-
-    @property
-    def filesystem(self) -> Any:
-        return self.source.filesystem
-
-    @property
-    def prefetch_steps(self) -> int:
-        return self.source.prefetch_steps
-
-    @property
-    def window(self) -> int:
-        return self.source.window
 
     @property
     def what(self) -> str:
