@@ -8,7 +8,9 @@ counts each block's rows with a small Ray task beside it. Owners fetch whole blo
 to disk by Ray when it fills) for as long as the trainer holds the dataset: a replay, a resize or
 a recovery reads the same blocks.
 
-The order is then exact within a run. A run resumed by a new driver executes the dataset again:
+``fit`` executes a Dataset object once: later fits over it (after a resize, say) read the same
+blocks, which stay in the object store while the Dataset object lives. The order is then
+exact within a run. A run resumed by a new driver executes the dataset again:
 its order is the same only if the dataset is deterministic (the same source, seeded shuffles)
 and Ray Data keeps block order (``DataContext.get_current().execution_options.preserve_order =
 True``); the checkpoint records the rows of every block, and a resume that sees other blocks is
@@ -17,6 +19,7 @@ refused, naming what changed.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
@@ -53,22 +56,52 @@ class RayDataset:
         check_read_options(self)
 
     def scan(self) -> RayDatasetLayout:
-        """Execute the dataset into blocks in the object store; their rows and sizes."""
-        refs = list(self.dataset.to_arrow_refs())
-        counted = ray.get([_block_rows.remote(r) for r in refs])
-        keep = [(ref, rows, size) for ref, (rows, size) in zip(refs, counted) if rows]
-        if not keep:
-            raise DataError(f"the Ray Dataset {self.dataset} holds no rows")
+        """Execute the dataset into blocks in the object store; their rows and sizes. Once per
+        Dataset object: later fits (after a resize, say) read the same blocks."""
+        try:
+            executed = _EXECUTED.get(self.dataset)
+        except TypeError:  # not weakly referenceable: executed again
+            executed = None
+        if executed is None:
+            executed = self._execute()
+            try:
+                _EXECUTED[self.dataset] = executed
+            except TypeError:
+                pass
+        return RayDatasetLayout(source=self, refs=executed.refs, block_sizes=executed.rows, group_bytes=executed.nbytes,
+                                columns=self._columns(),
+                                cache_bytes=self.cache_bytes or 3 * self.window * max(executed.nbytes))
+
+    def _columns(self) -> tuple[str, ...]:
         schema = self.dataset.schema()
         names = tuple(schema.names) if schema is not None else ()
         columns = tuple(self.columns) if self.columns is not None else names
         missing = [c for c in columns if c not in names]
         if missing:
             raise ConfigError(f"the Ray Dataset has no column {missing[0]!r} (its columns: {list(names)})")
-        return RayDatasetLayout(source=self, refs=tuple(r for r, _, _ in keep),
-                                block_sizes=tuple(n for _, n, _ in keep), group_bytes=tuple(b for _, _, b in keep),
-                                columns=columns,
-                                cache_bytes=self.cache_bytes or 3 * self.window * max(b for _, _, b in keep))
+        return columns
+
+    def _execute(self) -> Executed:
+        refs = list(self.dataset.to_arrow_refs())
+        counted = ray.get([_block_rows.remote(r) for r in refs])
+        keep = [(ref, rows, size) for ref, (rows, size) in zip(refs, counted) if rows]
+        if not keep:
+            raise DataError(f"the Ray Dataset {self.dataset} holds no rows")
+        return Executed(refs=tuple(r for r, _, _ in keep), rows=tuple(n for _, n, _ in keep),
+                        nbytes=tuple(b for _, _, b in keep))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Executed:
+    """A Dataset's blocks in the object store: references, rows and bytes of each (empty ones left out)."""
+
+    refs: tuple[Any, ...]
+    rows: tuple[int, ...]
+    nbytes: tuple[int, ...]
+
+
+# Each Dataset object's blocks, held while the user holds the Dataset.
+_EXECUTED: weakref.WeakKeyDictionary[Any, Executed] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, kw_only=True)
