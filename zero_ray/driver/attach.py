@@ -21,7 +21,8 @@ import ray
 from zero_ray.control.client import ClientConfig, OwnerClient
 from zero_ray.control.handlers import OwnerStatus
 from zero_ray.core.position import Position
-from zero_ray.driver.pool import NAMESPACE, client_tls
+from zero_ray.driver.pool import NAMESPACE
+from zero_ray.driver.pool_spec import client_tls
 from zero_ray.errors import ConfigError, ControlError, ModelError, OwnerLostError
 
 _NAME = re.compile(r"^zero_ray-(?P<run>[0-9a-f]+)-rank(?P<rank>\d+)-g(?P<gen>\d+)(-s\d+)?$")

@@ -22,7 +22,6 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from zero_ray.config import ControlTLS
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient
 from zero_ray.control.handlers import (
@@ -41,6 +40,7 @@ from zero_ray.core.placement import NodeRoom, Target, place
 from zero_ray.core.reshard import backup_peers
 from zero_ray.driver.fanout import FanOut
 from zero_ray.driver.health import HealthMonitor
+from zero_ray.driver.pool_spec import PoolSpec, check_resources, cluster_is_local
 from zero_ray.driver.replacements import Replacements
 from zero_ray.driver.terminate import end_process
 from zero_ray.errors import ConfigError, OwnerLostError, ResourceError
@@ -80,79 +80,6 @@ def layout_info(result: SetupResult) -> dict[str, Any]:
     return {"rank": result.rank, "numel": layout.numel, "padded_numel": layout.padded_numel,
             "buckets": layout.buckets, "shapes": {p.name: list(p.shape) for p in layout.params},
             "trainable": {p.name: p.trainable for p in layout.params}}
-
-
-@dataclass(frozen=True, kw_only=True)
-class PoolSpec:
-    """How to place and start the owners."""
-
-    world_size: int
-    use_gpu: bool
-    num_cpus_per_owner: float
-    backend: str
-    placement_strategy: str
-    collective_timeout_s: float
-    init_timeout_s: float
-    health_interval_s: float
-    health_timeout_s: float
-    tls: ControlTLS | None = None
-    snapshot_every: int = 0  # peer snapshots every this many steps; 0: none
-    detached: bool = False
-    orphan_timeout_s: float = 300.0
-    run: dict[str, Any] | None = None  # what an attaching driver reads back (config, optimizer)
-
-    @property
-    def demand(self) -> dict[str, float]:
-        """One owner's slot."""
-        return {"GPU": 1.0, "CPU": 1.0} if self.use_gpu else {"CPU": self.num_cpus_per_owner}
-
-    @property
-    def settle_timeout_s(self) -> float:
-        """After an abort, how long an owner may take to leave the aborted operation."""
-        return max(2 * self.health_timeout_s, 5.0)
-
-    def server_tls(self) -> dict[str, str | None]:
-        """The TLS arguments of a control ServerConfig."""
-        t = self.tls
-        if t is None:
-            return {}
-        return {"tls_cert": t.cert, "tls_key": t.key, "tls_client_ca": t.ca if t.mutual else None}
-
-    def client_tls(self) -> dict[str, str | None]:
-        """The TLS arguments of a control ClientConfig."""
-        return client_tls(self.tls)
-
-
-def client_tls(tls: ControlTLS | None) -> dict[str, str | None]:
-    """The TLS arguments of a control ClientConfig for a run configured with ``tls``."""
-    if tls is None:
-        return {}
-    return {"tls_ca": tls.ca, "tls_cert": tls.cert if tls.mutual else None,
-            "tls_key": tls.key if tls.mutual else None}
-
-
-def check_resources(*, world_size: int, use_gpu: bool, num_cpus_per_owner: float) -> None:
-    """Fail fast, naming the resources, when the cluster can never host the owners."""
-    total = ray.cluster_resources()
-    if use_gpu:
-        need, have, what = float(world_size), total.get("GPU", 0.0), "GPU"
-        hint = "lower world_size or add GPU nodes"
-    else:
-        need, have, what = world_size * num_cpus_per_owner, total.get("CPU", 0.0), "CPU"
-        hint = ("lower world_size, add nodes, or start Ray with more logical CPUs "
-                "(ray.init(num_cpus=...)); or lower num_cpus_per_owner")
-    if have < need:
-        raise ResourceError(f"world_size={world_size} needs {need:g} {what} ({'1 GPU' if use_gpu else f'{num_cpus_per_owner:g} CPU'} "
-                            f"per partition owner) but the Ray cluster has {have:g} {what}; {hint}")
-
-
-def cluster_is_local() -> bool:
-    """Every node of the cluster is this machine: the control plane can stay on loopback."""
-    try:
-        here = ray.util.get_node_ip_address()
-        return all(n.get("NodeManagerAddress") == here for n in ray.nodes() if n.get("Alive"))
-    except Exception:
-        return False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,8 @@ from typing import Any
 
 from zero_ray.core.replica import keep_whole_groups, replica_plan, surviving_group
 from zero_ray.core.topology import Mesh, Topology, plan_mesh
-from zero_ray.driver.pool import OwnerPool, check_resources
+from zero_ray.driver.pool import OwnerPool
+from zero_ray.driver.pool_spec import check_resources
 from zero_ray.errors import CheckpointError, ConfigError, OwnerLostError
 from zero_ray.owner.resize import merge_descriptions
 

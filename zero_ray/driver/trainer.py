@@ -47,7 +47,8 @@ from zero_ray.driver.data import GlobalBatch, StagedBatch
 from zero_ray.driver.fit import fit
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.metrics import RunMetrics
-from zero_ray.driver.pool import Adopted, OwnerPool, PoolSpec, cluster_is_local
+from zero_ray.driver.pool import Adopted, OwnerPool
+from zero_ray.driver.pool_spec import PoolSpec, cluster_is_local
 from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport, Replay, failed_error
 from zero_ray.driver.replica_restore import resize_groups
 from zero_ray.driver.resume import ResumeAPI
@@ -379,10 +380,9 @@ class ZeroTrainer(ResumeAPI):
         """Train until ``step_count`` reaches ``steps`` on a map-style ``dataset`` (``__len__`` and
         ``__getitem__``: a ``torch.utils.data.Dataset``, a Hugging Face ``datasets.Dataset``) or a
         zero-argument factory building one, which goes to every owner once, or on a source each
-        owner reads itself: ``zr.data.TokenFiles``, ``zr.data.Parquet`` or a ``ray.data.Dataset``
-        (read in ``BlockOrder``, docs/data.md). Each owner builds its own piece of every global
-        batch with ``collate_fn`` (default ``torch.utils.data.default_collate``). The step RPC
-        carries indices only.
+        owner reads itself (``zr.data.TokenFiles``, ``Parquet``, a ``ray.data.Dataset``: docs/data.md).
+        Each owner builds its pieces with ``collate_fn`` (default ``default_collate``) from the
+        indices the step RPC carries.
 
         Order (fixed): epoch ``e`` is ``torch.randperm(len(dataset),
         generator=torch.Generator().manual_seed(seed + e))``; global batches are consecutive
