@@ -97,16 +97,36 @@ def test_parquet_trains_as_one_process_at_any_world_size(tmp_path: Path, stage: 
     assert max_dev(got, ref) <= 1e-6
 
 
-def test_the_order_survives_a_sigkill_resizes_and_a_resume_at_another_size_on_s3(tmp_path: Path, s3: S3Server) -> None:
-    tokens = write_corpus(tmp_path, (300, 200, 350))  # 106 samples: 17 batches an epoch
-    bucket = s3.create_bucket("data-fit")
-    for f in sorted(tmp_path.glob("train-*.bin")):
-        s3.put(bucket, f"corpus/{f.name}", f.read_bytes())
-    source = zr.data.TokenFiles(f"s3://{bucket}/corpus/train-*.bin", seq_len=SEQ, block_tokens=64, window=WINDOW)
+def s3_source(kind: str, tmp_path: Path, s3: S3Server) -> tuple[object, object, list[torch.Tensor]]:
+    """A source on the local S3 server (token files, or Parquet files of several row groups),
+    its loss function, and its first 20 global batches in the documented order."""
+    bucket = s3.create_bucket(f"data-fit-{kind}")
+    if kind == "tokens":
+        tokens = write_corpus(tmp_path, (300, 200, 350))  # 106 samples: 17 batches an epoch
+        for f in sorted(tmp_path.glob("train-*.bin")):
+            s3.put(bucket, f"corpus/{f.name}", f.read_bytes())
+        source = zr.data.TokenFiles(f"s3://{bucket}/corpus/train-*.bin", seq_len=SEQ, block_tokens=64, window=WINDOW)
+        samples = (len(tokens) - 1) // SEQ
+        order = reference_block_indices([8] * (samples // 8) + [samples % 8], global_batch_size=BATCH, steps=20,
+                                        seed=SEED, window=WINDOW)
+        return source, lm_loss, [token_windows(tokens, SEQ, idx) for idx in order]
+    rows, groups = parquet_corpus(tmp_path)  # 70 rows: 11 batches an epoch
+    for f in sorted(tmp_path.glob("*.parquet")):
+        s3.put(bucket, f"rows/{f.name}", f.read_bytes())
+    source = zr.data.Parquet(f"s3://{bucket}/rows/*.parquet", columns=["tokens"], window=WINDOW)
+    order = reference_block_indices(groups, global_batch_size=BATCH, steps=20, seed=SEED, window=WINDOW)
+    return source, parquet_loss, [torch.tensor(np.stack([rows[i] for i in idx])) for idx in order]
+
+
+@pytest.mark.parametrize("kind", ["tokens", "parquet"])
+def test_the_order_survives_a_sigkill_resizes_and_a_resume_at_another_size_on_s3(tmp_path: Path, s3: S3Server,
+                                                                                  kind: str) -> None:
+    source, loss_fn, batches = s3_source(kind, tmp_path, s3)
+    ref, _ = single_process(GPT_FN, lm_loss, OPT, batches)
     cfg = config(2, 2, health_interval_s=0.2, health_timeout_s=3.0,
                  elastic=zr.ElasticConfig(redundancy="peer", max_world_size=3))
     fit = functools.partial(dict, global_batch_size=BATCH, seed=SEED, progress=False)
-    with zr.ZeroTrainer(GPT_FN, lm_loss, optimizer=OPT, config=cfg) as trainer:
+    with zr.ZeroTrainer(GPT_FN, loss_fn, optimizer=OPT, config=cfg) as trainer:
         pid = ray.get(trainer.actors[1].node.remote(), timeout=30)["pid"]
 
         def kill_after_step_3(metrics: dict) -> None:  # type: ignore[type-arg]
@@ -120,11 +140,11 @@ def test_the_order_survives_a_sigkill_resizes_and_a_resume_at_another_size_on_s3
         trainer.resize(2)
         trainer.fit(source, steps=11, **fit())
         checkpoint = trainer.save_checkpoint(tmp_path / "ckpt", wait=True)
-    with zr.ZeroTrainer.from_checkpoint(checkpoint, GPT_FN, lm_loss, optimizer=OPT, config=config(2, 3)) as resumed:
+    with zr.ZeroTrainer.from_checkpoint(checkpoint, GPT_FN, loss_fn, optimizer=OPT, config=config(2, 3)) as resumed:
         result = resumed.fit(source, steps=20, **fit())  # on, across the end of epoch 0
         got = resumed.full_state_dict()
     assert result["epoch"] == 1
-    assert max_dev(got, token_reference(tokens, 20, 64)) <= 1e-6
+    assert max_dev(got, ref) <= 1e-6
 
 
 def test_resuming_over_other_data_names_what_changed(tmp_path: Path) -> None:

@@ -75,7 +75,8 @@ class RingGroup:
         dist = self._dist
         for t, peer in sends:
             self.counters.add(op, t.numel() * t.element_size(), peer=peer)
-        if self._pg is None:  # a job queued on a communication thread after an abort
+        pg = self._pg  # read once: an abort on another thread drops it
+        if pg is None:  # a job queued on a communication thread after an abort
             raise CollectiveError(f"{op} on rank {self.rank} of {self.world_size}: the group was aborted")
         # A gloo work keeps its group's sockets open, and an exception raised here keeps this
         # frame: so the works are dropped on the way out, or an aborted group would stay open
@@ -83,8 +84,8 @@ class RingGroup:
         # one was dropped as stuck after settle_timeout_s; benchmarks.recovery_time).
         works: list[Any] = []
         try:
-            works += [dist.isend(t, peer, group=self._pg) for t, peer in sends]
-            works += [dist.irecv(t, peer, group=self._pg) for t, peer in recvs]
+            works += [dist.isend(t, peer, group=pg) for t, peer in sends]
+            works += [dist.irecv(t, peer, group=pg) for t, peer in recvs]
             while works:  # each once: a second wait on a gloo receive waits for another message
                 works[0].wait(timeout=self._timeout)
                 works.pop(0)
@@ -97,6 +98,9 @@ class RingGroup:
                     f"{self._timeout.total_seconds():g}s waiting for ranks {peers}"
                 ) from err
             raise CollectiveError(f"{op} on rank {self.rank} of {self.world_size} failed: {text}") from err
+        except ValueError as err:  # torch: "Group ... is not registered": destroyed by an abort meanwhile
+            raise CollectiveError(f"{op} on rank {self.rank} of {self.world_size}: the group was aborted "
+                                  f"while the job ran ({err})") from err
         finally:
             works.clear()
 
@@ -198,8 +202,8 @@ class RingGroup:
         """Tear the group down and drop every reference to it, so its sockets close (measured:
         destroying the group while a reference survives leaves peers blocked until their
         timeout)."""
+        self._pg = None  # first: a job starting meanwhile finds the group gone, not half torn down
         destroy_group(self.group_name)
-        self._pg = None
         self._scratch = {}
         gc.collect()
 
