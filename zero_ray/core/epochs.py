@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -115,10 +116,7 @@ class BlockOrder:
     @functools.cached_property
     def offsets(self) -> tuple[int, ...]:
         """``offsets[b]``: the first index of block ``b``; the last entry is ``length``."""
-        out = [0]
-        for n in self.block_sizes:
-            out.append(out[-1] + n)
-        return tuple(out)
+        return tuple(itertools.accumulate(self.block_sizes, initial=0))
 
     @property
     def length(self) -> int:

@@ -15,6 +15,7 @@ still fails raises ``DataError`` (``data/files.py``), which fails the step.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import threading
 import time
@@ -65,10 +66,7 @@ class BlockReader:
     def __init__(self, layout: Layout, *, order: BlockOrder | None = None) -> None:
         self._layout = layout
         self._order = order
-        offsets = [0]
-        for n in layout.block_sizes:
-            offsets.append(offsets[-1] + n)
-        self._offsets = offsets
+        self._offsets = list(itertools.accumulate(layout.block_sizes, initial=0))
         self._files = FileReader(layout.files, filesystem=layout.filesystem, what=layout.what)
         self._lock = threading.Lock()
         self._cache: OrderedDict[int, Block] = OrderedDict()
@@ -98,17 +96,17 @@ class BlockReader:
     def read(self, indices: Sequence[int], *, step: int | None = None) -> list[Any]:
         """The samples at ``indices``. ``step``: the global batch they belong to; the blocks of
         the ``prefetch_steps`` batches after it are then read in the background."""
-        blocks = sorted({self.block_of(i) for i in indices})
+        where = [self.block_of(i) for i in indices]
+        blocks = sorted(set(where))
         upcoming = self._upcoming(step)
-        with self._lock:
-            self._needed = frozenset(blocks) | frozenset(upcoming)
         start = time.perf_counter()
         with self._lock:
+            self._needed = frozenset(blocks) | frozenset(upcoming)
             self.missed_blocks = sum(b not in self._cache for b in blocks)
         got = {b: self._get(b) for b in blocks}
         self.wait_seconds = time.perf_counter() - start
         self._prefetch(upcoming)
-        return [got[b].sample(i - self._offsets[b]) for b, i in ((self.block_of(i), i) for i in indices)]
+        return [got[b].sample(i - self._offsets[b]) for b, i in zip(where, indices)]
 
     def _upcoming(self, step: int | None) -> list[int]:
         """The blocks of the next ``prefetch_steps`` global batches after ``step``, in the order
@@ -118,7 +116,7 @@ class BlockReader:
         out: dict[int, None] = {}
         for s in range(step + 1, step + 1 + self._layout.prefetch_steps):
             for i in self._order.indices(s):
-                out.setdefault(bisect.bisect_right(self._offsets, i) - 1)
+                out.setdefault(self.block_of(i))
         return list(out)
 
     def _get(self, block: int) -> Block:

@@ -11,6 +11,8 @@ the last block may be shorter.
 from __future__ import annotations
 
 import bisect
+import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
@@ -94,6 +96,11 @@ class TokenLayout(FromSource):
         return {"kind": "TokenFiles", "files": [[f.url, f.size] for f in self.files], "seq_len": s.seq_len,
                 "dtype": s.dtype, "block_tokens": s.block_tokens, "window": s.window}
 
+    @functools.cached_property
+    def _file_ends(self) -> list[int]:
+        """Where each file's tokens end in the concatenated stream (computed once, not per block)."""
+        return list(itertools.accumulate(f.size // self.itemsize for f in self.files))
+
     def _per_block(self) -> int:
         return self.block_sizes[0]
 
@@ -110,10 +117,7 @@ class TokenLayout(FromSource):
 
     def _read_tokens(self, start: int, stop: int, files: FileReader) -> list[bytes]:
         """Tokens ``[start, stop)`` of the concatenated stream, file by file."""
-        ends, total = [], 0
-        for f in self.files:
-            total += f.size // self.itemsize
-            ends.append(total)
+        ends = self._file_ends
         parts = []
         i = bisect.bisect_right(ends, start)
         while start < stop:
