@@ -129,3 +129,34 @@ def test_without_room_the_run_carries_on_with_the_survivors_once() -> None:
 def test_a_reformed_step_is_run_again_only_when_the_failure_says_nothing_about_the_step(
         error: ZeroRayError, retry: bool) -> None:
     assert FailurePolicy().retry_reformed(error) is retry
+
+
+def test_only_failures_of_owners_need_recovery_outside_collectives() -> None:
+    from zero_ray.errors import CheckpointError, ControlError, NonFiniteError, ResourceError, StopRequested
+
+    p = FailurePolicy()
+    for refusal in (NonFiniteError("x"), ResourceError("x"), ConfigError("x"), StopRequested("x")):
+        assert not p.needs_recovery(refusal, collective=True)
+        assert not p.needs_recovery(refusal, collective=False)
+    # A step may have left owners mid-collective whatever failed; a save refused by its storage did not.
+    assert p.needs_recovery(CheckpointError("disk full"), collective=True)
+    assert not p.needs_recovery(CheckpointError("disk full"), collective=False)
+    for lost in (OwnerLostError("gone", rank=1), OwnerError("x", rank=0), CollectiveError("x"), ControlError("x")):
+        assert p.needs_recovery(lost, collective=False)
+
+
+def test_a_restore_fails_the_run_when_the_replay_is_no_longer_kept() -> None:
+    p = FailurePolicy()
+    ok = p.after_restore(resume_step=4, missing=[], keep=8)
+    assert ok.action is Action.RESTORE
+    gone = p.after_restore(resume_step=2, missing=[2, 3, 4], keep=2)
+    assert gone.action is Action.FAIL
+    assert "steps 3..5 are no longer kept (elastic.max_replay_steps=2)" in gone.reason
+
+
+def test_the_highest_ranks_leave_when_fewer_owners_go_on() -> None:
+    from zero_ray.core.policy import ScalingPolicy
+
+    s = ScalingPolicy()
+    assert s.leavers(survivors=[0, 2, 3, 5], target=2) == [3, 5]
+    assert s.leavers(survivors=[0, 1], target=2) == []

@@ -9,7 +9,19 @@ import enum
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
-from zero_ray.errors import CollectiveError, ConfigError, OwnerLostError
+from zero_ray.errors import (
+    CollectiveError,
+    ConfigError,
+    ControlError,
+    NonFiniteError,
+    OwnerError,
+    OwnerLostError,
+    ResourceError,
+    StopRequested,
+)
+
+# Errors that refuse a call having changed nothing on any owner: the caller's to handle.
+_REFUSALS = (NonFiniteError, ResourceError, ConfigError, StopRequested)
 
 
 class Action(enum.Enum):
@@ -108,6 +120,30 @@ class FailurePolicy:
                             reason=f"a rank had started updating weights: restore from {sources[0].value} and replay")
         return Decision(action=Action.FAIL, reason="a rank had started updating weights: the partitions may disagree")
 
+    def needs_recovery(self, error: BaseException, *, collective: bool) -> bool:
+        """Whether a call's failure is one to recover from (find the lost, abort, re-form or
+        restore). A refusal (a non-finite step under "raise", no room, a bad setting, a stop)
+        changed nothing. A call that runs collectives on the owners (a step, an evaluation, a
+        resize) may have left any of them mid-collective whatever failed; one that does not (a
+        save's snapshot, a report, registering data) needs recovery only when an owner failed or
+        stopped answering, not when, say, its storage refused a write."""
+        if isinstance(error, _REFUSALS):
+            return False
+        if collective:
+            return True
+        return isinstance(error, (OwnerError, CollectiveError, ControlError))
+
+    def after_restore(self, *, resume_step: int, missing: Sequence[int], keep: int) -> Decision:
+        """The state was restored at ``resume_step``: replay the kept batches up to where the
+        user's calls had got, or fail when some of them are no longer kept (``missing``, 0-based
+        step indices; ``keep`` is ``elastic.max_replay_steps``)."""
+        if missing:
+            return Decision(action=Action.FAIL,
+                            reason=f"the restored state is at step {resume_step} but the batches of steps "
+                                   f"{missing[0] + 1}..{missing[-1] + 1} are no longer kept (elastic.max_replay_steps="
+                                   f"{keep}); resume with from_checkpoint")
+        return Decision(action=Action.RESTORE, reason=f"restored at step {resume_step}: replay the kept batches")
+
     def retry_reformed(self, error: BaseException) -> bool:
         """After a re-form (no rank lost, no weight changed): whether the driver runs the failed
         step again itself. A broken or timed-out collective, or an owner that stopped answering and
@@ -164,6 +200,11 @@ class ScalingPolicy:
         """No room for the replacements after all (another job took the freed slots): whether to
         carry on with the survivors alone (True) or give this source up (False: already alone)."""
         return replacements and survivors >= self.min_world_size
+
+    def leavers(self, *, survivors: Sequence[int], target: int) -> list[int]:
+        """Who leaves when fewer owners than survive are to go on (shard groups keep a multiple
+        of the group size): the highest ranks, so that the ranks kept stay 0..target-1."""
+        return sorted(survivors)[target:] if target < len(survivors) else []
 
     def grow_to(self, *, current: int, free_slots: int, desired: int) -> int | None:
         """A larger size when the cluster has room again (a replaced node), else None: never

@@ -28,10 +28,6 @@ from zero_ray.driver.data import GlobalBatch, IndexedBatch
 from zero_ray.errors import ConfigError
 
 
-class DatasetPool(Protocol):
-    def register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int: ...
-
-
 class Trainer(Protocol):
     """What fit needs of ``ZeroTrainer``."""
 
@@ -39,7 +35,6 @@ class Trainer(Protocol):
     step_count: int
     run_extra: dict[str, Any]
     resumed: dict[str, Any]
-    _pool: DatasetPool
     _step_mutex: threading.RLock
 
     @property
@@ -51,6 +46,8 @@ class Trainer(Protocol):
     def _step(self, work: GlobalBatch) -> dict[str, Any]: ...
 
     def _evaluate(self, work: GlobalBatch) -> dict[str, float]: ...
+
+    def _register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int: ...
 
     def save_checkpoint(self, path: Any = None, *, wait: bool = False) -> str: ...
 
@@ -101,7 +98,7 @@ def _ship(trainer: Trainer, name: str, dataset: Any, collate_fn: Callable[[list[
         layout = source.scan()  # file sizes and footers only: no sample passes through the driver
         order = (BlockOrder(block_sizes=layout.block_sizes, global_batch_size=plan.global_batch_size, seed=plan.seed,
                             window=layout.window) if plan is not None else None)
-        length = trainer._pool.register_dataset(name, opener(layout, order), factory=True, collate=collate_fn)
+        length = trainer._register_dataset(name, opener(layout, order), factory=True, collate=collate_fn)
         return Shipped(length=length, identity=layout.identity(), order=order)
     factory = callable(dataset) and not hasattr(dataset, "__getitem__")
     if not factory and not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
@@ -110,7 +107,7 @@ def _ship(trainer: Trainer, name: str, dataset: Any, collate_fn: Callable[[list[
                           "torch.utils.data.TensorDataset or datasets.Dataset) or a zero-argument factory that "
                           "builds one on each owner")
     shipped = dataset if factory else ray.put(dataset)  # the object store ships it to each owner once
-    length = trainer._pool.register_dataset(name, shipped, factory=factory, collate=collate_fn)
+    length = trainer._register_dataset(name, shipped, factory=factory, collate=collate_fn)
     order = (EpochOrder(length=length, global_batch_size=plan.global_batch_size, seed=plan.seed)
              if plan is not None else None)
     return Shipped(length=length, order=order)

@@ -18,8 +18,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from zero_ray.errors import StopRequested, ZeroRayError
+
+if TYPE_CHECKING:
+    from zero_ray.driver.recovery import RecoveryReport
 
 
 class TrainerState(enum.Enum):
@@ -56,11 +60,16 @@ class InvalidTransition(ZeroRayError):
 @dataclass(frozen=True, kw_only=True)
 class RunState:
     """A state and why it was entered: the step being taken, the sizes of a resize, the error
-    being recovered from or that failed the run, the reason for a stop."""
+    being recovered from or that failed the run, the reason for a stop. Typed payloads, as Ray
+    Train's states carry theirs: ``error`` (RECOVERING, FAILED), ``world_size`` (RESIZING: the
+    target; READY or FAILED after a recovery: the size it left) and ``recovery`` (READY or FAILED
+    after a recovery: what the policies decided and what was done)."""
 
     type: TrainerState
     cause: str = ""
     error: BaseException | None = field(default=None, compare=False)
+    world_size: int | None = None
+    recovery: RecoveryReport | None = field(default=None, compare=False)
     since: float = field(default_factory=time.monotonic, compare=False)
 
     @property
@@ -108,7 +117,8 @@ class Lifecycle:
         if self._state.type in FINAL:
             raise ZeroRayError(f"the trainer is {self._state}")
 
-    def move(self, to: TrainerState, *, cause: str = "", error: BaseException | None = None) -> RunState:
+    def move(self, to: TrainerState, *, cause: str = "", error: BaseException | None = None,
+             world_size: int | None = None, recovery: RecoveryReport | None = None) -> RunState:
         """Enter ``to`` (READY becomes STOPPING while a stop is asked for); raises
         ``InvalidTransition`` for a move the table does not allow."""
         with self._lock:
@@ -117,17 +127,17 @@ class Lifecycle:
                 to, cause = _S.STOPPING, self.stop_reason
             if to is not old.type and to not in TRANSITIONS[old.type]:
                 raise InvalidTransition(f"the controller may not move from {old} to {to.value} ({cause})")
-            self._state = new = RunState(type=to, cause=cause, error=error)
+            self._state = new = RunState(type=to, cause=cause, error=error, world_size=world_size, recovery=recovery)
             self.history.append(new)
         for listener in self._listeners:
             listener(old, new)
         return new
 
     @contextmanager
-    def during(self, state: TrainerState, *, cause: str = "") -> Iterator[RunState]:
+    def during(self, state: TrainerState, *, cause: str = "", world_size: int | None = None) -> Iterator[RunState]:
         """In ``state`` for the block; READY again after it unless something moved the state on
         (a failure, a stop request)."""
-        entered = self.move(state, cause=cause)
+        entered = self.move(state, cause=cause, world_size=world_size)
         try:
             yield entered
         finally:

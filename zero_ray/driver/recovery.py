@@ -43,7 +43,8 @@ class Outcome(enum.Enum):
 class RecoveryReport:
     """What happened: who was lost, what was decided, how long each part took."""
 
-    failed_step: int  # 0-based index of the step that failed
+    failed_step: int  # 0-based index of the step that failed, or at which the failed call ran
+    call: str = ""  # the call that found the failure ("step 3", "save_checkpoint", ...)
     error: str
     lost: dict[int, str]
     decision: str
@@ -63,7 +64,7 @@ class RecoveryReport:
 
     def summary(self) -> str:
         lost = f"lost ranks {sorted(self.lost)}" if self.lost else "no rank lost"
-        return (f"step {self.failed_step + 1} failed ({lost}): {self.decision}"
+        return (f"{self.call or f'step {self.failed_step + 1}'} failed ({lost}): {self.decision}"
                 + (f" from {self.source}" if self.source else "")
                 + f", {self.world_size_before} -> {self.world_size_after} owners, replayed {self.replayed_steps} "
                   f"steps; detect {self.detect_s:.2f}s, abort {self.abort_s:.2f}s, restore {self.restore_s:.2f}s"
@@ -91,21 +92,6 @@ class Replay:
     def samples(self, start: int, end: int) -> int:
         return sum(self._batches[i].samples for i in range(start, end))
 
-    def covers(self, report: RecoveryReport, replay_until: int, keep: int) -> bool:
-        """Whether the batches from ``report``'s restored step up to ``replay_until`` are still
-        kept; if not, the report becomes a failure saying so (resume with from_checkpoint)."""
-        assert report.resume_step is not None
-        missing = self.missing(report.resume_step, replay_until)
-        if missing:
-            report.outcome, report.decision = Outcome.FAILED, "fail"
-            report.reason = (f"the restored state is at step {report.resume_step} but the batches of steps "
-                             f"{missing[0] + 1}..{missing[-1] + 1} are no longer kept (elastic.max_replay_steps="
-                             f"{keep}); resume with from_checkpoint")
-            return False
-        report.replayed_steps = replay_until - report.resume_step
-        report.replay_s = -1.0  # measured when the replay is done
-        return True
-
 
 def failed_error(err: ZeroRayError, report: RecoveryReport) -> ZeroRayError | None:
     """``err`` again, saying why the run ended (its own message first, so it still reads as what
@@ -130,7 +116,7 @@ class RecoveryController:
                  grow_back: bool = True, grow_check_s: float = 5.0, probe_timeout_s: float = 2.0,
                  topology: Topology | None = None) -> None:
         self._pool = pool
-        self._failure = failure
+        self.failure = failure
         self.scaling = scaling
         self.desired = desired
         self._peer = peer_redundancy
@@ -151,7 +137,7 @@ class RecoveryController:
             except CheckpointError as err:  # e.g. the object store is unreachable: not a source now
                 log.warning("the checkpoint root %s cannot be used for recovery: %s", root, err)
         replica = bool(lost) and replica_mesh(self._pool, self._topology, lost) is not None
-        return self._failure.sources(replica=replica, peer=self._peer, checkpoint=checkpoint)
+        return self.failure.sources(replica=replica, peer=self._peer, checkpoint=checkpoint)
 
     def _end(self, lost: dict[int, str], reason: str) -> None:
         """End the lost owners (a frozen process holds its sockets open; its slot is freed) and
@@ -161,8 +147,8 @@ class RecoveryController:
         self._pool.abort(reason)
 
     def recover(self, err: ZeroRayError, *, failed_step: int, step_started: float,
-                load_checkpoint: Callable[[], int]) -> RecoveryReport:
-        """Decide and act after step ``failed_step`` (or an operation between steps) raised ``err``."""
+                load_checkpoint: Callable[[], int], call: str = "") -> RecoveryReport:
+        """Decide and act after step ``failed_step`` (or ``call``, between steps) raised ``err``."""
         t0 = time.time()
         self.failures += 1
         pool = self._pool
@@ -170,13 +156,13 @@ class RecoveryController:
         beats = {h.rank: h.last_beat for h in pool.health.snapshot()} if pool.health else {}
         since = min((beats.get(r) or step_started for r in lost), default=step_started)
         sources = self._sources(set(lost))
-        decision = self._failure.after_step_failure(lost_ranks=set(lost), failures_so_far=self.failures,
+        decision = self.failure.after_step_failure(lost_ranks=set(lost), failures_so_far=self.failures,
                                                     sources=sources)
-        report = RecoveryReport(failed_step=failed_step, error=str(err).splitlines()[0], lost=dict(lost),
+        report = RecoveryReport(failed_step=failed_step, call=call, error=str(err).splitlines()[0], lost=dict(lost),
                                 decision=decision.action.value, reason=decision.reason,
                                 world_size_before=pool.world_size, detect_s=max(0.0, t0 - since))
-        log.warning("step %d failed (%s); %s: %s", failed_step + 1, report.error, decision.action.value,
-                    decision.reason)
+        log.warning("%s failed (%s); %s: %s", call or f"step {failed_step + 1}", report.error,
+                    decision.action.value, decision.reason)
         if decision.backoff_s:
             time.sleep(decision.backoff_s)  # policy back-off, not synchronisation
         self._end(lost, f"step {failed_step + 1} failed: {err}")
@@ -192,11 +178,11 @@ class RecoveryController:
                 if lost:
                     report.lost = dict(lost)
                     self._end(lost, f"re-forming failed: {reform_err}")
-            decision = self._failure.after_reform(consistent=consistent, sources=sources)
+            decision = self.failure.after_reform(consistent=consistent, sources=sources)
             report.decision, report.reason = decision.action.value, decision.reason
             if decision.action is Action.REFORM:
                 report.outcome, report.world_size_after = Outcome.REFORMED, pool.world_size
-                report.retry = self._failure.retry_reformed(err)
+                report.retry = self.failure.retry_reformed(err)
                 self._last_grow_check = time.monotonic()
                 return report
         if decision.action is Action.RESTORE:
@@ -240,7 +226,7 @@ class RecoveryController:
                 if self.scaling.without_room(survivors=len(survivors), replacements=replacements):
                     replacements = False
                     continue
-                decision = self._failure.after_source_failure(source=source, sources_left=left, error=str(err))
+                decision = self.failure.after_source_failure(source=source, sources_left=left, error=str(err))
             except (OwnerError, CollectiveError) as err:  # an owner lost or stuck while restoring
                 attempt += 1
                 self.failures += 1
@@ -253,7 +239,7 @@ class RecoveryController:
                                     f"{str(err).splitlines()[0]}")
                 log.error("restoring from %s failed: %s", source.value, err)
                 survivors = [r for r in survivors if r not in again]
-                decision = self._failure.after_restore_failure(source=source, lost=set(again),
+                decision = self.failure.after_restore_failure(source=source, lost=set(again),
                                                                survivors=len(survivors), attempt=attempt,
                                                                failures_so_far=self.failures, sources_left=left)
                 if decision.action is not Action.FAIL:
@@ -264,7 +250,7 @@ class RecoveryController:
                 log.error("restoring from %s failed: %s", source.value, err)
                 if pool.generation != generation:
                     survivors = list(range(pool.world_size))
-                decision = self._failure.after_source_failure(source=source, sources_left=left,
+                decision = self.failure.after_source_failure(source=source, sources_left=left,
                                                               error=str(err).splitlines()[0])
             else:
                 report.source, report.outcome = source.value, Outcome.RESTORED
@@ -286,9 +272,10 @@ class RecoveryController:
                                         timeout_s=self._pool.spec.settle_timeout_s + 30)
         if source is Source.PEER:
             return self._restore_from_peers(survivors, target, committed_step)
-        if target < len(survivors):  # shard groups: a size kept a multiple of G; fresh state, any may leave
-            self._pool.kill(survivors[target:])
-            survivors = survivors[:target]
+        leaving = self.scaling.leavers(survivors=survivors, target=target)  # shard groups: a multiple of G
+        if leaving:
+            self._pool.kill(leaving)
+            survivors = [r for r in survivors if r not in leaving]
         self._pool.rebuild(survivors, target, restore=lambda position: None)
         return int(load_checkpoint())
 

@@ -35,8 +35,9 @@ from zero_ray.core.precision import dtype_name, parse_dtype
 from zero_ray.driver.attach import FoundRun, find_run
 from zero_ray.driver.checkpointer import RunRecord
 from zero_ray.driver.checkpoints import CheckpointAPI
+from zero_ray.driver.controller import Controller
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
-from zero_ray.errors import CollectiveError, ConfigError, ZeroRayError
+from zero_ray.errors import CollectiveError, ConfigError
 from zero_ray.owner.spec import LossFn, ModelFn
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,7 @@ class ResumeAPI:
 
     if TYPE_CHECKING:  # what these methods use of the trainer
         config: ZeroConfig
-        step_count: int
-        samples_seen: int
-        _submitted: int
+        _controller: Controller
         run_extra: dict[str, Any]
         resumed: dict[str, Any]
         events: list[str]
@@ -88,15 +87,11 @@ class ResumeAPI:
 
         def shutdown(self) -> None: ...
 
-        def _recover(self, err: ZeroRayError, *, failed_step: int, replay_until: int, started: float) -> bool: ...
-
-        def _raise_if_failed(self, err: ZeroRayError) -> None: ...
-
     @property
     def position(self) -> Position:
         """The run's position: steps completed (skipped ones included) and the samples they read.
         The owners hold the same, checkpoints record it and ``attach`` reads it back."""
-        return Position(step=self.step_count, samples_seen=self.samples_seen)
+        return self._controller.position
 
     def _record(self) -> RunRecord:
         """What a checkpoint of the run now records besides the model state."""
@@ -174,8 +169,7 @@ class ResumeAPI:
             except BaseException:
                 self._life.move(TrainerState.FAILED)
                 raise
-            self.step_count, self.samples_seen = m.step, m.samples_seen
-            self._submitted = m.step
+            self._controller.settle(Position(step=m.step, samples_seen=m.samples_seen))
             self.run_extra, self.resumed = dict(m.extra), dict(m.extra)
         return m.step
 
@@ -207,13 +201,13 @@ class ResumeAPI:
         """Settle an adopted pool at the owners' position: nothing to do if every owner is idle
         at one step; else abort and re-form (or restore) as after a failed step."""
         at = found.position
-        self.step_count = self._submitted = at.step
-        self.samples_seen = at.samples_seen
+        self._controller.settle(at)
         if found.settled:
             self._callbacks.on_event(f"attached to run {found.run_id} at step {at.step} ({self.world_size} owners)")
             return
         err = CollectiveError(f"the previous driver left run {found.run_id} in the middle of step {at.step + 1}")
-        if not self._recover(err, failed_step=at.step, replay_until=at.step, started=time.perf_counter()):
-            self._raise_if_failed(err)
-        self._callbacks.on_event(f"attached to run {found.run_id} at step {self.step_count} ({self.world_size} owners)")
+        report = self._controller.recover(err, started=time.perf_counter(), cause="attach")
+        self._controller.raise_if_failed(err, report)
+        self._callbacks.on_event(f"attached to run {found.run_id} at step {self._controller.position.step} "
+                                 f"({self.world_size} owners)")
 

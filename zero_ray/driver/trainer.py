@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -25,7 +24,7 @@ import torch
 from zero_ray.checkpoint.storage import Storage
 from zero_ray.config import ZeroConfig
 from zero_ray.control.auth import Credentials, new_token, write_token_file
-from zero_ray.control.handlers import EvaluateArgs, JobStatus, MetricsEvent, StepArgs, combine
+from zero_ray.control.handlers import EvaluateArgs, JobStatus, MetricsEvent, combine
 from zero_ray.control.server import ServerConfig, serve_coordinator
 from zero_ray.core.batching import Batch
 from zero_ray.core.devices import resolve_device
@@ -42,6 +41,7 @@ from zero_ray.core.stages import stage_plan
 from zero_ray.driver.attach import FoundRun, check_layout
 from zero_ray.driver.callbacks import Callback, Callbacks, EventLog, check_callbacks
 from zero_ray.driver.checkpoints import CheckpointAPI
+from zero_ray.driver.controller import AfterRecovery, Call, Controller
 from zero_ray.driver.coordinator import Coordinator
 from zero_ray.driver.data import GlobalBatch, StagedBatch
 from zero_ray.driver.fit import fit
@@ -49,14 +49,12 @@ from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.metrics import RunMetrics
 from zero_ray.driver.pool import Adopted, OwnerPool
 from zero_ray.driver.pool_spec import PoolSpec, cluster_is_local
-from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport, Replay, failed_error
+from zero_ray.driver.recovery import RecoveryController, RecoveryReport, Replay
 from zero_ray.driver.replica_restore import resize_groups
 from zero_ray.driver.resume import ResumeAPI
 from zero_ray.errors import (
     ConfigError,
     NonFiniteError,
-    ResizeInterrupted,
-    ResourceError,
     ZeroRayError,
 )
 from zero_ray.owner.spec import EngineSpec, LossFn, ModelFn
@@ -145,16 +143,7 @@ class ZeroTrainer(ResumeAPI):
         self.events = self._event_log.events  # membership changes and failure decisions, for operators
         self._callbacks = Callbacks([self._event_log, *observers])
         self._life.subscribe(self._callbacks.on_state)
-        self.step_count = 0  # steps completed in the owners' state
-        self._submitted = 0  # steps the user has asked for (equal to step_count except during a replay)
-        self._replay = Replay(elastic.max_replay_steps)  # batches (fit: indices) to replay after a restore
         self._evaluations = 0  # staging keys of evaluate() calls
-        self._restored_at = 0.0
-        self.recoveries: list[RecoveryReport] = []
-        # Held for a whole step and for a save's snapshot, so that an operator's checkpoint
-        # (a gRPC thread) lands between steps on every rank alike.
-        self._step_mutex = threading.RLock()
-        self.samples_seen = 0
         self.last_metrics: dict[str, Any] = {}
         # What checkpoints record beside the state (fit()'s data order), and what the checkpoint
         # this run resumed from recorded (checked by the next fit, then dropped).
@@ -173,6 +162,12 @@ class ZeroTrainer(ResumeAPI):
             desired=cfg.world_size, peer_redundancy=elastic.redundancy == "peer",
             grow_back=elastic.grow_back, grow_check_s=elastic.grow_check_s,
             checkpoint_root=self._checkpoints.recovery_root, topology=cfg.topology)
+        self._controller = Controller(pool=self._pool, life=self._life, recovery=self._recovery,
+                                      replay=Replay(elastic.max_replay_steps), callbacks=self._callbacks,
+                                      events=self.events, step_timeout_s=cfg.step_timeout_s,
+                                      max_replay_steps=elastic.max_replay_steps,
+                                      load_checkpoint=lambda: self._checkpoints.load_latest().step)
+        self._step_mutex = self._controller.mutex  # what fit and resume hold between their calls
         self._coordinator = Coordinator(self)
         host = "127.0.0.1" if cluster_is_local() else ray.util.get_node_ip_address()
         self._server = serve_coordinator(self._coordinator, ServerConfig(host=host, credentials=self._credentials,
@@ -226,6 +221,21 @@ class ZeroTrainer(ResumeAPI):
         return len(self._pool.actors)
 
     @property
+    def step_count(self) -> int:
+        """Steps completed (skipped ones included): the run's ``position.step``."""
+        return self._controller.position.step
+
+    @property
+    def samples_seen(self) -> int:
+        """The samples those steps read: the run's ``position.samples_seen``."""
+        return self._controller.position.samples_seen
+
+    @property
+    def recoveries(self) -> list[RecoveryReport]:
+        """Every recovery carried out, oldest first."""
+        return self._controller.recoveries
+
+    @property
     def desired_world_size(self) -> int:
         """The size the run should have (where it started, or the last resize); a loss may leave
         it smaller until the cluster has room again."""
@@ -266,25 +276,8 @@ class ZeroTrainer(ResumeAPI):
             raise ConfigError(f"global batch of {n} samples is smaller than world_size * grad_accum_steps = "
                               f"{self.world_size} * {cfg.grad_accum_steps}; every rank needs at least one sample "
                               "per micro-batch")
-        index = self._submitted  # the user's step: a restore may have rewound step_count below it
-        self._replay.add(index, work)
         start = time.perf_counter()
-        while True:
-            try:
-                self._catch_up(index)
-                results = self._execute(work)
-                break
-            except NonFiniteError:  # refused by every owner, nothing changed: not a failure to recover
-                raise
-            except ZeroRayError as err:
-                if not self._recover(err, failed_step=self.step_count, replay_until=index + 1, started=start):
-                    self._raise_if_failed(err)
-                    if not self.recoveries[-1].retry:  # the step's own error: the caller's to handle
-                        raise
-        self._submitted = index + 1
-        if self.recoveries and self.recoveries[-1].replay_s < 0:  # this call recovered: time its replay
-            self.recoveries[-1].replay_s = time.perf_counter() - self._restored_at
-            self.events[-1] = self.recoveries[-1].summary()
+        results = self._controller.step(work)
         seconds = time.perf_counter() - start
         totals = combine([r.totals for r in results])
         metrics = {
@@ -318,30 +311,8 @@ class ZeroTrainer(ResumeAPI):
                                                tokens_per_second=metrics["items_per_second"],
                                                values={"grad_norm": metrics["grad_norm"], "lr": metrics["lr"],
                                                        "items": metrics["items"]}))
-        self._maybe_grow()
+        self._controller.grow(lambda target: self._resize(target, desired=self._recovery.desired))
         return metrics
-
-    def _catch_up(self, until: int) -> None:
-        """Replay the kept batches until ``step_count`` reaches ``until`` (after a restore rewound it)."""
-        while self.step_count < until:
-            self._execute(self._replay[self.step_count])
-
-    def _execute(self, work: GlobalBatch) -> list[Any]:
-        """Run step ``step_count`` on ``work`` on every owner and count it."""
-        n = work.samples
-        generation = self._pool.generation
-        pieces, held = work.send(self._pool, world_size=self.world_size, key=f"{generation}:{self.step_count}")
-        args = [StepArgs(step=self.step_count, piece=piece, global_samples=n, generation=generation,
-                         samples_seen=self.samples_seen) for piece in pieces]
-        with self._life.during(TrainerState.STEPPING, cause=f"step {self.step_count + 1}"):
-            results = self._pool.step(args, timeout_s=self.config.step_timeout_s)
-        del held  # the owners are done with the staged pieces: the object store frees them
-        if results[0].refused:  # on_nonfinite="raise": every owner refused it alike
-            raise NonFiniteError.refused(self.step_count + 1, results[0].nonfinite_loss_ranks,
-                                         results[0].nonfinite_grad_ranks)
-        self.step_count += 1
-        self.samples_seen += n
-        return results
 
     def evaluate(self, batch: Batch) -> dict[str, float]:
         """The loss on the global ``batch`` at the current parameters, forward only on every
@@ -356,22 +327,21 @@ class ZeroTrainer(ResumeAPI):
         if work.samples < self.world_size * self.config.grad_accum_steps:
             raise ConfigError(f"an evaluation batch of {work.samples} samples is smaller than world_size * "
                               f"grad_accum_steps = {self.world_size} * {self.config.grad_accum_steps}")
-        while True:
-            try:
-                generation = self._pool.generation
-                self._evaluations += 1
-                pieces, held = work.send(self._pool, world_size=self.world_size,
-                                         key=f"{generation}:eval{self._evaluations}")
-                results = self._pool.evaluate([EvaluateArgs(piece=p, generation=generation) for p in pieces],
-                                              timeout_s=self.config.step_timeout_s)
-                del held
-                return combine([r.totals for r in results])
-            except ZeroRayError as err:  # an owner lost during evaluation: recover, then evaluate again
-                if self._recover(err, failed_step=self.step_count, replay_until=self._submitted,
-                                 started=time.perf_counter()):
-                    self._catch_up(self._submitted)
-                else:
-                    self._raise_if_failed(err)  # else re-formed: evaluate again
+        def attempt() -> dict[str, float]:
+            generation = self._pool.generation
+            self._evaluations += 1
+            pieces, held = work.send(self._pool, world_size=self.world_size, key=f"{generation}:eval{self._evaluations}")
+            results = self._pool.evaluate([EvaluateArgs(piece=p, generation=generation) for p in pieces],
+                                          timeout_s=self.config.step_timeout_s)
+            del held
+            return combine([r.totals for r in results])
+
+        return self._controller.run(Call(name="evaluate", attempt=attempt, collective=True))
+
+    def _register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int:
+        """Give every owner the dataset ``name`` (fit's data setup); its length."""
+        return self._controller.run(Call(name=f"registering the {name} dataset", attempt=lambda: (
+            self._pool.register_dataset(name, source, factory=factory, collate=collate))))
 
     def fit(self, dataset: Any, *, global_batch_size: int, steps: int, seed: int = 0,
             collate_fn: Callable[[list[Any]], Any] | None = None, eval_dataset: Any = None,
@@ -401,51 +371,6 @@ class ZeroTrainer(ResumeAPI):
                    eval_dataset=eval_dataset, eval_every=eval_every, checkpoint_every=checkpoint_every,
                    progress=progress, callback=callback)
 
-    # -- failures ---------------------------------------------------------------------------------
-    def _recover(self, err: ZeroRayError, *, failed_step: int, replay_until: int, started: float) -> bool:
-        """Carry out the policies' decision after a failure in step ``failed_step`` (or between
-        steps); True when the state was restored (``step_count`` rewound) and steps up to
-        ``replay_until`` must be replayed from the kept batches. Every outcome is recorded."""
-        self._life.move(TrainerState.RECOVERING, cause=f"step {failed_step + 1}: {type(err).__name__}", error=err)
-        report = self._recovery.recover(err, failed_step=failed_step, step_started=time.time() - (
-            time.perf_counter() - started), load_checkpoint=lambda: self._checkpoints.load_latest().step)
-        restored = report.outcome is Outcome.RESTORED and self._replay.covers(report, replay_until,
-                                                                             self.config.elastic.max_replay_steps)
-        if restored:
-            assert report.resume_step is not None
-            self.samples_seen -= self._replay.samples(report.resume_step, self.step_count)
-            self.step_count = report.resume_step
-            self._restored_at = time.perf_counter()
-        self.recoveries.append(report)
-        self._callbacks.on_event(report.summary())
-        log.warning("recovery: %s (%s)", report.summary(), report.reason)
-        self._life.move(TrainerState.FAILED if report.outcome is Outcome.FAILED else TrainerState.READY,
-                        cause=report.summary())
-        return restored
-
-    def _raise_if_failed(self, err: ZeroRayError) -> None:
-        """When the policies could not recover (the run FAILED): raise ``err`` again, saying why
-        the run ended (its own message first, so it still reads as what went wrong)."""
-        if self._life.state is not TrainerState.FAILED:
-            return
-        new = failed_error(err, self.recoveries[-1]) if self.recoveries else None
-        if new is not None:
-            raise new from err
-        raise err
-
-    def _maybe_grow(self) -> None:
-        """Grow back towards the desired size when the recovery controller says so (``grow_now``:
-        replacements started after a loss are up, or the cluster has room again)."""
-        target = self._recovery.grow_now()
-        if target is not None:
-            log.info("growing back %d -> %d owners", self.world_size, target)
-            try:
-                self._resize(target, desired=self._recovery.desired)
-            except ResourceError as err:  # the room went to someone else: try again later
-                log.info("growing back deferred: %s", err)
-            except ResizeInterrupted as err:
-                log.warning("growing back was interrupted and recovered: %s", err)
-
     # -- reports and consolidation ------------------------------------------------------------------
     def memory_report(self) -> list[dict[str, int]]:
         """Per rank, model-state bytes by category, measured from the tensors at the last step's
@@ -454,28 +379,29 @@ class ZeroTrainer(ResumeAPI):
         (``grads_between_steps`` says what stays). On CUDA each report adds the caching
         allocator's figures (``cuda_allocated``, ``cuda_reserved``, their peaks and
         ``cuda_fragmentation``: reserved but unallocated at the peak), which include activations."""
-        self._life.require_alive()
-        reports = self._pool.memory_reports(timeout_s=self.config.init_timeout_s)
+        reports = self._controller.run(Call(name="memory_report", needs_ready=False, attempt=lambda: (
+            self._pool.memory_reports(timeout_s=self.config.init_timeout_s))))
         self._run_metrics.record_memory(reports)
         return reports
 
     def comm_report(self) -> list[dict[str, int]]:
         """Per rank, bytes sent in the last step by collective, in all, and inside / across nodes."""
-        self._life.require_alive()
-        return self._pool.comm_reports(timeout_s=self.config.init_timeout_s)
+        return self._controller.run(Call(name="comm_report", needs_ready=False, attempt=lambda: (
+            self._pool.comm_reports(timeout_s=self.config.init_timeout_s))))
 
     def full_state_dict(self, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """The fp32 parameters as ``{name: CPU tensor}``, names and shapes as in
         ``model_fn().named_parameters()``. This is the explicit consolidation: the whole model
         passes through the driver. ``trainable_only``: just the parameters with
         ``requires_grad=True`` (a PEFT adapter's weights, without the frozen base model)."""
-        self._life.require_alive()
         info = self._pool.info[0]
         shapes: dict[str, list[int]] = {n: s for n, s in info["shapes"].items()
                                         if info["trainable"][n] or not trainable_only}
         out = {name: torch.empty(math.prod(shape), dtype=torch.float32) for name, shape in shapes.items()}
         # Stage 0 owners each hold all of a parameter; sharded owners a range of it.
-        for fragments in self._pool.master_fragments(timeout_s=self.config.init_timeout_s):
+        gathered = self._controller.run(Call(name="full_state_dict", needs_ready=False, attempt=lambda: (
+            self._pool.master_fragments(timeout_s=self.config.init_timeout_s))))
+        for fragments in gathered:
             for name, (lo, hi, values) in fragments.items():
                 if name in out:
                     out[name][lo:hi] = values
@@ -500,29 +426,23 @@ class ZeroTrainer(ResumeAPI):
         return self._resize(world_size, desired=world_size)
 
     def _resize(self, world_size: int, *, desired: int) -> dict[str, Any]:
-        with self._step_mutex:
-            self._life.require_ready()
+        def attempt() -> dict[str, Any]:
             if world_size == self.world_size:
-                self._recovery.desired = desired
                 return {"previous_world_size": world_size, "world_size": world_size, "bytes_sent": 0, "seconds": 0.0}
             self._checkpoints.wait(raise_error=False)  # a save in flight reads the current owners
-            try:
-                with self._life.during(TrainerState.RESIZING, cause=f"{self.world_size} -> {world_size} owners"):
-                    report = (self._pool.resize(world_size) if self.config.topology.shard_group_size is None
-                              else resize_groups(self._pool, self.config.topology, world_size,
-                                                 timeout_s=self.config.init_timeout_s))
-            except ResourceError:  # refused before any owner changed: the run goes on as it was
-                raise
-            except ZeroRayError as err:
-                log.error("resize to %d owners failed: %s", world_size, err)
-                if not self._recover(err, failed_step=self.step_count, replay_until=self._submitted,
-                                     started=time.perf_counter()):
-                    self._raise_if_failed(err)
-                raise ResizeInterrupted(f"resizing to {world_size} owners failed ({err}); the run was restored "
-                                        f"at {self.world_size} owners and continues with the next step") from err
-            self._recovery.desired = desired
-        self._callbacks.on_event(f"step {self.step_count}: resized {report['previous_world_size']} -> {world_size} "
-                                 f"owners ({report['bytes_sent']} bytes moved in {report['seconds']:.2f}s)")
+            with self._life.during(TrainerState.RESIZING, cause=f"{self.world_size} -> {world_size} owners",
+                                   world_size=world_size):
+                return (self._pool.resize(world_size) if self.config.topology.shard_group_size is None
+                        else resize_groups(self._pool, self.config.topology, world_size,
+                                           timeout_s=self.config.init_timeout_s))
+
+        report = self._controller.run(Call(name=f"resizing to {world_size} owners", attempt=attempt, collective=True,
+                                           after_recovery=AfterRecovery.INTERRUPTED))
+        self._recovery.desired = desired
+        if report["previous_world_size"] != world_size:
+            self._callbacks.on_event(f"step {self.step_count}: resized {report['previous_world_size']} -> "
+                                     f"{world_size} owners ({report['bytes_sent']} bytes moved in "
+                                     f"{report['seconds']:.2f}s)")
         return report
 
     # -- checkpoints -----------------------------------------------------------------------------------
@@ -547,14 +467,16 @@ class ZeroTrainer(ResumeAPI):
                                                                     "now PATH)"), wait=False)
 
     def _save(self, root: tuple[Storage, str], *, wait: bool) -> tuple[str, int]:
-        with self._step_mutex:
-            self._life.require_ready()
+        def attempt() -> tuple[str, int]:
             record = self._record()
             target = self._checkpoints.save(*root, record,
                                             on_commit=lambda path: self._callbacks.on_checkpoint(path, record.step))
+            return target, record.step
+
+        target, step = self._controller.run(Call(name="save_checkpoint", attempt=attempt))
         if wait:
             self.wait_for_checkpoint()
-        return target, record.step
+        return target, step
 
     def wait_for_checkpoint(self, timeout_s: float | None = None) -> str | None:
         """Block until the save in flight is committed; returns the newest committed directory.
@@ -570,10 +492,8 @@ class ZeroTrainer(ResumeAPI):
         object store). Memory stays bounded: every owner writes its shard to a checkpoint under
         ``directory`` (removed afterwards) and the files are streamed from it. Returns the files
         written."""
-        with self._step_mutex:
-            self._life.require_ready()
-            return self._checkpoints.export(directory, self._record(), max_shard_size=max_shard_size, dtype=dtype,
-                                            filesystem=filesystem)
+        return self._controller.run(Call(name="export_pretrained", attempt=lambda: self._checkpoints.export(
+            directory, self._record(), max_shard_size=max_shard_size, dtype=dtype, filesystem=filesystem)))
 
     # -- the end ---------------------------------------------------------------------------------------
     def shutdown(self) -> None:
