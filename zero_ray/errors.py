@@ -179,3 +179,13 @@ def _domain_types() -> dict[str, type[ZeroRayError]]:
     """This module's exception classes by name: the only types a FailureDetail is rebuilt as."""
     return {name: value for name, value in globals().items()
             if isinstance(value, type) and issubclass(value, ZeroRayError)}
+
+
+class UnsupportedVersionError(ZeroRayError):
+    """An installed dependency is not a version zero_ray's adapters over its private APIs
+    (zero_ray/compat/) were written for, or lacks one of those APIs. Raised at import, naming
+    the package, the installed version, the supported range and the fix."""
+
+    def __init__(self, message: str, *, package: str = "", installed: str = "", supported: str = "") -> None:
+        self.package, self.installed, self.supported = package, installed, supported
+        super().__init__(message)

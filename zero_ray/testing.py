@@ -94,8 +94,10 @@ class DDPWorker:
         import ray.util.collective as col
         from torch.nn.parallel import DistributedDataParallel
 
+        from zero_ray.compat.ray_private import process_group_of
+
         col.init_collective_group(self.world_size, self.rank, backend="gloo", group_name=self.group_name)
-        pg = col.collective.get_group_handle(self.group_name)._pg
+        pg = process_group_of(self.group_name)
         torch.manual_seed(self._seed)
         self.module = DistributedDataParallel(self._model_fn(), process_group=pg)
         self.opts = build_optimizers(self._optimizer, self.module.module)

@@ -13,19 +13,18 @@ are rings already.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import gc
 import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from zero_ray.collective.group import ByteCounters, Collective, SoloGroup, chunks, ring_all_gather, ring_reduce_scatter
 from zero_ray.collective.rendezvous import RendezvousAborted, form_default_group
+from zero_ray.compat.torch_private import default_pg_timeout, reset_group_count
 from zero_ray.errors import CollectiveError, CollectiveTimeout, ConfigError
 
 log = logging.getLogger(__name__)
@@ -49,8 +48,9 @@ class RingGroup:
     every peer for buffers up to ``DIRECT_MAX_BYTES``)."""
 
     def __init__(self, *, group_name: str, rank: int, world_size: int, timeout_s: float) -> None:
-        import ray.util.collective as col
         import torch.distributed as dist
+
+        from zero_ray.compat.ray_private import process_group_of
 
         self._dist = dist
         self.group_name = group_name
@@ -58,7 +58,7 @@ class RingGroup:
         self.world_size = world_size
         self.counters = ByteCounters()
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._pg = col.collective.get_group_handle(group_name)._pg
+        self._pg = process_group_of(group_name)
         self._next = (rank + 1) % world_size
         self._prev = (rank - 1) % world_size
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -288,21 +288,6 @@ class NcclGroup:
         self.destroy()
 
 
-@contextlib.contextmanager
-def _formation_timeout(seconds: float) -> Iterator[None]:
-    """Bound torch.distributed's rendezvous (its store and the gloo mesh), which
-    ``ray.util.collective`` starts without a timeout of its own: torch's default is 30 minutes,
-    read when the group is formed."""
-    import torch.distributed.distributed_c10d as c10d
-
-    saved = c10d.default_pg_timeout
-    c10d.default_pg_timeout = datetime.timedelta(seconds=seconds)
-    try:
-        yield
-    finally:
-        c10d.default_pg_timeout = saved
-
-
 def form_group(*, backend: str, group_name: str, rank: int, world_size: int, timeout_s: float,
                abort: threading.Event | None = None) -> Collective:
     """Join ``group_name`` (all ranks call this concurrently, each in its own actor); every
@@ -316,7 +301,8 @@ def form_group(*, backend: str, group_name: str, rank: int, world_size: int, tim
     import ray.util.collective as col
 
     try:
-        with _formation_timeout(timeout_s):
+        # bounds the gloo group ray.util.collective forms with no timeout of its own (torch's 30 min)
+        with default_pg_timeout(timeout_s):
             if backend == "gloo":
                 # The default group over an abortable rendezvous; ray.util.collective's named
                 # group is then a new_group over it, whose barrier uses the same store.
@@ -339,7 +325,6 @@ def form_group(*, backend: str, group_name: str, rank: int, world_size: int, tim
 def _drop_default_group() -> None:
     """After a failed formation: no half-made default group may block the next one."""
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
 
     if dist.is_initialized():
         try:
@@ -350,7 +335,7 @@ def _drop_default_group() -> None:
     # with it) and resets it only when it destroys a formed default group; a formation that
     # failed half-way left it counted, and this process would then wait on keys no fresh peer
     # writes. Reset it as torch's own destroy does.
-    c10d._world.group_count = 0
+    reset_group_count()
 
 
 def destroy_group(group_name: str) -> None:

@@ -34,9 +34,10 @@ class RendezvousAborted(CollectiveError):
 
 
 def _kv():  # type: ignore[no-untyped-def]
-    import ray.experimental.internal_kv as kv
+    # imported on first use, as Ray was before: only a process forming a group needs it
+    from zero_ray.compat import ray_private
 
-    return kv
+    return ray_private
 
 
 class KVStore(dist.Store):
@@ -70,11 +71,11 @@ class KVStore(dist.Store):
 
     def set(self, key: str, value: bytes | str) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
-        _kv()._internal_kv_put(self._key(key), data, overwrite=True, namespace=NAMESPACE)
+        _kv().kv_put(self._key(key), data, overwrite=True, namespace=NAMESPACE)
 
     def get(self, key: str) -> bytes:
         self.wait([key])
-        value = _kv()._internal_kv_get(self._key(key), namespace=NAMESPACE)
+        value = _kv().kv_get(self._key(key), namespace=NAMESPACE)
         if value is None:
             raise CollectiveError(f"rendezvous key {key!r} of {self._prefix} vanished")
         return value
@@ -85,36 +86,36 @@ class KVStore(dist.Store):
         # adds racing with this one, which a counter cannot order either).
         kv = _kv()
         if amount:
-            kv._internal_kv_put(self._key(f"{key}/+{uuid.uuid4().hex}"), str(amount).encode(), overwrite=False,
-                                namespace=NAMESPACE)
-        names = kv._internal_kv_list(self._key(f"{key}/+"), namespace=NAMESPACE)
-        return sum(int(kv._internal_kv_get(n, namespace=NAMESPACE) or b"0") for n in names)
+            kv.kv_put(self._key(f"{key}/+{uuid.uuid4().hex}"), str(amount).encode(), overwrite=False,
+                      namespace=NAMESPACE)
+        names = kv.kv_list(self._key(f"{key}/+"), namespace=NAMESPACE)
+        return sum(int(kv.kv_get(n, namespace=NAMESPACE) or b"0") for n in names)
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         want = expected.encode() if isinstance(expected, str) else bytes(expected)
         new = desired.encode() if isinstance(desired, str) else bytes(desired)
         kv = _kv()
         if not want:  # set if absent: atomic in the key-value store
-            kv._internal_kv_put(self._key(key), new, overwrite=False, namespace=NAMESPACE)
-            return kv._internal_kv_get(self._key(key), namespace=NAMESPACE) or new
-        current = kv._internal_kv_get(self._key(key), namespace=NAMESPACE)
+            kv.kv_put(self._key(key), new, overwrite=False, namespace=NAMESPACE)
+            return kv.kv_get(self._key(key), namespace=NAMESPACE) or new
+        current = kv.kv_get(self._key(key), namespace=NAMESPACE)
         if current == want:  # only the rendezvous's own bookkeeping swaps values: no race to lose
-            kv._internal_kv_put(self._key(key), new, overwrite=True, namespace=NAMESPACE)
+            kv.kv_put(self._key(key), new, overwrite=True, namespace=NAMESPACE)
             return new
         return current if current is not None else want
 
     def check(self, keys: Sequence[str]) -> bool:
         kv = _kv()
-        return all(kv._internal_kv_exists(self._key(k), namespace=NAMESPACE) for k in keys)
+        return all(kv.kv_exists(self._key(k), namespace=NAMESPACE) for k in keys)
 
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
         self._poll(lambda: self.check(keys), f"keys {list(keys)}")
 
     def delete_key(self, key: str) -> bool:
-        return bool(_kv()._internal_kv_del(self._key(key), namespace=NAMESPACE))
+        return bool(_kv().kv_delete(self._key(key), namespace=NAMESPACE))
 
     def num_keys(self) -> int:
-        return len(_kv()._internal_kv_list(self._prefix.encode(), namespace=NAMESPACE))
+        return len(_kv().kv_list(self._prefix.encode(), namespace=NAMESPACE))
 
 
 def form_default_group(name: str, *, rank: int, world_size: int, timeout_s: float,
@@ -134,4 +135,4 @@ def form_default_group(name: str, *, rank: int, world_size: int, timeout_s: floa
 def clear(prefix: str) -> None:
     """Remove every rendezvous key whose group name starts with ``prefix`` (the driver, at
     shutdown: a run's groups are all named after it)."""
-    _kv()._internal_kv_del(prefix.encode(), del_by_prefix=True, namespace=NAMESPACE)
+    _kv().kv_delete(prefix.encode(), by_prefix=True, namespace=NAMESPACE)

@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zero_ray.collective.stream import CommStream
+from zero_ray.compat.torch_private import in_backward, tree_flatten, tree_unflatten
 from zero_ray.config import Stage3Config
 from zero_ray.core.units import UnitSpec
 from zero_ray.errors import ModelError
@@ -115,7 +115,7 @@ class Unit:
 def _recomputing() -> bool:
     """Whether a forward runs inside backward: activation checkpointing's recomputation (the
     only forward autograd runs while executing a graph)."""
-    return torch._C._current_graph_task_id() != -1
+    return in_backward()
 
 
 class _EndOfBackward(torch.autograd.Function):

@@ -1,0 +1,102 @@
+"""torch's private APIs zero_ray relies on, each behind one named function or name; written for
+torch 2.11 to 2.14 (the GPU image runs 2.11, pyproject.toml allows >=2.13,<2.15).
+
+Checked at import: the installed torch is in that range (``check_version``) and has every
+private attribute used here (``check_attributes``); otherwise ``UnsupportedVersionError`` names
+what differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator
+
+import torch
+import torch._ops as _ops
+import torch.distributed.distributed_c10d as _c10d
+import torch.utils._pytree as _pytree
+import torch.utils._python_dispatch as _dispatch
+
+from zero_ray.compat.versions import missing, require
+
+LOWEST, BELOW = (2, 11), (2, 15)
+FIX = "install torch==2.13.0 (pyproject.toml), or check zero_ray/compat/torch_private.py against the new version"
+
+
+def check_version(installed: str) -> None:
+    """Raise ``UnsupportedVersionError`` unless ``installed`` is a torch these adapters were written for."""
+    require("torch", installed, lowest=LOWEST, below=BELOW, fix=FIX)
+
+
+def _absent() -> list[str]:
+    gone = [f"{mod.__name__}.{name}" for mod, name in (
+        (torch._C, "_current_graph_task_id"), (_c10d, "_world"), (_c10d, "default_pg_timeout"),
+        (_c10d, "_get_default_timeout"), (_pytree, "tree_flatten"), (_pytree, "tree_unflatten"),
+        (_dispatch, "TorchDispatchMode"), (_ops, "OpOverload")) if not hasattr(mod, name)]
+    if hasattr(_c10d, "_world"):
+        prop = getattr(type(_c10d._world), "group_count", None)
+        if not (isinstance(prop, property) and prop.fset is not None):
+            gone.append("a settable torch.distributed.distributed_c10d._world.group_count")
+    # The timeout patch works only while torch reads the module global when a group is formed.
+    if hasattr(_c10d, "_get_default_timeout") and "default_pg_timeout" not in _c10d._get_default_timeout.__code__.co_names:
+        gone.append("torch.distributed.distributed_c10d._get_default_timeout reading default_pg_timeout")
+    return gone
+
+
+def check_attributes() -> None:
+    """Raise ``UnsupportedVersionError`` naming any private attribute the installed torch lacks."""
+    missing("torch", torch.__version__, _absent(), fix=FIX)
+
+
+check_version(torch.__version__)
+check_attributes()
+
+
+# -- autograd ----------------------------------------------------------------------------------------
+
+def in_backward() -> bool:
+    """Whether this thread is inside autograd's execution of a graph: a forward running now is
+    activation checkpointing's recomputation (stage 3 gathers its unit again). Private API:
+    ``torch._C._current_graph_task_id`` (-1 outside backward; torch.utils.checkpoint uses it
+    the same way). torch 2.13 has no public way to ask."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# torch.utils._pytree: flattening the nested tensors of a unit's inputs and outputs. Private
+# module (torch 2.13 has no public pytree); used by torch's own checkpoint, compile and export.
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+
+# Low-memory construction (owner/materialize.py) intercepts the ops that initialise parameters
+# with a dispatch mode, and tells an op overload from other callables. Private names: torch 2.13
+# exports neither under a public one.
+TorchDispatchMode = _dispatch.TorchDispatchMode
+OpOverload = _ops.OpOverload
+
+
+# -- torch.distributed ---------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def default_pg_timeout(seconds: float) -> Iterator[None]:
+    """Within this block, process groups formed without a timeout of their own time out after
+    ``seconds``. Needed because ``ray.util.collective``'s gloo group calls ``new_group`` with no
+    ``timeout=`` (torch's default is 30 minutes), and zero_ray cannot pass one through it; the
+    groups zero_ray forms itself pass ``timeout=`` (public). Patches the module global
+    ``torch.distributed.distributed_c10d.default_pg_timeout`` (public name, but writing it is
+    not a documented API) for the whole process: one formation at a time."""
+    saved = _c10d.default_pg_timeout
+    _c10d.default_pg_timeout = datetime.timedelta(seconds=seconds)
+    try:
+        yield
+    finally:
+        _c10d.default_pg_timeout = saved
+
+
+def reset_group_count() -> None:
+    """Reset torch.distributed's per-process count of groups formed, as torch's own
+    ``destroy_process_group`` does. Needed after a formation that failed half-way: the count
+    names the default group's keys in the store, and a count left raised makes this process
+    wait on keys no fresh peer writes. Private API: ``_world.group_count`` (torch exposes only
+    ``get_pg_count()``, which reads it)."""
+    _c10d._world.group_count = 0
