@@ -26,15 +26,10 @@ from zero_ray.control.handlers import (
     Heartbeat,
     JobStatus,
     LoadResult,
-    LossTotals,
     MetricsEvent,
-    ModelLayout,
     OwnerStats,
     OwnerStatus,
-    ParamInfo,
-    Piece,
     Plain,
-    RankStatus,
     ResizeResult,
     SavePhase,
     SaveResult,
@@ -42,24 +37,10 @@ from zero_ray.control.handlers import (
     StepArgs,
     StepResult,
 )
+from zero_ray.control.records import to_message, to_record
 from zero_ray.errors import ConfigError
 
 __all__ = ["ClientConfig", "CoordinatorClient", "OwnerClient", "Stream"]
-
-
-def _piece(piece: Piece) -> owner_pb2.Piece:
-    return owner_pb2.Piece(batch_key=piece.batch_key, dataset=piece.dataset, indices=list(piece.indices))
-
-
-def _totals(message: owner_pb2.LossTotals) -> LossTotals:
-    return LossTotals(loss_sum=message.loss_sum, samples=message.samples, count=message.count,
-                      counted=message.counted, items=message.items)
-
-
-def _layout(message: owner_pb2.ModelLayout) -> ModelLayout:
-    return ModelLayout(numel=message.numel, padded_numel=message.padded_numel, buckets=message.buckets,
-                       params=tuple(ParamInfo(name=p.name, shape=tuple(p.shape), trainable=p.trainable)
-                                    for p in message.params))
 
 
 class OwnerClient(BaseClient):
@@ -76,37 +57,25 @@ class OwnerClient(BaseClient):
 
     def step(self, args: StepArgs, *, timeout_s: float | None = None) -> StepResult:
         """Run one step on the owner; ``timeout_s`` should cover the step's compute."""
-        request = owner_pb2.StepRequest(header=self._header(), step=args.step, piece=_piece(args.piece),
-                                        global_samples=args.global_samples, generation=args.generation,
-                                        samples_seen=args.samples_seen)
-        reply = self._unary("Step", self._stub.Step, request, timeout_s)
-        return StepResult(totals=_totals(reply.totals), grad_norm=reply.grad_norm,
-                          skipped=reply.skipped, loss_scale=reply.loss_scale, compute_seconds=reply.compute_seconds,
-                          rank=reply.rank, bytes_sent=dict(reply.bytes_sent), lr=reply.lr,
-                          nonfinite_loss_ranks=tuple(reply.nonfinite_loss_ranks),
-                          nonfinite_grad_ranks=tuple(reply.nonfinite_grad_ranks), refused=reply.refused,
-                          data_seconds=reply.data_seconds)
+        request = to_message(args, owner_pb2.StepRequest, header=self._header())
+        return to_record(self._unary("Step", self._stub.Step, request, timeout_s), StepResult)
 
     def evaluate(self, args: EvaluateArgs, *, timeout_s: float | None = None) -> EvaluateResult:
         """The owner's loss on its piece, forward only."""
-        request = owner_pb2.EvaluateRequest(header=self._header(), piece=_piece(args.piece),
-                                            generation=args.generation)
-        reply = self._unary("Evaluate", self._stub.Evaluate, request, timeout_s)
-        return EvaluateResult(totals=_totals(reply.totals), rank=reply.rank)
+        request = to_message(args, owner_pb2.EvaluateRequest, header=self._header())
+        return to_record(self._unary("Evaluate", self._stub.Evaluate, request, timeout_s), EvaluateResult)
 
     def save(self, path: str, step: int, *, phase: SavePhase = SavePhase.BOTH,
              timeout_s: float | None = None) -> SaveResult:
         """Have the owner write its shard of the state at ``step`` under ``path``."""
         request = owner_pb2.SaveRequest(header=self._header(), path=path, step=step, phase=phase.value)
-        reply = self._unary("Save", self._stub.Save, request, timeout_s)
-        return SaveResult(path=reply.path, step=reply.step, bytes_written=reply.bytes_written,
-                          record_json=reply.record_json)
+        return to_record(self._unary("Save", self._stub.Save, request, timeout_s), SaveResult)
 
     def load(self, path: str, step: int, *, timeout_s: float | None = None) -> LoadResult:
         """Have the owner restore its shard of the state at ``step`` from ``path``."""
         reply = self._unary("Load", self._stub.Load,
                             owner_pb2.LoadRequest(header=self._header(), path=path, step=step), timeout_s)
-        return LoadResult(step=reply.step, bytes_read=reply.bytes_read)
+        return to_record(reply, LoadResult)
 
     def abort(self, reason: str, generation: int, *, timeout_s: float | None = None) -> bool:
         """Make the owner abandon its step of ``generation``; whether there was one."""
@@ -118,14 +87,12 @@ class OwnerClient(BaseClient):
     def stats(self, *, timeout_s: float | None = None) -> OwnerStats:
         """The owner's memory and traffic counters."""
         reply = self._unary("Stats", self._stub.Stats, owner_pb2.StatsRequest(header=self._header()), timeout_s)
-        return OwnerStats(step=reply.step, rank=reply.rank, world_size=reply.world_size, stage=reply.stage,
-                          memory_bytes=dict(reply.memory_bytes), bytes_sent=dict(reply.bytes_sent),
-                          inside_node_bytes=reply.inside_node_bytes, cross_node_bytes=reply.cross_node_bytes)
+        return to_record(reply, OwnerStats)
 
     def setup(self, *, timeout_s: float | None = None) -> SetupResult:
         """Have the owner join its group and build its model state (call every owner at once)."""
         reply = self._unary("Setup", self._stub.Setup, owner_pb2.SetupRequest(header=self._header()), timeout_s)
-        return SetupResult(rank=reply.rank, layout=_layout(reply.layout))
+        return to_record(reply, SetupResult)
 
     def reform(self, generation: int, *, timeout_s: float | None = None) -> bool:
         """Re-form the group as ``generation`` (every owner at once); whether the state is intact."""
@@ -175,11 +142,7 @@ class OwnerClient(BaseClient):
     def status(self, *, timeout_s: float | None = None) -> OwnerStatus:
         """Where the owner stands."""
         r = self._unary("Status", self._stub.Status, owner_pb2.OwnerStatusRequest(header=self._header()), timeout_s)
-        return OwnerStatus(rank=r.rank, world_size=r.world_size, generation=r.generation,
-                           step=r.step, samples_seen=r.samples_seen, phase=r.phase, busy=r.busy,
-                           detached=r.detached, node_id=r.node_id, host=r.host, ip=r.ip, pid=r.pid,
-                           control_address=r.control_address,
-                           layout=_layout(r.layout) if r.HasField("layout") else None)
+        return to_record(r, OwnerStatus)
 
     def close_owner(self, *, timeout_s: float | None = None) -> None:
         """Have the owner leave its group and stop serving (it is ended next). Not
@@ -195,8 +158,7 @@ class OwnerClient(BaseClient):
         request = owner_pb2.HealthRequest(header=self._header(), interval_ms=max(1, round(interval_s * 1000)))
 
         def convert(beat: owner_pb2.Heartbeat) -> Heartbeat:
-            return Heartbeat(rank=beat.rank, step=beat.step, state=beat.state, timestamp=beat.timestamp,
-                             rss_bytes=beat.rss_bytes)
+            return to_record(beat, Heartbeat)
 
         return self._stream("Health", self._stub.Health, request, convert,
                             stall_s=3.0 * interval_s + 1.0 if stall_s is None else stall_s,
@@ -219,16 +181,13 @@ class CoordinatorClient(BaseClient):
         """The job's state, step, loss and per-rank health."""
         reply = self._unary("Status", self._stub.Status, coordinator_pb2.StatusRequest(header=self._header()),
                             timeout_s)
-        ranks = tuple(RankStatus(rank=r.rank, node=r.node, healthy=r.healthy, state=r.state,
-                                 last_heartbeat=r.last_heartbeat, memory=dict(r.memory)) for r in reply.ranks)
-        return JobStatus(world_size=reply.world_size, stage=reply.stage, step=reply.step, last_loss=reply.last_loss,
-                         state=reply.state, ranks=ranks, events=tuple(reply.events))
+        return to_record(reply, JobStatus)
 
     def checkpoint(self, path: str | None = None, *, timeout_s: float | None = None) -> CheckpointResult:
         """Write a checkpoint now (under ``path``, or the job's directory); returns once written."""
         reply = self._unary("Checkpoint", self._stub.Checkpoint,
                             coordinator_pb2.CheckpointRequest(header=self._header(), path=path or ""), timeout_s)
-        return CheckpointResult(path=reply.path, step=reply.step)
+        return to_record(reply, CheckpointResult)
 
     def stop(self, reason: str = "", *, timeout_s: float | None = None) -> str:
         """Ask the job to stop after the current step; returns its state afterwards."""
@@ -242,7 +201,7 @@ class CoordinatorClient(BaseClient):
             raise ConfigError(f"{world_size=} must be >= 1")
         reply = self._unary("Resize", self._stub.Resize,
                             coordinator_pb2.ResizeRequest(header=self._header(), world_size=world_size), timeout_s)
-        return ResizeResult(previous_world_size=reply.previous_world_size, world_size=reply.world_size)
+        return to_record(reply, ResizeResult)
 
     def metrics(self, *, timeout_s: float | None, stall_s: float | None = None) -> Stream[MetricsEvent]:
         """One event per finished step until training ends or the stream is closed.
@@ -250,8 +209,7 @@ class CoordinatorClient(BaseClient):
         ``stall_s`` optionally bounds the wait for each event."""
 
         def convert(event: coordinator_pb2.MetricsEvent) -> MetricsEvent:
-            return MetricsEvent(step=event.step, loss=event.loss, step_seconds=event.step_seconds,
-                                tokens_per_second=event.tokens_per_second, values=dict(event.values))
+            return to_record(event, MetricsEvent)
 
         return self._stream("Metrics", self._stub.Metrics, coordinator_pb2.MetricsRequest(header=self._header()),
                             convert, stall_s=stall_s, timeout_s=timeout_s, end_is_error=False)

@@ -19,6 +19,10 @@ putting the output directory on ``sys.path`` would make ``zero_ray.v1`` clash
 with the real ``zero_ray`` package, and rewriting imports after generation is
 editing generated code.
 
+The plain records the handlers take and return (``_generated/records.py``) are written in the
+same run from the descriptors protoc emits (:mod:`zero_ray.control.record_gen`), so a message's
+fields are declared in its .proto alone.
+
 The output depends on the grpcio-tools version (it is stamped into the stubs),
 which is why pyproject.toml pins it exactly in the ``test`` extra.
 """
@@ -33,6 +37,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from google.protobuf import descriptor_pb2
+
+from zero_ray.control import record_gen
 from zero_ray.errors import ConfigError, ZeroRayError
 
 # The Python package the stubs live in, as a path; also the virtual -I root.
@@ -55,8 +62,8 @@ def default_out_root() -> Path:
 
 
 def is_generated(path: Path) -> bool:
-    """Whether ``path`` is a file protoc writes (as opposed to ``__init__.py``)."""
-    return path.name.endswith(_GENERATED_SUFFIXES)
+    """Whether ``path`` is a file codegen writes (as opposed to ``__init__.py``)."""
+    return path.name.endswith(_GENERATED_SUFFIXES) or path.name == record_gen.MODULE
 
 
 def generate(out_root: Path, proto_dir: Path | None = None) -> list[Path]:
@@ -83,18 +90,25 @@ def generate(out_root: Path, proto_dir: Path | None = None) -> list[Path]:
             old.unlink()
 
     well_known = importlib.resources.files("grpc_tools") / "_proto"  # google/protobuf/*.proto
-    args = [
-        "grpc_tools.protoc",
-        f"-I{GENERATED_PACKAGE}={proto_dir}",
-        f"-I{well_known}",
-        f"--python_out={out_root}",
-        f"--pyi_out={out_root}",
-        f"--grpc_python_out={out_root}",
-        *(str(path) for path in sources),
-    ]
-    status = protoc.main(args)
-    if status != 0:
-        raise ZeroRayError(f"protoc failed with exit status {status} (its messages are above); {args=}")
+    with tempfile.TemporaryDirectory(prefix="zero_ray_descriptors_") as tmp:
+        descriptors = Path(tmp) / "descriptors.pb"
+        args = [
+            "grpc_tools.protoc",
+            f"-I{GENERATED_PACKAGE}={proto_dir}",
+            f"-I{well_known}",
+            f"--python_out={out_root}",
+            f"--pyi_out={out_root}",
+            f"--grpc_python_out={out_root}",
+            # The descriptors with their comments, for the records.
+            f"--descriptor_set_out={descriptors}",
+            "--include_source_info",
+            *(str(path) for path in sources),
+        ]
+        status = protoc.main(args)
+        if status != 0:
+            raise ZeroRayError(f"protoc failed with exit status {status} (its messages are above); {args=}")
+        files = descriptor_pb2.FileDescriptorSet.FromString(descriptors.read_bytes())
+    (target / record_gen.MODULE).write_text(record_gen.render(files), encoding="utf-8")
     return sorted(path for path in target.iterdir() if is_generated(path))
 
 

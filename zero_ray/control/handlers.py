@@ -6,6 +6,11 @@ and never sees protobuf or gRPC. The servicers in :mod:`zero_ray.control.server`
 translate in both directions, and the clients in :mod:`zero_ray.control.client`
 return the same dataclasses, so both ends of a call share one vocabulary.
 
+The records' fields are their messages' (protos/zero_ray/v1): codegen writes them to
+``_generated/records.py`` and :mod:`zero_ray.control.records` converts by field name, so a new
+field is written in the .proto and where it is computed. The records that check their values
+(``Piece``, ``StepArgs``, ``EvaluateArgs``) subclass the generated ones here.
+
 Threading: methods are called on the server's thread pool, several at a time
 (``abort`` arrives while ``step`` is still running, ``heartbeat`` every interval
 throughout), so they must be thread-safe, and every method but ``step``, ``evaluate``,
@@ -33,13 +38,39 @@ anything else                           ``INTERNAL`` (and logged with its traceb
 from __future__ import annotations
 
 import enum
-
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from zero_ray.control._generated import records as _records
+# The records whose fields are their messages' alone; the others below check their values.
+from zero_ray.control._generated.records import (
+    CheckpointResult,
+    EvaluateResult,
+    Heartbeat,
+    JobStatus,
+    LoadResult,
+    LossTotals,
+    MetricsEvent,
+    ModelLayout,
+    OwnerStats,
+    OwnerStatus,
+    ParamInfo,
+    RankStatus,
+    ResizeResult,
+    SaveResult,
+    SetupResult,
+    StepResult,
+)
 from zero_ray.errors import ConfigError
+
+__all__ = [
+    "CheckpointResult", "CoordinatorHandler", "EvaluateArgs", "EvaluateResult", "FailureContext", "Heartbeat",
+    "JobStatus", "LoadResult", "LossTotals", "MetricsEvent", "ModelLayout", "OwnerHandler", "OwnerStats",
+    "OwnerStatus", "ParamInfo", "Piece", "Plain", "RankStatus", "ResizeResult", "SavePhase", "SaveResult",
+    "SetupResult", "StepArgs", "StepResult", "combine",
+]
 
 # Plain data: what a JSON document holds (dicts keyed by str or int, lists, numbers, str, None).
 Plain = Any
@@ -52,13 +83,9 @@ def _non_negative(**values: int) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Piece:
+class Piece(_records.Piece):
     """An owner's piece of a global batch: a key under which the driver staged it on the owner
     (through Ray's object store), or indices into a dataset the owner holds."""
-
-    batch_key: str = ""
-    dataset: str = ""
-    indices: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if bool(self.batch_key) == bool(self.dataset):
@@ -68,20 +95,6 @@ class Piece:
             raise ConfigError("indices belong to a dataset piece, not a staged batch")
         if any(i < 0 for i in self.indices):
             raise ConfigError("dataset indices must be >= 0")
-
-
-@dataclass(frozen=True, kw_only=True)
-class LossTotals:
-    """What a loss covered on one owner. With ``loss_fn``'s pair form ``(loss_sum, count)``,
-    ``loss_sum`` sums per-item losses over ``count`` items (``counted``); otherwise it is the
-    per-sample mean loss times ``samples``. ``items`` is the throughput unit: ``count``, the
-    tokens of an integer batch, or the samples."""
-
-    loss_sum: float
-    samples: int
-    count: float = 0.0
-    counted: bool = False
-    items: float = 0.0
 
 
 def combine(totals: Sequence[LossTotals]) -> dict[str, float]:
@@ -100,17 +113,9 @@ def combine(totals: Sequence[LossTotals]) -> dict[str, float]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepArgs:
-    """One training step, as the driver asks an owner to run it."""
-
-    step: int
-    piece: Piece
-    global_samples: int
-    # The driver's restart/resize generation; ``abort`` names the one it cancels.
-    generation: int
-    # Samples the run had seen before this step (with ``step``, the driver's position, which the
-    # owner holds once the step completes: what an attaching driver reads back).
-    samples_seen: int = 0
+class StepArgs(_records.StepArgs):
+    """One training step, as the driver asks an owner to run it (the fields: owner.proto's
+    StepRequest)."""
 
     def __post_init__(self) -> None:
         _non_negative(step=self.step, global_samples=self.global_samples, generation=self.generation,
@@ -118,41 +123,11 @@ class StepArgs:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepResult:
-    """An owner's share of a finished (or skipped) step."""
-
-    totals: LossTotals
-    grad_norm: float
-    skipped: bool
-    loss_scale: float
-    compute_seconds: float
-    rank: int
-    bytes_sent: Mapping[str, int] = field(default_factory=dict)
-    lr: float = 0.0  # what the step used: the first optimizer's first param group
-    # A step not applied because its loss or gradient was non-finite (ZeroConfig.on_nonfinite):
-    # the ranks whose own loss was, and those whose slice of the reduced gradient was (the same
-    # on every rank); empty otherwise (an fp16 overflow is ``skipped`` alone).
-    nonfinite_loss_ranks: tuple[int, ...] = ()
-    nonfinite_grad_ranks: tuple[int, ...] = ()
-    refused: bool = False  # on_nonfinite="raise": not a completed step; the driver raises
-    data_seconds: float = 0.0  # how long the step waited for its piece (staged, or read from a dataset)
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvaluateArgs:
+class EvaluateArgs(_records.EvaluateArgs):
     """A forward-only pass over an owner's piece of an evaluation batch."""
-
-    piece: Piece
-    generation: int
 
     def __post_init__(self) -> None:
         _non_negative(generation=self.generation)
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvaluateResult:
-    totals: LossTotals
-    rank: int
 
 
 class SavePhase(enum.Enum):
@@ -161,149 +136,6 @@ class SavePhase(enum.Enum):
     BOTH = 0
     SNAPSHOT = 1
     AWAIT = 2
-
-
-@dataclass(frozen=True, kw_only=True)
-class SaveResult:
-    """Where an owner wrote its shard."""
-
-    path: str
-    step: int
-    bytes_written: int
-    record_json: str = ""  # set once the file is durable (SavePhase.AWAIT / UNSPECIFIED)
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoadResult:
-    """What an owner restored; a failed load raises instead."""
-
-    step: int
-    bytes_read: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class Heartbeat:
-    """An owner's liveness sample. ``timestamp`` is Unix time on the owner's clock."""
-
-    rank: int
-    step: int
-    state: str
-    timestamp: float
-    rss_bytes: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class OwnerStats:
-    """An owner's memory (bytes per kind of state) and traffic counters."""
-
-    step: int
-    rank: int
-    world_size: int
-    stage: int
-    memory_bytes: Mapping[str, int] = field(default_factory=dict)
-    bytes_sent: Mapping[str, int] = field(default_factory=dict)
-    inside_node_bytes: int = 0  # of the last step's bytes_sent: to owners on this owner's node
-    cross_node_bytes: int = 0  # and to owners on other nodes
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankStatus:
-    """The driver's view of one rank. ``last_heartbeat`` is Unix time, 0.0 if none yet."""
-
-    rank: int
-    node: str
-    healthy: bool
-    state: str
-    last_heartbeat: float = 0.0
-    memory: Mapping[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True)
-class JobStatus:
-    """The driver's view of the whole job."""
-
-    world_size: int
-    stage: int
-    step: int
-    last_loss: float
-    state: str
-    ranks: tuple[RankStatus, ...] = ()
-    events: tuple[str, ...] = ()  # membership changes and failure decisions, oldest first
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointResult:
-    """A checkpoint the driver wrote on request."""
-
-    path: str
-    step: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class ResizeResult:
-    """A resize the driver accepted."""
-
-    previous_world_size: int
-    world_size: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class MetricsEvent:
-    """One finished step's metrics. ``values`` holds any further named scalars."""
-
-    step: int
-    loss: float
-    step_seconds: float
-    tokens_per_second: float
-    values: Mapping[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParamInfo:
-    """One parameter of the model as laid out: its name, shape and whether it is trained."""
-
-    name: str
-    shape: tuple[int, ...]
-    trainable: bool
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelLayout:
-    """The model as the owners laid it out (the same on every owner)."""
-
-    numel: int
-    padded_numel: int
-    buckets: int
-    params: tuple[ParamInfo, ...] = ()
-
-
-@dataclass(frozen=True, kw_only=True)
-class SetupResult:
-    """An owner that built its model state."""
-
-    rank: int
-    layout: ModelLayout
-
-
-@dataclass(frozen=True, kw_only=True)
-class OwnerStatus:
-    """Where an owner stands (``zero-ray status`` for detached runs, a driver attaching).
-    ``layout`` is None before the owner has model state."""
-
-    rank: int
-    world_size: int
-    generation: int
-    step: int  # the run's position as the driver last set it here: steps completed
-    samples_seen: int  # and the samples they took
-    phase: str
-    busy: bool
-    detached: bool
-    node_id: str
-    host: str
-    ip: str
-    pid: int
-    control_address: str
-    layout: ModelLayout | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,7 @@ registers for an :class:`OwnerHandler` and a :class:`CoordinatorHandler`.
 
 Every method runs its handler through :func:`zero_ray.control.status.serve`, so that a failure
 ends the call with a status and a FailureDetail; ``*_json`` fields are read and written with
-:mod:`zero_ray.control.plain`.
+:mod:`zero_ray.control.plain`; records are converted by :mod:`zero_ray.control.records`, by field name.
 """
 
 from __future__ import annotations
@@ -16,26 +16,14 @@ import grpc
 from zero_ray.control import plain
 from zero_ray.control._generated import coordinator_pb2, coordinator_pb2_grpc, owner_pb2, owner_pb2_grpc
 from zero_ray.control.handlers import (
-    CheckpointResult,
     CoordinatorHandler,
     EvaluateArgs,
     FailureContext,
-    Heartbeat,
-    JobStatus,
-    LoadResult,
-    LossTotals,
-    MetricsEvent,
-    ModelLayout,
     OwnerHandler,
-    OwnerStats,
-    OwnerStatus,
-    Piece,
-    ResizeResult,
     SavePhase,
-    SaveResult,
     StepArgs,
-    StepResult,
 )
+from zero_ray.control.records import to_message, to_record
 from zero_ray.control.status import serve
 from zero_ray.control.streams import Streams
 
@@ -49,66 +37,6 @@ def _interval_s(interval_ms: int, context: grpc.ServicerContext, method: str) ->
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                       f"{method}: interval_ms={interval_ms} must be in [{_MIN_INTERVAL_MS}, {_MAX_INTERVAL_MS}]")
     return interval_ms / 1000.0
-
-
-def _piece(message: owner_pb2.Piece) -> Piece:
-    return Piece(batch_key=message.batch_key, dataset=message.dataset, indices=tuple(message.indices))
-
-
-def _totals(totals: LossTotals) -> owner_pb2.LossTotals:
-    return owner_pb2.LossTotals(loss_sum=totals.loss_sum, samples=totals.samples, count=totals.count,
-                                counted=totals.counted, items=totals.items)
-
-
-def _step_reply(result: StepResult) -> owner_pb2.StepReply:
-    return owner_pb2.StepReply(totals=_totals(result.totals), grad_norm=result.grad_norm,
-                               skipped=result.skipped, loss_scale=result.loss_scale,
-                               compute_seconds=result.compute_seconds, bytes_sent=dict(result.bytes_sent),
-                               rank=result.rank, lr=result.lr, refused=result.refused,
-                               data_seconds=result.data_seconds,
-                               nonfinite_loss_ranks=list(result.nonfinite_loss_ranks),
-                               nonfinite_grad_ranks=list(result.nonfinite_grad_ranks))
-
-
-def _heartbeat(beat: Heartbeat) -> owner_pb2.Heartbeat:
-    return owner_pb2.Heartbeat(rank=beat.rank, step=beat.step, state=beat.state, timestamp=beat.timestamp,
-                               rss_bytes=beat.rss_bytes)
-
-
-def _stats_reply(stats: OwnerStats) -> owner_pb2.StatsReply:
-    return owner_pb2.StatsReply(memory_bytes=dict(stats.memory_bytes), bytes_sent=dict(stats.bytes_sent),
-                                step=stats.step, rank=stats.rank, world_size=stats.world_size, stage=stats.stage,
-                                inside_node_bytes=stats.inside_node_bytes, cross_node_bytes=stats.cross_node_bytes)
-
-
-def _layout(layout: ModelLayout) -> owner_pb2.ModelLayout:
-    return owner_pb2.ModelLayout(numel=layout.numel, padded_numel=layout.padded_numel, buckets=layout.buckets,
-                                 params=[owner_pb2.ParamInfo(name=p.name, shape=list(p.shape), trainable=p.trainable)
-                                         for p in layout.params])
-
-
-def _owner_status(s: OwnerStatus) -> owner_pb2.OwnerStatusReply:
-    reply = owner_pb2.OwnerStatusReply(rank=s.rank, world_size=s.world_size, generation=s.generation,
-                                       step=s.step, samples_seen=s.samples_seen, phase=s.phase,
-                                       busy=s.busy, detached=s.detached, node_id=s.node_id, host=s.host, ip=s.ip,
-                                       pid=s.pid, control_address=s.control_address)
-    if s.layout is not None:
-        reply.layout.CopyFrom(_layout(s.layout))
-    return reply
-
-
-def _status_reply(status: JobStatus) -> coordinator_pb2.StatusReply:
-    ranks = [coordinator_pb2.RankStatus(rank=r.rank, node=r.node, healthy=r.healthy, state=r.state,
-                                        memory=dict(r.memory), last_heartbeat=r.last_heartbeat)
-             for r in status.ranks]
-    return coordinator_pb2.StatusReply(world_size=status.world_size, stage=status.stage, step=status.step,
-                                       last_loss=status.last_loss, state=status.state, ranks=ranks,
-                                       events=list(status.events))
-
-
-def _metrics_event(event: MetricsEvent) -> coordinator_pb2.MetricsEvent:
-    return coordinator_pb2.MetricsEvent(step=event.step, loss=event.loss, step_seconds=event.step_seconds,
-                                        tokens_per_second=event.tokens_per_second, values=dict(event.values))
 
 
 def _same(value: T) -> T:
@@ -142,35 +70,27 @@ class OwnerServicer(_Serving, owner_pb2_grpc.PartitionOwnerServicer):
         return self._handler.failure_context()
 
     def Setup(self, request: owner_pb2.SetupRequest, context: grpc.ServicerContext) -> owner_pb2.SetupReply:
-        return self._serve(context, "Setup", self._handler.setup,
-                           lambda r: owner_pb2.SetupReply(rank=r.rank, layout=_layout(r.layout)))
+        return self._serve(context, "Setup", self._handler.setup, lambda r: to_message(r, owner_pb2.SetupReply))
 
     def Step(self, request: owner_pb2.StepRequest, context: grpc.ServicerContext) -> owner_pb2.StepReply:
-        args = self._serve(context, "Step", lambda: StepArgs(
-            step=request.step, piece=_piece(request.piece), global_samples=request.global_samples,
-            generation=request.generation, samples_seen=request.samples_seen), _same)
-        return self._serve(context, "Step", lambda: self._handler.step(args), _step_reply)
+        args = self._serve(context, "Step", lambda: to_record(request, StepArgs), _same)
+        return self._serve(context, "Step", lambda: self._handler.step(args),
+                           lambda r: to_message(r, owner_pb2.StepReply))
 
     def Evaluate(self, request: owner_pb2.EvaluateRequest,
                  context: grpc.ServicerContext) -> owner_pb2.EvaluateReply:
-        args = self._serve(context, "Evaluate", lambda: EvaluateArgs(piece=_piece(request.piece),
-                                                                     generation=request.generation), _same)
+        args = self._serve(context, "Evaluate", lambda: to_record(request, EvaluateArgs), _same)
         return self._serve(context, "Evaluate", lambda: self._handler.evaluate(args),
-                           lambda r: owner_pb2.EvaluateReply(totals=_totals(r.totals), rank=r.rank))
+                           lambda r: to_message(r, owner_pb2.EvaluateReply))
 
     def Save(self, request: owner_pb2.SaveRequest, context: grpc.ServicerContext) -> owner_pb2.SaveReply:
-        def build(r: SaveResult) -> owner_pb2.SaveReply:
-            return owner_pb2.SaveReply(path=r.path, step=r.step, bytes_written=r.bytes_written,
-                                       record_json=r.record_json)
-
         phase = self._serve(context, "Save", lambda: SavePhase(request.phase), _same)
-        return self._serve(context, "Save", lambda: self._handler.save(request.path, request.step, phase), build)
+        return self._serve(context, "Save", lambda: self._handler.save(request.path, request.step, phase),
+                           lambda r: to_message(r, owner_pb2.SaveReply))
 
     def Load(self, request: owner_pb2.LoadRequest, context: grpc.ServicerContext) -> owner_pb2.LoadReply:
-        def build(r: LoadResult) -> owner_pb2.LoadReply:
-            return owner_pb2.LoadReply(step=r.step, bytes_read=r.bytes_read)
-
-        return self._serve(context, "Load", lambda: self._handler.load(request.path, request.step), build)
+        return self._serve(context, "Load", lambda: self._handler.load(request.path, request.step),
+                           lambda r: to_message(r, owner_pb2.LoadReply))
 
     def Abort(self, request: owner_pb2.AbortRequest, context: grpc.ServicerContext) -> owner_pb2.AbortReply:
         return self._serve(context, "Abort", lambda: self._handler.abort(request.reason, request.generation),
@@ -181,12 +101,13 @@ class OwnerServicer(_Serving, owner_pb2_grpc.PartitionOwnerServicer):
         interval = _interval_s(request.interval_ms, context, method)
         with self._streams.open(context, method) as finished:
             while True:  # the first heartbeat at once, so that a new monitor knows the owner is alive
-                yield self._serve(context, "Health", self._handler.heartbeat, _heartbeat)
+                yield self._serve(context, "Health", self._handler.heartbeat,
+                                  lambda beat: to_message(beat, owner_pb2.Heartbeat))
                 if finished.wait(interval):
                     return
 
     def Stats(self, request: owner_pb2.StatsRequest, context: grpc.ServicerContext) -> owner_pb2.StatsReply:
-        return self._serve(context, "Stats", self._handler.stats, _stats_reply)
+        return self._serve(context, "Stats", self._handler.stats, lambda r: to_message(r, owner_pb2.StatsReply))
 
     def Reform(self, request: owner_pb2.ReformRequest, context: grpc.ServicerContext) -> owner_pb2.ReformReply:
         return self._serve(context, "Reform", lambda: self._handler.reform(request.generation),
@@ -224,7 +145,8 @@ class OwnerServicer(_Serving, owner_pb2_grpc.PartitionOwnerServicer):
 
     def Status(self, request: owner_pb2.OwnerStatusRequest,
                context: grpc.ServicerContext) -> owner_pb2.OwnerStatusReply:
-        return self._serve(context, "Status", self._handler.status, _owner_status)
+        return self._serve(context, "Status", self._handler.status,
+                           lambda r: to_message(r, owner_pb2.OwnerStatusReply))
 
     def Close(self, request: owner_pb2.CloseRequest, context: grpc.ServicerContext) -> owner_pb2.CloseReply:
         return self._serve(context, "Close", self._handler.close, lambda _: owner_pb2.CloseReply())
@@ -238,15 +160,14 @@ class CoordinatorServicer(_Serving, coordinator_pb2_grpc.CoordinatorServicer):
 
     def Status(self, request: coordinator_pb2.StatusRequest,
                context: grpc.ServicerContext) -> coordinator_pb2.StatusReply:
-        return self._serve(context, "Status", self._handler.status, _status_reply)
+        return self._serve(context, "Status", self._handler.status,
+                           lambda r: to_message(r, coordinator_pb2.StatusReply))
 
     def Checkpoint(self, request: coordinator_pb2.CheckpointRequest,
                    context: grpc.ServicerContext) -> coordinator_pb2.CheckpointReply:
-        def build(r: CheckpointResult) -> coordinator_pb2.CheckpointReply:
-            return coordinator_pb2.CheckpointReply(path=r.path, step=r.step)
-
         # proto3 has no "unset" string; empty means the job's configured directory.
-        return self._serve(context, "Checkpoint", lambda: self._handler.checkpoint(request.path or None), build)
+        return self._serve(context, "Checkpoint", lambda: self._handler.checkpoint(request.path or None),
+                           lambda r: to_message(r, coordinator_pb2.CheckpointReply))
 
     def Stop(self, request: coordinator_pb2.StopRequest, context: grpc.ServicerContext) -> coordinator_pb2.StopReply:
         return self._serve(context, "Stop", lambda: self._handler.stop(request.reason),
@@ -254,13 +175,11 @@ class CoordinatorServicer(_Serving, coordinator_pb2_grpc.CoordinatorServicer):
 
     def Resize(self, request: coordinator_pb2.ResizeRequest,
                context: grpc.ServicerContext) -> coordinator_pb2.ResizeReply:
-        def build(r: ResizeResult) -> coordinator_pb2.ResizeReply:
-            return coordinator_pb2.ResizeReply(previous_world_size=r.previous_world_size, world_size=r.world_size)
-
         if request.world_size < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"Coordinator.Resize: world_size={request.world_size} must be >= 1")
-        return self._serve(context, "Resize", lambda: self._handler.resize(request.world_size), build)
+        return self._serve(context, "Resize", lambda: self._handler.resize(request.world_size),
+                           lambda r: to_message(r, coordinator_pb2.ResizeReply))
 
     def Metrics(self, request: coordinator_pb2.MetricsRequest,
                 context: grpc.ServicerContext) -> Iterator[coordinator_pb2.MetricsEvent]:
@@ -272,7 +191,8 @@ class CoordinatorServicer(_Serving, coordinator_pb2_grpc.CoordinatorServicer):
                     event = self._serve(context, "Metrics", lambda: next(events, None), _same)
                     if event is None:  # the handler ended the stream: training is over
                         return
-                    yield self._serve(context, "Metrics", lambda: event, _metrics_event)
+                    yield self._serve(context, "Metrics", lambda: event,
+                                      lambda e: to_message(e, coordinator_pb2.MetricsEvent))
             finally:
                 close = getattr(events, "close", None)
                 if close is not None:  # run the handler generator's cleanup now, not at garbage collection
