@@ -39,10 +39,6 @@ class ReplicaPlan:
     group_size: int
     rounds: tuple[ReplicaRound, ...]
 
-    def to_data(self) -> dict[str, object]:
-        return {"kind": "replica", "group_size": self.group_size,
-                "rounds": [{"senders": list(r.senders), "receivers": list(r.receivers)} for r in self.rounds]}
-
 
 def surviving_group(mesh: Mesh, lost: Set[int]) -> tuple[int, ...] | None:
     """World ranks (by group rank) of the first shard group none of whose members was lost;

@@ -13,6 +13,7 @@ named actors and from gRPC, never by calling the actor.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from zero_ray.control.handlers import (
 )
 from zero_ray.core.placement import NodeRoom, Target, place
 from zero_ray.core.reshard import backup_peers
+from zero_ray.core.restore_plan import Peers, ReshardPlan, RestorePlan, restore_to_data
 from zero_ray.driver.fanout import FanOut
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.driver.pool_spec import PoolSpec, check_resources, cluster_is_local
@@ -375,16 +377,12 @@ class OwnerPool:
         return all(consistent)
 
     # -- changing the size --------------------------------------------------------------------------------
-    def peers(self, count: int) -> dict[str, list[int]] | None:
+    def peers(self, count: int) -> Peers | None:
         """Which peer keeps each of the first ``count`` owners' snapshots (another node when there
         is one) and whose each keeps; None without peer redundancy."""
         if not self.spec.snapshot_every:
             return None
-        backup = backup_peers([n.get("node_id", "") for n in self.nodes[:count]])
-        ward = [0] * len(backup)
-        for r, b in enumerate(backup):
-            ward[b] = r
-        return {"backup": backup, "ward": ward}
+        return Peers.of(backup_peers([n.get("node_id", "") for n in self.nodes[:count]]))
 
     def assign_peers(self, count: int | None = None, *, after_transfer: bool = False) -> list[int]:
         """Tell the first ``count`` owners (all) which peer keeps their snapshots. After a resize
@@ -392,13 +390,13 @@ class OwnerPool:
         layout's copies, which then replace the old layout's; a recovery meanwhile counts them."""
         count = len(self.clients) if count is None else count
         self._layout_unconfirmed = after_transfer
-        peers = self.peers(count) or {"backup": list(range(count)), "ward": list(range(count))}
-        backup, ward = peers["backup"], peers["ward"]
+        peers = self.peers(count) or Peers.own(count)
+        backup, ward = peers.backup, peers.ward
         timeout = self.spec.init_timeout_s
         self.fan.grpc(self.clients[:count], "set_peers",
                       lambda c, r: c.set_peers(backup[r], ward[r], timeout_s=timeout))
         self._layout_unconfirmed = False  # left set when a loss cut SetPeers short
-        return backup
+        return list(backup)
 
     def resize(self, world_size: int) -> dict[str, Any]:
         """Continue with ``world_size`` owners: start the extra ones (growing), move every
@@ -434,7 +432,7 @@ class OwnerPool:
             # transfer's group (an owner aborts its group for any generation at or past it).
             self.generation += 1
         peers = self.peers(world_size)  # the new layout's copies are made inside the transfer
-        description = {**info, "peers": peers} if peers else info
+        description = ReshardPlan(description=info, peers=peers).to_data()
         try:
             sent = self.fan.grpc(self.clients, "reshard", lambda c, r: c.reshard(
                 old_world=old, new_world=world_size, generation=generation, description=description,
@@ -472,7 +470,7 @@ class OwnerPool:
         return dict(zip(ranks, infos))
 
     def rebuild(self, survivors: Sequence[int], world_size: int, *,
-                restore: Callable[[dict[int, int]], dict[str, Any] | None]) -> int:
+                restore: Callable[[dict[int, int]], RestorePlan | None]) -> int:
         """Continue with the ``survivors`` (old ranks, keeping their order) plus new owners up to
         ``world_size``; ``restore(position_of_old_rank)`` gives the snapshot transfer (or None for
         fresh state, a checkpoint being loaded next). Returns bytes sent."""
@@ -497,10 +495,11 @@ class OwnerPool:
         plan = restore(position)
         peers = self.peers(world_size)
         if plan is not None and peers:  # the restored layout's copies are made inside the transfer
-            plan = {**plan, "peers": peers}
+            plan = dataclasses.replace(plan, peers=peers)
         generation, timeout = self.generation, self.spec.init_timeout_s + self.spec.collective_timeout_s
+        data = restore_to_data(plan)
         sent = self.fan.grpc(self.clients, "rebuild", lambda c, p: c.rebuild(
-            position=p, world_size=world_size, generation=generation, restore=plan, timeout_s=timeout))
+            position=p, world_size=world_size, generation=generation, restore=data, timeout_s=timeout))
         if self.spec.snapshot_every:
             self.assign_peers(after_transfer=plan is not None)
         return sum(sent)

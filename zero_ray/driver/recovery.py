@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from zero_ray.checkpoint import store
 from zero_ray.checkpoint.location import open_location
 from zero_ray.core.policy import Action, Decision, FailurePolicy, ScalingPolicy, Source
+from zero_ray.core.restore_plan import PeerRestore
 from zero_ray.core.topology import Topology
 from zero_ray.driver.data import GlobalBatch
 from zero_ray.driver.pool import OwnerPool
@@ -296,7 +297,7 @@ class RecoveryController:
             raise CheckpointError(f"no surviving peer holds a snapshot of ranks {missing} (their backups were lost "
                                   "too); restore from a checkpoint instead")
         scalars = next(iter(held[survivors[0]].values()))["scalars"]  # with the layout and the merged state table
-        plan = {"old_world": old_world, "holders": [holder[r] for r in range(old_world)], "scalars": scalars}
+        plan = PeerRestore(old_world=old_world, holders=tuple(holder[r] for r in range(old_world)), description=scalars)
         pool.rebuild(survivors, target, restore=lambda position: plan)
         return step + 1
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence, Set
 from typing import Any
 
 from zero_ray.core.replica import keep_whole_groups, replica_plan, surviving_group
+from zero_ray.core.restore_plan import ReplicaRestore
 from zero_ray.core.topology import Mesh, Topology, plan_mesh
 from zero_ray.driver.pool import OwnerPool
 from zero_ray.driver.pool_spec import check_resources
@@ -113,8 +114,8 @@ def _rebuild_from(pool: OwnerPool, topology: Topology, old: Mesh, *, source: Seq
                                             ranks=list(source)))
     gone = set(range(old.world_size)) - set(kept)
 
-    def plan(position: dict[int, int]) -> dict[str, object]:
+    def plan(position: dict[int, int]) -> ReplicaRestore:
         new = plan_mesh(topology, [str(n.get("node_id", "")) for n in pool.nodes])
-        return {**replica_plan(old, lost=gone, survivors=kept, new=new).to_data(), "scalars": info}
+        return ReplicaRestore(plan=replica_plan(old, lost=gone, survivors=kept, new=new), description=info)
 
     return pool.rebuild(kept, target, restore=plan)

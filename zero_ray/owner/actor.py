@@ -37,6 +37,7 @@ import ray
 import torch
 
 from zero_ray.collective.group import Collective
+from zero_ray.core.restore_plan import Peers, ReplicaRestore, ReshardPlan, RestorePlan
 from zero_ray.collective.ray_group import destroy_group, form_group
 from zero_ray.control.auth import Credentials
 from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
@@ -50,7 +51,7 @@ from zero_ray.owner.engine import OwnerEngine, StepPhase
 from zero_ray.owner.fabric import exchange_nodes
 from zero_ray.owner.spec import EngineSpec
 from zero_ray.owner.redundancy import PeerSnapshots
-from zero_ray.owner.replica import is_replica, live_state, restore_replica
+from zero_ray.owner.replica import live_state, restore_replica
 from zero_ray.owner.resize import RankState, TransferPlan, describe_state, exchange, install
 
 log = logging.getLogger(__name__)
@@ -259,19 +260,18 @@ class PartitionOwner:
         finally:
             self.step_lock.release()
 
-    def rebuild(self, *, position: int, world_size: int, generation: int, restore: dict[str, Any] | None) -> int:
-        """Take rank ``position`` of a new ``world_size``-rank pool after a loss. With ``restore``
-        (peer snapshots): move every old rank's snapshot from the actor holding it to the ranks
-        that now own its ranges (``restore["holders"][i]`` is the position holding old rank i)
-        and install them; without, build fresh state (a checkpoint is loaded next). Returns
-        bytes sent."""
+    def rebuild(self, *, position: int, world_size: int, generation: int, restore: RestorePlan | None) -> int:
+        """Take rank ``position`` of a new ``world_size``-rank pool after a loss. With a
+        ``PeerRestore``: move every old rank's snapshot from the actor holding it to the ranks
+        that now own its ranges (``restore.holders[i]`` is the position holding old rank i) and
+        install them; with a ``ReplicaRestore``: take a surviving shard group's live state;
+        without, build fresh state (a checkpoint is loaded next). Returns bytes sent."""
         if self._group is not None:  # first: a step blocked on it then fails and lets go of the lock
             self._group.abort()
             self._group = None
         with self._locked("rebuild", settle=True):
             self.data.drop_staged()
-            replica = is_replica(restore)
-            if replica:  # a surviving shard group's live state (core/replica.py)
+            if isinstance(restore, ReplicaRestore):  # a surviving shard group's live state (core/replica.py)
                 sources = live_state(self._engine, restore)
             else:
                 sources = ({r: s.state for r, s in self.snapshots.sources().items()} if restore is not None else {})
@@ -279,18 +279,18 @@ class PartitionOwner:
             self.rank, self.world_size, self.generation = position, world_size, generation
             group = self._join()
             sent, staged, plan = 0, None, None
-            if replica:
+            if isinstance(restore, ReplicaRestore):
                 plan, staged, sent = restore_replica(restore, me=position, sources=sources, group=group,
                                                      timeout_s=self._options.collective_timeout_s)
             elif restore is not None:
-                plan = TransferPlan.of(restore["scalars"], old_world=restore["old_world"], new_world=world_size)
+                plan = TransferPlan.of(restore.description, old_world=restore.old_world, new_world=world_size)
                 staged = plan.staging(position, world_size)
-                sent = exchange(plan, me=position, sources=sources, senders=restore["holders"], staged=staged,
+                sent = exchange(plan, me=position, sources=sources, senders=list(restore.holders), staged=staged,
                                 group=group, timeout_s=self._options.collective_timeout_s)
             engine = self._new_engine(group)
             if staged is not None and plan is not None and restore is not None:
                 install(staged, engine.state, plan.table)
-                engine.set_counters(restore["scalars"])
+                engine.set_counters(restore.description)
                 engine.state.publish_masters()
             self._engine = engine
             if restore is None:  # fresh state, a checkpoint loaded next: no copies to keep
@@ -298,10 +298,10 @@ class PartitionOwner:
             # Else the old layout's copies stay until the driver confirms the new layout's: a
             # rebuild cut short by another loss (even after this rank's transfers finished) is
             # tried again from them.
-            self._copy_layout(engine, group, (restore or {}).get("peers"))
+            self._copy_layout(engine, group, restore.peers if restore is not None else None)
             return sent
 
-    def _copy_layout(self, engine: OwnerEngine, group: Collective, peers: dict[str, list[int]] | None) -> None:
+    def _copy_layout(self, engine: OwnerEngine, group: Collective, peers: Peers | None) -> None:
         """Send the layout just installed to this rank's new backup (``peers``: every rank's,
         the same on all), so that no partition has its only copy here once the old layout's
         copies go (``set_peers`` confirms)."""
@@ -309,8 +309,8 @@ class PartitionOwner:
             return
         me = engine.rank
         engine.phase = StepPhase.UPDATING
-        self.snapshots.take_layout(engine, group, step=engine.position.step - 1, backup=peers["backup"][me],
-                                   ward=peers["ward"][me], timeout_s=self._options.collective_timeout_s)
+        self.snapshots.take_layout(engine, group, step=engine.position.step - 1, backup=peers.backup[me],
+                                   ward=peers.ward[me], timeout_s=self._options.collective_timeout_s)
         engine.phase = StepPhase.IDLE
 
     def resize_info(self) -> dict[str, Any]:
@@ -322,7 +322,7 @@ class PartitionOwner:
                                                       replicated=engine.spec.plan.updates_whole_buffer,
                                                       table=optimizer.table())}
 
-    def reshard(self, *, old_world: int, new_world: int, generation: int, info: dict[str, Any]) -> int:
+    def reshard(self, *, old_world: int, new_world: int, generation: int, plan: ReshardPlan) -> int:
         """Move this actor's part of the model state from the ``old_world`` layout to the
         ``new_world`` one (every actor of either calls this concurrently; see owner/resize.py).
         Returns bytes sent. Afterwards a surplus actor (index >= new_world) holds nothing."""
@@ -331,14 +331,15 @@ class PartitionOwner:
             if self._engine is not None:  # the driver saw every rank finish the last step
                 self.snapshots.commit_upto(self._engine.position.step - 1)
             try:
-                return self._reshard(old_world=old_world, new_world=new_world, generation=generation, info=info)
+                return self._reshard(old_world=old_world, new_world=new_world, generation=generation, reshard=plan)
             except BaseException:
                 self.world_size = old_world  # the old layout's state (if any) stays; a recovery decides
                 self.snapshots.drop_layout()
                 raise
 
-    def _reshard(self, *, old_world: int, new_world: int, generation: int, info: dict[str, Any]) -> int:
+    def _reshard(self, *, old_world: int, new_world: int, generation: int, reshard: ReshardPlan) -> int:
         me = self.rank
+        info = reshard.description
         plan = TransferPlan.of(info, old_world=old_world, new_world=new_world)
         old = self._engine
         if self._group is not None:
@@ -368,7 +369,7 @@ class PartitionOwner:
         engine.set_counters(info)
         engine.state.publish_masters()
         self._engine = engine
-        self._copy_layout(engine, group, info.get("peers"))  # the old layout's copies stay until confirmed
+        self._copy_layout(engine, group, reshard.peers)  # the old layout's copies stay until confirmed
         return sent
 
     # -- a driver reattaching ------------------------------------------------------------------------

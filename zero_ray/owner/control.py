@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from zero_ray.control import handlers as h
 from zero_ray.core.position import Position
+from zero_ray.core.restore_plan import ReshardPlan, RestorePlan, reshard_from_data, restore_from_data
 from zero_ray.errors import CollectiveError
 from zero_ray.owner.checkpointing import ShardSaver, restore, shard_record_json
 from zero_ray.owner.data import PieceSource
@@ -58,9 +59,9 @@ class OwnerHost(Protocol):
 
     def resize_info(self) -> dict[str, Any]: ...
 
-    def reshard(self, *, old_world: int, new_world: int, generation: int, info: dict[str, Any]) -> int: ...
+    def reshard(self, *, old_world: int, new_world: int, generation: int, plan: ReshardPlan) -> int: ...
 
-    def rebuild(self, *, position: int, world_size: int, generation: int, restore: dict[str, Any] | None) -> int: ...
+    def rebuild(self, *, position: int, world_size: int, generation: int, restore: RestorePlan | None) -> int: ...
 
     def status(self) -> dict[str, Any]: ...
 
@@ -198,11 +199,13 @@ class OwnerControl:
 
     def reshard(self, *, old_world: int, new_world: int, generation: int, description: h.Plain) -> int:
         self._owner.touch()
-        return self._owner.reshard(old_world=old_world, new_world=new_world, generation=generation, info=description)
+        return self._owner.reshard(old_world=old_world, new_world=new_world, generation=generation,
+                                   plan=reshard_from_data(description))
 
     def rebuild(self, *, position: int, world_size: int, generation: int, restore: h.Plain | None) -> int:
         self._owner.touch()
-        return self._owner.rebuild(position=position, world_size=world_size, generation=generation, restore=restore)
+        return self._owner.rebuild(position=position, world_size=world_size, generation=generation,
+                                   restore=restore_from_data(restore))
 
     def status(self) -> h.OwnerStatus:
         # Not a driver's contact: `zero-ray status` listing an orphaned run must not keep it alive.

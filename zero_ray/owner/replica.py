@@ -8,44 +8,38 @@ receiver), over the rebuilt pool's group. Nothing else is kept: no snapshot is i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from zero_ray.collective.group import Collective
+from zero_ray.core.restore_plan import ReplicaRestore
 from zero_ray.owner.engine import OwnerEngine
 from zero_ray.owner.host_copy import host_copies
 from zero_ray.owner.redundancy import _slices
 from zero_ray.owner.resize import RankState, Staged, TransferPlan, exchange
 
 
-def is_replica(restore: Mapping[str, Any] | None) -> bool:
-    return restore is not None and restore.get("kind") == "replica"
-
-
-def live_state(engine: OwnerEngine | None, restore: Mapping[str, Any]) -> dict[int, RankState]:
+def live_state(engine: OwnerEngine | None, restore: ReplicaRestore) -> dict[int, RankState]:
     """This survivor's live shard, by its group rank (empty for a replacement, or an owner
     with no engine)."""
     if engine is None:
         return {}
     mesh = engine.fabric.mesh
     group_rank = mesh.position(engine.rank) % mesh.shard
-    g = int(restore["group_size"])
-    plan = TransferPlan.of(restore["scalars"], old_world=g, new_world=g)
+    g = restore.plan.group_size
+    plan = TransferPlan.of(restore.description, old_world=g, new_world=g)
     optimizer = engine.state.optimizer
     whole = {p: dict(zip(sorted(st), host_copies([st[k] for k in sorted(st)])))
              for p, st in optimizer.whole_state(saver_only=True).items()}
     return {group_rank: RankState(slices=_slices(engine, group_rank, plan.kinds, clone=True), whole=whole)}
 
 
-def restore_replica(restore: Mapping[str, Any], *, me: int, sources: dict[int, RankState], group: Collective,
+def restore_replica(restore: ReplicaRestore, *, me: int, sources: dict[int, RankState], group: Collective,
                     timeout_s: float) -> tuple[TransferPlan, Staged | None, int]:
     """Run every round this position takes part in; returns the plan, what it received and
     bytes sent."""
-    g = int(restore["group_size"])
-    plan = TransferPlan.of(restore["scalars"], old_world=g, new_world=g)
+    g = restore.plan.group_size
+    plan = TransferPlan.of(restore.description, old_world=g, new_world=g)
     staged, sent = None, 0
-    for rnd in restore["rounds"]:
-        senders, receivers = list(rnd["senders"]), list(rnd["receivers"])
+    for rnd in restore.plan.rounds:
+        senders, receivers = list(rnd.senders), list(rnd.receivers)
         if me not in senders and me not in receivers:
             continue
         mine = plan.staging(receivers.index(me), g) if me in receivers else None
