@@ -15,7 +15,8 @@ from tests_paths import REPO_ROOT
 
 PACKAGE = os.path.join(REPO_ROOT, "zero_ray")
 PURE = ("core.layout", "core.reshard", "core.memory", "core.policy", "core.units", "core.stages", "core.groups",
-        "core.usage", "core.assign", "core.optim_state", "checkpoint.format", "core.topology")
+        "core.usage", "core.assign", "core.optim_state", "checkpoint.format", "core.topology", "core.restore_plan",
+        "core.flight", "core.position")
 # package -> packages it must never import (directly or lazily)
 FORBIDDEN = {
     "core": ("driver", "owner", "collective", "control", "checkpoint", "testing", "cli", "config", "compat"),

@@ -18,12 +18,8 @@ from zero_ray.errors import UnsupportedVersionError
 
 PACKAGE = os.path.join(REPO_ROOT, "zero_ray")
 ROOTS = ("ray", "torch")
-# Uses outside compat/ in files this change could not edit: route them through
-# compat.torch_private (which already exports these names) and remove them from here.
-ELSEWHERE = {
-    "owner/materialize.py": {"import torch.utils._python_dispatch", "import torch.utils._pytree",
-                             "torch._ops"},
-}
+# Uses outside compat/ allowed for now (none: every private use goes through an adapter).
+ELSEWHERE: dict[str, set[str]] = {}
 
 
 def _private(name: str) -> bool:

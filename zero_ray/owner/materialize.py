@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 import torch.nn.modules.module as torch_module
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from zero_ray.compat.torch_private import OpOverload, TorchDispatchMode, tree_flatten, tree_unflatten
 from zero_ray.errors import ModelError
 
 aten = torch.ops.aten
@@ -239,7 +238,7 @@ class InitRecorder(TorchDispatchMode):
             del scratch, view
         recipe = entry.recipe
         # Every torch.nn.init function writes all of its target without reading it.
-        overwrites = not isinstance(func, torch._ops.OpOverload) or func.overloadpacket in _OVERWRITES
+        overwrites = not isinstance(func, OpOverload) or func.overloadpacket in _OVERWRITES
         if overwrites and op.target == recipe.geometry:
             recipe.base = None
             recipe.ops = [op]
