@@ -52,6 +52,12 @@ class OwnerLostError(OwnerError):
     """A partition owner died or stopped answering."""
 
 
+class CallTimeout(OwnerLostError):
+    """A call on an owner did not finish within its deadline (``step_timeout_s`` for a step):
+    alive or not, the run cannot wait on it. The recovery asks every owner's flight record
+    where it is and treats the one the others wait for as lost."""
+
+
 class CollectiveError(ZeroRayError):
     """A collective operation failed (a peer died, the group was aborted)."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import replace
 
 import threading
@@ -16,24 +18,26 @@ from zero_ray.control.auth import PROTOCOL_VERSION, Credentials
 from zero_ray.control.client import ClientConfig, CoordinatorClient, OwnerClient
 from zero_ray.control.handlers import (
     CheckpointResult,
+    CollectiveEvent,
+    EvaluateArgs,
+    EvaluateResult,
     FailureContext,
+    Flight,
     Heartbeat,
     JobStatus,
     LoadResult,
+    LossTotals,
     MetricsEvent,
     ModelLayout,
     OwnerStats,
     OwnerStatus,
     ParamInfo,
+    Piece,
     RankStatus,
     ResizeResult,
     SavePhase,
     SaveResult,
     SetupResult,
-    EvaluateArgs,
-    EvaluateResult,
-    LossTotals,
-    Piece,
     StepArgs,
     StepResult,
 )
@@ -56,6 +60,13 @@ DESCRIPTION = {"steps_done": 3, "scale": 65536.0, "layout": {"specs": [["0.weigh
 OWNER_STATUS = OwnerStatus(rank=1, world_size=4, generation=2, step=9, samples_seen=72, phase="idle",
                            busy=False, detached=True, node_id="n1", host="h1", ip="10.0.0.6", pid=77,
                            control_address="10.0.0.6:4000", layout=LAYOUT)
+
+# A rank waiting in its 12th reduce-scatter; the 11th finished (a float up to 2**53 and
+# a byte count above 2**32 must arrive unchanged).
+FLIGHT = Flight(rank=1, phase="backward (step 4, micro-batch 0)", phase_since=1.5e9, now=1.5e9 + 21.25,
+                current=CollectiveEvent(op="reduce_scatter", group="zr-g2", seq=12, nbytes=2**33, started=1.5e9 + 1),
+                recent=(CollectiveEvent(op="reduce_scatter", group="zr-g2", seq=11, nbytes=64, started=1.5e9,
+                                        ended=1.5e9 + 0.5),))
 
 
 class FakeOwner:
@@ -158,6 +169,10 @@ class FakeOwner:
     def close(self) -> None:
         self._called("close")
 
+    def flight(self) -> Flight:
+        self._called("flight")
+        return FLIGHT
+
     def failure_context(self) -> FailureContext:
         return FailureContext(rank=1, phase=self.phase)
 
@@ -180,9 +195,9 @@ class FakeCoordinator:
         self.world_size = 2
         self.metric_steps = 3
 
-    def status(self) -> JobStatus:
-        self.calls.append(("status", None))
-        return STATUS
+    def status(self, flight: bool = False) -> JobStatus:
+        self.calls.append(("status", flight))
+        return dataclasses.replace(STATUS, flight=("no rank diverged from the others",)) if flight else STATUS
 
     def checkpoint(self, path: str | None) -> CheckpointResult:
         self.calls.append(("checkpoint", path))

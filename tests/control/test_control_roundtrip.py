@@ -28,7 +28,9 @@ from zero_ray.errors import CheckpointError, ConfigError, ControlError, OwnerErr
 
 def test_status_round_trip(coordinator: Served) -> None:
     assert coordinator.client.status() == STATUS
-    assert coordinator.handler.calls == [("status", None)]
+    flight = coordinator.client.status(flight=True)
+    assert flight.flight == ("no rank diverged from the others",) and flight.step == STATUS.step
+    assert coordinator.handler.calls == [("status", False), ("status", True)]
 
 
 def test_coordinator_actions(coordinator: Served) -> None:

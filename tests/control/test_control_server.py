@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
-from control_fakes import ARGS, LOOPBACK, WAIT_S, FakeCoordinator, FakeOwner, Served, server_config
+from control_fakes import ARGS, FLIGHT, LOOPBACK, WAIT_S, FakeCoordinator, FakeOwner, Served, server_config
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.handlers import Piece
@@ -39,6 +39,19 @@ def test_abort_is_served_while_a_step_blocks(owner: Served) -> None:
     stepping.join(WAIT_S)
     assert not stepping.is_alive() and "error" not in outcome and outcome["result"].rank == 1
     assert owner.handler.calls == ["step", "abort"]
+
+
+def test_the_flight_record_is_served_while_a_step_blocks(owner: Served) -> None:
+    owner.handler.block_steps = True
+    stepping = threading.Thread(target=lambda: owner.client.step(ARGS, timeout_s=WAIT_S), daemon=True)
+    stepping.start()
+    assert owner.handler.step_entered.wait(WAIT_S), "Step never reached the handler"
+    got = owner.client.flight(timeout_s=WAIT_S)
+    assert stepping.is_alive()  # answered while Step still waits
+    owner.handler.release_step.set()
+    stepping.join(WAIT_S)
+    assert got == FLIGHT and got.current is not None and got.recent[0].ended == 1.5e9 + 0.5
+    assert owner.handler.calls == ["step", "flight"]
 
 
 def test_deadline_error_names_method_and_deadline(owner: Served) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from zero_ray.driver.fanout import FanOut, control_error
 from zero_ray.errors import (
+    CallTimeout,
     CheckpointError,
     ConfigError,
     ControlError,
@@ -95,7 +96,7 @@ def test_the_first_failure_is_raised_as_the_owners_own_error_naming_its_rank() -
     fan.close()
 
 
-@pytest.mark.parametrize(("code", "expected"), [("UNAVAILABLE", OwnerLostError), ("DEADLINE_EXCEEDED", OwnerLostError),
+@pytest.mark.parametrize(("code", "expected"), [("UNAVAILABLE", OwnerLostError), ("DEADLINE_EXCEEDED", CallTimeout),
                                                 ("CANCELLED", OwnerError)])
 def test_transport_failures_name_the_owner(code: str, expected: type) -> None:
     err = control_error(ControlError("no", code=code), "rank 2 on node x", 2, "reshard")

@@ -44,6 +44,9 @@ def register(subparsers: SubParsers) -> None:
     status = subparsers.add_parser("status", help="show a running job's step, loss and per-rank health; without "
                                                   "--address, the detached runs whose owners are alive")
     _connection_arguments(status, timeout_s=_DEFAULT_TIMEOUT_S, required=False)
+    status.add_argument("--flight", action="store_true",
+                        help="also ask every owner where it is now: its phase and the collective it waits in, "
+                             "and which rank the others wait for (a stalled step)")
     status.add_argument("--ray-address", default=None, metavar="ADDRESS",
                         help="the Ray cluster to list detached runs of (default: RAY_ADDRESS, else a running one)")
     status.set_defaults(func=_status, command_name="status")
@@ -125,6 +128,8 @@ def format_status(status: JobStatus, now: float | None = None) -> str:
         lines.extend("  ".join([*(cell.ljust(w) for cell, w in zip(row[:-1], widths)), row[-1]]) for row in rows)
     if status.events:
         lines += ["", "events", *(f"  {e}" for e in status.events)]
+    if status.flight:
+        lines += ["", "where every owner is (flight records)", *(f"  {line}" for line in status.flight)]
     return "\n".join(lines)
 
 
@@ -135,7 +140,7 @@ def _status(args: argparse.Namespace) -> int:
         print("zero-ray status: error: give both --address and --token-file (a job's driver), or neither (the "
               "detached runs on the Ray cluster)", file=sys.stderr)
         return 2
-    return _run(args, lambda client: format_status(client.status()))
+    return _run(args, lambda client: format_status(client.status(flight=args.flight)))
 
 
 def format_detached(runs: Mapping[str, list[dict[str, object]]]) -> str:

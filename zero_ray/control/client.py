@@ -23,6 +23,7 @@ from zero_ray.control.handlers import (
     CheckpointResult,
     EvaluateArgs,
     EvaluateResult,
+    Flight,
     Heartbeat,
     JobStatus,
     LoadResult,
@@ -144,6 +145,11 @@ class OwnerClient(BaseClient):
         r = self._unary("Status", self._stub.Status, owner_pb2.OwnerStatusRequest(header=self._header()), timeout_s)
         return to_record(r, OwnerStatus)
 
+    def flight(self, *, timeout_s: float | None = None) -> Flight:
+        """The owner's flight record: its phase and recent collectives."""
+        r = self._unary("Flight", self._stub.Flight, owner_pb2.FlightRequest(header=self._header()), timeout_s)
+        return to_record(r, Flight)
+
     def close_owner(self, *, timeout_s: float | None = None) -> None:
         """Have the owner leave its group and stop serving (it is ended next). Not
         :meth:`close`, which closes this client's channel."""
@@ -177,10 +183,11 @@ class CoordinatorClient(BaseClient):
     def __enter__(self) -> CoordinatorClient:
         return self
 
-    def status(self, *, timeout_s: float | None = None) -> JobStatus:
-        """The job's state, step, loss and per-rank health."""
-        reply = self._unary("Status", self._stub.Status, coordinator_pb2.StatusRequest(header=self._header()),
-                            timeout_s)
+    def status(self, *, flight: bool = False, timeout_s: float | None = None) -> JobStatus:
+        """The job's state, step, loss and per-rank health; with ``flight``, where every owner is
+        now (its phase, the collective it waits in, for how long)."""
+        reply = self._unary("Status", self._stub.Status,
+                            coordinator_pb2.StatusRequest(header=self._header(), flight=flight), timeout_s)
         return to_record(reply, JobStatus)
 
     def checkpoint(self, path: str | None = None, *, timeout_s: float | None = None) -> CheckpointResult:

@@ -47,7 +47,9 @@ from zero_ray.control._generated import records as _records
 # The records whose fields are their messages' alone; the others below check their values.
 from zero_ray.control._generated.records import (
     CheckpointResult,
+    CollectiveEvent,
     EvaluateResult,
+    Flight,
     Heartbeat,
     JobStatus,
     LoadResult,
@@ -66,7 +68,8 @@ from zero_ray.control._generated.records import (
 from zero_ray.errors import ConfigError
 
 __all__ = [
-    "CheckpointResult", "CoordinatorHandler", "EvaluateArgs", "EvaluateResult", "FailureContext", "Heartbeat",
+    "CheckpointResult", "CollectiveEvent", "CoordinatorHandler", "EvaluateArgs", "EvaluateResult", "FailureContext",
+    "Flight", "Heartbeat",
     "JobStatus", "LoadResult", "LossTotals", "MetricsEvent", "ModelLayout", "OwnerHandler", "OwnerStats",
     "OwnerStatus", "ParamInfo", "Piece", "Plain", "RankStatus", "ResizeResult", "SavePhase", "SaveResult",
     "SetupResult", "StepArgs", "StepResult", "combine",
@@ -216,6 +219,10 @@ class OwnerHandler(Protocol):
         """Where this owner stands."""
         ...
 
+    def flight(self) -> Flight:
+        """This owner's flight record (promptly, while a step is blocked)."""
+        ...
+
     def close(self) -> None:
         """Leave the group and stop serving soon after replying (the process is ended next)."""
         ...
@@ -229,8 +236,8 @@ class OwnerHandler(Protocol):
 class CoordinatorHandler(Protocol):
     """Served as ``zero_ray.v1.Coordinator`` by the driver."""
 
-    def status(self) -> JobStatus:
-        """The job's current state."""
+    def status(self, flight: bool = False) -> JobStatus:
+        """The job's current state; with ``flight``, where every owner is now."""
         ...
 
     def checkpoint(self, path: str | None) -> CheckpointResult:

@@ -42,6 +42,8 @@ RECORDS: tuple[tuple[str, str], ...] = (
     ("CheckpointResult", "zero_ray.v1.CheckpointReply"),
     ("ResizeResult", "zero_ray.v1.ResizeReply"),
     ("MetricsEvent", "zero_ray.v1.MetricsEvent"),
+    ("CollectiveEvent", "zero_ray.v1.CollectiveEvent"),
+    ("Flight", "zero_ray.v1.FlightReply"),
 )
 
 _F = descriptor_pb2.FieldDescriptorProto

@@ -151,6 +151,9 @@ class OwnerServicer(_Serving, owner_pb2_grpc.PartitionOwnerServicer):
     def Close(self, request: owner_pb2.CloseRequest, context: grpc.ServicerContext) -> owner_pb2.CloseReply:
         return self._serve(context, "Close", self._handler.close, lambda _: owner_pb2.CloseReply())
 
+    def Flight(self, request: owner_pb2.FlightRequest, context: grpc.ServicerContext) -> owner_pb2.FlightReply:
+        return self._serve(context, "Flight", self._handler.flight, lambda r: to_message(r, owner_pb2.FlightReply))
+
 
 class CoordinatorServicer(_Serving, coordinator_pb2_grpc.CoordinatorServicer):
     """protobuf <-> plain translation for a :class:`CoordinatorHandler`."""
@@ -160,7 +163,7 @@ class CoordinatorServicer(_Serving, coordinator_pb2_grpc.CoordinatorServicer):
 
     def Status(self, request: coordinator_pb2.StatusRequest,
                context: grpc.ServicerContext) -> coordinator_pb2.StatusReply:
-        return self._serve(context, "Status", self._handler.status,
+        return self._serve(context, "Status", lambda: self._handler.status(request.flight),
                            lambda r: to_message(r, coordinator_pb2.StatusReply))
 
     def Checkpoint(self, request: coordinator_pb2.CheckpointRequest,

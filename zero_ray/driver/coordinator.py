@@ -43,8 +43,8 @@ class Coordinator:
                 except queue.Full:  # a slow reader loses events rather than stalling training
                     pass
 
-    def status(self) -> h.JobStatus:
-        return self._run.job_status()
+    def status(self, flight: bool = False) -> h.JobStatus:
+        return self._run.job_status(flight=flight)
 
     def checkpoint(self, path: str | None) -> h.CheckpointResult:
         directory, step = self._run.checkpoint_now(path or None)

@@ -34,6 +34,7 @@ import ray
 
 from zero_ray.control.client import OwnerClient
 from zero_ray.errors import (
+    CallTimeout,
     ConfigError,
     ControlError,
     OwnerError,
@@ -79,7 +80,8 @@ def control_error(err: ControlError, where: str, rank: int, what: str) -> ZeroRa
     did not answer in time, OwnerError otherwise."""
     if isinstance(err, RemoteFailure):
         return err.detail.error(where, rank=rank)
-    cls = OwnerLostError if err.code in _LOST_CODES else OwnerError
+    cls = (CallTimeout if err.code == "DEADLINE_EXCEEDED" else OwnerLostError if err.code in _LOST_CODES
+           else OwnerError)
     return cls(f"{where} failed in {what}: {err}", rank=rank)
 
 

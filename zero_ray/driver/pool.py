@@ -28,6 +28,7 @@ from zero_ray.control.client import ClientConfig, OwnerClient
 from zero_ray.control.handlers import (
     EvaluateArgs,
     EvaluateResult,
+    Flight,
     LoadResult,
     OwnerStats,
     RankStatus,
@@ -328,6 +329,14 @@ class OwnerPool:
         stats = self.fan.grpc(self.clients, "stats", lambda c, r: c.stats(timeout_s=timeout_s), watch=False)
         return [{"rank": s.rank, **s.bytes_sent, "total": sum(s.bytes_sent.values()),
                  "inside_node": s.inside_node_bytes, "cross_node": s.cross_node_bytes} for s in stats]
+
+    def flights(self, *, timeout_s: float) -> tuple[list[Flight], list[int]]:
+        """Every owner's flight record (served on gRPC threads: a rank blocked in a collective or
+        in compute answers), and the ranks that did not answer within ``timeout_s``."""
+        got = self.fan.urgent(dict(enumerate(self.clients)), lambda c: c.flight(timeout_s=timeout_s),
+                              timeout_s=timeout_s + 1)
+        flights = [f for f in got.values() if not isinstance(f, Exception)]
+        return flights, sorted(r for r, f in got.items() if isinstance(f, Exception))
 
     def master_fragments(self, *, timeout_s: float) -> list[dict[str, tuple[int, int, Any]]]:
         """Every owner's fp32 master fragments (the explicit consolidation: tensors, so through Ray)."""

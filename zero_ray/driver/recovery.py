@@ -23,13 +23,22 @@ from dataclasses import dataclass, field
 
 from zero_ray.checkpoint import store
 from zero_ray.checkpoint.location import open_location
+from zero_ray.core.flight import diagnose, where
 from zero_ray.core.policy import Action, Decision, FailurePolicy, ScalingPolicy, Source
 from zero_ray.core.restore_plan import PeerRestore
 from zero_ray.core.topology import Topology
 from zero_ray.driver.data import GlobalBatch
 from zero_ray.driver.pool import OwnerPool
 from zero_ray.driver.replica_restore import replica_mesh, restore_from_replica
-from zero_ray.errors import CheckpointError, CollectiveError, OwnerError, ResourceError, ZeroRayError
+from zero_ray.errors import (
+    CallTimeout,
+    CheckpointError,
+    CollectiveError,
+    CollectiveTimeout,
+    OwnerError,
+    ResourceError,
+    ZeroRayError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,7 @@ class RecoveryReport:
     replay_s: float = 0.0
     outcome: Outcome = Outcome.FAILED
     retry: bool = False  # re-formed, and the policy runs the step again (not the caller)
+    stall: str = ""  # a stalled call: every rank's flight record, and which one diverged
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -69,7 +79,8 @@ class RecoveryReport:
                 + (f" from {self.source}" if self.source else "")
                 + f", {self.world_size_before} -> {self.world_size_after} owners, replayed {self.replayed_steps} "
                   f"steps; detect {self.detect_s:.2f}s, abort {self.abort_s:.2f}s, restore {self.restore_s:.2f}s"
-                + (f", replay {self.replay_s:.2f}s" if self.replay_s >= 0 else ", replaying"))
+                + (f", replay {self.replay_s:.2f}s" if self.replay_s >= 0 else ", replaying")
+                + (f"; stalled: {self.stall.splitlines()[0]}" if self.stall else ""))
 
 
 class Replay:
@@ -97,7 +108,8 @@ class Replay:
 def failed_error(err: ZeroRayError, report: RecoveryReport) -> ZeroRayError | None:
     """``err`` again, saying why the run ended (its own message first, so it still reads as what
     went wrong); None for an error type that cannot be rebuilt from a message."""
-    text = (f"{err}\n\nThe run failed at step {report.failed_step + 1}: {report.reason}"
+    text = (f"{err}" + (f"\n\nWhere every rank was: {report.stall}" if report.stall else "")
+            + f"\n\nThe run failed at step {report.failed_step + 1}: {report.reason}"
             + (f" ({'; '.join(report.notes)})" if report.notes else ""))
     try:
         if isinstance(err, OwnerError):
@@ -127,6 +139,7 @@ class RecoveryController:
         self._grow_back, self._grow_check_s = grow_back, grow_check_s
         self._last_grow_check = 0.0  # monotonic: when the cluster's free room was last asked
         self.failures = 0
+        self.last_stall = ""  # the last stalled call's diagnosis
 
     def _sources(self, lost: set[int] | frozenset[int] = frozenset()) -> list[Source]:
         checkpoint = False
@@ -139,6 +152,21 @@ class RecoveryController:
                 log.warning("the checkpoint root %s cannot be used for recovery: %s", root, err)
         replica = bool(lost) and replica_mesh(self._pool, self._topology, lost) is not None
         return self.failure.sources(replica=replica, peer=self._peer, checkpoint=checkpoint)
+
+    def _stall(self, err: ZeroRayError) -> dict[int, str] | None:
+        """After a call or collective timed out with every owner alive: who the others wait for,
+        from every rank's flight record (``core/flight.diagnose``), by rank with where it is;
+        None when no rank diverged (a slow step, not a stuck one)."""
+        if not isinstance(err, (CallTimeout, CollectiveTimeout)):
+            return None
+        flights, unreachable = self._pool.flights(timeout_s=self._probe_timeout_s)
+        diagnosis = diagnose(flights, unreachable=unreachable)
+        self.last_stall = diagnosis.text()
+        log.error("a stalled call: %s", self.last_stall)
+        if not diagnosis.stuck:
+            return None
+        by_rank = {f.rank: where(f) for f in flights}
+        return {r: by_rank[r] for r in diagnosis.stuck}
 
     def _end(self, lost: dict[int, str], reason: str) -> None:
         """End the lost owners (a frozen process holds its sockets open; its slot is freed) and
@@ -154,6 +182,9 @@ class RecoveryController:
         self.failures += 1
         pool = self._pool
         lost = pool.find_lost(timeout_s=self._probe_timeout_s)
+        stall = self._stall(err) if not lost else None
+        if stall is not None:  # the rank the others wait for, and only it, is lost
+            lost = {r: f"stuck ({where})" for r, where in stall.items()}
         beats = {h.rank: h.last_beat for h in pool.health.snapshot()} if pool.health else {}
         since = min((beats.get(r) or step_started for r in lost), default=step_started)
         sources = self._sources(set(lost))
@@ -162,6 +193,8 @@ class RecoveryController:
         report = RecoveryReport(failed_step=failed_step, call=call, error=str(err).splitlines()[0], lost=dict(lost),
                                 decision=decision.action.value, reason=decision.reason,
                                 world_size_before=pool.world_size, detect_s=max(0.0, t0 - since))
+        if stall is not None:
+            report.stall = self.last_stall
         log.warning("%s failed (%s); %s: %s", call or f"step {failed_step + 1}", report.error,
                     decision.action.value, decision.reason)
         if decision.backoff_s:

@@ -28,6 +28,7 @@ from zero_ray.control.handlers import EvaluateArgs, JobStatus, MetricsEvent, com
 from zero_ray.control.server import ServerConfig, serve_coordinator
 from zero_ray.core.batching import Batch
 from zero_ray.core.devices import resolve_device
+from zero_ray.core.flight import diagnose
 from zero_ray.core.optim import (
     AdamW,
     OptimizerFactory,
@@ -246,9 +247,15 @@ class ZeroTrainer(ResumeAPI):
         """The partition owners' Ray actor handles, in rank order."""
         return list(self._pool.actors)
 
-    def job_status(self) -> JobStatus:
-        """A snapshot for the Coordinator's Status call (thread-safe)."""
-        return JobStatus(world_size=self.world_size, stage=self.config.stage, step=self.step_count,
+    def job_status(self, *, flight: bool = False) -> JobStatus:
+        """A snapshot for the Coordinator's Status call (thread-safe); with ``flight``, every
+        owner's flight record read now and diagnosed (``core/flight.py``)."""
+        lines: tuple[str, ...] = ()
+        if flight:
+            flights, unreachable = self._pool.flights(timeout_s=2.0)
+            diagnosis = diagnose(flights, unreachable=unreachable)
+            lines = (diagnosis.text().splitlines()[0], *diagnosis.lines)
+        return JobStatus(flight=lines, world_size=self.world_size, stage=self.config.stage, step=self.step_count,
                          last_loss=float(self.last_metrics.get("loss", float("nan"))), state=self._life.state.value,
                          ranks=tuple(self._pool.rank_statuses()), events=tuple(self.events[-20:]))
 

@@ -36,6 +36,7 @@ from typing import Any
 import ray
 import torch
 
+from zero_ray.collective.flight import FlightRecorder, RecordedGroup
 from zero_ray.collective.group import Collective
 from zero_ray.core.restore_plan import Peers, ReplicaRestore, ReshardPlan, RestorePlan
 from zero_ray.collective.ray_group import destroy_group, form_group
@@ -94,6 +95,7 @@ class PartitionOwner:
         self.saver = ShardSaver()
         self.snapshots = PeerSnapshots()
         self.data = PieceSource()
+        self.flight = FlightRecorder()  # this process's collectives and phase, across groups and engines
         self.backup = self.ward = rank  # peers for snapshots, set by the driver
         self.step_lock = threading.Lock()  # held by a step; recovery waits for it
         self._aborted = -1  # the newest generation an abort was asked for
@@ -134,8 +136,10 @@ class PartitionOwner:
         if self._aborted >= self.generation:  # an abort raced in before the event existed
             forming.set()
         try:
-            self._group = form_group(backend=o.backend, group_name=self._group_name(), rank=self.rank,
-                                     world_size=self.world_size, timeout_s=o.collective_timeout_s, abort=forming)
+            name = self._group_name()
+            self._group = RecordedGroup(form_group(backend=o.backend, group_name=name, rank=self.rank,
+                                                   world_size=self.world_size, timeout_s=o.collective_timeout_s,
+                                                   abort=forming), self.flight, name=name)
         finally:
             self._forming = None
         return self._group
@@ -143,7 +147,7 @@ class PartitionOwner:
     def _new_engine(self, group: Collective) -> OwnerEngine:
         # Where Ray placed every rank (one scalar all-reduce): the Topology's groups follow the nodes.
         nodes = exchange_nodes(group, ray.get_runtime_context().get_node_id())
-        return OwnerEngine(self._spec, rank=self.rank, group=group, nodes=nodes)
+        return OwnerEngine(self._spec, rank=self.rank, group=group, nodes=nodes, flight=self.flight)
 
     def setup(self) -> dict[str, Any]:
         """Join the group (all ranks concurrently) and build the model state."""

@@ -16,7 +16,9 @@ import threading
 import time
 from typing import Any, Protocol
 
+from zero_ray.collective.flight import Event, FlightRecorder
 from zero_ray.control import handlers as h
+from zero_ray.core.flight import IDLE
 from zero_ray.core.position import Position
 from zero_ray.core.restore_plan import ReshardPlan, RestorePlan, reshard_from_data, restore_from_data
 from zero_ray.errors import CollectiveError
@@ -36,6 +38,7 @@ class OwnerHost(Protocol):
     snapshots: PeerSnapshots
     data: PieceSource
     step_lock: threading.Lock
+    flight: FlightRecorder
 
     @property
     def engine(self) -> OwnerEngine: ...
@@ -103,11 +106,15 @@ class OwnerControl:
         with self._lock:
             owner.snapshots.commit_upto(args.step - 1)  # the driver saw every rank finish that step
             started = time.perf_counter()
-            piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s, generation=args.generation,
-                                    step=args.step)
-            waited = time.perf_counter() - started
-            result = owner.engine.step(piece, global_samples=args.global_samples,
-                                       position=Position(step=args.step, samples_seen=args.samples_seen))
+            owner.flight.phase(f"waiting for data (step {args.step + 1})")
+            try:
+                piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s, generation=args.generation,
+                                        step=args.step)
+                waited = time.perf_counter() - started
+                result = owner.engine.step(piece, global_samples=args.global_samples,
+                                           position=Position(step=args.step, samples_seen=args.samples_seen))
+            finally:  # a step that raised is over here: idle, not "in compute", to a stall diagnosis
+                owner.flight.phase(IDLE)
             result = dataclasses.replace(result, data_seconds=waited)
             if not result.refused:  # a refused step changed nothing: no snapshot is due
                 owner.after_step(args.step)
@@ -132,7 +139,11 @@ class OwnerControl:
         written = 0
         if phase is not h.SavePhase.AWAIT:
             with self._lock:  # a consistent snapshot: never in the middle of a step
-                written = owner.saver.start(owner.engine, path)
+                owner.flight.phase(f"checkpoint (snapshot of step {step})")
+                try:
+                    written = owner.saver.start(owner.engine, path)
+                finally:
+                    owner.flight.phase(IDLE)
         if phase is h.SavePhase.SNAPSHOT:
             return h.SaveResult(path=path, step=step, bytes_written=written)
         record, model = owner.saver.wait(path, timeout_s=self._save_timeout_s)
@@ -206,6 +217,19 @@ class OwnerControl:
         self._owner.touch()
         return self._owner.rebuild(position=position, world_size=world_size, generation=generation,
                                    restore=restore_from_data(restore))
+
+    def flight(self) -> h.Flight:
+        # Not a driver's contact either: read by a driver diagnosing a stall and by operators.
+        owner = self._owner
+        snap = owner.flight.snapshot()
+
+        def event(e: Event) -> h.CollectiveEvent:
+            return h.CollectiveEvent(op=e.op, group=e.group, seq=e.seq, nbytes=e.nbytes, started=e.started,
+                                     ended=e.ended)
+
+        return h.Flight(rank=owner.rank, phase=snap.phase, phase_since=snap.phase_since, now=snap.now,
+                        current=event(snap.current) if snap.current else None,
+                        recent=tuple(event(e) for e in snap.recent))
 
     def status(self) -> h.OwnerStatus:
         # Not a driver's contact: `zero-ray status` listing an orphaned run must not keep it alive.

@@ -22,14 +22,16 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from zero_ray.collective.flight import FlightRecorder
 from zero_ray.collective.group import Collective
 from zero_ray.control.handlers import LossTotals, StepResult
 from zero_ray.core.devices import allocator_figures
+from zero_ray.core.flight import IDLE
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes, to_device
 from zero_ray.core.position import Position
 from zero_ray.core.precision import LossScaler
@@ -125,8 +127,10 @@ class _NonFinite:
 class OwnerEngine:
     """One rank's model state and step."""
 
-    def __init__(self, spec: EngineSpec, *, rank: int, group: Collective, nodes: Sequence[str] | None = None) -> None:
+    def __init__(self, spec: EngineSpec, *, rank: int, group: Collective, nodes: Sequence[str] | None = None,
+                 flight: FlightRecorder | None = None) -> None:
         self.spec = spec
+        self.flight = flight if flight is not None else FlightRecorder()  # the owner's, kept across engines
         self.rank = rank
         self.world_size = group.world_size
         self.group = group
@@ -176,23 +180,28 @@ class OwnerEngine:
         tally = _Tally()
         compute = 0.0
         self.module.train()
+        flight = self.flight
         with self.state.sync.computing():
             for i, micro in enumerate(split_batch(piece, sizes)):
                 t0 = time.perf_counter()
                 self.state.begin_micro_batch()
+                flight.phase(f"forward (step {at.step + 1}, micro-batch {i})")
                 loss, count = loss_terms(spec.loss_fn(self.module, to_device(micro, self.device, spec.compute_dtype)))
                 weight = (sizes[i] if count is None else 1.0) / global_samples
                 scaled = loss.float() * (weight * scale)
+                flight.phase(f"backward (step {at.step + 1}, micro-batch {i})")
                 scaled.backward()
                 compute += time.perf_counter() - t0
                 self.state.end_micro_batch(last=i == len(sizes) - 1)
                 tally.add(loss, count, sizes[i])
             lr = self.state.optimizer.lr()  # what this step uses; the scheduler moves it afterwards
+            flight.phase(f"update (step {at.step + 1})")
             norm, skipped, bad = self._update(inv_scale=1.0 / scale, count=tally.count if tally.counted else None,
                                               global_samples=global_samples,
                                               loss_finite=math.isfinite(tally.loss_sum))
             self.state.end_step()
         self.phase = StepPhase.IDLE
+        flight.phase(IDLE)
         self.last_bytes = self.group.counters.snapshot()
         self.last_peers = self.group.counters.by_peer()
         refused = bad is not None and spec.on_nonfinite == "raise"
@@ -214,12 +223,14 @@ class OwnerEngine:
         self.module.eval()
         try:
             with torch.no_grad(), self.state.sync.computing(), self.state.forward_only():
-                for size, micro in zip(sizes, split_batch(piece, sizes)):
+                for i, (size, micro) in enumerate(zip(sizes, split_batch(piece, sizes))):
+                    self.flight.phase(f"evaluate forward (micro-batch {i})")
                     loss, count = loss_terms(self.spec.loss_fn(self.module, to_device(micro, self.device,
                                                                                      self.spec.compute_dtype)))
                     tally.add(loss, count, size)
         finally:
             self.module.train(was_training)
+            self.flight.phase(IDLE)
         return tally.totals(batch_size(piece), piece)
 
     def _update(self, *, inv_scale: float, count: float | None, global_samples: int,
@@ -286,6 +297,7 @@ class OwnerEngine:
         consistent = self.phase is not StepPhase.UPDATING
         self.state.discard()
         self.phase = StepPhase.IDLE
+        self.flight.phase(IDLE)
         return consistent
 
     def rebind(self, group: Collective) -> None:

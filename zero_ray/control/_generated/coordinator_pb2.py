@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from zero_ray.control._generated import common_pb2 as zero__ray_dot_control_dot___generated_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-zero_ray/control/_generated/coordinator.proto\x12\x0bzero_ray.v1\x1a(zero_ray/control/_generated/common.proto\";\n\rStatusRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\"\xc4\x01\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\r\n\x05state\x18\x04 \x01(\t\x12\x33\n\x06memory\x18\x05 \x03(\x0b\x32#.zero_ray.v1.RankStatus.MemoryEntry\x12\x16\n\x0elast_heartbeat\x18\x06 \x01(\x01\x1a-\n\x0bMemoryEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x98\x01\n\x0bStatusReply\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\tlast_loss\x18\x04 \x01(\x01\x12\r\n\x05state\x18\x05 \x01(\t\x12&\n\x05ranks\x18\x06 \x03(\x0b\x32\x17.zero_ray.v1.RankStatus\x12\x0e\n\x06\x65vents\x18\x07 \x03(\t\"M\n\x11\x43heckpointRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x0c\n\x04path\x18\x02 \x01(\t\"-\n\x0f\x43heckpointReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"I\n\x0bStopRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1a\n\tStopReply\x12\r\n\x05state\x18\x01 \x01(\t\"O\n\rResizeRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x12\n\nworld_size\x18\x02 \x01(\r\">\n\x0bResizeReply\x12\x1b\n\x13previous_world_size\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\"<\n\x0eMetricsRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\"\xc1\x01\n\x0cMetricsEvent\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x04 \x01(\x01\x12\x35\n\x06values\x18\x05 \x03(\x0b\x32%.zero_ray.v1.MetricsEvent.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xd8\x02\n\x0b\x43oordinator\x12>\n\x06Status\x12\x1a.zero_ray.v1.StatusRequest\x1a\x18.zero_ray.v1.StatusReply\x12J\n\nCheckpoint\x12\x1e.zero_ray.v1.CheckpointRequest\x1a\x1c.zero_ray.v1.CheckpointReply\x12\x38\n\x04Stop\x12\x18.zero_ray.v1.StopRequest\x1a\x16.zero_ray.v1.StopReply\x12>\n\x06Resize\x12\x1a.zero_ray.v1.ResizeRequest\x1a\x18.zero_ray.v1.ResizeReply\x12\x43\n\x07Metrics\x12\x1b.zero_ray.v1.MetricsRequest\x1a\x19.zero_ray.v1.MetricsEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-zero_ray/control/_generated/coordinator.proto\x12\x0bzero_ray.v1\x1a(zero_ray/control/_generated/common.proto\"K\n\rStatusRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x0e\n\x06\x66light\x18\x02 \x01(\x08\"\xc4\x01\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\r\n\x05state\x18\x04 \x01(\t\x12\x33\n\x06memory\x18\x05 \x03(\x0b\x32#.zero_ray.v1.RankStatus.MemoryEntry\x12\x16\n\x0elast_heartbeat\x18\x06 \x01(\x01\x1a-\n\x0bMemoryEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xa8\x01\n\x0bStatusReply\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\tlast_loss\x18\x04 \x01(\x01\x12\r\n\x05state\x18\x05 \x01(\t\x12&\n\x05ranks\x18\x06 \x03(\x0b\x32\x17.zero_ray.v1.RankStatus\x12\x0e\n\x06\x65vents\x18\x07 \x03(\t\x12\x0e\n\x06\x66light\x18\x08 \x03(\t\"M\n\x11\x43heckpointRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x0c\n\x04path\x18\x02 \x01(\t\"-\n\x0f\x43heckpointReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"I\n\x0bStopRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1a\n\tStopReply\x12\r\n\x05state\x18\x01 \x01(\t\"O\n\rResizeRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x12\n\nworld_size\x18\x02 \x01(\r\">\n\x0bResizeReply\x12\x1b\n\x13previous_world_size\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\"<\n\x0eMetricsRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\"\xc1\x01\n\x0cMetricsEvent\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x04 \x01(\x01\x12\x35\n\x06values\x18\x05 \x03(\x0b\x32%.zero_ray.v1.MetricsEvent.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xd8\x02\n\x0b\x43oordinator\x12>\n\x06Status\x12\x1a.zero_ray.v1.StatusRequest\x1a\x18.zero_ray.v1.StatusReply\x12J\n\nCheckpoint\x12\x1e.zero_ray.v1.CheckpointRequest\x1a\x1c.zero_ray.v1.CheckpointReply\x12\x38\n\x04Stop\x12\x18.zero_ray.v1.StopRequest\x1a\x16.zero_ray.v1.StopReply\x12>\n\x06Resize\x12\x1a.zero_ray.v1.ResizeRequest\x1a\x18.zero_ray.v1.ResizeReply\x12\x43\n\x07Metrics\x12\x1b.zero_ray.v1.MetricsRequest\x1a\x19.zero_ray.v1.MetricsEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,31 +37,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_METRICSEVENT_VALUESENTRY']._loaded_options = None
   _globals['_METRICSEVENT_VALUESENTRY']._serialized_options = b'8\001'
   _globals['_STATUSREQUEST']._serialized_start=104
-  _globals['_STATUSREQUEST']._serialized_end=163
-  _globals['_RANKSTATUS']._serialized_start=166
-  _globals['_RANKSTATUS']._serialized_end=362
-  _globals['_RANKSTATUS_MEMORYENTRY']._serialized_start=317
-  _globals['_RANKSTATUS_MEMORYENTRY']._serialized_end=362
-  _globals['_STATUSREPLY']._serialized_start=365
-  _globals['_STATUSREPLY']._serialized_end=517
-  _globals['_CHECKPOINTREQUEST']._serialized_start=519
-  _globals['_CHECKPOINTREQUEST']._serialized_end=596
-  _globals['_CHECKPOINTREPLY']._serialized_start=598
-  _globals['_CHECKPOINTREPLY']._serialized_end=643
-  _globals['_STOPREQUEST']._serialized_start=645
-  _globals['_STOPREQUEST']._serialized_end=718
-  _globals['_STOPREPLY']._serialized_start=720
-  _globals['_STOPREPLY']._serialized_end=746
-  _globals['_RESIZEREQUEST']._serialized_start=748
-  _globals['_RESIZEREQUEST']._serialized_end=827
-  _globals['_RESIZEREPLY']._serialized_start=829
-  _globals['_RESIZEREPLY']._serialized_end=891
-  _globals['_METRICSREQUEST']._serialized_start=893
-  _globals['_METRICSREQUEST']._serialized_end=953
-  _globals['_METRICSEVENT']._serialized_start=956
-  _globals['_METRICSEVENT']._serialized_end=1149
-  _globals['_METRICSEVENT_VALUESENTRY']._serialized_start=1104
-  _globals['_METRICSEVENT_VALUESENTRY']._serialized_end=1149
-  _globals['_COORDINATOR']._serialized_start=1152
-  _globals['_COORDINATOR']._serialized_end=1496
+  _globals['_STATUSREQUEST']._serialized_end=179
+  _globals['_RANKSTATUS']._serialized_start=182
+  _globals['_RANKSTATUS']._serialized_end=378
+  _globals['_RANKSTATUS_MEMORYENTRY']._serialized_start=333
+  _globals['_RANKSTATUS_MEMORYENTRY']._serialized_end=378
+  _globals['_STATUSREPLY']._serialized_start=381
+  _globals['_STATUSREPLY']._serialized_end=549
+  _globals['_CHECKPOINTREQUEST']._serialized_start=551
+  _globals['_CHECKPOINTREQUEST']._serialized_end=628
+  _globals['_CHECKPOINTREPLY']._serialized_start=630
+  _globals['_CHECKPOINTREPLY']._serialized_end=675
+  _globals['_STOPREQUEST']._serialized_start=677
+  _globals['_STOPREQUEST']._serialized_end=750
+  _globals['_STOPREPLY']._serialized_start=752
+  _globals['_STOPREPLY']._serialized_end=778
+  _globals['_RESIZEREQUEST']._serialized_start=780
+  _globals['_RESIZEREQUEST']._serialized_end=859
+  _globals['_RESIZEREPLY']._serialized_start=861
+  _globals['_RESIZEREPLY']._serialized_end=923
+  _globals['_METRICSREQUEST']._serialized_start=925
+  _globals['_METRICSREQUEST']._serialized_end=985
+  _globals['_METRICSEVENT']._serialized_start=988
+  _globals['_METRICSEVENT']._serialized_end=1181
+  _globals['_METRICSEVENT_VALUESENTRY']._serialized_start=1136
+  _globals['_METRICSEVENT_VALUESENTRY']._serialized_end=1181
+  _globals['_COORDINATOR']._serialized_start=1184
+  _globals['_COORDINATOR']._serialized_end=1528
 # @@protoc_insertion_point(module_scope)

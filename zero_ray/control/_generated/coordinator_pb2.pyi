@@ -8,10 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StatusRequest(_message.Message):
-    __slots__ = ("header",)
+    __slots__ = ("header", "flight")
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    FLIGHT_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
+    flight: bool
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., flight: _Optional[bool] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("rank", "node", "healthy", "state", "memory", "last_heartbeat")
@@ -37,7 +39,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., healthy: _Optional[bool] = ..., state: _Optional[str] = ..., memory: _Optional[_Mapping[str, int]] = ..., last_heartbeat: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("world_size", "stage", "step", "last_loss", "state", "ranks", "events")
+    __slots__ = ("world_size", "stage", "step", "last_loss", "state", "ranks", "events", "flight")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +47,7 @@ class StatusReply(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    FLIGHT_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     stage: int
     step: int
@@ -52,7 +55,8 @@ class StatusReply(_message.Message):
     state: str
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
     events: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, world_size: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., last_loss: _Optional[float] = ..., state: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ...) -> None: ...
+    flight: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, world_size: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., last_loss: _Optional[float] = ..., state: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., events: _Optional[_Iterable[str]] = ..., flight: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("header", "path")

@@ -403,3 +403,41 @@ class CloseRequest(_message.Message):
 class CloseReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class FlightRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
+
+class CollectiveEvent(_message.Message):
+    __slots__ = ("op", "group", "seq", "nbytes", "started", "ended")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    group: str
+    seq: int
+    nbytes: int
+    started: float
+    ended: float
+    def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., nbytes: _Optional[int] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ...) -> None: ...
+
+class FlightReply(_message.Message):
+    __slots__ = ("rank", "phase", "phase_since", "now", "current", "recent")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SINCE_FIELD_NUMBER: _ClassVar[int]
+    NOW_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    phase: str
+    phase_since: float
+    now: float
+    current: CollectiveEvent
+    recent: _containers.RepeatedCompositeFieldContainer[CollectiveEvent]
+    def __init__(self, rank: _Optional[int] = ..., phase: _Optional[str] = ..., phase_since: _Optional[float] = ..., now: _Optional[float] = ..., current: _Optional[_Union[CollectiveEvent, _Mapping]] = ..., recent: _Optional[_Iterable[_Union[CollectiveEvent, _Mapping]]] = ...) -> None: ...

@@ -123,6 +123,11 @@ class PartitionOwnerStub:
                 request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.CloseRequest.SerializeToString,
                 response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.CloseReply.FromString,
                 _registered_method=True)
+        self.Flight = channel.unary_unary(
+                '/zero_ray.v1.PartitionOwner/Flight',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.FlightRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.FlightReply.FromString,
+                _registered_method=True)
 
 
 class PartitionOwnerServicer:
@@ -251,6 +256,14 @@ class PartitionOwnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Flight(self, request, context):
+        """This owner's flight record: its phase and recent collectives (served while a step is
+        blocked: the driver diagnoses a stalled step from every rank's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PartitionOwnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -333,6 +346,11 @@ def add_PartitionOwnerServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.CloseRequest.FromString,
                     response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.CloseReply.SerializeToString,
+            ),
+            'Flight': grpc.unary_unary_rpc_method_handler(
+                    servicer.Flight,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.FlightRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_owner__pb2.FlightReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -776,6 +794,33 @@ class PartitionOwner:
             '/zero_ray.v1.PartitionOwner/Close',
             zero__ray_dot_control_dot___generated_dot_owner__pb2.CloseRequest.SerializeToString,
             zero__ray_dot_control_dot___generated_dot_owner__pb2.CloseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Flight(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zero_ray.v1.PartitionOwner/Flight',
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.FlightRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_owner__pb2.FlightReply.FromString,
             options,
             channel_credentials,
             insecure,

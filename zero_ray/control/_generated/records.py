@@ -269,6 +269,9 @@ class JobStatus:
     ranks: tuple[RankStatus, ...] = ()
     # Membership changes and failure decisions, oldest first (the last few).
     events: tuple[str, ...] = ()
+    # On request: one line per rank saying where it is, after a line naming any rank the others
+    # wait for (core/flight.diagnose).
+    flight: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,6 +310,41 @@ class MetricsEvent:
     values: Mapping[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, kw_only=True)
+class CollectiveEvent:
+    """One collective on one rank. `seq` counts the collectives this rank issued on `group`
+    (every rank issues a group's in the same order: equal (group, seq) is the same collective).
+
+    The record of ``zero_ray.v1.CollectiveEvent``.
+    """
+
+    op: str = ""
+    group: str = ""
+    seq: int = 0
+    nbytes: int = 0
+    # Seconds since the Unix epoch, on the owner's clock.
+    started: float = 0.0
+    # Unset while the collective runs.
+    ended: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Flight:
+    """Where an owner is: its phase (waiting for data, forward, backward, update, checkpoint, idle)
+    since when, the collective it waits in, and its recent collectives, oldest first.
+
+    The record of ``zero_ray.v1.FlightReply``.
+    """
+
+    rank: int = 0
+    phase: str = ""
+    phase_since: float = 0.0
+    # The owner's clock when it answered: durations need no synchronised clocks.
+    now: float = 0.0
+    current: CollectiveEvent | None = None
+    recent: tuple[CollectiveEvent, ...] = ()
+
+
 # The message each record is converted to and from (zero_ray.control.records).
 MESSAGES: dict[str, str] = {
     "Piece": "zero_ray.v1.Piece",
@@ -328,6 +366,8 @@ MESSAGES: dict[str, str] = {
     "CheckpointResult": "zero_ray.v1.CheckpointReply",
     "ResizeResult": "zero_ray.v1.ResizeReply",
     "MetricsEvent": "zero_ray.v1.MetricsEvent",
+    "CollectiveEvent": "zero_ray.v1.CollectiveEvent",
+    "Flight": "zero_ray.v1.FlightReply",
 }
 # Request fields of this type are the clients' envelope, not record fields.
 ENVELOPE = "zero_ray.v1.RequestHeader"
