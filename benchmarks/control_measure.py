@@ -1,0 +1,394 @@
+"""One measurement of ``benchmarks.control_scale``: N simulated owners (``benchmarks.control_sim``)
+in worker processes, the driver's real control path over them (``OwnerClient`` per owner,
+``FanOut`` for the step, ``HealthMonitor``'s heartbeat streams at the run's default interval),
+and the figures of one row.
+
+The victim of the loss measurement, the last rank, is alone in its own worker process, so that
+SIGKILL ends exactly one owner, as a dead actor's process does.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+import secrets
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benchmarks.control_sim import DATASET, SimSettings, worker_main
+from zero_ray.control._generated import owner_pb2
+from zero_ray.control.auth import Credentials
+from zero_ray.control.client import ClientConfig, OwnerClient
+from zero_ray.control.handlers import Piece, StepArgs
+from zero_ray.driver.fanout import FanOut
+from zero_ray.driver.health import HealthMonitor
+from zero_ray.errors import OwnerLostError, ZeroRayError
+
+START_TIMEOUT_S = 300.0  # workers import torch (OwnerControl's module does): slow on a busy machine
+STEP_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleSettings:
+    """How one row is measured."""
+
+    compute_s: float
+    steps: int
+    warmup: int
+    per_process: int
+    heartbeat_window_s: float
+    health_interval_s: float
+    health_timeout_s: float
+    probe_calls: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleRow:
+    """One owner count's figures (medians over the timed steps where per step)."""
+
+    owners: int
+    driver_added_ms_per_step: float  # step wall time minus the fixed compute time
+    driver_cpu_cores: float  # the driver process's CPU seconds / wall seconds over the timed steps
+    heartbeat_cpu_cores: float  # the driver's CPU with heartbeats only, less its idle CPU
+    loss_to_decision_s: float  # SIGKILL of one owner's process -> FanOut raising OwnerLostError
+    step_wall_ms: float
+    dispatch_ms: float  # the step's start on the driver -> the last owner began computing
+    compute_ms: float  # the first owner began -> the last owner ended
+    collect_ms: float  # the last owner ended -> the fan-out returned on the driver
+    driver_cpu_ms_per_step: float
+    driver_cpu_us_per_owner: float
+    grpc_call_cpu_us: float  # one Stats call from one thread, CPU on the driver
+    pool_handoff_cpu_us: float  # one no-op task through a thread pool and back, CPU on the driver
+    stats_fanout_ms: float  # Stats on every owner at once (the shape of benchmarks.control_overhead)
+    driver_threads: int
+    heartbeats_per_s: float
+    heartbeat_bytes_per_s: float  # protobuf payload only (no HTTP/2 or TCP framing)
+    owners_heartbeat_cpu_cores: float  # the worker processes' CPU over the heartbeat window
+    health_detect_s: float  # SIGKILL -> the HealthMonitor reporting the owner lost
+    abort_survivors_s: float  # Abort to every survivor on FanOut's urgent pool
+    lost_rank_ok: bool  # the decision named the killed owner
+    max_beat_age_s: float  # the oldest last heartbeat the monitor held after a timed step
+    owners_max_beat_gap_s: float  # the longest an owner went without serving a heartbeat, over the steps
+    false_losses: int  # live owners the monitor declared lost during the timed steps (each restarts it)
+    false_loss_reason: str  # the first one's
+    heartbeat_cpu_by_thread: dict[str, float]  # cores, over the heartbeat window, by thread group
+    step_cpu_by_thread: dict[str, float]  # ms per timed step, by thread group
+
+    def as_json(self) -> dict[str, Any]:
+        """The row as JSON-ready numbers."""
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> ScaleRow:
+        """A row :meth:`as_json` wrote."""
+        return cls(**row)
+
+
+def _recv(conn: Any, timeout_s: float, what: str) -> Any:
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"a simulated-owner worker did not answer {what!r} within {timeout_s:g}s")
+    return conn.recv()
+
+
+class SimCluster:
+    """The worker processes hosting N simulated owners, and their addresses in rank order."""
+
+    def __init__(self, owners: int, settings: ScaleSettings) -> None:
+        self.credentials = Credentials(job_id=f"control-scale-{owners}", token=secrets.token_urlsafe(32))
+        sim = SimSettings(world_size=owners, job_id=self.credentials.job_id, token=self.credentials.token,
+                          compute_s=settings.compute_s)
+        survivors = list(range(owners - 1))
+        chunks = [survivors[i:i + settings.per_process] for i in range(0, len(survivors), settings.per_process)]
+        chunks.append([owners - 1])  # the victim, alone
+        ctx = mp.get_context("spawn")  # never fork a process that has gRPC threads
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        for ranks in chunks:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(child, ranks, sim), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.addresses = [a for conn in self.conns for a in _recv(conn, START_TIMEOUT_S, "addresses")]
+
+    @property
+    def victim(self) -> Any:
+        return self.procs[-1]
+
+    def ask(self, command: str, *, survivors_only: bool = False) -> list[Any]:
+        conns = self.conns[:-1] if survivors_only else self.conns
+        for conn in conns:
+            conn.send(command)
+        return [_recv(conn, 60.0, command) for conn in conns]
+
+    def usage(self) -> dict[str, float]:
+        got = self.ask("usage", survivors_only=not self.victim.is_alive())
+        out = {k: sum(u[k] for u in got) for k in ("touches", "steps", "cpu_s")}
+        out["max_beat_gap"] = max(u["max_beat_gap"] for u in got)
+        return out
+
+    def stop(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive():
+                try:
+                    conn.send("stop")
+                    _recv(conn, 30.0, "stop")
+                except (OSError, EOFError, TimeoutError):
+                    pass
+            proc.join(timeout=10.0)
+            if proc.is_alive():
+                proc.kill()  # only our own worker, by its handle
+                proc.join(timeout=5.0)
+
+
+def _wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float, what: str) -> float:
+    """Seconds until ``predicate()`` held, polling; TimeoutError past ``timeout_s``."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"{what} did not happen within {timeout_s:g}s")
+        time.sleep(poll_s)
+    return time.monotonic() - start
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds of each of this process's threads so far (the scheduler's nanosecond count,
+    /proc/.../schedstat), by kernel thread id, with its group: the Python thread's name less
+    its number (``zero_ray-health-3`` -> ``zero_ray-health``), or the kernel's name for threads
+    Python did not start (gRPC core's)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as f:
+                on_cpu_ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as f:
+                comm = f.read().strip()
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+            continue
+        name = names.get(int(tid))
+        group = re.sub(r"[-_]\d+$", "", name) if name else f"native: {comm}"
+        out[int(tid)] = (group, on_cpu_ns / 1e9)
+    return out
+
+
+def cpu_by_group(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per thread group between two :func:`thread_cpu` readings (a thread that ended
+    meanwhile is missing; one that began counts whole)."""
+    groups: dict[str, float] = {}
+    for tid, (group, cpu) in after.items():
+        groups[group] = groups.get(group, 0.0) + cpu - before.get(tid, (group, 0.0))[1]
+    return {g: round(v, 4) for g, v in sorted(groups.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
+def _cpu_us_per(count: int, fn: Callable[[], Any]) -> float:
+    c0 = time.process_time()
+    for _ in range(count):
+        fn()
+    return (time.process_time() - c0) / count * 1e6
+
+
+def _step_args(step: int, owners: int) -> list[StepArgs]:
+    return [StepArgs(step=step, piece=Piece(dataset=DATASET, indices=(r,)), global_samples=owners, generation=0,
+                     samples_seen=step * owners) for r in range(owners)]
+
+
+class Driver:
+    """The driver's side: a client per owner, the health monitor and the fan-out, as
+    ``OwnerPool`` builds them."""
+
+    def __init__(self, cluster: SimCluster, settings: ScaleSettings) -> None:
+        self.settings = settings
+        self.owners = len(cluster.addresses)
+        self.clients = [OwnerClient(ClientConfig(address=a, credentials=cluster.credentials, timeout_s=STEP_TIMEOUT_S))
+                        for a in cluster.addresses]
+        self.monitor: HealthMonitor | None = None
+        self.fan = FanOut(world_size=self.owners, lost=self._lost, abort=self.abort, where=lambda r: f"rank {r}")
+        self.threads_seen = 0
+
+    def _lost(self) -> dict[int, str]:
+        return self.monitor.lost() if self.monitor is not None else {}
+
+    def start_monitor(self) -> None:
+        s = self.settings
+        self.monitor = HealthMonitor(self.clients, interval_s=s.health_interval_s, timeout_s=s.health_timeout_s)
+        monitor = self.monitor
+        _wait_until(lambda: all(r.last_beat > 0 for r in monitor.snapshot()), START_TIMEOUT_S, 0.05,
+                    "every heartbeat stream's first beat")
+
+    def restart_monitor(self) -> None:
+        """As ``OwnerPool._restart_health``: a new monitor over every owner."""
+        if self.monitor is not None:
+            self.monitor.close()
+        self.start_monitor()
+
+    def beat_age_s(self) -> float:
+        """How old the oldest owner's last heartbeat is."""
+        assert self.monitor is not None
+        now = time.time()
+        return max(now - r.last_beat for r in self.monitor.snapshot())
+
+    def abort(self, reason: str) -> None:
+        """As ``OwnerPool.abort``: Abort on every owner the monitor has not lost, on the urgent pool."""
+        lost = self._lost()
+        self.fan.urgent({r: c for r, c in enumerate(self.clients) if r not in lost},
+                        lambda c: c.abort(reason, 0, timeout_s=5.0), timeout_s=10.0)
+
+    def step(self, step: int) -> tuple[float, float, list[Any]]:
+        """One step on every owner: (wall s, driver CPU s, results)."""
+        t0, c0 = time.monotonic(), time.process_time()
+        args = _step_args(step, self.owners)
+        results = self.fan.grpc(self.clients, "step", lambda c, r: c.step(args[r], timeout_s=STEP_TIMEOUT_S))
+        wall, cpu = time.monotonic() - t0, time.process_time() - c0
+        self.threads_seen = max(self.threads_seen, threading.active_count())
+        return wall, cpu, [(t0, results)]
+
+    def stats_fanout_s(self, repeats: int) -> float:
+        walls = []
+        for _ in range(repeats):
+            t0 = time.monotonic()
+            self.fan.grpc(self.clients, "stats", lambda c, r: c.stats(timeout_s=10.0), watch=False)
+            walls.append(time.monotonic() - t0)
+        return statistics.median(walls)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+        self.fan.close()
+        for c in self.clients:
+            c.close()
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _heartbeat_payload_bytes() -> int:
+    beat = owner_pb2.Heartbeat(rank=1023, step=123456, state="starting", timestamp=time.time(),
+                               rss_bytes=3 << 30)
+    return beat.ByteSize()
+
+
+def measure(owners: int, settings: ScaleSettings, log: Callable[[str], None] = print) -> ScaleRow:
+    """Start ``owners`` simulated owners, measure one row, tear everything down."""
+    if owners < 2:
+        raise ValueError(f"owners={owners}: the loss measurement needs a survivor (at least 2)")
+    t_start = time.monotonic()
+    cluster = SimCluster(owners, settings)
+    driver = Driver(cluster, settings)
+    log(f"  {owners} owners up in {time.monotonic() - t_start:.1f} s ({len(cluster.procs)} processes)")
+    try:
+        window = settings.heartbeat_window_s
+        c0 = time.process_time()
+        time.sleep(window)  # the driver idle, no streams: its baseline
+        idle_cpu = time.process_time() - c0
+        driver.start_monitor()
+        u0, c0, t0, th0 = cluster.usage(), time.process_time(), time.monotonic(), thread_cpu()
+        time.sleep(window)  # heartbeats only: the window the figures are taken over
+        beat_cpu, elapsed, th1 = time.process_time() - c0, time.monotonic() - t0, thread_cpu()
+        u1 = cluster.usage()
+        beat_threads = {g: round(v / elapsed, 5) for g, v in cpu_by_group(th0, th1).items()}
+        beats = (u1["touches"] - u0["touches"]) - (u1["steps"] - u0["steps"])
+        heartbeat_cpu_cores = max(0.0, beat_cpu - idle_cpu * elapsed / window) / elapsed
+        owners_cpu = (u1["cpu_s"] - u0["cpu_s"]) / elapsed
+
+        false_losses: list[str] = []
+        lost = driver.monitor.lost() if driver.monitor is not None else {}
+        if lost:  # every owner is alive: the monitor missed beats during the heartbeat window
+            false_losses.append(f"{len(lost)} during the heartbeat window, e.g. {next(iter(lost.values()))}")
+            log(f"  {false_losses[-1]}")
+            driver.restart_monitor()
+        try:
+            stats_fanout_s = driver.stats_fanout_s(5)
+        except ZeroRayError as err:  # reported, not fatal: the steps are what the row is about
+            log(f"  the Stats fan-out failed: {err}")
+            false_losses.append(f"the Stats fan-out failed: {err}")
+            stats_fanout_s = float("nan")
+        probe = driver.clients[: max(1, min(owners - 1, settings.probe_calls))]
+        grpc_us = _cpu_us_per(len(probe), lambda it=iter(probe): next(it).stats(timeout_s=10.0))
+        handoff_us = _cpu_us_per(settings.probe_calls, lambda: driver.fan.urgent({0: None}, lambda c: c,
+                                                                                 timeout_s=10.0))
+        walls, cpus, added, dispatch, compute, collect, ages = [], [], [], [], [], [], []
+        k = 0
+        cluster.usage()  # resets the owners' heartbeat gaps
+        while len(walls) < settings.steps:
+            if k == settings.warmup:
+                th0 = thread_cpu()
+            try:
+                wall, cpu, [(t0, results)] = driver.step(k)
+            except OwnerLostError as err:  # every owner is alive: the monitor missed their beats
+                false_losses.append(str(err))
+                log(f"  step {k}: a live owner was declared lost: {err}")
+                if len(false_losses) > settings.steps // 2 + 2:
+                    raise
+                driver.restart_monitor()
+                continue
+            k += 1
+            if k <= settings.warmup:
+                continue
+            ages.append(driver.beat_age_s())
+            t_end = t0 + wall
+            starts, ends = [r.totals.loss_sum for r in results], [r.grad_norm for r in results]
+            walls.append(wall)
+            cpus.append(cpu)
+            added.append(wall - settings.compute_s)
+            dispatch.append(max(starts) - t0)
+            compute.append(max(ends) - min(starts))
+            collect.append(t_end - max(ends))
+        step_threads = {g: round(v * 1e3 / settings.steps, 3) for g, v in cpu_by_group(th0, thread_cpu()).items()}
+        log(f"  steps: median wall {_median(walls) * 1e3:.1f} ms, CPU {_median(cpus) * 1e3:.1f} ms")
+        owner_gap = cluster.usage()["max_beat_gap"]
+        loss = _loss(cluster, driver, k)
+        cpu_ms = _median(cpus) * 1e3
+        return ScaleRow(
+            owners=owners, driver_added_ms_per_step=_median(added) * 1e3, driver_cpu_cores=sum(cpus) / sum(walls),
+            heartbeat_cpu_cores=heartbeat_cpu_cores, loss_to_decision_s=loss["decision_s"],
+            step_wall_ms=_median(walls) * 1e3, dispatch_ms=_median(dispatch) * 1e3, compute_ms=_median(compute) * 1e3,
+            collect_ms=_median(collect) * 1e3, driver_cpu_ms_per_step=cpu_ms,
+            driver_cpu_us_per_owner=cpu_ms * 1e3 / owners, grpc_call_cpu_us=grpc_us, pool_handoff_cpu_us=handoff_us,
+            stats_fanout_ms=stats_fanout_s * 1e3, driver_threads=driver.threads_seen,
+            heartbeats_per_s=beats / elapsed, heartbeat_bytes_per_s=beats / elapsed * _heartbeat_payload_bytes(),
+            owners_heartbeat_cpu_cores=owners_cpu, health_detect_s=loss["health_s"],
+            abort_survivors_s=loss["abort_s"], lost_rank_ok=loss["rank_ok"], heartbeat_cpu_by_thread=beat_threads,
+            step_cpu_by_thread=step_threads, max_beat_age_s=max(ages), owners_max_beat_gap_s=owner_gap,
+            false_losses=len(false_losses), false_loss_reason=false_losses[0] if false_losses else "")
+    finally:
+        driver.close()
+        cluster.stop()
+
+
+def _loss(cluster: SimCluster, driver: Driver, step: int) -> dict[str, Any]:
+    """Kill the victim's process while every owner is inside a step (the survivors blocked as in
+    a collective on it); time the monitor's detection, FanOut's OwnerLostError and the abort."""
+    owners = driver.owners
+    cluster.ask("hold")
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            driver.step(step)
+        except ZeroRayError as err:
+            outcome["at"], outcome["error"] = time.monotonic(), err
+
+    thread = threading.Thread(target=run, name="control-scale-loss-step", daemon=True)
+    thread.start()
+    _wait_until(lambda: sum(cluster.ask("entered")) == owners, 60.0, 0.01, "every owner inside the held step")
+    monitor = driver.monitor
+    assert monitor is not None
+    victim = owners - 1
+    killed = time.monotonic()
+    cluster.victim.kill()  # SIGKILL, our own worker process
+    health_s = _wait_until(lambda: victim in monitor.lost(), 60.0, 0.001, "the monitor losing the victim")
+    thread.join(timeout=60.0)
+    error = outcome.get("error")
+    if error is None:
+        raise TimeoutError("the step did not fail within 60 s of its owner's loss")
+    t_abort = time.monotonic()
+    driver.abort("control_scale: an owner was lost")
+    return {"decision_s": outcome["at"] - killed, "health_s": health_s, "abort_s": time.monotonic() - t_abort,
+            "rank_ok": isinstance(error, OwnerLostError) and error.rank == victim}

@@ -1,0 +1,198 @@
+"""The control plane at scale: what the driver costs per step with N owners, and how fast it
+decides that one is gone.
+
+    python -m benchmarks.control_scale --owners 8,64,256,1024
+
+Simulated owners (``benchmarks/control_sim.py``): the real owner gRPC service (ControlServer +
+OwnerControl, the job's token and header checks) over a stand-in engine that answers a step
+after ``--compute-ms``, many per worker process on this machine. The driver side is the real
+one (``benchmarks/control_measure.py``): an ``OwnerClient`` per owner, ``FanOut.grpc`` for the
+step, ``HealthMonitor`` heartbeat streams at ZeroConfig's default interval running throughout.
+
+Per owner count it reports the driver's added latency per step (wall time minus the compute
+time), the driver process's CPU (cores, over the timed steps), the driver's CPU for heartbeats
+alone (steps idle), heartbeat traffic, and the time from one owner's SIGKILL to the fan-out's
+OwnerLostError. It writes ``benchmarks/results/control_scale.{json,md}`` (``--results-dir``)
+and, with ``--json OUT``, the same JSON to OUT: ``{"rows": [{"owners": N,
+"driver_added_ms_per_step": ..., "driver_cpu_cores": ..., "heartbeat_cpu_cores": ...,
+"loss_to_decision_s": ...}, ...], ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.control_measure import ScaleRow, ScaleSettings, measure
+from benchmarks.harness.report import machine_line
+from benchmarks.harness.runner import loadavg, machine_info
+from zero_ray.errors import ZeroRayError
+
+# The issue's goals, at GOAL_OWNERS owners for the step and per 100 owners for heartbeats.
+GOAL_OWNERS = 1024
+GOAL_ADDED_MS = 5.0
+GOAL_CPU_CORES = 1.0
+GOAL_HEARTBEAT_CORES_PER_100 = 0.01
+BUSY_CORES = 0.9  # a Python driver this busy is bound by its one GIL
+
+COLUMNS = ("owners", "added ms/step", "driver CPU cores", "CPU ms/step", "µs CPU/owner", "dispatch ms",
+           "collect ms", "oldest beat s (driver / owner)", "heartbeat cores", "≤ 1%/100 owners", "beats/s",
+           "loss → decision s", "monitor s")
+
+
+def _cells(r: ScaleRow) -> list[str]:
+    budget = GOAL_HEARTBEAT_CORES_PER_100 * r.owners / 100
+    return [str(r.owners), f"{r.driver_added_ms_per_step:.1f}", f"{r.driver_cpu_cores:.2f}",
+            f"{r.driver_cpu_ms_per_step:.1f}", f"{r.driver_cpu_us_per_owner:.0f}", f"{r.dispatch_ms:.1f}",
+            f"{r.collect_ms:.1f}", f"{r.max_beat_age_s:.1f} / {r.owners_max_beat_gap_s:.1f}",
+            f"{r.heartbeat_cpu_cores:.4f}",
+            "yes" if r.heartbeat_cpu_cores <= budget else f"no ({budget:.4f})", f"{r.heartbeats_per_s:.0f}",
+            f"{r.loss_to_decision_s:.3f}", f"{r.health_detect_s:.3f}"]
+
+
+def table(rows: Sequence[ScaleRow]) -> str:
+    """The rows as a markdown table."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def notes(rows: Sequence[ScaleRow]) -> list[str]:
+    """Goals met or missed, each miss with where the time goes."""
+    out = []
+    for r in rows:
+        budget = GOAL_HEARTBEAT_CORES_PER_100 * r.owners / 100
+        if r.heartbeat_cpu_cores > budget:
+            out.append(f"{r.owners} owners: heartbeats MISS, {r.heartbeat_cpu_cores:.4f} cores for "
+                       f"{r.heartbeats_per_s:.0f} beats/s (budget {budget:.4f}): "
+                       f"{r.heartbeat_cpu_cores / max(r.heartbeats_per_s, 1e-9) * 1e6:.0f} µs of driver CPU per beat")
+        if r.false_losses:
+            out.append(f"{r.owners} owners: live owners were declared lost (or a call timed out) {r.false_losses} "
+                       f"time(s), the monitor restarted each time as a membership change does: "
+                       f"{r.false_loss_reason[:300]}")
+        if not r.lost_rank_ok:
+            out.append(f"{r.owners} owners: the loss decision did not name the killed owner")
+        if r.owners != GOAL_OWNERS:
+            continue
+        for ok, what in ((r.driver_added_ms_per_step <= GOAL_ADDED_MS,
+                          f"added latency {r.driver_added_ms_per_step:.1f} ms/step (goal ≤ {GOAL_ADDED_MS:g})"),
+                         (r.driver_cpu_cores <= GOAL_CPU_CORES,
+                          f"driver CPU {r.driver_cpu_cores:.2f} cores (goal ≤ {GOAL_CPU_CORES:g})")):
+            out.append(f"{r.owners} owners: {what}: {'met' if ok else 'MISS'}")
+        if r.driver_cpu_cores >= BUSY_CORES:
+            out.append(f"{r.owners} owners: the driver is CPU-bound ({r.driver_cpu_cores:.2f} cores): one Python "
+                       f"process runs Python code on about one core at a time (the GIL), so the CPU figure is "
+                       f"capped, not within budget; the added latency is what it costs")
+        if r.driver_added_ms_per_step > GOAL_ADDED_MS:
+            out.append(f"{r.owners} owners, where the time goes: dispatch {r.dispatch_ms:.1f} ms (the step's start "
+                       f"to the last owner starting), compute span {r.compute_ms:.1f} ms, collection "
+                       f"{r.collect_ms:.1f} ms; driver CPU {r.driver_cpu_ms_per_step:.1f} ms/step = "
+                       f"{r.driver_cpu_us_per_owner:.0f} µs per owner (one Stats call from one thread "
+                       f"{r.grpc_call_cpu_us:.0f} µs, one thread-pool hand-off {r.pool_handoff_cpu_us:.0f} µs); "
+                       f"{r.driver_threads} driver threads")
+    return out
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """The report: machine, settings, the table, the notes."""
+    s = results["settings"]
+    rows = [ScaleRow.from_json(r) for r in results["rows"]]
+    head = (f"{machine_line(results['machine'], libraries=('torch', 'ray'))}\n\n"
+            f"Simulated owners: real owner gRPC servers (token auth) over a stand-in engine computing "
+            f"{s['compute_ms']:g} ms per step, up to {s['per_process']} per worker process, on this one machine "
+            f"(shared with other work while measured: {s['shared']}); heartbeats every {s['health_interval_s']:g} s; "
+            f"{s['steps']} timed steps after {s['warmup']} warm-up.\n\n")
+    body = table(rows)
+    extra = "\n".join(f"- {n}" for n in results["notes"])
+    threads = "\n".join(f"- {r.owners} owners: per step (ms) {_top(r.step_cpu_by_thread)}; heartbeats (cores) "
+                        f"{_top(r.heartbeat_cpu_by_thread)}" for r in rows)
+    return head + body + "\n\n" + extra + "\n\nDriver CPU by thread group:\n\n" + threads + "\n"
+
+
+def _top(groups: dict[str, float], count: int = 5) -> str:
+    return ", ".join(f"{g} {v:g}" for g, v in list(groups.items())[:count]) or "none"
+
+
+def _owners(text: str) -> list[int]:
+    values = [int(x) for x in text.split(",") if x.strip()]
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"--owners {text!r}: a comma-separated list of counts >= 2")
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--owners", type=_owners, default=[8, 64, 256, 1024])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per owner count")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compute-ms", type=float, default=20.0)
+    parser.add_argument("--per-process", type=int, default=128, help="simulated owners per worker process")
+    parser.add_argument("--heartbeat-window-s", type=float, default=5.0)
+    parser.add_argument("--health-interval-s", type=float, default=1.0, help="ZeroConfig's default")
+    parser.add_argument("--health-timeout-s", type=float, default=10.0, help="ZeroConfig's default")
+    parser.add_argument("--probe-calls", type=int, default=64)
+    parser.add_argument("--shared", default="yes", help="say whether other work ran on the machine meanwhile")
+    parser.add_argument("--results-dir", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the JSON here")
+    parser.add_argument("--render", default=None, help="recompute the notes and the markdown from this JSON; "
+                                                       "measure nothing")
+    args = parser.parse_args(argv)
+    if args.render:
+        with open(args.render, encoding="utf-8") as f:
+            results = json.load(f)
+        results["notes"] = (notes([ScaleRow.from_json(r) for r in results["rows"]])
+                            + [f"{f['owners']} owners: no row: {f['error']}" for f in results.get("failed", [])])
+        _write(results, args.results_dir, args.json_out)
+        return results
+    settings = ScaleSettings(compute_s=args.compute_ms / 1e3, steps=args.steps, warmup=args.warmup,
+                             per_process=args.per_process, heartbeat_window_s=args.heartbeat_window_s,
+                             health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
+                             probe_calls=args.probe_calls)
+    # Each false loss is counted in the row; the monitor's own error line per rank would flood the output.
+    logging.getLogger("zero_ray.driver.health").setLevel(logging.CRITICAL)
+    machine = machine_info()
+    rows: list[ScaleRow] = []
+    failed: list[dict[str, Any]] = []
+    for n in args.owners:
+        print(f"{n} owners ...", flush=True)
+        t0 = time.monotonic()
+        try:
+            rows.append(measure(n, settings))
+        except (ZeroRayError, TimeoutError) as err:  # reported in the results: a row that could not be taken
+            failed.append({"owners": n, "error": f"{type(err).__name__}: {err}"[:1000]})
+            print(f"  FAILED: {failed[-1]['error']}", flush=True)
+        print(f"  done in {time.monotonic() - t0:.0f} s", flush=True)
+    machine["loadavg_end"] = loadavg()
+    results = {"machine": machine,
+               "settings": {"compute_ms": args.compute_ms, "steps": args.steps, "warmup": args.warmup,
+                            "per_process": args.per_process, "heartbeat_window_s": args.heartbeat_window_s,
+                            "health_interval_s": args.health_interval_s, "health_timeout_s": args.health_timeout_s,
+                            "shared": args.shared, "owners": args.owners},
+               "rows": [r.as_json() for r in rows], "failed": failed,
+               "notes": notes(rows) + [f"{f['owners']} owners: no row: {f['error']}" for f in failed]}
+    print(table(rows))
+    for n in results["notes"]:
+        print(f"- {n}")
+    _write(results, args.results_dir, args.json_out)
+    return results
+
+
+def _write(results: dict[str, Any], results_dir: str, json_out: str | None) -> None:
+    text = json.dumps(results, indent=2) + "\n"
+    os.makedirs(results_dir, exist_ok=True)
+    with open(os.path.join(results_dir, "control_scale.json"), "w", encoding="utf-8") as f:
+        f.write(text)
+    with open(os.path.join(results_dir, "control_scale.md"), "w", encoding="utf-8") as f:
+        f.write(render_markdown(results))
+    if json_out:
+        with open(json_out, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
