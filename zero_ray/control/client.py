@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from zero_ray.control import plain
 from zero_ray.control._generated import coordinator_pb2, coordinator_pb2_grpc, owner_pb2, owner_pb2_grpc
-from zero_ray.control.channel import BaseClient, ClientConfig, Stream, check_timeout
+from zero_ray.control.channel import BaseClient, ClientConfig, Pending, Stream, check_timeout
 from zero_ray.control.handlers import (
     CheckpointResult,
     EvaluateArgs,
@@ -60,6 +60,11 @@ class OwnerClient(BaseClient):
         """Run one step on the owner; ``timeout_s`` should cover the step's compute."""
         request = to_message(args, owner_pb2.StepRequest, header=self._header())
         return to_record(self._unary("Step", self._stub.Step, request, timeout_s), StepResult)
+
+    def step_async(self, args: StepArgs, *, timeout_s: float | None = None) -> Pending[StepResult]:
+        """``step`` without a thread waiting for it: the reply arrives as a ``Pending``."""
+        request = to_message(args, owner_pb2.StepRequest, header=self._header())
+        return self._unary_future("Step", self._stub.Step, request, timeout_s, lambda r: to_record(r, StepResult))
 
     def evaluate(self, args: EvaluateArgs, *, timeout_s: float | None = None) -> EvaluateResult:
         """The owner's loss on its piece, forward only."""

@@ -23,6 +23,7 @@ aborts, stats and liveness probes on the other, so they never queue behind block
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 
 import ray
 
+from zero_ray.control.channel import Pending
 from zero_ray.control.client import OwnerClient
 from zero_ray.errors import (
     CallTimeout,
@@ -208,6 +210,36 @@ class FanOut:
             if watch:
                 self.check(what)
         return [results[i] for i in range(len(clients))]
+
+    def pending(self, clients: Sequence[OwnerClient], what: str, start: Callable[[OwnerClient, int], Pending[T]], *,
+                staged: Mapping[int, Any] | None = None) -> list[T]:
+        """As ``grpc``, for calls in gRPC's future form (``start`` begins one and returns at
+        once): no pool thread per owner, each reply handled as it arrives, the health monitor
+        and the staging calls looked at every ``POLL_S``. The per-step path (``step``)."""
+        arrived: queue.SimpleQueue[int] = queue.SimpleQueue()
+        calls: list[Pending[T]] = []
+        for i, client in enumerate(clients):
+            call = start(client, i)
+            call.add_done_callback(lambda _, i=i: arrived.put(i))
+            calls.append(call)
+        staging = dict(staged or {})
+        results: dict[int, T] = {}
+        checked = time.monotonic()
+        while len(results) < len(calls):
+            try:
+                i = arrived.get(timeout=POLL_S)
+            except queue.Empty:
+                i = None
+            if i is not None:
+                try:
+                    results[i] = calls[i].result()
+                except ControlError as err:
+                    raise control_error(err, self._where(i), i, what) from err
+            if i is None or time.monotonic() - checked >= POLL_S:  # not once per reply: O(owners) each
+                checked = time.monotonic()
+                self._check_staged(staging)
+                self.check(what)
+        return [results[i] for i in range(len(calls))]
 
     def urgent(self, targets: Mapping[int, OwnerClient], call: Callable[[OwnerClient], T], *,
                timeout_s: float) -> dict[int, T | Exception]:

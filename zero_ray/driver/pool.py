@@ -238,8 +238,8 @@ class OwnerPool:
     def step(self, args: Sequence[StepArgs], *, timeout_s: float) -> list[StepResult]:
         """One step on every owner over gRPC, each call with a deadline; a failed staging call
         of its pieces fails it at once."""
-        return self.fan.grpc(self.clients, "step", lambda c, r: c.step(args[r], timeout_s=timeout_s),
-                             staged=self._staged(args[0].piece.batch_key if args else ""))
+        return self.fan.pending(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=timeout_s),
+                                staged=self._staged(args[0].piece.batch_key if args else ""))
 
     def evaluate(self, args: Sequence[EvaluateArgs], *, timeout_s: float) -> list[EvaluateResult]:
         """A forward-only pass on every owner over gRPC (all take part: stage 3 gathers)."""
