@@ -84,7 +84,9 @@ class ClientConfig:
             raise ConfigError(f"protocol_version={self.protocol_version} must be >= 1")
 
 
-def _channel(config: ClientConfig) -> grpc.Channel:
+def channel_settings(config: ClientConfig) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
+    """The credentials (None: plaintext) and options every channel to ``config.address`` uses,
+    blocking (``_channel``) or asyncio (``control/beats.py``)."""
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -92,7 +94,7 @@ def _channel(config: ClientConfig) -> grpc.Channel:
         ("grpc.enable_http_proxy", 0),
     ]
     if config.tls_ca is None:
-        return grpc.insecure_channel(config.address, options=options)
+        return None, options
     if config.tls_server_name is not None:
         options.append(("grpc.ssl_target_name_override", config.tls_server_name))
     credentials = grpc.ssl_channel_credentials(
@@ -100,6 +102,18 @@ def _channel(config: ClientConfig) -> grpc.Channel:
         private_key=read_pem(config.tls_key) if config.tls_key is not None else None,
         certificate_chain=read_pem(config.tls_cert) if config.tls_cert is not None else None,
     )
+    return credentials, options
+
+
+def header_of(config: ClientConfig) -> common_pb2.RequestHeader:
+    """The header every request to a job's server carries."""
+    return common_pb2.RequestHeader(job_id=config.credentials.job_id, protocol_version=config.protocol_version)
+
+
+def _channel(config: ClientConfig) -> grpc.Channel:
+    credentials, options = channel_settings(config)
+    if credentials is None:
+        return grpc.insecure_channel(config.address, options=options)
     return grpc.secure_channel(config.address, credentials, options=options)
 
 
@@ -280,8 +294,7 @@ class BaseClient:
         return self._config.address
 
     def _header(self) -> common_pb2.RequestHeader:
-        return common_pb2.RequestHeader(job_id=self._config.credentials.job_id,
-                                        protocol_version=self._config.protocol_version)
+        return header_of(self._config)
 
     def _where(self, method: str) -> str:
         return f"{self._SERVICE}.{method} to {self._config.address}"

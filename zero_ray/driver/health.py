@@ -1,4 +1,4 @@
-"""HealthMonitor: one heartbeat stream per owner, watched on background threads.
+"""HealthMonitor: one heartbeat stream per owner, all read on one background thread.
 
 A rank is lost when its stream stalls for ``timeout_s`` (a frozen process, e.g. SIGSTOP) or
 ends with an error (the actor or its node died; Ray closes the server with the process).
@@ -11,8 +11,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from zero_ray.control.beats import HeartbeatReader
 from zero_ray.control.client import OwnerClient
-from zero_ray.errors import ControlError
+from zero_ray.control.handlers import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -31,38 +32,27 @@ class RankHealth:
 
 
 class HealthMonitor:
-    """Watches every owner's Health stream; ``lost()`` names the ranks that stopped answering."""
+    """Watches every owner's Health stream (all of them on one thread: ``control/beats.py``);
+    ``lost()`` names the ranks that stopped answering."""
 
     def __init__(self, clients: list[OwnerClient], *, interval_s: float, timeout_s: float) -> None:
-        self._clients = clients
-        self._interval_s = interval_s
-        self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.ranks = [RankHealth(rank=r) for r in range(len(clients))]
-        self._threads = [threading.Thread(target=self._watch, args=(r,), daemon=True, name=f"zero_ray-health-{r}")
-                         for r in range(len(clients))]
-        for t in self._threads:
-            t.start()
+        self._reader = HeartbeatReader([c.config for c in clients], interval_s=interval_s, stall_s=timeout_s,
+                                       on_beat=self._beat, on_lost=self._lose)
 
-    def _watch(self, rank: int) -> None:
+    def _beat(self, rank: int, beat: Heartbeat) -> None:
         health = self.ranks[rank]
-        try:
-            with self._clients[rank].heartbeats(self._interval_s, stall_s=self._timeout_s) as stream:
-                for beat in stream:
-                    with self._lock:
-                        health.last_beat, health.state, health.rss_bytes = time.time(), beat.state, beat.rss_bytes
-                    if self._stop.is_set():
-                        return
-        except ControlError as err:
-            if not self._stop.is_set():
-                with self._lock:
-                    health.lost_reason = str(err)
-                log.error("rank %d lost: %s", rank, err)
+        with self._lock:
+            health.last_beat, health.state, health.rss_bytes = time.time(), beat.state, beat.rss_bytes
+
+    def _lose(self, rank: int, reason: str) -> None:
+        if self._stop.is_set():
             return
-        if not self._stop.is_set():
-            with self._lock:
-                health.lost_reason = "its heartbeat stream ended"
+        with self._lock:
+            self.ranks[rank].lost_reason = reason
+        log.error("rank %d lost: %s", rank, reason)
 
     def lost(self) -> dict[int, str]:
         with self._lock:
@@ -74,3 +64,4 @@ class HealthMonitor:
 
     def close(self) -> None:
         self._stop.set()
+        self._reader.close()
