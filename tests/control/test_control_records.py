@@ -112,12 +112,18 @@ def test_the_request_envelope_is_the_callers() -> None:
     assert "header" not in {f.name for f in dataclasses.fields(handlers.StepArgs)}
 
 
-def test_a_new_proto_field_reaches_its_record_through_codegen_alone(tmp_path: Path) -> None:
+def _copied_protos(tmp_path: Path) -> Path:
+    """The committed .proto files copied under ``tmp_path`` (to edit); returns the folder."""
     pytest.importorskip("grpc_tools", reason="grpcio-tools (the test extra) regenerates the records")
     protos = tmp_path / "protos"
     protos.mkdir()
     for name in codegen.PROTO_FILES:
         (protos / name).write_text((codegen.default_proto_dir() / name).read_text())
+    return protos
+
+
+def test_a_new_proto_field_reaches_its_record_through_codegen_alone(tmp_path: Path) -> None:
+    protos = _copied_protos(tmp_path)
     owner = protos / "owner.proto"
     text = owner.read_text()
     anchor = "  double data_seconds = 13;\n"
@@ -141,11 +147,7 @@ def test_a_new_proto_field_reaches_its_record_through_codegen_alone(tmp_path: Pa
 
 
 def test_a_message_field_of_a_type_with_no_record_is_refused(tmp_path: Path) -> None:
-    pytest.importorskip("grpc_tools", reason="grpcio-tools (the test extra) regenerates the records")
-    protos = tmp_path / "protos"
-    protos.mkdir()
-    for name in codegen.PROTO_FILES:
-        (protos / name).write_text((codegen.default_proto_dir() / name).read_text())
+    protos = _copied_protos(tmp_path)
     owner = protos / "owner.proto"
     owner.write_text(owner.read_text().replace("  double data_seconds = 13;\n",
                                                "  double data_seconds = 13;\n  AbortReply abort = 14;\n"))
