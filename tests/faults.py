@@ -64,6 +64,15 @@ def killed_at(directory: str, point: str) -> float | None:
         return None
 
 
+def assert_fired(fault: Fault) -> float:
+    """When ``fault`` fired; raises AssertionError if it never did (its hook point renamed, its
+    rank never reaching it), so a fault that silently stopped firing fails its test."""
+    when = killed_at(fault.dir, fault.point)
+    if when is None:
+        raise AssertionError(f"the planned fault {fault} never fired (no {fault.marker})")
+    return when
+
+
 # -- in the owner's process ------------------------------------------------------------------------
 class _Hooks:
     """This process's planned faults and how often each point was reached."""
@@ -91,6 +100,7 @@ class _Hooks:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+_TRANSFER_CALLERS = ("rebuild", "_reshard")  # zero_ray.owner.actor's callers of exchange
 _STATE = "zero_ray_test_faults"  # a module of this name holds each process's hooks
 
 
@@ -106,8 +116,14 @@ def hooks() -> _Hooks:
 
 
 def _wrap(owner: Any, name: str, before: Callable[..., None]) -> None:
-    """Replace ``owner.name`` with a function calling ``before(*args, **kwargs)`` first."""
-    original = getattr(owner, name)
+    """Replace ``owner.name`` with a function calling ``before(*args, **kwargs)`` first. A hook
+    point renamed or removed in the library raises here, as the hooks install, rather than
+    leaving its faults silently off."""
+    original = getattr(owner, name, None)
+    if not callable(original):
+        where = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
+        raise AttributeError(f"fault hook point {getattr(owner, '__module__', '')}.{where}.{name} is missing "
+                             f"or not callable (found {original!r}): the library renamed it")
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -131,6 +147,8 @@ def _install() -> None:
 
     def transfer(*args: Any, me: int, **kwargs: Any) -> None:
         caller = sys._getframe(2).f_code.co_name  # _reshard (a resize) or rebuild (a restore)
+        if caller not in _TRANSFER_CALLERS:  # a renamed caller would file its kills under the wrong point
+            raise AssertionError(f"exchange called from {caller!r}, not one of {_TRANSFER_CALLERS}")
         state.reach("restore_transfer" if caller == "rebuild" else "resize_transfer", me)
 
     def snapshot(self: Any, engine_: Any, *args: Any, **kwargs: Any) -> None:
