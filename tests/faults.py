@@ -268,6 +268,7 @@ class KillRun:
     # to the first step completed at the run's size again, the replacements joined (None: not
     # within the run, or a resize point)
     kill_to_full_size_s: float | None = None
+    saved: str | None = None  # checkpoint_save: the directory save_checkpoint returned
 
 
 def _faults(point: str, marks: str, at: int, world_size: int) -> list[Fault]:
@@ -315,6 +316,7 @@ def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, ba
     notes: list[str] = []
     frozen_at = None
     kills: list[float] = []
+    saved = None
     repeats = repeat if point in SHRINKS + GROWS and point != "after_resize" else 1
     try:
         for k, batch in enumerate(batches):
@@ -330,9 +332,9 @@ def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, ba
                     frozen_at = time.time()
                     os.kill(pid, signal.SIGKILL)
             if k == at and point == "checkpoint_save":
-                try:
-                    trainer.save_checkpoint(wait=True)
-                except ZeroRayError as err:  # abandoned, naming the lost owner
+                try:  # a save that finds its owner lost recovers the pool and saves
+                    saved = trainer.save_checkpoint(wait=True)
+                except ZeroRayError as err:
                     notes.append(str(err).splitlines()[0])
             if k == at and point == "freeze":
                 pid = ray.get(trainer.actors[1].node.remote(), timeout=60)["pid"]
@@ -357,7 +359,7 @@ def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, ba
             else [t - kills[-1] for t, n in zip(done_at, sizes) if t > kills[-1] and n == config.world_size])
     return KillRun(point=point, params=params, recoveries=recoveries, killed_at=kills[0],
                    kill_to_next_step_s=max(each), world_sizes=sizes, notes=notes, each_kill_to_next_step_s=each,
-                   kill_to_full_size_s=full[0] if full else None)
+                   kill_to_full_size_s=full[0] if full else None, saved=saved)
 
 
 def _take_marker(directory: str, point: str) -> float:

@@ -12,6 +12,7 @@ the restore waits for its replacement."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 
 import zero_ray as zr
 from faults import GROWS, KILL_POINTS, SHRINKS, WAITS, run_with_kill
+from zero_ray.checkpoint.format import MANIFEST_NAME
 from zero_ray.models import mlp, mse_loss
 from zero_ray.testing import single_process
 
@@ -72,5 +74,8 @@ def test_a_sigkilled_owner_is_survived(point: str, stage: int, tmp_path: Path) -
         assert run.notes and "resizing to 2 owners failed" in run.notes[0]
     if point in GROWS:
         assert run.notes and "resizing to 4 owners failed" in run.notes[0]
-    if point == "checkpoint_save":
-        assert run.notes and "rank 1" in run.notes[0]  # the save was abandoned, naming the lost owner
+    if point == "checkpoint_save":  # the save found rank 1 lost, recovered the pool and saved
+        assert not run.notes, run.notes
+        assert [r.call for r in run.recoveries] == ["save_checkpoint"] and 1 in run.recoveries[0].lost
+        manifest = json.loads((Path(run.saved or "") / MANIFEST_NAME).read_text())
+        assert manifest["step"] == AT  # committed, at the step the save was asked at
