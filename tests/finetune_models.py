@@ -9,6 +9,8 @@ input and output embeddings are one parameter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -143,3 +145,15 @@ def token_mean_loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.
     """The single-process reference: the same sum over the whole batch divided by its count."""
     total, count = token_sum_loss(module, batch)
     return total / count
+
+
+def compiled_by_hand(model_fn: Callable[[], nn.Module], block: str) -> Callable[[], nn.Module]:
+    """The reference for ``ZeroConfig(compile=...)``: ``model_fn()`` with each ``block``'s
+    forward compiled, as a user would compile it in one process."""
+    def build() -> nn.Module:
+        module = model_fn()
+        for sub in module.modules():
+            if type(sub).__name__ == block:
+                sub.forward = torch.compile(sub.forward)  # type: ignore[method-assign]
+        return module
+    return build

@@ -6,6 +6,7 @@ from zero_ray import data, memory
 from zero_ray.config import (
     ActivationCheckpointing,
     CheckpointConfig,
+    Compile,
     ControlTLS,
     ElasticConfig,
     Stage3Config,
@@ -46,6 +47,7 @@ __all__ = [
     "TrainerState",
     "AdamW",
     "CheckpointConfig",
+    "Compile",
     "ControlTLS",
     "ElasticConfig",
     "LossScaleConfig",

@@ -111,6 +111,70 @@ class ActivationCheckpointing:
             object.__setattr__(self, "wrap_policy", _wrap_policy(self.wrap_policy))
 
 
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Modes that capture CUDA graphs, which replay fixed addresses: a stage-3 unit's parameters
+# live in a different pool buffer at each gather.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Compile:
+    """``torch.compile`` per unit (regional compilation), at any stage.
+
+    Each unit the wrap policy chooses (outermost ones; the root never) has its ``forward``
+    compiled; identical blocks share one compiled graph (torch compiles a block's code once per
+    input shape and reuses it for every instance). The unit's hooks stay outside the compiled
+    region: at stage 3 its parameters are gathered before the compiled forward runs and freed
+    after. Parameter names are untouched (no ``_orig_mod.``).
+
+    mode / fullgraph / dynamic / backend: passed to ``torch.compile``. Modes that capture CUDA
+        graphs are refused at stage 3 (use "max-autotune-no-cudagraphs").
+    wrap_policy: which modules, at stages 0-2 (default: the model's repeated blocks, the
+        module classes held at least twice in a ``ModuleList`` or ``Sequential``; same forms as
+        ``Stage3Config.wrap_policy``). At stage 3 the stage-3 units are compiled, those with no
+        unit inside them, so every gather and free stays outside a compiled region.
+    cache_dir: inductor's cache directory (compiled kernels and FX graphs), set in every owner
+        before it compiles; None keeps inductor's default, ``/tmp/torchinductor_<user>``, which
+        the owners on a node already share, so a replacement owner reuses what the others compiled.
+    """
+
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    backend: str = "inductor"
+    wrap_policy: Any = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in COMPILE_MODES:
+            raise ConfigError(f"mode={self.mode!r} is not one of torch.compile's modes {COMPILE_MODES}")
+        if not isinstance(self.fullgraph, bool):
+            raise ConfigError(f"fullgraph={self.fullgraph!r} must be True or False")
+        if self.dynamic not in (None, True, False):
+            raise ConfigError(f"dynamic={self.dynamic!r} must be True, False or None")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ConfigError(f"backend={self.backend!r} must be the name of a torch.compile backend, e.g. 'inductor'")
+        if self.cache_dir is not None and not (isinstance(self.cache_dir, str) and self.cache_dir):
+            raise ConfigError(f"cache_dir={self.cache_dir!r} must be a directory path or None")
+        if self.wrap_policy is not None:
+            object.__setattr__(self, "wrap_policy", _wrap_policy(self.wrap_policy))
+
+    def options(self) -> dict[str, Any]:
+        """``torch.compile``'s keyword arguments."""
+        return {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend}
+
+
+def _compile(value: object) -> Compile | None:
+    """None/False: eager; True: compiled with torch.compile's defaults; or a Compile."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return Compile()
+    if isinstance(value, Compile):
+        return value
+    raise ConfigError(f"compile={value!r} must be True, False, None or a zr.Compile(mode=..., fullgraph=..., ...)")
+
+
 def _activation_checkpointing(value: object) -> ActivationCheckpointing | None:
     """None/False: off; True: on, inputs kept on the device; or an ActivationCheckpointing."""
     if value is None or value is False:
@@ -289,6 +353,9 @@ class ZeroConfig:
     activation_checkpointing: recompute each unit's forward in backward instead of keeping its
         activations: True, or ``ActivationCheckpointing(offload=True)`` to also keep the units'
         inputs in host memory; see ``ActivationCheckpointing``.
+    compile: ``torch.compile`` each unit's forward (regional compilation): True, or
+        ``Compile(mode=..., fullgraph=..., ...)``; see ``Compile``. Return the plain module from
+        ``model_fn``: a module ``torch.compile``'d there is refused.
     init_state_dict: start from these weights instead of ``model_fn()``'s (fine-tuning): a
         safetensors file (e.g. ``zero-ray checkpoint consolidate``'s output; read a slice at a
         time at stage 3) or a ``{name: tensor}`` dict (which travels to every rank whole).
@@ -324,6 +391,7 @@ class ZeroConfig:
     control_tls: ControlTLS | None = None
     stage3: Stage3Config = field(default_factory=Stage3Config)
     activation_checkpointing: ActivationCheckpointing | bool | None = None
+    compile: Compile | bool | None = None
     init_state_dict: str | os.PathLike[str] | Mapping[str, Any] | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
@@ -334,6 +402,15 @@ class ZeroConfig:
         if not isinstance(self.stage3, Stage3Config):
             raise ConfigError(f"stage3={self.stage3!r} must be a Stage3Config")
         object.__setattr__(self, "activation_checkpointing", _activation_checkpointing(self.activation_checkpointing))
+        object.__setattr__(self, "compile", _compile(self.compile))
+        if self.stage == 3 and self.compile is not None and self.compile.wrap_policy is not None:
+            raise ConfigError("compile=Compile(wrap_policy=...) was given with stage=3, where the compiled regions are "
+                              "the stage-3 units themselves (each gathered around its compiled forward): choose them "
+                              "with Stage3Config(wrap_policy=...)")
+        if self.stage == 3 and self.compile is not None and self.compile.mode in CUDA_GRAPH_MODES:
+            raise ConfigError(f"compile=Compile(mode={self.compile.mode!r}) captures CUDA graphs, which replay fixed "
+                              "addresses, but a stage-3 unit is gathered into a different buffer each time; use "
+                              "mode='max-autotune-no-cudagraphs' (or 'default')")
         if self.stage != 3 and self.stage3 != Stage3Config():
             raise ConfigError(f"stage3 options were given with stage={self.stage}; they apply to stage 3 only")
         if not isinstance(self.world_size, int) or self.world_size < 1:

@@ -6,7 +6,7 @@ import pytest
 
 from zero_ray.config import Stage3Config, ZeroConfig
 from zero_ray.core.layout import FlatLayout
-from zero_ray.core.units import ModuleInfo, WrapPolicy, plan_units
+from zero_ray.core.units import ModuleInfo, WrapPolicy, innermost_units, outermost_units, plan_units, repeated_blocks
 from zero_ray.errors import ConfigError
 
 MOD = "torch.nn.modules.module.Module"
@@ -142,3 +142,13 @@ def test_wrap_policy_accepts_classes_names_and_callables() -> None:
     fn = Stage3Config(wrap_policy=lambda m: m.depth == 1).wrap_policy
     assert fn.fn is not None and fn.fn(ModuleInfo(path="x", classes=LIN, params=(), numel=1))
     assert Stage3Config().wrap_policy == WrapPolicy()
+
+
+def test_compiled_regions_are_the_repeated_blocks_and_at_stage_3_the_innermost_units() -> None:
+    mods, numels, sites = gpt_like(n_layer=3)
+    assert repeated_blocks(mods) == ("zero_ray.models.Block",)  # held thrice in a ModuleList
+    assert repeated_blocks(gpt_like(n_layer=1)[0]) == ()  # one block repeats nothing
+    nested = plan_units(mods, numels, policy=WrapPolicy(classes=("Block", "Linear")), sites=sites)
+    # a Linear unit inside each block: compiling the block would trace the Linear's gather hooks
+    assert outermost_units(nested) == ["blocks.0", "blocks.1", "blocks.2"]  # head's weight is wte's: the root's
+    assert innermost_units(nested) == ["blocks.0.fc", "blocks.1.fc", "blocks.2.fc"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -34,6 +35,8 @@ def _absent() -> list[str]:
         (torch._C, "_current_graph_task_id"), (_c10d, "_world"), (_c10d, "default_pg_timeout"),
         (_c10d, "_get_default_timeout"), (_pytree, "tree_flatten"), (_pytree, "tree_unflatten"),
         (_dispatch, "TorchDispatchMode"), (_ops, "OpOverload")) if not hasattr(mod, name)]
+    if not hasattr(torch.nn.Module(), "_compiled_call_impl"):
+        gone.append("torch.nn.Module._compiled_call_impl")
     if hasattr(_c10d, "_world"):
         prop = getattr(type(_c10d._world), "group_count", None)
         if not (isinstance(prop, property) and prop.fset is not None):
@@ -100,3 +103,37 @@ def reset_group_count() -> None:
     wait on keys no fresh peer writes. Private API: ``_world.group_count`` (torch exposes only
     ``get_pg_count()``, which reads it)."""
     _c10d._world.group_count = 0
+
+
+# -- torch.compile -----------------------------------------------------------------------------------
+# torch.compile(module) returns an OptimizedModule wrapping the original as ``_orig_mod``, and
+# module.compile() stores its compiled __call__ in ``_compiled_call_impl``: neither has a public
+# way to be recognised or undone in torch 2.13. torch._dynamo is imported by the first compile,
+# not here (it costs over a second), so these look it up only once it is loaded.
+
+def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that ``torch.compile(module)`` wrapped, when ``module`` is such a wrapper;
+    otherwise None. Private: ``torch._dynamo.eval_frame.OptimizedModule._orig_mod``."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # nothing has been compiled in this process
+        return None
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    if wrapper is None:
+        missing("torch", torch.__version__, ["torch._dynamo.eval_frame.OptimizedModule"], fix=FIX)
+    return module._orig_mod if isinstance(module, wrapper) else None
+
+
+def compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` was called (private: ``nn.Module._compiled_call_impl``)."""
+    return module._compiled_call_impl is not None
+
+
+def compiled_frames() -> int:
+    """Frames torch.compile has compiled in this process so far: each recompilation adds one.
+    Private: ``torch._dynamo.utils.counters`` (torch 2.13 counts them nowhere public)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    counters = getattr(dynamo_utils, "counters", None)
+    if counters is None:
+        missing("torch", torch.__version__, ["torch._dynamo.utils.counters"], fix=FIX)
+    return int(counters["frames"]["ok"])

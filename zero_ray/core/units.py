@@ -243,3 +243,37 @@ def plan_units(modules: Sequence[ModuleInfo], param_numels: Sequence[int], *, po
         units.append(UnitSpec(index=k, path=path, params=params, numel=sum(param_numels[i] for i in params),
                               parent=parent, depth=depth, entries=_entries(path, params, sites, order)))
     return UnitPlan(units=tuple(units), persistent=tuple(persistent), num_params=len(param_numels))
+
+
+def outermost_units(plan: UnitPlan) -> list[str]:
+    """The paths of the outermost non-root units: what activation checkpointing wraps and
+    compilation compiles (either applied to one covers any unit inside it)."""
+    by_index = {u.index: u for u in plan.units}
+    out = []
+    for u in plan.units:
+        if u.path == "":
+            continue
+        parent = by_index.get(u.parent) if u.parent is not None else None
+        if parent is None or parent.path == "":
+            out.append(u.path)
+    return out
+
+
+def innermost_units(plan: UnitPlan) -> list[str]:
+    """The paths of the non-root units with no unit inside them: the regions stage 3 compiles.
+    Their own gather and free hooks run outside the compiled forward; the hooks of entries below
+    them (which only count calls while the unit is entered) are traced into it."""
+    enclosing = {u.parent for u in plan.units}
+    return [u.path for u in plan.units if u.path and u.index not in enclosing]
+
+
+def repeated_blocks(infos: Sequence[ModuleInfo]) -> tuple[str, ...]:
+    """The classes (qualified) of the modules a model repeats: held in a container at least
+    twice, with parameters (a transformer's blocks in their ``ModuleList``). What compilation
+    compiles at stages 0-2 by default: one compiled graph serves every block."""
+    containers = {m.path for m in infos if m.is_container}
+    counts: dict[str, int] = {}
+    for m in infos:
+        if m.numel > 0 and m.parent in containers and m.classes:
+            counts[m.classes[0]] = counts.get(m.classes[0], 0) + 1
+    return tuple(sorted(c for c, n in counts.items() if n >= 2))

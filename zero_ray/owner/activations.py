@@ -27,22 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zero_ray.core.units import UnitPlan
-
 log = logging.getLogger(__name__)
-
-
-def checkpointed_paths(plan: UnitPlan) -> list[str]:
-    """The outermost non-root units: checkpointing one also recomputes any unit inside it."""
-    by_index = {u.index: u for u in plan.units}
-    out = []
-    for u in plan.units:
-        if u.path == "":
-            continue
-        parent = by_index.get(u.parent) if u.parent is not None else None
-        if parent is None or parent.path == "":
-            out.append(u.path)
-    return out
 
 
 def offload_hooks() -> contextlib.AbstractContextManager[None]:

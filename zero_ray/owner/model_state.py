@@ -29,10 +29,11 @@ from zero_ray.core.groups import GradFlow, GroupSpec, ParamResidency, plan_group
 from zero_ray.core.layout import FlatLayout
 from zero_ray.core.optim import OptimizersPlan, plan_optimizers
 from zero_ray.core.stages import Residency
-from zero_ray.core.units import ModuleInfo, UnitPlan, plan_units
+from zero_ray.core.units import ModuleInfo, UnitPlan, WrapPolicy, innermost_units, outermost_units, plan_units, repeated_blocks
 from zero_ray.errors import ConfigError
 from zero_ray.owner.accounting import StateCounter, held_storage_bytes
-from zero_ray.owner.activations import apply_activation_checkpointing, checkpointed_paths
+from zero_ray.owner.activations import apply_activation_checkpointing
+from zero_ray.owner.compiled import apply_compile
 from zero_ray.owner.buffers import BufferPool
 from zero_ray.owner.fabric import Fabric
 from zero_ray.owner.materialize import build_recorded
@@ -86,6 +87,7 @@ class ModelState:
         self.optimizer: ShardOptimizer
         self.scheduler: UnitScheduler | None = None
         self.checkpointed: list[str] = []  # paths of the units whose activations are recomputed
+        self.compiled: list[str] = []  # paths of the units whose forward is torch.compile'd
         self._in_step: dict[str, int] | None = None
         self._counted_state = -1  # the optimizer's state version _in_step was counted at
         self._construct()
@@ -163,25 +165,50 @@ class ModelState:
             self.scheduler = UnitScheduler(self.units, root=module, config=spec.stage3, stream=self.reducer.stream,
                                            reducer=self.reducer, device=self.device, fabric=self.fabric,
                                            pools=[p for p in self.pools if p.name.endswith(("gather", "reduce"))])
-        self.checkpointed = self._checkpoint_activations(module, infos, sites, [p.numel() for _, p in named], units)
+        numels = [p.numel() for _, p in named]
+        if spec.compile is not None:  # compiled first: checkpointing then recomputes the compiled forward
+            self.compiled = apply_compile(module, self._compiled_paths(infos, sites, numels, units), spec.compile)
+        ac = spec.activation_checkpointing
+        if ac is not None:
+            self.checkpointed = apply_activation_checkpointing(
+                module, self._unit_paths(ac.wrap_policy, infos, sites, numels, units, what="activation_checkpointing"),
+                offload=ac.offload)
         for g in self.groups:
             g.acquire_grads()  # counted by memory_report() before the first step
 
-    def _checkpoint_activations(self, module: nn.Module, infos: list[ModuleInfo], sites: list[list[str]],
-                                numels: list[int], units: UnitPlan | None) -> list[str]:
-        """Wrap the units activation checkpointing chooses (the stage-3 units themselves unless
-        it names a policy of its own); returns their paths."""
-        ac = self.spec.activation_checkpointing
-        if ac is None:
-            return []
-        if units is None or ac.wrap_policy is not None:
-            units = plan_units(infos, numels, policy=ac.wrap_policy or self.spec.stage3.wrap_policy, sites=sites)
-        paths = checkpointed_paths(units)
+    def _compiled_paths(self, infos: list[ModuleInfo], sites: list[list[str]], numels: list[int],
+                        units: UnitPlan | None) -> list[str]:
+        """Stage 3: the innermost units, whose gather and free hooks stay outside the compiled
+        region; otherwise the outermost modules of the compile's own policy, by default the
+        model's repeated blocks."""
+        if units is None:
+            policy = self.spec.compile.wrap_policy if self.spec.compile is not None else None
+            if policy is None:
+                blocks = repeated_blocks(infos)
+                if not blocks:
+                    raise ConfigError("compile found no repeated block to compile (no module class held twice in a "
+                                      "ModuleList or Sequential): name the blocks with zr.Compile(wrap_policy=(MyBlock,))")
+                policy = WrapPolicy(classes=blocks)
+            return self._unit_paths(policy, infos, sites, numels, None, what="compile")
+        paths = innermost_units(units)
         if not paths:
-            raise ConfigError("activation_checkpointing found no module to checkpoint: the wrap policy chose no unit "
-                              "besides the root (by default, direct children with at least 2**16 elements). Name the "
-                              "blocks: ActivationCheckpointing(wrap_policy=(MyBlock,))")
-        return apply_activation_checkpointing(module, paths, offload=ac.offload)
+            raise ConfigError("compile found no stage-3 unit to compile besides the root: name the blocks with "
+                              "Stage3Config(wrap_policy=(MyBlock,))")
+        return paths
+
+    def _unit_paths(self, policy: WrapPolicy | None, infos: list[ModuleInfo], sites: list[list[str]],
+                    numels: list[int], units: UnitPlan | None, *, what: str) -> list[str]:
+        """The outermost non-root units ``policy`` chooses (the stage-3 units themselves unless
+        ``what`` names a policy of its own), for activation checkpointing or compilation."""
+        if units is None or policy is not None:
+            units = plan_units(infos, numels, policy=policy or self.spec.stage3.wrap_policy, sites=sites)
+        paths = outermost_units(units)
+        if not paths:
+            option = {"compile": "zr.Compile", "activation_checkpointing": "ActivationCheckpointing"}[what]
+            raise ConfigError(f"{what} found no module to apply to: the wrap policy chose no unit besides the root "
+                              "(by default, direct children with at least 2**16 elements). Name the blocks: "
+                              f"{option}(wrap_policy=(MyBlock,))")
+        return paths
 
     def _placeholders(self, module: nn.Module, params: list[nn.Parameter], names: list[list[str]]) -> list[nn.Parameter]:
         """The module's parameters, with those built on the meta device replaced (under every name

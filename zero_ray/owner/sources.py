@@ -19,6 +19,7 @@ from zero_ray.collective.group import Collective
 from zero_ray.core.units import ModuleInfo
 from zero_ray.errors import CheckpointError, ModelError
 from zero_ray.owner.materialize import InitRecorder
+from zero_ray.owner.compiled import refuse_user_compile
 
 
 def build_module(model_fn: Callable[[], nn.Module], seed: int) -> nn.Module:
@@ -32,6 +33,7 @@ def check_module(module: object) -> nn.Module:
     of them trainable (``requires_grad=False`` ones are frozen: held, never updated)."""
     if not isinstance(module, nn.Module):
         raise ModelError(f"model_fn must return a torch.nn.Module; it returned {type(module).__name__}")
+    refuse_user_compile(module)
     named = list(module.named_parameters())
     bad = [(n, p.dtype) for n, p in named if not p.dtype.is_floating_point]
     if bad:
