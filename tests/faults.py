@@ -201,14 +201,17 @@ def _arrive(model_fn: Callable[[], torch.nn.Module], faults: tuple[Fault, ...]) 
 
 
 def _building_rank() -> int:
-    """The rank of the model state that is calling ``model_fn`` (read from its frame)."""
+    """The rank of the model state that is calling ``model_fn`` (read from its frame: the
+    library has no other way to say it). A renamed ModelState fails here, loudly: a rank of -1
+    would match no fault, and the test would pass without its kill."""
     frame = sys._getframe(1)
     while frame is not None:
         me = frame.f_locals.get("self")
         if type(me).__name__ == "ModelState":
             return int(me.rank)
         frame = frame.f_back
-    return -1
+    raise AssertionError("model_fn was not called by a zero_ray.owner.model_state.ModelState: the faults keyed "
+                         "by rank (backward, set_peers) cannot know this owner's rank; update _building_rank")
 
 
 def _hook_backward(module: torch.nn.Module, args: Any, out: Any) -> None:
@@ -223,13 +226,26 @@ def faulty(model_fn: Callable[[], torch.nn.Module], *faults: Fault) -> Callable[
 
 
 # -- an owner that ends itself mid-step (ray.kill) ---------------------------------------------------
+MARKER_BELOW = -100  # a first sample below this asks its owner to end itself; -101 - n is kill n
+
+
+def planned_kills(batches: list[Any]) -> set[int]:
+    """The kills ``batches`` plan for ``kill_on_marker`` (each marker value, as n of -101 - n)."""
+    return {int(-101 - float(v)) for x, _ in batches for v in x[:, 0] if float(v) < MARKER_BELOW}
+
+
+def fired_kills(marks: str) -> set[int]:
+    """The kills ``kill_on_marker`` carried out, from the files it leaves in ``marks``."""
+    return {int(name.removeprefix("killed")) - 101 for name in os.listdir(marks) if name.startswith("killed")}
+
+
 def kill_on_marker(module: torch.nn.Module, batch: Any, *, marks: str) -> torch.Tensor:
     """MSE loss; an owner whose piece's first sample starts with a marker value (-101, -102, ...)
     kills itself with ``ray.kill`` once (a file in ``marks`` records that it did, so the replayed
     step goes through)."""
     x, y = batch
     value = float(x[0, 0]) if x.shape[0] else 0.0
-    if value < -100:
+    if value < MARKER_BELOW:
         try:
             os.close(os.open(os.path.join(marks, f"killed{int(-value)}"), os.O_CREAT | os.O_EXCL))
         except FileExistsError:

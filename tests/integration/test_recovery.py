@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import zero_ray as zr
 from kill_helpers import kill_and_wait
-from faults import kill_on_marker
+from faults import fired_kills, kill_on_marker, planned_kills
 from zero_ray.models import mlp
 from zero_ray.testing import single_process
 
@@ -62,6 +62,7 @@ def run(batches, marks: Path, cfg: zr.ZeroConfig, *, save_at: int | None = None)
             trainer.step(b)
             times.append(time.perf_counter() - t0)
         assert trainer.step_count == len(batches)
+        assert fired_kills(str(marks)) == planned_kills(batches)  # each planned kill happened, once
         return trainer.full_state_dict(), trainer.recoveries, times, trainer.world_size
     finally:
         trainer.shutdown()
@@ -111,6 +112,7 @@ def test_failures_beyond_max_failures_end_with_a_clear_error(tmp_path: Path) -> 
             trainer.step(batches[1])
         assert trainer.state.value == "failed"
         assert "max_failures=0" in trainer.recoveries[0].reason
+        assert fired_kills(str(tmp_path)) == planned_kills(batches[:2]) == {0}
         with pytest.raises(zr.ZeroRayError, match="the trainer is failed"):
             trainer.step(batches[2])
     finally:
