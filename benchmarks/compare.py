@@ -3,7 +3,11 @@ DeepSpeed ZeRO: the same model, global batch, data and AdamW in every system, ea
 ranks as one-CPU Ray actors on gloo. Writes JSON, markdown and a PNG under the output
 directory and prints the markdown table.
 
-Systems: single, ddp, torch-zero, fsdp2, ds1, ds2, ds3, zero0, zero1, zero2, zero3.
+Systems: single, ddp, torch-zero, fsdp2, ds1, ds2, ds3, zero0, zero1, zero2, zero3 (all, the
+default). Compiled ones (each repeated block's forward torch.compile'd: by hand in the torch
+systems, ZeroConfig(compile=True) in zero_ray's): single+compile, ddp+compile, zero0+compile ...
+zero3+compile; `--systems compiled` runs single, ddp and zero1-3 each beside its compiled twin and
+reports each compiled system's speedup over its eager twin and against single-process torch's.
 Models: mlp (mlp(1024, 8), batch 32 per rank, MSE), gpt (a small GPT, batch 8 per rank).
 """
 
@@ -13,11 +17,11 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from benchmarks.harness.report import read_json, render_markdown, write_json, write_png
-from benchmarks.harness.runner import DEFAULT_SYSTEMS, BenchConfig, run_benchmark
+from benchmarks.harness.runner import DEFAULT_SYSTEMS, SYSTEM_GROUPS, BenchConfig, run_benchmark
 from benchmarks.harness.systems import SYSTEMS
 from benchmarks.harness.workloads import WORKLOADS
 from zero_ray.errors import ZeroRayError
@@ -26,24 +30,35 @@ DEFAULT_OUTPUT = os.path.join("benchmarks", "results")
 BASENAME = "compare"
 
 
-def _names(kind: str, choices: Sequence[str], default: Sequence[str]) -> Any:
+def expand_names(text: str, choices: Sequence[str], groups: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
+    """The names a comma-separated list selects, each group (``all``, ``compiled``) expanded in
+    place, in order, each name once; ValueError naming what is unknown."""
+    names: list[str] = []
+    for item in (n.strip() for n in text.split(",")):
+        if item:
+            names += groups.get(item, [item])
+    unknown = [n for n in names if n not in choices]
+    if unknown or not names:
+        raise ValueError(f"{unknown or text!r}; choose from {', '.join(choices)} or {' / '.join(groups)}")
+    return tuple(dict.fromkeys(names))
+
+
+def _names(kind: str, choices: Sequence[str], groups: Mapping[str, Sequence[str]]) -> Any:
     def parse(text: str) -> tuple[str, ...]:
-        if text.strip() == "all":
-            return tuple(default)
-        names = tuple(n.strip() for n in text.split(",") if n.strip())
-        unknown = [n for n in names if n not in choices]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(f"unknown {kind} {unknown or text!r}; choose from {', '.join(choices)} "
-                                             "or 'all'")
-        return names
+        try:
+            return expand_names(text, choices, groups)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"unknown {kind} {err}") from None
     return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options (``python -m benchmarks.compare``)."""
-    parser.add_argument("--systems", type=_names("systems", tuple(SYSTEMS), DEFAULT_SYSTEMS), default=DEFAULT_SYSTEMS,
-                        help="comma-separated systems, or 'all' (default): " + ",".join(SYSTEMS))
-    parser.add_argument("--model", type=_names("models", tuple(WORKLOADS), tuple(WORKLOADS)),
+    parser.add_argument("--systems", type=_names("systems", tuple(SYSTEMS), SYSTEM_GROUPS), default=DEFAULT_SYSTEMS,
+                        help="comma-separated systems and groups: 'all' (the default: " + ",".join(DEFAULT_SYSTEMS)
+                             + "), 'compiled' (" + ",".join(SYSTEM_GROUPS["compiled"]) + "); any of "
+                             + ",".join(SYSTEMS))
+    parser.add_argument("--model", type=_names("models", tuple(WORKLOADS), {"all": tuple(WORKLOADS)}),
                         default=tuple(WORKLOADS), help="mlp, gpt or all (default), or a comma-separated list")
     parser.add_argument("--world-size", type=int, default=2, help="ranks per distributed system (default 2)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")

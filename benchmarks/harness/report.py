@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from benchmarks.harness.compile_gain import COMPILE_NOTE, compile_gains, compile_table
 from benchmarks.harness.results import BenchResults, RunResult
 
 _MIB = float(2**20)
@@ -102,6 +103,9 @@ def render_markdown(results: BenchResults) -> str:
         out += ["", f"## {w.name}: {w.description}", "",
                 f"{w.num_params:,} parameters, global batch {w.global_batch}.", ""]
         out.append(_table([row(r) for r in results.runs_for(w.name)]))
+        compiled = compile_table(results.runs_for(w.name))
+        if compiled is not None:
+            out += ["", f"### {w.name}: compiled vs eager", "", compiled]
     out += ["", "Step time is the driver's wall clock per step (batch dispatch through Ray included, the same for "
                 "every system); × DDP divides medians. Per-rank columns show the largest rank. Peak RSS is VmHWM "
                 "during the warm-up and timed steps (reset after setup). Model state counts the parameters, "
@@ -114,6 +118,8 @@ def render_markdown(results: BenchResults) -> str:
                 "together plus Ray's own local traffic (and anything else local on the machine). load 1m is the "
                 "machine's 1-minute load average before and after the system's timed steps (the systems run one "
                 "after another; on a shared machine a high value marks a row timed beside other work)."]
+    if compile_gains(results.runs):
+        out += ["", COMPILE_NOTE]
     notes = list(results.notes) + _lo_bursts(results)
     if notes:
         out += ["", "Notes:"] + [f"- {n}" for n in notes]

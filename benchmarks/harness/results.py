@@ -55,6 +55,9 @@ class RunResult:
     #: the machine's 1-minute load average before and after the timed steps: on a shared machine
     #: it says which rows ran beside someone else's work (the systems run one after another)
     loadavg_1m: tuple[float, float] | None = None
+    #: the driver's wall clock of the run's first step (warm-up, or the first timed step without
+    #: one): where a compiled system compiles its blocks, so it carries the compilation's cost
+    first_step_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

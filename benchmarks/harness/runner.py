@@ -24,11 +24,19 @@ from typing import Any
 import ray
 import torch
 
+from benchmarks.harness.compile_gain import eager_twin
 from benchmarks.harness.netdev import loopback_available, read_interface
 from benchmarks.harness.ray_env import runtime_env
 from benchmarks.harness.results import BenchResults, RunResult, WorkloadInfo
 from benchmarks.harness.stats import summarise
-from benchmarks.harness.systems import SYSTEMS, System, SystemContext, SystemUnavailable, make_system
+from benchmarks.harness.systems import (
+    COMPILED_SIDE_BY_SIDE,
+    SYSTEMS,
+    System,
+    SystemContext,
+    SystemUnavailable,
+    make_system,
+)
 from benchmarks.harness.workloads import WORKLOADS, Workload, gpt_workload, mlp_workload
 from zero_ray.core.batching import Batch
 from zero_ray.core.memory import communication_elements
@@ -37,8 +45,13 @@ from zero_ray.errors import ConfigError, ResourceError
 
 log = logging.getLogger(__name__)
 
-# The optimizer variants (zero1-fused, ...) are for the A/B of --systems; not run by default.
-DEFAULT_SYSTEMS: tuple[str, ...] = tuple(name for name in SYSTEMS if "-" not in name or not name.startswith("zero"))
+# The optimizer variants (zero1-fused, ...) are for the A/B of --systems, and the compiled
+# systems (single+compile, ...) for --systems compiled: their first steps compile for a minute or
+# more on a CPU, which would double the default run. Neither is run by default.
+DEFAULT_SYSTEMS: tuple[str, ...] = tuple(name for name in SYSTEMS if eager_twin(name) is None
+                                         and ("-" not in name or not name.startswith("zero")))
+#: names ``--systems`` expands to a list
+SYSTEM_GROUPS: dict[str, tuple[str, ...]] = {"all": DEFAULT_SYSTEMS, "compiled": COMPILED_SIDE_BY_SIDE}
 # Below these the summary is too thin to compare systems; allowed (tests run 2 steps) but noted.
 MIN_STEPS, MIN_WARMUP = 10, 3
 
@@ -282,8 +295,11 @@ def run_system(system: System, *, workload: Workload, config: BenchConfig, batch
                                 timeout_s=config.timeout_s)
             system.setup(ctx)
             system.reset_peaks()
+            warm = []
             for batch in batches[: config.warmup]:
+                start = time.perf_counter()
                 system.step(batch)
+                warm.append(time.perf_counter() - start)
                 done += 1
             idle = _idle_rate()
             load_before = loadavg()
@@ -325,6 +341,7 @@ def run_system(system: System, *, workload: Workload, config: BenchConfig, batch
     return RunResult(
         **head, status="ok",
         step_ms=summarise(wall).scaled(1e3),
+        first_step_ms=1e3 * (warm or wall)[0],
         rank_step_ms=summarise(rank).scaled(1e3) if rank else None,
         peak_rss_bytes=tuple(r.memory.peak_rss_bytes for r in report.ranks),
         lifetime_peak_rss_bytes=tuple(r.memory.lifetime_peak_rss_bytes for r in report.ranks),

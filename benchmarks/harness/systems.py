@@ -18,6 +18,7 @@ import ray
 import torch
 
 from benchmarks.harness import probe
+from benchmarks.harness.compile_gain import COMPILE_SUFFIX, compiled_name
 from benchmarks.harness.probe import MemoryProbe, StateBytes
 from benchmarks.harness.ranks import (
     DeepSpeedRecipe,
@@ -129,6 +130,8 @@ class _RankedSystem:
     label: str = ""
     paper_stage: int | None = 0
     availability_by_trial: bool = False
+    #: the workload's blocks torch.compile'd by hand in every rank (``Workload.compiled_by_hand``)
+    compiled: bool = False
 
     def __init__(self) -> None:
         self._workers: list[Any] = []
@@ -149,9 +152,10 @@ class _RankedSystem:
         cls = ray.remote(num_cpus=1, max_restarts=0)(RankWorker)
         self._workers = [cls.remote(rank=r, world_size=n, threads=1) for r in range(n)]
         master = _get(self._workers[0].rendezvous.remote(), ctx.timeout_s) if self.recipe.needs_process_group else None
+        workload = ctx.workload.compiled_by_hand() if self.compiled else ctx.workload
         refs = []
         for r, w in enumerate(self._workers):
-            rank_ctx = RankContext(workload=ctx.workload, optimizer=ctx.optimizer, seed=ctx.seed, rank=r,
+            rank_ctx = RankContext(workload=workload, optimizer=ctx.optimizer, seed=ctx.seed, rank=r,
                                    world_size=n, options=self.options())
             refs.append(w.setup.remote(self.recipe, rank_ctx, master, ctx.timeout_s))
         _get(refs, ctx.timeout_s)  # all ranks together: the process group forms across them
@@ -192,6 +196,11 @@ class SingleProcessSystem(_RankedSystem):
     name = "single"
     label = "single process"
     paper_stage = None
+
+    def __init__(self, *, compile: bool = False) -> None:
+        super().__init__()
+        self.compiled = compile
+        self.name, self.label = compiled_name("single", "single process", compile)
 
     def world_size(self, requested: int) -> int:
         return 1
@@ -254,14 +263,15 @@ def _probe_actors(actors: Sequence[Any], fn: Callable[..., Any], timeout_s: floa
 
 
 class DDPSystem:
-    """PyTorch DistributedDataParallel: ``zero_ray.testing.DDPRun``."""
+    """PyTorch DistributedDataParallel: ``zero_ray.testing.DDPRun`` (with ``compile``, each
+    rank's blocks torch.compile'd by hand inside DDP)."""
 
-    name = "ddp"
-    label = "PyTorch DDP"
     paper_stage: int | None = 0
     availability_by_trial = False
 
-    def __init__(self) -> None:
+    def __init__(self, *, compile: bool = False) -> None:
+        self.compiled = compile
+        self.name, self.label = compiled_name("ddp", "PyTorch DDP", compile)
         self._run: Any = None
         self._timeout_s = 300.0
 
@@ -275,7 +285,8 @@ class DDPSystem:
         from zero_ray.testing import DDPRun
 
         self._timeout_s = ctx.timeout_s
-        self._run = DDPRun(ctx.workload.model_fn, ctx.workload.loss_fn, ctx.optimizer, world_size=ctx.world_size,
+        workload = ctx.workload.compiled_by_hand() if self.compiled else ctx.workload
+        self._run = DDPRun(workload.model_fn, workload.loss_fn, ctx.optimizer, world_size=ctx.world_size,
                            seed=ctx.seed, num_cpus=1.0, timeout_s=ctx.timeout_s)
 
     def reset_peaks(self) -> None:
@@ -306,19 +317,22 @@ OPTIMIZER_VARIANTS = ("", "foreach", "fused", "hand")
 
 
 class ZeroRaySystem:
-    """zero_ray's ``ZeroTrainer`` at one stage (with one of the ``OPTIMIZER_VARIANTS``)."""
+    """zero_ray's ``ZeroTrainer`` at one stage (with one of the ``OPTIMIZER_VARIANTS``, or
+    ``ZeroConfig(compile=True)``)."""
 
     availability_by_trial = False
 
-    def __init__(self, *, stage: int, variant: str = "") -> None:
+    def __init__(self, *, stage: int, variant: str = "", compile: bool = False) -> None:
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_ray {stage=} must be 0, 1, 2 or 3")
         if variant not in OPTIMIZER_VARIANTS:
             raise ConfigError(f"optimizer variant {variant!r} is not one of {OPTIMIZER_VARIANTS}")
         self.stage = stage
         self.variant = variant
-        self.name = f"zero{stage}" + (f"-{variant}" if variant else "")
-        self.label = f"zero_ray stage {stage}" + (f" ({variant} AdamW)" if variant else "")
+        self.compiled = compile
+        self.name, self.label = compiled_name(f"zero{stage}" + (f"-{variant}" if variant else ""),
+                                              f"zero_ray stage {stage}" + (f" ({variant} AdamW)" if variant else ""),
+                                              compile)
         self.paper_stage: int | None = stage
         # Stage 3 is accepted by ZeroConfig before it is implemented; trying it is the test.
         self.availability_by_trial = stage == 3
@@ -342,7 +356,10 @@ class ZeroRaySystem:
         self._timeout_s = ctx.timeout_s
         cfg = zr.ZeroConfig(stage=self.stage, world_size=ctx.world_size, device="cpu", backend="gloo",
                             seed=ctx.seed, num_cpus_per_owner=1.0, init_timeout_s=ctx.timeout_s,
-                            step_timeout_s=ctx.timeout_s, collective_timeout_s=ctx.timeout_s)
+                            step_timeout_s=ctx.timeout_s, collective_timeout_s=ctx.timeout_s,
+                            # The default regions: the repeated blocks at stages 0-2, the innermost
+                            # units at stage 3 (the gpt workload's Blocks: tests/unit/test_bench_compiled.py)
+                            compile=self.compiled)
         self._trainer = zr.ZeroTrainer(ctx.workload.model_fn, ctx.workload.loss_fn, optimizer=self._optimizer(ctx),
                                        config=replace(cfg, optimizer_kinds={HandWrittenAdamW: "elementwise"}))
         if self.stage == 3 and ctx.world_size > 1:
@@ -408,7 +425,9 @@ def _factory(cls: Callable[..., System], **kwargs: Any) -> Callable[[], System]:
 #: command-line name -> a factory of a fresh System (one per workload run)
 SYSTEMS: Mapping[str, Callable[[], System]] = MappingProxyType({
     "single": _factory(SingleProcessSystem),
+    "single+compile": _factory(SingleProcessSystem, compile=True),
     "ddp": _factory(DDPSystem),
+    "ddp+compile": _factory(DDPSystem, compile=True),
     "torch-zero": _factory(TorchZeroSystem),
     "fsdp2": _factory(FSDP2System),
     "ds1": _factory(DeepSpeedSystem, stage=1),
@@ -420,7 +439,13 @@ SYSTEMS: Mapping[str, Callable[[], System]] = MappingProxyType({
     "zero3": _factory(ZeroRaySystem, stage=3),
     **{f"zero{stage}-{variant}": _factory(ZeroRaySystem, stage=stage, variant=variant)
        for stage in (1, 2, 3) for variant in OPTIMIZER_VARIANTS if variant},
+    **{f"zero{stage}{COMPILE_SUFFIX}": _factory(ZeroRaySystem, stage=stage, compile=True) for stage in (0, 1, 2, 3)},
 })
+
+#: eager and compiled side by side (``--systems compiled``): single-process torch, DDP and
+#: zero_ray stages 1-3, each followed by its compiled twin
+COMPILED_SIDE_BY_SIDE: tuple[str, ...] = tuple(
+    name for base in ("single", "ddp", "zero1", "zero2", "zero3") for name in (base, base + COMPILE_SUFFIX))
 
 
 def make_system(name: str) -> System:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,6 +31,9 @@ class Workload:
     make_batch: ``(generator, global_samples) -> batch``.
     per_rank_batch: samples each rank gets; the global batch is ``per_rank_batch * world_size``.
     fsdp_units: class names of the submodules FSDP2 shards as units (then the root).
+    blocks: class names of the repeated blocks whose ``forward`` the hand-compiled systems
+        ``torch.compile`` one by one: what ``ZeroConfig(compile=True)`` finds itself
+        (``core.units.repeated_blocks``), so eager and compiled systems compile the same regions.
     description: one line for the report.
     """
 
@@ -41,6 +44,7 @@ class Workload:
     per_rank_batch: int
     fsdp_units: tuple[str, ...]
     description: str
+    blocks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
@@ -61,10 +65,31 @@ class Workload:
         g = torch.Generator().manual_seed(seed)
         return [self.make_batch(g, self.global_batch(world_size)) for _ in range(count)]
 
+    def compiled_by_hand(self) -> Workload:
+        """This workload with each of its ``blocks``' ``forward`` torch.compile'd in ``model_fn``,
+        as a user compiles a model in one process (the reference for ``ZeroConfig(compile=True)``)."""
+        if not self.blocks:
+            raise ConfigError(f"workload {self.name!r} names no blocks to compile")
+        return replace(self, model_fn=functools.partial(compiled_model, self.model_fn, self.blocks))
+
     def num_params(self) -> int:
         """Distinct parameters of one replica (tied weights once)."""
         torch.manual_seed(0)
         return sum(p.numel() for p in self.model_fn().parameters())
+
+
+def compiled_model(model_fn: ModelFn, blocks: tuple[str, ...]) -> torch.nn.Module:
+    """``model_fn()`` with the ``forward`` of every submodule whose class is named in ``blocks``
+    replaced by ``torch.compile(forward)`` on the instance (module-level: it pickles to actors)."""
+    module = model_fn()
+    found = 0
+    for sub in module.modules():
+        if type(sub).__name__ in blocks:
+            sub.forward = torch.compile(sub.forward)  # type: ignore[method-assign]
+            found += 1
+    if not found:  # compiling nothing would time eager under a compiled name
+        raise ConfigError(f"no module of {type(module).__name__} is one of the blocks {blocks} to compile")
+    return module
 
 
 def _regression_batch(g: torch.Generator, n: int, *, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +106,7 @@ def mlp_workload(*, width: int = 1024, depth: int = 8, per_rank_batch: int = 32)
         raise ConfigError(f"mlp width={width} and depth={depth} must be >= 1")
     return Workload(name="mlp", model_fn=functools.partial(mlp, width, depth), loss_fn=mse_loss,
                     make_batch=functools.partial(_regression_batch, width=width), per_rank_batch=per_rank_batch,
-                    fsdp_units=("Linear",),
+                    fsdp_units=("Linear",), blocks=("Linear",),
                     description=f"mlp({width}, {depth}): {depth} x (Linear({width},{width}) + ReLU), MSE, "
                                 f"batch {per_rank_batch}/rank")
 
@@ -95,7 +120,7 @@ def gpt_workload(*, cfg: GPTConfig = GPT_BENCH, per_rank_batch: int = 8) -> Work
     """A small GPT (tied embeddings) on random tokens, next-token cross entropy."""
     return Workload(name="gpt", model_fn=functools.partial(GPT, cfg), loss_fn=lm_loss,
                     make_batch=functools.partial(_token_batch, vocab=cfg.vocab_size, length=cfg.block_size + 1),
-                    per_rank_batch=per_rank_batch, fsdp_units=("Block",),
+                    per_rank_batch=per_rank_batch, fsdp_units=("Block",), blocks=("Block",),
                     description=f"GPT(layers={cfg.n_layer}, embd={cfg.n_embd}, heads={cfg.n_head}, "
                                 f"ctx={cfg.block_size}, vocab={cfg.vocab_size}), tied embeddings, "
                                 f"batch {per_rank_batch}x{cfg.block_size}/rank")

@@ -4,6 +4,7 @@ command line's --render path."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -69,7 +70,7 @@ class FakeSystem:
 
 
 def _run(system: FakeSystem, **config: Any) -> Any:
-    cfg = BenchConfig(systems=("ddp",), steps=3, warmup=1, **config)
+    cfg = BenchConfig(systems=("ddp",), **{"steps": 4 - config.get("warmup", 1), "warmup": 1, **config})
     workload = mlp_workload(width=2, depth=1, per_rank_batch=1)
     batches = workload.batches(4, world_size=2, seed=0)
     return run_system(system, workload=workload, config=cfg, batches=batches, reference=system.final_params(),
@@ -87,6 +88,23 @@ def test_ok_run_summarises_the_timed_steps_only() -> None:
     assert result.state_bytes[0] == {"params": 1, "grads": 2, "optimizer": 3, "total": 6}
     assert result.paper_bytes_per_rank_step == pytest.approx(4 * 6)  # (N-1)/N * 2Ψ at N = 2, fp32
     assert system.calls == ["check_available", "setup", "reset_peaks"] + ["step"] * 4 + ["shutdown"]
+
+
+class SlowFirstStep(FakeSystem):
+    """A system whose first step takes 50 ms (a compiled system's compilation)."""
+
+    def step(self, batch: Any) -> float | None:
+        if "step" not in self.calls:
+            time.sleep(0.05)
+        return super().step(batch)
+
+
+@pytest.mark.parametrize("warmup", [1, 0])
+def test_first_step_is_timed_apart_from_the_timed_steps(warmup: int) -> None:
+    result = _run(SlowFirstStep(), warmup=warmup)
+    assert result.first_step_ms >= 50
+    # with a warm-up step the slow one is not among the timed ones; without, it is their first
+    assert (result.step_ms.max < 50) == (warmup == 1) and result.step_ms.n == 4 - warmup
 
 
 def test_unavailable_from_the_check_is_reported() -> None:
@@ -111,8 +129,9 @@ def test_failure_of_an_established_system_is_failed_and_shut_down() -> None:
 
 def test_registry() -> None:
     variants = {f"zero{s}-{v}" for s in (1, 2, 3) for v in ("foreach", "fused", "hand")}  # the optimizer A/B
+    compiled = {"single+compile", "ddp+compile"} | {f"zero{s}+compile" for s in range(4)}  # test_bench_compiled.py
     assert {"single", "ddp", "torch-zero", "fsdp2", "ds1", "ds2", "ds3", "zero0", "zero1", "zero2", "zero3"} | variants \
-        == set(SYSTEMS)
+        | compiled == set(SYSTEMS)
     assert make_system("zero2").name == "zero2" and make_system("ds3").label == "DeepSpeed ZeRO-3"
     assert make_system("zero1-fused").label == "zero_ray stage 1 (fused AdamW)"
     with pytest.raises(ConfigError, match="unknown system 'x'"):
