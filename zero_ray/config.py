@@ -7,7 +7,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from zero_ray.checkpoint.location import check_location
 from zero_ray.core.optim import declared_kinds
@@ -22,6 +22,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 INIT_MODES = ("full", "low_memory")
 ON_NONFINITE = ("raise", "skip")
+_Options = TypeVar("_Options")
 
 
 def _wrap_policy(value: object) -> WrapPolicy:
@@ -121,8 +122,7 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 class Compile:
     """``torch.compile`` per unit (regional compilation), at any stage.
 
-    Each unit the wrap policy chooses (outermost ones; the root never) has its ``forward``
-    compiled; identical blocks share one compiled graph (torch compiles a block's code once per
+    Each chosen module (see ``wrap_policy``; the root never) has its ``forward`` compiled; identical blocks share one compiled graph (torch compiles a block's code once per
     input shape and reuses it for every instance). The unit's hooks stay outside the compiled
     region: at stage 3 its parameters are gathered before the compiled forward runs and freed
     after. Parameter names are untouched (no ``_orig_mod.``).
@@ -164,27 +164,16 @@ class Compile:
         return {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend}
 
 
-def _compile(value: object) -> Compile | None:
-    """None/False: eager; True: compiled with torch.compile's defaults; or a Compile."""
+def _switch(name: str, value: object, options: type[_Options], example: str) -> _Options | None:
+    """An option that is off or on with settings: None/False off; True on with ``options()``'s
+    defaults; or an ``options`` instance (``example`` says how to write one in the error)."""
     if value is None or value is False:
         return None
     if value is True:
-        return Compile()
-    if isinstance(value, Compile):
+        return options()
+    if isinstance(value, options):
         return value
-    raise ConfigError(f"compile={value!r} must be True, False, None or a zr.Compile(mode=..., fullgraph=..., ...)")
-
-
-def _activation_checkpointing(value: object) -> ActivationCheckpointing | None:
-    """None/False: off; True: on, inputs kept on the device; or an ActivationCheckpointing."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return ActivationCheckpointing()
-    if isinstance(value, ActivationCheckpointing):
-        return value
-    raise ConfigError(f"activation_checkpointing={value!r} must be True, False, None or an ActivationCheckpointing "
-                      "(e.g. ActivationCheckpointing(offload=True))")
+    raise ConfigError(f"{name}={value!r} must be True, False, None or {example}")
 
 
 REDUNDANCY = ("none", "peer")
@@ -401,8 +390,11 @@ class ZeroConfig:
         stage_plan(self.stage)  # raises ConfigError naming the stage
         if not isinstance(self.stage3, Stage3Config):
             raise ConfigError(f"stage3={self.stage3!r} must be a Stage3Config")
-        object.__setattr__(self, "activation_checkpointing", _activation_checkpointing(self.activation_checkpointing))
-        object.__setattr__(self, "compile", _compile(self.compile))
+        object.__setattr__(self, "activation_checkpointing", _switch(
+            "activation_checkpointing", self.activation_checkpointing, ActivationCheckpointing,
+            "an ActivationCheckpointing (e.g. ActivationCheckpointing(offload=True))"))
+        object.__setattr__(self, "compile", _switch("compile", self.compile, Compile,
+                                                    "a zr.Compile(mode=..., fullgraph=..., ...)"))
         if self.stage == 3 and self.compile is not None and self.compile.wrap_policy is not None:
             raise ConfigError("compile=Compile(wrap_policy=...) was given with stage=3, where the compiled regions are "
                               "the stage-3 units themselves (each gathered around its compiled forward): choose them "

@@ -25,16 +25,25 @@ from torch import nn
 from zero_ray.collective.device_sync import DeviceSync, device_sync
 from zero_ray.collective.group import Collective
 from zero_ray.collective.stream import CommStream
+from zero_ray.config import Compile
 from zero_ray.core.groups import GradFlow, GroupSpec, ParamResidency, plan_groups
 from zero_ray.core.layout import FlatLayout
 from zero_ray.core.optim import OptimizersPlan, plan_optimizers
 from zero_ray.core.stages import Residency
-from zero_ray.core.units import ModuleInfo, UnitPlan, WrapPolicy, innermost_units, outermost_units, plan_units, repeated_blocks
+from zero_ray.core.units import (
+    ModuleInfo,
+    UnitPlan,
+    WrapPolicy,
+    innermost_units,
+    outermost_units,
+    plan_units,
+    repeated_blocks,
+)
 from zero_ray.errors import ConfigError
 from zero_ray.owner.accounting import StateCounter, held_storage_bytes
 from zero_ray.owner.activations import apply_activation_checkpointing
-from zero_ray.owner.compiled import apply_compile
 from zero_ray.owner.buffers import BufferPool
+from zero_ray.owner.compiled import apply_compile
 from zero_ray.owner.fabric import Fabric
 from zero_ray.owner.materialize import build_recorded
 from zero_ray.owner.optimizer import ShardOptimizer
@@ -167,7 +176,8 @@ class ModelState:
                                            pools=[p for p in self.pools if p.name.endswith(("gather", "reduce"))])
         numels = [p.numel() for _, p in named]
         if spec.compile is not None:  # compiled first: checkpointing then recomputes the compiled forward
-            self.compiled = apply_compile(module, self._compiled_paths(infos, sites, numels, units), spec.compile)
+            self.compiled = apply_compile(module, self._compiled_paths(spec.compile, infos, sites, numels, units),
+                                          spec.compile)
         ac = spec.activation_checkpointing
         if ac is not None:
             self.checkpointed = apply_activation_checkpointing(
@@ -176,13 +186,13 @@ class ModelState:
         for g in self.groups:
             g.acquire_grads()  # counted by memory_report() before the first step
 
-    def _compiled_paths(self, infos: list[ModuleInfo], sites: list[list[str]], numels: list[int],
+    def _compiled_paths(self, options: Compile, infos: list[ModuleInfo], sites: list[list[str]], numels: list[int],
                         units: UnitPlan | None) -> list[str]:
         """Stage 3: the innermost units, whose gather and free hooks stay outside the compiled
         region; otherwise the outermost modules of the compile's own policy, by default the
         model's repeated blocks."""
         if units is None:
-            policy = self.spec.compile.wrap_policy if self.spec.compile is not None else None
+            policy = options.wrap_policy
             if policy is None:
                 blocks = repeated_blocks(infos)
                 if not blocks:
