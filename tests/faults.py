@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 POINTS = ("backward", "group_formation", "resize_transfer", "restore_transfer", "peer_snapshot", "checkpoint_save",
-          "set_peers")
+          "checkpoint_commit", "set_peers")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +157,9 @@ def _install() -> None:
     def writing(*args: Any, rank: int, **kwargs: Any) -> None:
         state.reach("checkpoint_save", rank)
 
+    def reporting(*args: Any, **kwargs: Any) -> None:  # the file is written; the driver's commit asks for it
+        state.reach("checkpoint_commit", state.rank)
+
     def confirming(*args: Any, **kwargs: Any) -> None:  # every SetPeers confirms (or finds nothing to)
         state.reach("set_peers", state.rank)
 
@@ -164,6 +167,7 @@ def _install() -> None:
     _wrap(actor, "exchange", transfer)
     _wrap(redundancy.PeerSnapshots, "take", snapshot)
     _wrap(checkpointing, "write_shard", writing)
+    _wrap(checkpointing.ShardSaver, "wait", reporting)
     _wrap(redundancy.PeerSnapshots, "confirm_layout", confirming)
 
 
@@ -211,7 +215,7 @@ def _building_rank() -> int:
             return int(me.rank)
         frame = frame.f_back
     raise AssertionError("model_fn was not called by a zero_ray.owner.model_state.ModelState: the faults keyed "
-                         "by rank (backward, set_peers) cannot know this owner's rank; update _building_rank")
+                         "by rank (backward, set_peers, checkpoint_commit) cannot know this owner's rank; update _building_rank")
 
 
 def _hook_backward(module: torch.nn.Module, args: Any, out: Any) -> None:
@@ -258,7 +262,10 @@ def kill_on_marker(module: torch.nn.Module, batch: Any, *, marks: str) -> torch.
 
 # -- runs with a kill at a chosen point ----------------------------------------------------------------
 KILL_POINTS = ("backward", "resize_transfer", "resize_formation", "resize_confirm", "grow_formation", "grow_transfer",
-               "after_resize", "restore_after_loss", "peer_snapshot", "checkpoint_save", "freeze")
+               "after_resize", "restore_after_loss", "peer_snapshot", "checkpoint_save", "checkpoint_commit", "freeze")
+# The kills inside a save: as the owner writes its file (in the background, racing the snapshot's
+# reply), and once the snapshot has returned and the driver's commit asks for the written file.
+SAVES = ("checkpoint_save", "checkpoint_commit")
 # The kills inside a resize: a shrink by one owner, or a grow by one.
 SHRINKS = ("resize_transfer", "resize_formation", "resize_confirm", "after_resize")
 GROWS = ("grow_formation", "grow_transfer")
@@ -284,7 +291,7 @@ class KillRun:
     # to the first step completed at the run's size again, the replacements joined (None: not
     # within the run, or a resize point)
     kill_to_full_size_s: float | None = None
-    saved: str | None = None  # checkpoint_save: the directory save_checkpoint returned
+    saved: str | None = None  # SAVES: the directory save_checkpoint returned
 
 
 def _faults(point: str, marks: str, at: int, world_size: int) -> list[Fault]:
@@ -316,7 +323,7 @@ def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, ba
     process is SIGKILLed at ``point`` once ``at`` steps are done (``freeze``: rank 1 SIGSTOPped
     before step ``at``); before step ``at`` the run resizes to one owner fewer (``SHRINKS``; for
     ``after_resize`` rank 0 is SIGKILLed as soon as the resize returned, before any step) or one
-    more (``GROWS``), or saves a checkpoint (``checkpoint_save``), as those kills need. A resize
+    more (``GROWS``), or saves a checkpoint (``SAVES``), as those kills need. A resize
     whose kill makes it fail is tried again before each of the next ``repeat - 1`` steps, the
     fault re-armed each time (its marker taken away): the owner holding the faulted rank then is
     another process, so the kills land on other processes and, for a formation, other moments."""
@@ -347,7 +354,7 @@ def run_with_kill(point: str, *, model_fn: Any, loss_fn: Any, optimizer: Any, ba
                     pid = ray.get(trainer.actors[0].node.remote(), timeout=60)["pid"]
                     frozen_at = time.time()
                     os.kill(pid, signal.SIGKILL)
-            if k == at and point == "checkpoint_save":
+            if k == at and point in SAVES:
                 try:  # a save that finds its owner lost recovers the pool and saves
                     saved = trainer.save_checkpoint(wait=True)
                 except ZeroRayError as err:

@@ -1,6 +1,7 @@
 """An owner's process SIGKILLed at each point of a run's life: inside backward, during a
 shrinking resize's transfer, during the restore after a first loss, during a peer snapshot and
-during a checkpoint save; in the group a shrink forms after its transfer, in a grow's group
+during a checkpoint save (as it writes its file, and once the snapshot has returned and the
+commit asks for that file); in the group a shrink forms after its transfer, in a grow's group
 formation (the new owner) and transfer (an old one), and right after a shrink before any step;
 and one SIGSTOPped: all at stage 3, backward and the save at stage 1 too. A resize that a kill made fail is tried
 (and killed) again before each of the next two steps: three kills in one run, each on another
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import zero_ray as zr
-from faults import GROWS, KILL_POINTS, SHRINKS, WAITS, run_with_kill
+from faults import GROWS, KILL_POINTS, SAVES, SHRINKS, WAITS, run_with_kill
 from zero_ray.checkpoint.format import MANIFEST_NAME
 from zero_ray.models import mlp, mse_loss
 from zero_ray.testing import single_process
@@ -42,7 +43,7 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 # Every point at stage 3 (the most state moves); stage 1 (parameters replicated) where its path
 # differs: a step's backward and a checkpoint save. The thread tier covers the other stages.
-CASES = [(p, 3) for p in KILL_POINTS] + [("backward", 1), ("checkpoint_save", 1)]
+CASES = [(p, 3) for p in KILL_POINTS] + [("backward", 1), ("checkpoint_save", 1), ("checkpoint_commit", 1)]
 
 
 @pytest.mark.timeout(300)
@@ -74,7 +75,7 @@ def test_a_sigkilled_owner_is_survived(point: str, stage: int, tmp_path: Path) -
         assert run.notes and "resizing to 2 owners failed" in run.notes[0]
     if point in GROWS:
         assert run.notes and "resizing to 4 owners failed" in run.notes[0]
-    if point == "checkpoint_save":  # the save found rank 1 lost, recovered the pool and saved
+    if point in SAVES:  # the save found rank 1 lost (in its snapshot or its commit), recovered the pool and saved
         assert not run.notes, run.notes
         assert [r.call for r in run.recoveries] == ["save_checkpoint"] and 1 in run.recoveries[0].lost
         manifest = json.loads((Path(run.saved or "") / MANIFEST_NAME).read_text())

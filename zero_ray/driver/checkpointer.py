@@ -127,15 +127,21 @@ class Checkpointer:
         if on_commit is not None:
             on_commit(path)
 
-    def wait(self, *, timeout_s: float | None = None, raise_error: bool = True) -> str | None:
-        """Block until the save in flight is committed or abandoned; return the last committed
-        directory, raising the failure of the last save when ``raise_error``."""
+    def join(self, *, timeout_s: float | None = None) -> BaseException | None:
+        """Block until the save in flight is committed or abandoned; the error that abandoned
+        the last save, as it was raised (None: committed, or none was made)."""
         thread = self._thread
         if thread is not None:
             thread.join(timeout=timeout_s if timeout_s is not None else 2 * self._timeout_s + 30)
             if thread.is_alive():
                 raise CheckpointError(f"the checkpoint commit did not finish within {timeout_s}s")
             self._thread = None
+        return self.last_error
+
+    def wait(self, *, timeout_s: float | None = None, raise_error: bool = True) -> str | None:
+        """Block until the save in flight is committed or abandoned; return the last committed
+        directory, raising the failure of the last save when ``raise_error``."""
+        self.join(timeout_s=timeout_s)
         if raise_error and self.last_error is not None:
             err = self.last_error
             if isinstance(err, ZeroRayError):

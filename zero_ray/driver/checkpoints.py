@@ -62,6 +62,10 @@ class CheckpointAPI:
     def wait(self, timeout_s: float | None = None, *, raise_error: bool = True) -> str | None:
         return self.saves.wait(timeout_s=timeout_s, raise_error=raise_error)
 
+    def join(self) -> BaseException | None:
+        """Block until the save in flight is committed or abandoned; what abandoned it, if anything."""
+        return self.saves.join()
+
     def recovery_root(self) -> str | None:
         """The root of the last committed save, else the configured directory (or None), as a
         string ``open_location`` opens in this process."""

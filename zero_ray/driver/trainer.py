@@ -55,7 +55,9 @@ from zero_ray.driver.replica_restore import resize_groups
 from zero_ray.driver.resume import ResumeAPI
 from zero_ray.errors import (
     ConfigError,
+    ControlError,
     NonFiniteError,
+    OwnerError,
     ZeroRayError,
 )
 from zero_ray.owner.spec import EngineSpec, LossFn, ModelFn
@@ -463,8 +465,10 @@ class ZeroTrainer(ResumeAPI):
         filesystem), a path inside that filesystem. Training stalls only while every owner
         copies its slices to host memory; each owner writes (uploads) its own file in the
         background and the checkpoint is committed (manifest last, then ``latest``) once every
-        rank's file is complete. ``wait=True`` (or ``wait_for_checkpoint()``) blocks until then.
-        A crash before the commit leaves the previous checkpoint the latest.
+        rank's file is complete. ``wait=True`` (or ``wait_for_checkpoint()``) blocks until then;
+        with ``wait=True`` an owner lost while writing is recovered from and the save taken again
+        (as one lost in the snapshot is). A crash before the commit leaves the previous
+        checkpoint the latest.
         """
         return self._save(self._checkpoints.open(path, filesystem, what="save_checkpoint()"), wait=wait)[0]
 
@@ -478,6 +482,11 @@ class ZeroTrainer(ResumeAPI):
             record = self._record()
             target = self._checkpoints.save(*root, record,
                                             on_commit=lambda path: self._callbacks.on_checkpoint(path, record.step))
+            if wait:  # an owner lost while writing is recovered from and the save taken again,
+                # as one lost in the snapshot is; a storage failure is the caller's (below)
+                failure = self._checkpoints.join()
+                if isinstance(failure, (OwnerError, ControlError)):
+                    raise failure
             return target, record.step
 
         target, step = self._controller.run(Call(name="save_checkpoint", attempt=attempt))
