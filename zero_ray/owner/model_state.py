@@ -436,6 +436,12 @@ class ModelState:
         report["trainable_numel"] = sum(g.bucket.numel for g in self.trainable_groups)
         return report
 
+    def evict_state(self) -> None:
+        """Offloaded optimizer state: out of memory again after something read it all (a
+        snapshot); it stays in its files. Nothing to do when it is in memory."""
+        for g in self.groups:
+            g.evict_state()
+
     def optimizer_slices(self) -> list[OptimizerSlice]:
         """Every group's slice, in layout-bucket order (frozen ones without moments)."""
         return [g.optimizer_slice() for g in self.groups]

@@ -113,6 +113,7 @@ class PeerSnapshots:
                                  for p, st in optimizer.whole_state(saver_only=True).items()}
         own = Snapshot(rank=rank, step=step, world_size=n, scalars=scalars,
                        state=RankState(slices=_slices(engine, rank, kinds, clone=True), whole=own_whole))
+        engine.state.evict_state()  # offloaded state read for the copy goes back to its files
         theirs = None
         sent = 0
         if backup != rank:
