@@ -67,7 +67,7 @@ def test_no_recompilation_once_warm() -> None:
     assert counts[-1] == counts[4]  # compiled by the end of each rank's second step, never again
 
 
-def test_composes_with_checkpointing_peft_whole_tensor_optimizers_and_bf16() -> None:
+def test_composes_with_checkpointing_peft_whole_tensor_optimizers_bf16_and_reduce_dtype() -> None:
     opt = zr.AdamW(lr=1e-2)
     batches = token_batches()
     model_fn, block = MODELS["gpt2"]
@@ -95,6 +95,12 @@ def test_composes_with_checkpointing_peft_whole_tensor_optimizers_and_bf16() -> 
     eager, _, _ = run_ranks(2, model_fn, causal_lm_loss, sgd, batches, stage=1, dtype="bfloat16")
     got, _, _ = run_ranks(2, model_fn, causal_lm_loss, sgd, batches, stage=1, dtype="bfloat16", compile=zr.Compile())
     assert 0 < _max_dev(got, fp32) <= 2 * _max_dev(eager, fp32)
+    # and with the bf16 gradients reduced in fp32 (reduce_dtype), the same bound
+    eager, _, _ = run_ranks(2, model_fn, causal_lm_loss, sgd, batches, stage=2, dtype="bfloat16",
+                            reduce_dtype="float32")
+    got, _, _ = run_ranks(2, model_fn, causal_lm_loss, sgd, batches, stage=2, dtype="bfloat16",
+                          reduce_dtype="float32", compile=zr.Compile())
+    assert 0 < _max_dev(got, fp32) <= 2 * _max_dev(eager, fp32), (_max_dev(got, fp32), _max_dev(eager, fp32))
 
 
 def test_a_model_compiled_in_model_fn_is_refused_by_name() -> None:
