@@ -1,5 +1,6 @@
 """Optimizer state on local disk (``Offload(optimizer="nvme")``) on Ray actors, with Hugging Face
-GPT-2: a checkpoint saved with the state on disk resumes with it in memory at another stage and
+GPT-2: the peer copies of that state (``redundancy="peer"``) are files too; a checkpoint saved
+with the state on disk resumes with it in memory at another stage and
 size, and the reverse, both equal to the run that never offloaded; and an owner SIGKILLed in
 backward while its state is on disk is restored from its peer's copy, the run ending equal to
 single-process torch. The stage x optimizer matrix is on thread ranks
@@ -27,12 +28,16 @@ def _run(tmp_path: Path, name: str, *, before: zr.Offload, after: zr.Offload) ->
     opt = zr.AdamW(lr=1e-2, weight_decay=0.1)
     batches = token_batches(steps=STEPS, n=6)
     trainer = zr.ZeroTrainer(gpt2_lm, causal_lm_loss, optimizer=opt,
-                             config=zr.ZeroConfig(stage=2, world_size=2, device="cpu", offload=before))
+                             config=zr.ZeroConfig(stage=2, world_size=2, device="cpu", offload=before,
+                                                  elastic=zr.ElasticConfig(redundancy="peer")))
     try:
         for batch in batches[:SAVE_AT]:
             trainer.step(batch)
-        if before.optimizer_on_nvme:
-            assert all(r["nvme"] > 0 for r in trainer.memory_report())
+        for r in trainer.memory_report():  # the peer copies live where the state does
+            if before.optimizer_on_nvme:
+                assert r["nvme"] > 0 and r["redundancy_nvme"] > 0 and r["redundancy_host"] == 0, r
+            else:
+                assert r["nvme"] == r["redundancy_nvme"] == 0 < r["redundancy_host"], r
         saved = trainer.save_checkpoint(tmp_path / name, wait=True)
     finally:
         trainer.shutdown()

@@ -98,6 +98,7 @@ class ModelState:
         self.scheduler: UnitScheduler | None = None
         self.checkpointed: list[str] = []  # paths of the units whose activations are recomputed
         self.compiled: list[str] = []  # paths of the units whose forward is torch.compile'd
+        self.state_files: StateFiles | None = None  # Offload(optimizer="nvme"): where the state lives
         self._in_step: dict[str, int] | None = None
         self._counted_state = -1  # the optimizer's state version _in_step was counted at
         self._construct()
@@ -149,7 +150,7 @@ class ModelState:
                                                 groups=[list(g.params) for g in specs])
         params = self._placeholders(module, [p for _, p in named], names)
         gather_of, staging_of = self._pools(specs, units, layout)
-        files = self._state_files(plan)
+        self.state_files = files = self._state_files(plan)
         self.groups = [ParamGroup(g, layout=layout, params=[params[i] for i in g.params], rank=self.shard_rank,
                                   dtype=self.dtype, device=self.device, source=source, empty=self._empty,
                                   staging=staging_of.get(g.index), reduce_dtype=self.reduce_dtype,
