@@ -12,7 +12,6 @@ from zero_ray.config import (
     Stage3Config,
     ZeroConfig,
 )
-from zero_ray.core.offload import Offload
 from zero_ray.core.optim import SGD, AdamW
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.schedule import WarmupCosine
@@ -52,7 +51,6 @@ __all__ = [
     "ControlTLS",
     "ElasticConfig",
     "LossScaleConfig",
-    "Offload",
     "WarmupCosine",
     "Stage3Config",
     "Topology",
