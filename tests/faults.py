@@ -215,7 +215,8 @@ def _building_rank() -> int:
             return int(me.rank)
         frame = frame.f_back
     raise AssertionError("model_fn was not called by a zero_ray.owner.model_state.ModelState: the faults keyed "
-                         "by rank (backward, set_peers, checkpoint_commit) cannot know this owner's rank; update _building_rank")
+                         "by rank (backward, set_peers, checkpoint_commit) cannot know this owner's rank; "
+                         "update _building_rank")
 
 
 def _hook_backward(module: torch.nn.Module, args: Any, out: Any) -> None:

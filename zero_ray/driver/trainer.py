@@ -55,9 +55,7 @@ from zero_ray.driver.replica_restore import resize_groups
 from zero_ray.driver.resume import ResumeAPI
 from zero_ray.errors import (
     ConfigError,
-    ControlError,
     NonFiniteError,
-    OwnerError,
     ZeroRayError,
 )
 from zero_ray.owner.spec import EngineSpec, LossFn, ModelFn
@@ -482,10 +480,12 @@ class ZeroTrainer(ResumeAPI):
             record = self._record()
             target = self._checkpoints.save(*root, record,
                                             on_commit=lambda path: self._callbacks.on_checkpoint(path, record.step))
-            if wait:  # an owner lost while writing is recovered from and the save taken again,
-                # as one lost in the snapshot is; a storage failure is the caller's (below)
+            if wait:  # a failure the policy recovers from (an owner lost while writing) is raised
+                # here, so the save is taken again as after one lost in the snapshot; any other
+                # (a storage failure) is the caller's, from wait_for_checkpoint below
                 failure = self._checkpoints.join()
-                if isinstance(failure, (OwnerError, ControlError)):
+                if failure is not None and self._controller.recovery.failure.needs_recovery(failure,
+                                                                                            collective=False):
                     raise failure
             return target, record.step
 
