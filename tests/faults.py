@@ -220,9 +220,12 @@ def _building_rank() -> int:
 
 
 def _hook_backward(module: torch.nn.Module, args: Any, out: Any) -> None:
-    if isinstance(out, torch.Tensor) and out.requires_grad:
+    # a tensor, or a Hugging Face ModelOutput (a dict): its first tensor that backward passes through
+    values = out.values() if isinstance(out, dict) else (out,)
+    tensor = next((v for v in values if isinstance(v, torch.Tensor) and v.requires_grad), None)
+    if tensor is not None:
         state = hooks()
-        out.register_hook(lambda grad: state.reach("backward", state.rank))
+        tensor.register_hook(lambda grad: state.reach("backward", state.rank))
 
 
 def faulty(model_fn: Callable[[], torch.nn.Module], *faults: Fault) -> Callable[[], torch.nn.Module]:

@@ -87,6 +87,15 @@ def lora_tied_llama() -> nn.Module:
     return lora_llama(tie_word_embeddings=True)
 
 
+def gpt2_lm() -> nn.Module:
+    """A two-layer GPT-2 causal LM from a small config (``lm_head`` tied to ``wte``, dropout off)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=32, n_layer=2, n_head=4,
+                                      use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=0, eos_token_id=0))
+
+
 def lora_gpt2() -> nn.Module:
     """A two-layer GPT-2 (``lm_head`` tied to ``wte``, dropout off so that ranks and the reference
     compute the same) with LoRA adapters on the fused attention projection ``c_attn``."""

@@ -16,6 +16,7 @@ from zero_ray.collective.group import ByteCounters, chunks
 from zero_ray.config import ActivationCheckpointing, Compile, Stage3Config
 from zero_ray.control.handlers import StepResult
 from zero_ray.core.batching import batch_size, split_batch, split_sizes
+from zero_ray.core.offload import Offload
 from zero_ray.core.optim import check_optimizer_factories, declared_kinds
 from zero_ray.core.precision import LossScaleConfig, parse_dtype
 from zero_ray.core.stages import stage_plan
@@ -132,7 +133,7 @@ def engine_spec(model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer
                 checkpointing: ActivationCheckpointing | None = None, lr_scheduler: Any = None,
                 reduce_dtype: str | None = None, optimizer_kinds: Any = None, bucket_bytes: int = 2048,
                 on_nonfinite: str = "raise", topology: Topology | None = None, compile: Compile | None = None,
-                **stage3: Any) -> EngineSpec:
+                offload: Offload | None = None, **stage3: Any) -> EngineSpec:
     """The spec thread ranks build from (2 KiB buckets; at stage 3 every module a unit by default)."""
     stage3.setdefault("wrap_policy", WrapPolicy(min_numel=0))
     return EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizers=check_optimizer_factories(optimizer),
@@ -142,7 +143,7 @@ def engine_spec(model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer
                       activation_checkpointing=checkpointing, lr_scheduler=lr_scheduler,
                       reduce_dtype=parse_dtype(reduce_dtype) if reduce_dtype else None,
                       optimizer_kinds=declared_kinds(optimizer_kinds), on_nonfinite=on_nonfinite,
-                      topology=topology or Topology(), compile=compile)
+                      topology=topology or Topology(), compile=compile, offload=offload or Offload())
 
 
 def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any,
@@ -151,14 +152,14 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
               reduce_dtype: str | None = None, optimizer_kinds: Any = None, bucket_bytes: int = 2048,
               on_nonfinite: str = "raise", results: list[list[StepResult]] | None = None,
               topology: Topology | None = None, nodes: list[str] | None = None, compile: Compile | None = None,
-              **stage3: Any) -> tuple[dict[str, torch.Tensor], list[OwnerEngine], list[list[dict[str, int]]]]:
+              offload: Offload | None = None, **stage3: Any) -> tuple[dict[str, torch.Tensor], list[OwnerEngine], list[list[dict[str, int]]]]:
     """Train on ``world_size`` thread ranks; the consolidated fp32 parameters, the engines and
     each step's bytes sent per rank. ``results``: filled with each rank's StepResults;
     ``nodes``: the node each rank is on, for ``topology``."""
     spec = engine_spec(model_fn, loss_fn, optimizer, accum=accum, clip=clip, dtype=dtype, stage=stage,
                        checkpointing=checkpointing, lr_scheduler=lr_scheduler, reduce_dtype=reduce_dtype,
                        optimizer_kinds=optimizer_kinds, bucket_bytes=bucket_bytes, on_nonfinite=on_nonfinite,
-                       topology=topology, compile=compile, **stage3)
+                       topology=topology, compile=compile, offload=offload, **stage3)
     if results is not None:
         results[:] = [[] for _ in range(world_size)]
     engines: list[OwnerEngine | None] = [None] * world_size

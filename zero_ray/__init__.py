@@ -12,6 +12,7 @@ from zero_ray.config import (
     Stage3Config,
     ZeroConfig,
 )
+from zero_ray.core.offload import Offload
 from zero_ray.core.optim import SGD, AdamW
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.schedule import WarmupCosine
@@ -51,6 +52,7 @@ __all__ = [
     "ControlTLS",
     "ElasticConfig",
     "LossScaleConfig",
+    "Offload",
     "WarmupCosine",
     "Stage3Config",
     "Topology",

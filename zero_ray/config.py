@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from zero_ray.checkpoint.location import check_location
+from zero_ray.core.offload import Offload
 from zero_ray.core.optim import declared_kinds
 from zero_ray.core.precision import LossScaleConfig, dtype_name, parse_dtype
 from zero_ray.core.stages import stage_plan
@@ -345,6 +346,8 @@ class ZeroConfig:
     compile: ``torch.compile`` each unit's forward (regional compilation): True, or
         ``Compile(mode=..., fullgraph=..., ...)``; see ``Compile``. Return the plain module from
         ``model_fn``: a module ``torch.compile``'d there is refused.
+    offload: where each owner keeps its optimizer state: ``Offload(optimizer="nvme", path=...)``
+        streams it from local disk; see ``Offload``.
     init_state_dict: start from these weights instead of ``model_fn()``'s (fine-tuning): a
         safetensors file (e.g. ``zero-ray checkpoint consolidate``'s output; read a slice at a
         time at stage 3) or a ``{name: tensor}`` dict (which travels to every rank whole).
@@ -381,6 +384,7 @@ class ZeroConfig:
     stage3: Stage3Config = field(default_factory=Stage3Config)
     activation_checkpointing: ActivationCheckpointing | bool | None = None
     compile: Compile | bool | None = None
+    offload: Offload = field(default_factory=Offload)
     init_state_dict: str | os.PathLike[str] | Mapping[str, Any] | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
@@ -403,6 +407,11 @@ class ZeroConfig:
             raise ConfigError(f"compile=Compile(mode={self.compile.mode!r}) captures CUDA graphs, which replay fixed "
                               "addresses, but a stage-3 unit is gathered into a different buffer each time; use "
                               "mode='max-autotune-no-cudagraphs' (or 'default')")
+        if not isinstance(self.offload, Offload):
+            raise ConfigError(f"offload={self.offload!r} must be a zr.Offload(optimizer='nvme', path=...)")
+        if self.offload.optimizer_on_nvme and self.device == "cuda":
+            raise ConfigError("Offload(optimizer='nvme') is built for CPU owners (device='cpu'); with device='cuda' "
+                              "keep the optimizer state in memory (Offload())")
         if self.stage != 3 and self.stage3 != Stage3Config():
             raise ConfigError(f"stage3 options were given with stage={self.stage}; they apply to stage 3 only")
         if not isinstance(self.world_size, int) or self.world_size < 1:

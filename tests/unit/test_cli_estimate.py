@@ -146,3 +146,19 @@ def test_python_dash_m() -> None:
         [sys.executable, "-m", "zero_ray.cli", "estimate", "--params", "7.5e9", "--world-size", "-2"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "'-2'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_offload_puts_each_category_on_its_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    # 7.5B mixed-precision Adam on 64 devices: 2 + 2 + 12 bytes per parameter, / 64 where partitioned.
+    status, out, err = _run(capsys, "--params", "7.5e9", "--world-size", "64", "--offload-optimizer", "cpu")
+    assert status == 0 and err == ""
+    block = out[out.index("Offload at Nd = 64"):]
+    rows = {int(line[0]): line.split()[2:] for line in block.splitlines() if re.match(r"[0-3] ", line)}
+    assert rows == {0: ["30.00", "90.00", "0.00"], 1: ["30.00", "1.41", "0.00"], 2: ["15.23", "1.41", "0.00"],
+                    3: ["0.47", "1.41", "0.00"]}
+    status, out, _ = _run(capsys, "--params", "7.5e9", "--world-size", "64", "--offload-optimizer", "nvme",
+                          "--offload-params", "nvme")
+    block = out[out.index("Offload at Nd = 64"):]
+    assert [line.split()[2:] for line in block.splitlines() if re.match(r"[0-3] ", line)] == [
+        ["0.23", "0.00", "1.64"]]  # stage 3 only: the gradient partition stays on the device
+    assert "stage 3 only" in block

@@ -16,9 +16,11 @@ from finetune_models import causal_lm_loss, compiled_by_hand, llama, lora_gpt2, 
 from test_activation_checkpointing import gpt2
 from test_optimizers_threads import adamw_rest, muon
 from test_units_threads import _max_dev
-from thread_ranks import run_ranks
+from thread_ranks import engine_spec, run_ranks
+from zero_ray.collective.group import SoloGroup
 from zero_ray.compat.torch_private import compiled_frames
 from zero_ray.config import ActivationCheckpointing
+from zero_ray.owner.engine import OwnerEngine
 from zero_ray.testing import single_process
 
 CASES = [(stage, n) for stage in (0, 1, 2, 3) for n in (1, 2, 3)]
@@ -65,7 +67,7 @@ def test_no_recompilation_once_warm() -> None:
     assert counts[-1] == counts[4]  # compiled by the end of each rank's second step, never again
 
 
-def test_composes_with_checkpointing_peft_whole_tensor_optimizers_and_bf16() -> None:
+def test_composes_with_checkpointing_peft_whole_tensor_optimizers_bf16_and_reduce_dtype() -> None:
     opt = zr.AdamW(lr=1e-2)
     batches = token_batches()
     model_fn, block = MODELS["gpt2"]
@@ -93,6 +95,12 @@ def test_composes_with_checkpointing_peft_whole_tensor_optimizers_and_bf16() -> 
     eager, _, _ = run_ranks(2, model_fn, causal_lm_loss, sgd, batches, stage=1, dtype="bfloat16")
     got, _, _ = run_ranks(2, model_fn, causal_lm_loss, sgd, batches, stage=1, dtype="bfloat16", compile=zr.Compile())
     assert 0 < _max_dev(got, fp32) <= 2 * _max_dev(eager, fp32)
+    # and with the bf16 gradients reduced in fp32 (reduce_dtype), the same bound
+    eager, _, _ = run_ranks(2, model_fn, causal_lm_loss, sgd, batches, stage=2, dtype="bfloat16",
+                            reduce_dtype="float32")
+    got, _, _ = run_ranks(2, model_fn, causal_lm_loss, sgd, batches, stage=2, dtype="bfloat16",
+                          reduce_dtype="float32", compile=zr.Compile())
+    assert 0 < _max_dev(got, fp32) <= 2 * _max_dev(eager, fp32), (_max_dev(got, fp32), _max_dev(eager, fp32))
 
 
 def test_a_model_compiled_in_model_fn_is_refused_by_name() -> None:
@@ -135,3 +143,25 @@ def test_identical_blocks_share_one_compiled_graph() -> None:
                   token_batches(steps=2, n=4), stage=2, compile=zr.Compile())
         frames[layers] = compiled_frames() - before
     assert frames[2] == frames[8] >= 1, frames
+
+
+def test_evaluation_and_a_new_piece_size_each_compile_once() -> None:
+    """evaluate() (no_grad) is a graph of its own, compiled on its first call; a piece of a new
+    size (what a resize gives every owner) recompiles once with the batch dimension dynamic,
+    and later sizes reuse that graph."""
+    torch.compiler.reset()
+    spec = engine_spec(lambda: gpt2(dropout=0.0), causal_lm_loss, zr.AdamW(lr=1e-3), stage=1, compile=zr.Compile())
+    engine = OwnerEngine(spec, rank=0, group=SoloGroup())
+    batches = token_batches(steps=4, n=6)
+    frames = [compiled_frames()]
+    for batch in batches[:2]:
+        engine.step(batch, global_samples=6)
+    frames.append(compiled_frames())
+    for _ in range(2):
+        engine.evaluate(batches[2])
+        frames.append(compiled_frames())
+    for rows in (4, 3):
+        engine.step(batches[3][:rows], global_samples=rows)
+        frames.append(compiled_frames())
+    grew = [b - a for a, b in zip(frames, frames[1:])]
+    assert grew == [1, 1, 0, 1, 0], frames  # training; evaluate, again; 4 rows, 3 rows

@@ -15,6 +15,7 @@ from zero_ray.core.memory import (
     OPTIMIZERS,
     STAGES,
     StateBytes,
+    TierBytes,
     communication_elements,
     communication_volume_multiple,
     factored_state_bytes,
@@ -22,6 +23,7 @@ from zero_ray.core.memory import (
     model_state_bytes,
     optimizer_bytes_per_param,
     optimizer_state,
+    tier_bytes,
 )
 from zero_ray.errors import ConfigError
 
@@ -294,3 +296,13 @@ def test_module_is_pure() -> None:
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.module}
     assert not imported & {"ray", "grpc", "torch", "numpy"}, imported
+
+
+def test_tier_bytes_moves_the_optimizer_and_stage3_params() -> None:
+    state = StateBytes(params=2, grads=3, optimizer=12, secondary=1)
+    assert tier_bytes(state, stage=3, optimizer="nvme", params="cpu") == TierBytes(device=4, host=2, nvme=12)
+    assert tier_bytes(state, stage=1) == TierBytes(device=18, host=0, nvme=0)
+    with pytest.raises(ConfigError, match="stage 3 only"):
+        tier_bytes(state, stage=2, params="nvme")
+    with pytest.raises(ConfigError, match="'disk' is not one of"):
+        tier_bytes(state, stage=1, optimizer="disk")

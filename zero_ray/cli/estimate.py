@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from zero_ray.core.memory import (
+    OFFLOAD_TIERS,
     OPTIMIZERS,
     STAGES,
     communication_elements,
@@ -21,6 +22,7 @@ from zero_ray.core.memory import (
     optimizer_bytes_per_param,
     optimizer_state,
     topology_communication,
+    tier_bytes,
     topology_state_bytes,
 )
 from zero_ray.core.topology import GRAD_COMM, WEIGHT_COMM
@@ -132,7 +134,37 @@ def register(subparsers: Any) -> None:
                       help="dtype of stage 3's forward all-gather (int8: qwZ); default: %(default)s")
     topo.add_argument("--grad-comm", choices=GRAD_COMM, default="fp32",
                       help="dtype of the gradient reduction across nodes (int4: qgZ); default: %(default)s")
+    offload = parser.add_argument_group(
+        "offload", "ZeRO-Offload / ZeRO-Infinity: model state per device on the device, in host memory and on NVMe")
+    offload.add_argument("--offload-optimizer", choices=OFFLOAD_TIERS, default=None,
+                         help="where the optimizer state (K bytes per element) lives")
+    offload.add_argument("--offload-params", choices=OFFLOAD_TIERS, default=None,
+                         help="where the parameter partition lives (stage 3 only)")
     parser.set_defaults(func=run)
+
+
+def _print_offload(out: TextIO, args: argparse.Namespace, *, world_size: int, acct: _Accounting,
+                   fraction: float) -> None:
+    """Model state per device by tier, per stage (parameters offloaded at stage 3 only)."""
+    trainable = min(args.params, max(0, round(fraction * args.params)))
+    stages = [3] if args.offload_params else list(STAGES)
+    print(f"Offload at Nd = {world_size}: optimizer state on {args.offload_optimizer or 'the device'}, parameters on "
+          f"{args.offload_params or 'the device'}"
+          + (" (stage 3 only: below it every device holds every parameter)" if args.offload_params else "")
+          + "; gradients stay on the device. GB per device", file=out)
+    rows = [["stage", "device GB", "host GB", "NVMe GB"]]
+    for stage in stages:
+        state = model_state_bytes(stage=stage, num_params=args.params, world_size=world_size,
+                                  param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes,
+                                  optimizer_bytes=acct.optimizer_bytes, trainable_params=trainable)
+        tiers = tier_bytes(state, stage=stage, optimizer=args.offload_optimizer, params=args.offload_params)
+        rows.append([f"{stage} {STAGES[stage].name}", f"{tiers.device / _GB:.2f}", f"{tiers.host / _GB:.2f}",
+                     f"{tiers.nvme / _GB:.2f}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for k, row in enumerate(rows):
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))), file=out)
+        if k == 0:
+            print("  ".join("-" * w for w in widths), file=out)
 
 
 def _topology_given(args: argparse.Namespace) -> bool:
@@ -291,6 +323,9 @@ def run(args: argparse.Namespace) -> int:
             if _topology_given(args):
                 print(file=out)
                 _print_topology(out, args, world_size=world_size, acct=acct, fraction=args.trainable_fraction)
+            if args.offload_optimizer or args.offload_params:
+                print(file=out)
+                _print_offload(out, args, world_size=world_size, acct=acct, fraction=args.trainable_fraction)
     except ConfigError as exc:
         print(f"zero-ray estimate: error: {exc}", file=sys.stderr)
         return 2

@@ -121,7 +121,7 @@ class ZeroTrainer(ResumeAPI):
                                   max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.loss_scale, stage3=cfg.stage3,
                                   init_state_dict=cfg.init_state_dict,
                                   activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
-                                  lr_scheduler=self.lr_scheduler, optimizer_kinds=cfg.optimizer_kinds,
+                                  offload=cfg.offload, lr_scheduler=self.lr_scheduler, optimizer_kinds=cfg.optimizer_kinds,
                                   reduce_dtype=parse_dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None,
                                   on_nonfinite=cfg.on_nonfinite, topology=cfg.topology)
         if _found is not None:

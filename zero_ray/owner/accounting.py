@@ -9,7 +9,7 @@ import torch
 from zero_ray.core.memory import StateBytes
 
 CATEGORIES = ("params", "grads", "optimizer", "optimizer_master", "optimizer_moments", "optimizer_scalars",
-              "padding", "padding_params", "padding_grads", "padding_optimizer")
+              "padding", "padding_params", "padding_grads", "padding_optimizer", "nvme")
 
 
 class StateCounter:
@@ -33,7 +33,8 @@ class StateCounter:
     def finish(self) -> dict[str, int]:
         """The report with ``optimizer`` (master + moments: the paper's K per element) and
         ``total`` filled in; ``total`` also holds the optimizer's per-parameter scalars (e.g.
-        Adam's step counts: 4 bytes per parameter fragment, outside the paper's formula)."""
+        Adam's step counts: 4 bytes per parameter fragment, outside the paper's formula).
+        ``nvme``: the part of it held in files on local disk (``Offload``, padding included)."""
         r = self.report
         r["optimizer"] = r["optimizer_master"] + r["optimizer_moments"]
         r["total"] = r["params"] + r["grads"] + r["optimizer"] + r["padding"] + r["optimizer_scalars"]

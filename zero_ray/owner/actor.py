@@ -359,6 +359,9 @@ class PartitionOwner:
         self._engine = old = None  # the old state is no longer needed: free it before building the new
         self.world_size = new_world
         if new_world != transfer.world_size:
+            # A sender's isend completes once its bytes are handed to the socket: a leaving owner
+            # closing the group then could reset a connection its receiver is still reading.
+            transfer.barrier()
             transfer.destroy()
             self._group = None
             if me >= new_world:

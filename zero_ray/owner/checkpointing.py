@@ -87,6 +87,7 @@ def snapshot(engine: OwnerEngine) -> list[Item]:
                               tensor=sources[-1]))
     # One pass of (pinned, non-blocking on a GPU) copies: training goes on while they are written.
     items = [replace(item, tensor=value) for item, value in zip(items, host_copies(sources, dtype=torch.float32))]
+    engine.state.evict_state()  # offloaded state read for the copies goes back to its files
     for generator, state in rng_states(engine.device).items():
         me = engine.rank  # restored by world rank
         items.append(Item(key=f"{RNG}/{generator}/{me}", kind=RNG, name=f"{generator}/{me}", start=0, end=0,

@@ -179,7 +179,9 @@ class OwnerControl:
             return h.OwnerStats(step=0, rank=owner.rank, world_size=owner.world_size, stage=0, memory_bytes={},
                                 bytes_sent={})
         memory = {k: v for k, v in engine.memory_report().items() if k != "rank"}
-        memory["redundancy_host"] = owner.snapshots.nbytes  # peer snapshots in host memory
+        on_disk = owner.snapshots.file_bytes(engine.state.state_files)  # offloaded: the copies are files too
+        memory["redundancy_host"] = owner.snapshots.nbytes - on_disk  # peer snapshots in host memory
+        memory["redundancy_nvme"] = on_disk
         split = engine.fabric.split(engine.last_peers)  # by the node each message went to
         return h.OwnerStats(step=engine.position.step, rank=owner.rank, world_size=owner.world_size,
                             stage=engine.spec.plan.stage, memory_bytes=memory, bytes_sent=dict(engine.last_bytes),

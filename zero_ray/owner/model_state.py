@@ -28,7 +28,7 @@ from zero_ray.collective.stream import CommStream
 from zero_ray.config import Compile
 from zero_ray.core.groups import GradFlow, GroupSpec, ParamResidency, plan_groups
 from zero_ray.core.layout import FlatLayout
-from zero_ray.core.optim import OptimizersPlan, plan_optimizers
+from zero_ray.core.optim import OptimizersPlan, UpdateKind, plan_optimizers, qualified_name
 from zero_ray.core.stages import Residency
 from zero_ray.core.units import (
     ModuleInfo,
@@ -46,6 +46,7 @@ from zero_ray.owner.buffers import BufferPool
 from zero_ray.owner.compiled import apply_compile
 from zero_ray.owner.fabric import Fabric
 from zero_ray.owner.materialize import build_recorded
+from zero_ray.owner.offload import StateFiles
 from zero_ray.owner.optimizer import ShardOptimizer
 from zero_ray.owner.param_group import OptimizerSlice, ParamGroup
 from zero_ray.owner.reducer import GradReducer
@@ -97,6 +98,7 @@ class ModelState:
         self.scheduler: UnitScheduler | None = None
         self.checkpointed: list[str] = []  # paths of the units whose activations are recomputed
         self.compiled: list[str] = []  # paths of the units whose forward is torch.compile'd
+        self.state_files: StateFiles | None = None  # Offload(optimizer="nvme"): where the state lives
         self._in_step: dict[str, int] | None = None
         self._counted_state = -1  # the optimizer's state version _in_step was counted at
         self._construct()
@@ -148,13 +150,15 @@ class ModelState:
                                                 groups=[list(g.params) for g in specs])
         params = self._placeholders(module, [p for _, p in named], names)
         gather_of, staging_of = self._pools(specs, units, layout)
+        self.state_files = files = self._state_files(plan)
         self.groups = [ParamGroup(g, layout=layout, params=[params[i] for i in g.params], rank=self.shard_rank,
                                   dtype=self.dtype, device=self.device, source=source, empty=self._empty,
-                                  staging=staging_of.get(g.index), reduce_dtype=self.reduce_dtype) for g in specs]
+                                  staging=staging_of.get(g.index), reduce_dtype=self.reduce_dtype,
+                                  state_files=files) for g in specs]
         self.fabric.allocate(self.groups)
         self.optimizer = ShardOptimizer(plan, self.groups, layout=layout, rank=self.shard_rank,
                                         update_whole=spec.plan.updates_whole_buffer, scheduler=spec.lr_scheduler,
-                                        device=self.device)
+                                        device=self.device, streamed=files is not None)
         for name, buf in module.named_buffers():
             value = source.buffer(name)
             if value is not None:
@@ -233,6 +237,24 @@ class ModelState:
                 p = new
             out.append(p)
         return out
+
+    def _state_files(self, plan: OptimizersPlan) -> StateFiles | None:
+        """Where the optimizer state lives: files on local disk (``Offload(optimizer="nvme")``),
+        else None (memory). Refused where it is not built: whole-tensor optimizers (their state
+        is not in the groups' flat buffers) and GPU owners (it would need host staging)."""
+        offload = self.spec.offload
+        if not offload.optimizer_on_nvme:
+            return None
+        whole = sorted(qualified_name(o.cls) for o in plan.optimizers if o.kind is UpdateKind.WHOLE_TENSOR)
+        if whole:
+            raise ConfigError(f"Offload(optimizer='nvme') streams element-wise optimizer state, but {', '.join(whole)} "
+                              "steps whole tensors; keep its state in memory (Offload()) or use an element-wise "
+                              "optimizer such as torch.optim.AdamW")
+        if self.device.type != "cpu":
+            raise ConfigError(f"Offload(optimizer='nvme') is built for CPU owners; this owner's device is "
+                              f"{self.device}. Use device='cpu' or Offload()")
+        assert offload.path is not None  # Offload's own check
+        return StateFiles(offload.path, rank=self.rank)
 
     def _pools(self, specs: list[GroupSpec], units: UnitPlan | None,
                layout: FlatLayout) -> tuple[dict[int, BufferPool], dict[int, BufferPool]]:
@@ -391,6 +413,7 @@ class ModelState:
         report["gather_buffers"], report["reduce_buffers"] = gathered, reduce
         report["total"] += (report["persistent_params"] + report["persistent_grads"] + report["params_secondary"]
                             + gathered + reduce)
+        report["resident"] = report["total"] - report["nvme"]  # the rest of the model state is in memory
         tensors = [t for g in self.groups for t in g.tensors()] + self.optimizer.tensors() + self.fabric.tensors()
         tensors += [b.tensor for p in self.pools if p.name.endswith(("gather", "reduce")) for b in p.buffers]
         report["held_storage_bytes"] = held_storage_bytes(tensors)
@@ -413,6 +436,12 @@ class ModelState:
         report["persistent_numel"] = sum(g.bucket.numel for g in self.groups if g.policy.label)
         report["trainable_numel"] = sum(g.bucket.numel for g in self.trainable_groups)
         return report
+
+    def evict_state(self) -> None:
+        """Offloaded optimizer state: out of memory again after something read it all (a
+        snapshot); it stays in its files. Nothing to do when it is in memory."""
+        for g in self.groups:
+            g.evict_state()
 
     def optimizer_slices(self) -> list[OptimizerSlice]:
         """Every group's slice, in layout-bucket order (frozen ones without moments)."""

@@ -65,12 +65,32 @@ def decode_scalar(data: Sequence[Any], *, param: torch.Tensor) -> Any:
     return data[1]
 
 
+def _elementwise_state_names(plan: OptimizersPlan) -> dict[tuple[int, int], list[str]]:
+    """(optimizer, param group) -> the per-element state torch keeps there, learnt by stepping
+    a one-element stand-in built as the real instance is (same class, same hyperparameters)."""
+    out: dict[tuple[int, int], list[str]] = {}
+    for o in plan.optimizers:
+        if o.kind is not UpdateKind.ELEMENTWISE:
+            continue
+        stand_ins = [torch.zeros(2) for _ in o.groups]
+        probe = o.build([[t] for t in stand_ins])
+        for t in stand_ins:
+            t.grad = torch.ones(2)
+        probe.step()
+        for k, t in enumerate(stand_ins):
+            out[(o.index, k)] = sorted(n for n, v in probe.state.get(t, {}).items()
+                                       if isinstance(v, torch.Tensor) and v.shape == t.shape)
+    return out
+
+
 class ShardOptimizer:
     """This rank's instances of the run's optimizers and schedulers."""
 
     def __init__(self, plan: OptimizersPlan, groups: Sequence[ParamGroup], *, layout: FlatLayout, rank: int,
-                 update_whole: bool, scheduler: SchedulerFactory | None, device: torch.device) -> None:
+                 update_whole: bool, scheduler: SchedulerFactory | None, device: torch.device,
+                 streamed: bool = False) -> None:
         self.plan = plan
+        self.streamed = streamed  # the state is offloaded: step one group at a time (step())
         self.rank = rank
         self.layout = layout
         self.update_whole = update_whole
@@ -110,6 +130,11 @@ class ShardOptimizer:
         self._pieces_of = {id(p.tensor): p for p in self.pieces}
         self.version = 0  # changes whenever torch creates state (memory is counted again then)
         self._entries = 0
+        if streamed:  # every state file now, so that a full disk fails the start, not half a step
+            names = _elementwise_state_names(plan)
+            for piece in self.pieces:
+                for name in names[place[piece.param]]:
+                    piece.group.moment(name)
 
     @staticmethod
     def _schedule(factory: SchedulerFactory, opt: torch.optim.Optimizer) -> Any:
@@ -128,6 +153,9 @@ class ShardOptimizer:
     def step(self, grads: Mapping[int, torch.Tensor], used: Sequence[bool], stream: CommStream) -> None:
         """One optimizer step: ``grads`` are the groups' reduced fp32 gradients over their update
         slices (by group index), ``used`` whether any rank had a gradient for each parameter."""
+        if self.streamed:
+            self._step_streamed(grads, used)
+            return
         for piece in self.pieces:
             piece.tensor.grad = (grads[piece.group.index][piece.start:piece.end].view(piece.tensor.shape)
                                  if used[piece.param] else None)
@@ -139,14 +167,40 @@ class ShardOptimizer:
             self.exchange.give_back(used, stream)
         for piece in self.pieces:
             piece.tensor.grad = None
-        self._adopt()
+        self._adopt(self.pieces)
         for sched in self.schedulers:
             sched.step()
 
-    def _adopt(self) -> None:
+    def _step_streamed(self, grads: Mapping[int, torch.Tensor], used: Sequence[bool]) -> None:
+        """The same step, one group at a time, its offloaded state read ahead while the group
+        before it steps and taken out of memory after: torch leaves a parameter whose ``grad`` is
+        None untouched, so stepping each group's pieces alone is the step of all of them."""
+        by_group: dict[int, list[Piece]] = {}
+        for piece in self.pieces:
+            by_group.setdefault(piece.group.index, []).append(piece)
+        order = [g for g in self._groups if g.index in by_group]
+        if order:
+            order[0].prefetch_state()
+        for k, group in enumerate(order):
+            if k + 1 < len(order):
+                order[k + 1].prefetch_state()
+            pieces = by_group[group.index]
+            for piece in pieces:
+                piece.tensor.grad = (grads[group.index][piece.start:piece.end].view(piece.tensor.shape)
+                                     if used[piece.param] else None)
+            for opt in self.optimizers:
+                opt.step()
+            for piece in pieces:
+                piece.tensor.grad = None
+            self._adopt(pieces)
+            group.evict_state()
+        for sched in self.schedulers:
+            sched.step()
+
+    def _adopt(self, pieces: Sequence[Piece]) -> None:
         """Make every per-element state tensor torch created (or replaced) a view of its group's
         flat buffer, so that the state is held once, over the update slice."""
-        for piece in self.pieces:
+        for piece in pieces:
             if piece.whole:
                 continue  # a whole parameter where replicated: its state stays whole
             state = self._state_of(piece.tensor)

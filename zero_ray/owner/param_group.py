@@ -35,6 +35,7 @@ from zero_ray.core.stages import GradReduction
 from zero_ray.errors import ModelError
 from zero_ray.owner.accounting import StateCounter
 from zero_ray.owner.buffers import BufferPool, PoolBuffer
+from zero_ray.owner.offload import StateFiles
 from zero_ray.owner.sources import ParamSource
 
 
@@ -63,7 +64,8 @@ class ParamGroup:
 
     def __init__(self, spec: GroupSpec, *, layout: FlatLayout, params: list[nn.Parameter], rank: int,
                  dtype: torch.dtype, device: torch.device, source: ParamSource, empty: torch.Tensor,
-                 staging: BufferPool | None, reduce_dtype: torch.dtype | None = None) -> None:
+                 staging: BufferPool | None, reduce_dtype: torch.dtype | None = None,
+                 state_files: StateFiles | None = None) -> None:
         self.spec = spec
         self.policy = spec.policy
         self.bucket: Bucket = layout.buckets[spec.index]
@@ -85,6 +87,7 @@ class ParamGroup:
         trainable = self.policy.trainable
         self._empty = empty
         self._staging_pool = staging
+        self.state_files = state_files  # where the optimizer state lives (None: in memory)
         self.full: torch.Tensor | None = None  # the whole buffer (WHOLE) or the gathered region (PER_USE)
         self.shard: torch.Tensor | None = None  # this rank's compute-dtype shard (PER_USE)
         self.grads: torch.Tensor | None = None  # ACCUMULATE: the full gradient buffer, during a step
@@ -135,8 +138,22 @@ class ParamGroup:
         allocated (zeroed) on first use."""
         t = self.moments.get(name)
         if t is None:
-            t = self.moments[name] = torch.zeros(self.update_numel, dtype=torch.float32, device=self.master.device)
+            t = self.moments[name] = (
+                torch.zeros(self.update_numel, dtype=torch.float32, device=self.master.device)
+                if self.state_files is None else self.state_files.zeros(self.update_numel))
         return t
+
+    def prefetch_state(self) -> None:
+        """Offloaded: start reading this group's optimizer state in, ahead of its update."""
+        if self.state_files is not None:
+            for t in self.moments.values():
+                self.state_files.prefetch(t)
+
+    def evict_state(self) -> None:
+        """Offloaded: take this group's optimizer state out of memory (it stays in its files)."""
+        if self.state_files is not None:
+            for t in self.moments.values():
+                self.state_files.evict(t)
 
     @property
     def index(self) -> int:
@@ -351,6 +368,8 @@ class ParamGroup:
             counter.add("optimizer_master", self.master, update_real)
         for t in self.moments.values():
             counter.add("optimizer_moments", t, update_real)
+            if self.state_files is not None and self.state_files.holds(t):
+                counter.add_whole("nvme", t)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this group holds (storages are counted once by the caller)."""

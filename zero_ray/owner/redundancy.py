@@ -6,7 +6,8 @@ copy is a local clone, the ward's arrives by point-to-point from the ward while 
 its own to its backup. Pending becomes current only once the driver has seen every rank finish
 that step (it says so by sending the next step, or ``commit_upto`` during recovery), so a
 failure in the middle of an exchange leaves every rank's current copies at one common step.
-Host memory: up to four shard copies (own and ward, current and pending) of 4 bytes x (1 +
+With the optimizer state offloaded (``Offload(optimizer="nvme")``) the copies' slices are files
+of the owner's ``StateFiles`` too, out of memory once written. Host memory: up to four shard copies (own and ward, current and pending) of 4 bytes x (1 +
 element-wise states) per element, plus the whole-tensor state of the parameters the rank and
 its ward are the assignees of, reported by ``nbytes``. The optimizer's state table (scalars such
 as step counts) is merged over all ranks when a snapshot is taken, so any holder can restore it.
@@ -23,6 +24,7 @@ from zero_ray.collective.group import Collective
 from zero_ray.core.optim_state import bucket_kinds, merge_tables
 from zero_ray.owner.engine import OwnerEngine
 from zero_ray.owner.host_copy import host_copies
+from zero_ray.owner.offload import StateFiles
 from zero_ray.owner.param_group import OptimizerSlice
 from zero_ray.owner.resize import RankState, WholeState, describe_state, run_p2p
 
@@ -55,6 +57,7 @@ def _slices(engine: OwnerEngine, rank: int, kinds: list[list[str]], *, clone: bo
     same shape to receive into."""
     out = []
     live = {s.bucket.index: s for s in engine.state.optimizer_slices()}
+    files = engine.state.state_files  # offloaded: the copies live in files too, not in memory
     for b in engine.layout.buckets:
         lo, hi = b.shard_range(rank)
         s = live[b.index]  # every rank has the same buckets, trainable or frozen alike
@@ -63,9 +66,11 @@ def _slices(engine: OwnerEngine, rank: int, kinds: list[list[str]], *, clone: bo
             held = [s.master[lo - s.start:hi - s.start]]
             held += [s.moments[k][lo - s.start:hi - s.start] if k in s.moments
                      else torch.zeros(hi - lo, dtype=torch.float32) for k in names]
-            master, *rest = host_copies(held, dtype=torch.float32)
+            master, *rest = (host_copies(held, dtype=torch.float32) if files is None
+                             else [files.zeros(t.numel()).copy_(t) for t in held])
         else:
-            master, *rest = [torch.zeros(hi - lo, dtype=torch.float32) for _ in range(1 + len(names))]
+            master, *rest = [torch.zeros(hi - lo, dtype=torch.float32) if files is None else files.zeros(hi - lo)
+                             for _ in range(1 + len(names))]
         out.append(OptimizerSlice(bucket=b, start=lo, end=hi, master=master, moments=dict(zip(names, rest))))
     return out
 
@@ -113,6 +118,7 @@ class PeerSnapshots:
                                  for p, st in optimizer.whole_state(saver_only=True).items()}
         own = Snapshot(rank=rank, step=step, world_size=n, scalars=scalars,
                        state=RankState(slices=_slices(engine, rank, kinds, clone=True), whole=own_whole))
+        engine.state.evict_state()  # offloaded state read for the copy goes back to its files
         theirs = None
         sent = 0
         if backup != rank:
@@ -130,6 +136,11 @@ class PeerSnapshots:
             for i, t in enumerate(_tensors(theirs.state)):
                 ops.append(dist.P2POp(dist.irecv, t, ward, group=pg, tag=i))
             run_p2p(ops, me=rank, pg=pg, timeout_s=timeout_s, what="peer snapshot")
+        files = engine.state.state_files
+        if files is not None:  # written and sent: the copies' pages go back to their files
+            for snapshot in (own, theirs):
+                for t in _tensors(snapshot.state) if snapshot is not None else ():
+                    files.evict(t)
         self._pending = (own, theirs)
         return sent
 
@@ -200,5 +211,14 @@ class PeerSnapshots:
 
     @property
     def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._held())
+
+    def file_bytes(self, files: StateFiles | None) -> int:
+        """The part of ``nbytes`` in ``files`` (offloaded state: the copies live there too)."""
+        if files is None:
+            return 0
+        return sum(t.numel() * t.element_size() for s in self._held() for t in _tensors(s.state) if files.holds(t))
+
+    def _held(self) -> list[Snapshot]:
         held = [self.own, self.ward, *(self._pending or ()), *(self._layout or ())[:2]]
-        return sum(s.nbytes for s in held if s is not None)
+        return [s for s in held if s is not None]

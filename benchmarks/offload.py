@@ -1,0 +1,187 @@
+"""What keeping the optimizer state on local disk saves an owner, and what it costs a step.
+
+    python -m benchmarks.offload [--layers 12 --width 768] [--steps 5] [--path /var/tmp]
+
+Two trials, each a fresh Python process with one owner (world size 1, stage 1, AdamW, fp32):
+``memory`` keeps the optimizer state in memory, ``nvme`` passes
+``Offload(optimizer="nvme", path=...)``. The model is Hugging Face GPT-2 built from a config
+(12 layers of 768 by default: 124M parameters). Each trial reports the owner's peak resident
+set (``VmHWM``) over the whole run and over the steps after the first (the peak is reset after
+the first step, through ``/proc/self/clear_refs``: the first step is where torch creates the
+state), the memory report's optimizer and ``nvme`` bytes, the streaming window (the most state
+resident at once: a group's and the next one's, read ahead), step times, and a hash of the final fp32 parameters, equal in both
+trials when the runs are bit for bit the same.
+
+Writes ``benchmarks/results/offload.{json,md}`` (``--results-dir``) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benchmarks.harness.report import machine_line
+from benchmarks.harness.runner import loadavg, machine_info
+
+TRIALS = ("memory", "nvme")
+MIB = 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadRow:
+    """One trial's figures (bytes and seconds)."""
+
+    trial: str
+    params: int
+    optimizer_bytes: int  # master + moments, the memory report's ``optimizer``
+    nvme_bytes: int
+    window_bytes: int  # the most optimizer state streaming holds at once: a group's and the next one's
+    peak_rss_bytes: int  # over the whole run, construction included
+    steady_peak_rss_bytes: int  # over the steps after the first
+    first_step_s: float
+    steady_step_s: float  # median of the steps after the first
+    params_sha256: str
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")  # resets VmHWM to the current resident set (Linux 4.0+)
+
+
+def _child(args: argparse.Namespace, nvme: bool) -> OffloadRow:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import zero_ray as zr
+    from zero_ray.collective.group import SoloGroup
+    from zero_ray.core.optim import check_optimizer_factories
+    from zero_ray.core.precision import parse_dtype
+    from zero_ray.core.stages import stage_plan
+    from zero_ray.owner.engine import OwnerEngine
+    from zero_ray.owner.spec import EngineSpec
+
+    torch.set_num_threads(1)  # as a one-CPU owner
+    config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.width, n_layer=args.layers,
+                        n_head=max(1, args.width // 64), use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)
+
+    def model_fn() -> torch.nn.Module:
+        return GPT2LMHeadModel(config)
+
+    def loss_fn(module: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return module(input_ids=tokens, labels=tokens).loss
+
+    offload = zr.Offload(optimizer="nvme", path=args.path) if nvme else zr.Offload()
+    spec = EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizers=check_optimizer_factories(zr.AdamW(lr=1e-4)),
+                      plan=stage_plan(1), compute_dtype=parse_dtype("float32"), device="cpu", seed=0,
+                      bucket_bytes=args.bucket_mib * MIB, grad_accum_steps=1, max_grad_norm=None,
+                      loss_scale=zr.LossScaleConfig(), offload=offload)
+    engine = OwnerEngine(spec, rank=0, group=SoloGroup())
+    g = torch.Generator().manual_seed(0)
+    took = []
+    for step in range(args.steps):
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+        start = time.perf_counter()
+        engine.step(tokens, global_samples=args.batch)
+        took.append(time.perf_counter() - start)
+        if step == 0:
+            peak = _peak_rss()
+            _reset_peak_rss()
+    steady_peak = _peak_rss()
+    report = engine.memory_report()
+    # At most two groups' state is resident while streaming: the one stepping and the next, read ahead.
+    held = [4 * len(g_.moments) * g_.update_numel for g_ in engine.state.groups if g_.moments]
+    window = max((a + b for a, b in zip(held, held[1:])), default=sum(held))
+    digest = hashlib.sha256()
+    for name, (_, _, values) in sorted(engine.master_fragments().items()):
+        digest.update(name.encode())
+        digest.update(values.numpy().tobytes())
+    return OffloadRow(trial="", params=sum(p.numel for p in engine.layout.params),
+                      optimizer_bytes=report["optimizer"], nvme_bytes=report["nvme"], window_bytes=window,
+                      peak_rss_bytes=max(peak, steady_peak), steady_peak_rss_bytes=steady_peak,
+                      first_step_s=took[0], steady_step_s=statistics.median(took[1:]),
+                      params_sha256=digest.hexdigest())
+
+
+def _trial(name: str, args: argparse.Namespace) -> OffloadRow:
+    cmd = [sys.executable, "-m", "benchmarks.offload", "--child", "--layers", str(args.layers), "--width",
+           str(args.width), "--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch),
+           "--steps", str(args.steps), "--bucket-mib", str(args.bucket_mib), "--path", args.path]
+    cmd += ["--nvme"] if name == "nvme" else []
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"the {name} trial failed (exit {out.returncode}): {out.stderr[-2000:]}")
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    return OffloadRow(**{**data, "trial": name})
+
+
+def render(rows: list[OffloadRow], *, command: str, machine: str) -> str:
+    memory = next(r for r in rows if r.trial == "memory")
+    lines = [f"Optimizer state on local disk (`{command}`), one owner, one thread; {machine}", "",
+             "| trial | parameters | optimizer state | on NVMe | window | peak RSS | steady peak RSS | "
+             "saved (steady) | first step (s) | steady step (s) | × memory | same bits |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        saved = memory.steady_peak_rss_bytes - r.steady_peak_rss_bytes
+        lines.append(f"| {r.trial} | {r.params / 1e6:.1f}M | {r.optimizer_bytes / MIB:.0f} MiB | "
+                     f"{r.nvme_bytes / MIB:.0f} MiB | {r.window_bytes / MIB:.0f} MiB | "
+                     f"{r.peak_rss_bytes / MIB:.0f} MiB | {r.steady_peak_rss_bytes / MIB:.0f} MiB | "
+                     f"{saved / MIB:.0f} MiB | {r.first_step_s:.2f} | {r.steady_step_s:.2f} | "
+                     f"{r.steady_step_s / memory.steady_step_s:.2f} | "
+                     f"{'yes' if r.params_sha256 == memory.params_sha256 else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="at least 2 (the first creates the state)")
+    parser.add_argument("--bucket-mib", type=int, default=25, help="ZeroConfig.bucket_bytes in MiB (a group's size)")
+    parser.add_argument("--path", default="/var/tmp", help="Offload(path=...): a directory on local disk")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="bound on each trial, seconds")
+    parser.add_argument("--results-dir", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--nvme", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps={args.steps}: at least 2 (the first creates the optimizer state)")
+    if args.child:
+        print(json.dumps(asdict(_child(args, args.nvme))))
+        return 0
+    info: dict[str, Any] = machine_info()
+    rows = [_trial(name, args) for name in TRIALS]
+    info["loadavg_end"] = loadavg()
+    command = "python -m benchmarks.offload " + " ".join(argv if argv is not None else sys.argv[1:])
+    table = render(rows, command=command.strip(), machine=machine_line(info))
+    os.makedirs(args.results_dir, exist_ok=True)
+    with open(os.path.join(args.results_dir, "offload.json"), "w") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("child", "nvme")}, "machine": info,
+                   "rows": [asdict(r) for r in rows]}, f, indent=2)
+    with open(os.path.join(args.results_dir, "offload.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Optimizer state on local disk (``Offload(optimizer="nvme")``) on Ray actors, with Hugging Face
+GPT-2: the peer copies of that state (``redundancy="peer"``) are files too; a checkpoint saved
+with the state on disk resumes with it in memory at another stage and
+size, and the reverse, both equal to the run that never offloaded; and an owner SIGKILLed in
+backward while its state is on disk is restored from its peer's copy, the run ending equal to
+single-process torch. The stage x optimizer matrix is on thread ranks
+(tests/unit/test_offload_threads.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero_ray as zr
+from faults import run_with_kill
+from finetune_models import causal_lm_loss, gpt2_lm, token_batches
+from zero_ray.testing import single_process
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+STEPS, SAVE_AT = 4, 2
+
+
+def _run(tmp_path: Path, name: str, *, before: zr.Offload, after: zr.Offload) -> dict[str, torch.Tensor]:
+    """Two steps at stage 2 on 2 owners, a save, then the last two resumed at stage 3 on 3."""
+    opt = zr.AdamW(lr=1e-2, weight_decay=0.1)
+    batches = token_batches(steps=STEPS, n=6)
+    trainer = zr.ZeroTrainer(gpt2_lm, causal_lm_loss, optimizer=opt,
+                             config=zr.ZeroConfig(stage=2, world_size=2, device="cpu", offload=before,
+                                                  elastic=zr.ElasticConfig(redundancy="peer")))
+    try:
+        for batch in batches[:SAVE_AT]:
+            trainer.step(batch)
+        for r in trainer.memory_report():  # the peer copies live where the state does
+            if before.optimizer_on_nvme:
+                assert r["nvme"] > 0 and r["redundancy_nvme"] > 0 and r["redundancy_host"] == 0, r
+            else:
+                assert r["nvme"] == r["redundancy_nvme"] == 0 < r["redundancy_host"], r
+        saved = trainer.save_checkpoint(tmp_path / name, wait=True)
+    finally:
+        trainer.shutdown()
+    resumed = zr.ZeroTrainer.from_checkpoint(saved, gpt2_lm, causal_lm_loss, optimizer=opt,
+                                             config=zr.ZeroConfig(stage=3, world_size=3, device="cpu", offload=after))
+    try:
+        for batch in batches[SAVE_AT:]:
+            resumed.step(batch)
+        assert all((r["nvme"] > 0) == after.optimizer_on_nvme for r in resumed.memory_report())
+        return resumed.full_state_dict()
+    finally:
+        resumed.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_resumes_across_tiers(tmp_path: Path) -> None:
+    disk = zr.Offload(optimizer="nvme", path=str(tmp_path / "nvme"))
+    memory = zr.Offload()
+    ref = _run(tmp_path, "memory", before=memory, after=memory)
+    for before, after in ((disk, memory), (memory, disk)):
+        got = _run(tmp_path, f"{before.optimizer}-{after.optimizer}", before=before, after=after)
+        assert max(float((got[n] - ref[n]).abs().max()) for n in ref) == 0.0, (before, after)
+    assert not os.listdir(tmp_path / "nvme")  # the owners' files went with them
+
+
+@pytest.mark.timeout(300)
+def test_an_owner_killed_with_its_state_on_disk_is_restored_from_its_peer(tmp_path: Path) -> None:
+    opt = zr.SGD(lr=0.1, momentum=0.9)
+    batches = token_batches(steps=6, n=6)
+    ref, _ = single_process(gpt2_lm, causal_lm_loss, opt, batches)
+    config = zr.ZeroConfig(stage=3, world_size=3, device="cpu", health_interval_s=0.2, health_timeout_s=5.0,
+                           collective_timeout_s=600, offload=zr.Offload(optimizer="nvme", path=str(tmp_path / "nvme")),
+                           elastic=zr.ElasticConfig(redundancy="peer"))
+    (tmp_path / "marks").mkdir()
+    run = run_with_kill("backward", model_fn=gpt2_lm, loss_fn=causal_lm_loss, optimizer=opt, batches=batches,
+                        config=config, at=3, marks=str(tmp_path / "marks"))
+    print("; ".join(r.summary() for r in run.recoveries))
+    assert [r.outcome.value for r in run.recoveries] == ["restored"] and 1 in run.recoveries[0].lost
+    assert max(float((run.params[n] - ref[n]).abs().max()) for n in ref) <= 1e-6

@@ -1,0 +1,39 @@
+"""benchmarks.offload: both trials at a tiny size in this process (the same bits, the state on
+disk in one), the table, and the argument check."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from benchmarks.offload import OffloadRow, _child, main, render
+
+
+def _args(path: Path) -> argparse.Namespace:
+    return argparse.Namespace(layers=1, width=32, vocab=64, seq=8, batch=2, steps=2, bucket_mib=1, path=str(path))
+
+
+def test_both_trials_train_the_same_bits_and_only_one_uses_the_disk(tmp_path: Path) -> None:
+    memory, nvme = _child(_args(tmp_path), False), _child(_args(tmp_path), True)
+    assert memory.params_sha256 == nvme.params_sha256
+    assert memory.nvme_bytes == 0 < nvme.nvme_bytes <= nvme.optimizer_bytes == memory.optimizer_bytes
+    assert 0 < nvme.window_bytes <= nvme.nvme_bytes
+
+
+def test_the_table_compares_each_trial_with_memory() -> None:
+    memory = OffloadRow(trial="memory", params=124_000_000, optimizer_bytes=2**30, nvme_bytes=0,
+                        window_bytes=50 * 2**20, peak_rss_bytes=3 * 2**30, steady_peak_rss_bytes=3 * 2**30,
+                        first_step_s=4.0, steady_step_s=2.0, params_sha256="a")
+    nvme = replace(memory, trial="nvme", nvme_bytes=2**30, steady_peak_rss_bytes=2 * 2**30, steady_step_s=2.5)
+    table = render([memory, nvme], command="python -m benchmarks.offload", machine="here")
+    assert "| nvme | 124.0M | 1024 MiB | 1024 MiB | 50 MiB | 3072 MiB | 2048 MiB | 1024 MiB | 4.00 | 2.50 | 1.25 | yes |" \
+        in table
+
+
+def test_too_few_steps_are_refused_by_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--steps", "1"])
+    assert "--steps=1: at least 2" in capsys.readouterr().err

@@ -1,0 +1,123 @@
+"""Optimizer state on local disk (``Offload(optimizer="nvme")``) on thread ranks: the same run
+bit for bit at every stage, with SGD and AdamW, on Hugging Face GPT-2 built from a config, in
+bf16 and with a frozen base (PEFT); the state really in files (the memory report's ``nvme``);
+owners sharing a directory; and the refusals: an unwritable path, a full disk (before any
+step), whole-tensor optimizers, ``optimizer="cpu"``."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero_ray as zr
+from finetune_models import causal_lm_loss, lora_gpt2, token_batches
+from test_activation_checkpointing import gpt2
+from test_optimizers_threads import adamw_rest, llama, llama_loss, muon
+from test_units_threads import _max_dev
+from thread_ranks import run_ranks
+from zero_ray.errors import ConfigError, ResourceError
+from zero_ray.owner import offload as owner_offload
+from zero_ray.owner.offload import StateFiles
+
+OPTIMIZERS = {"adamw": lambda: zr.AdamW(lr=1e-2, weight_decay=0.1), "sgd": lambda: zr.SGD(lr=0.1, momentum=0.9)}
+
+
+def _gpt2() -> torch.nn.Module:
+    return gpt2(dropout=0.0)
+
+
+def _nvme(path: Path) -> zr.Offload:
+    return zr.Offload(optimizer="nvme", path=str(path))
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(("stage", "world_size"), [(0, 2), (1, 1), (1, 3), (2, 2), (3, 1), (3, 3)])
+def test_offloaded_run_is_the_in_memory_run(stage: int, world_size: int, optimizer: str, tmp_path: Path) -> None:
+    batches = token_batches()
+    ref, _, _ = run_ranks(world_size, _gpt2, causal_lm_loss, OPTIMIZERS[optimizer](), batches, stage=stage)
+    got, engines, _ = run_ranks(world_size, _gpt2, causal_lm_loss, OPTIMIZERS[optimizer](), batches, stage=stage,
+                                offload=_nvme(tmp_path))
+    assert _max_dev(got, ref) == 0.0
+    for engine in engines:
+        report = engine.memory_report()
+        moments = [t for g in engine.state.groups for t in g.moments.values()]
+        files = engine.state.groups[0].state_files
+        assert files is not None and moments and all(files.holds(t) for t in moments)
+        # every moment in files, its padding too (the report counts padding apart)
+        assert report["nvme"] == sum(4 * t.numel() for t in moments) >= report["optimizer_moments"] > 0
+        assert report["resident"] == report["total"] - report["nvme"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offload_with_bf16_and_a_frozen_base(stage: int, tmp_path: Path) -> None:
+    batches = token_batches()
+    opt = zr.AdamW(lr=1e-2)
+    for model_fn, dtype in ((_gpt2, "bfloat16"), (lora_gpt2, "float32")):
+        ref, _, _ = run_ranks(2, model_fn, causal_lm_loss, opt, batches, stage=stage, dtype=dtype)
+        got, _, _ = run_ranks(2, model_fn, causal_lm_loss, opt, batches, stage=stage, dtype=dtype,
+                              offload=_nvme(tmp_path))
+        assert _max_dev(got, ref) == 0.0, (model_fn, dtype)
+
+
+def test_owners_sharing_a_path_leave_nothing_there(tmp_path: Path) -> None:
+    _, engines, _ = run_ranks(3, _gpt2, causal_lm_loss, zr.AdamW(lr=1e-2), token_batches(steps=1), stage=1,
+                              offload=_nvme(tmp_path))
+    assert all(e.memory_report()["nvme"] > 0 for e in engines)
+    assert not os.listdir(tmp_path)  # every file unlinked once created: no names to collide on or clean up
+
+
+def test_an_unwritable_path_is_refused_by_name(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"Offload\(path='.*a-file/state'\).*writable directory"):
+        run_ranks(1, _gpt2, causal_lm_loss, zr.AdamW(lr=1e-2), token_batches(steps=1), stage=1,
+                  offload=zr.Offload(optimizer="nvme", path=str(blocker / "state")))
+
+
+def test_a_full_disk_fails_the_start_not_a_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def full(fd: int, offset: int, length: int) -> None:
+        calls.append(length)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(owner_offload.os, "posix_fallocate", full)
+    with pytest.raises(ResourceError, match=r"rank 0's optimizer state needs \d+ more bytes .* disk is full"):
+        run_ranks(1, _gpt2, causal_lm_loss, zr.AdamW(lr=1e-2), token_batches(steps=1), stage=1,
+                  offload=_nvme(tmp_path))
+    assert calls  # the fault fired, while the owner was built (run_ranks takes no step before that)
+
+
+def test_state_files_hold_zeros_and_survive_eviction(tmp_path: Path) -> None:
+    files = StateFiles(str(tmp_path), rank=4)
+    t = files.zeros(3 * 4096)
+    assert files.holds(t) and float(t.abs().sum()) == 0.0
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32))
+    files.evict(t)
+    files.prefetch(t)
+    assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32))
+    assert files.zeros(0).numel() == 0
+
+
+def test_whole_tensor_optimizers_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"torch\.optim\..*Muon steps whole tensors"):
+        run_ranks(2, llama, llama_loss, [muon, adamw_rest], token_batches(steps=1), stage=1,
+                  offload=_nvme(tmp_path))
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="on CPU owners that state already is in host memory.*optimizer='nvme'"):
+        zr.Offload(optimizer="cpu")
+    with pytest.raises(ConfigError, match="needs path="):
+        zr.Offload(optimizer="nvme")
+    with pytest.raises(ConfigError, match="is not one of"):
+        zr.Offload(optimizer="disk", path="/x")
+    with pytest.raises(ConfigError, match="built for CPU owners"):
+        zr.ZeroConfig(device="cuda", offload=zr.Offload(optimizer="nvme", path="/x"))
+    with pytest.raises(ConfigError, match="must be a zr.Offload"):
+        zr.ZeroConfig(offload="nvme")  # type: ignore[arg-type]
+    assert zr.ZeroConfig().offload == zr.Offload()
