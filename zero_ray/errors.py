@@ -138,6 +138,11 @@ class NonFiniteError(ZeroRayError):
                    step=step, loss_ranks=tuple(loss_ranks), grad_ranks=tuple(grad_ranks))
 
 
+class StateCorruptError(ZeroRayError):
+    """An owner's optimizer state on local disk (``Offload``) read back different from what was
+    written: the owner's partition is not to be trusted, and it is treated as lost."""
+
+
 class StopRequested(ZeroRayError):
     """An operator asked the run to stop (``zero-ray stop``); no further steps are taken."""
 

@@ -160,3 +160,14 @@ def test_the_highest_ranks_leave_when_fewer_owners_go_on() -> None:
     s = ScalingPolicy()
     assert s.leavers(survivors=[0, 2, 3, 5], target=2) == [3, 5]
     assert s.leavers(survivors=[0, 1], target=2) == []
+
+
+def test_an_owner_whose_state_failed_its_checksum_is_treated_as_lost() -> None:
+    from zero_ray.errors import FailureDetail, StateCorruptError
+
+    remote = FailureDetail(type="StateCorruptError", message="rank 1: ... fail their checksum", rank=1).error("rank 1")
+    assert isinstance(remote, StateCorruptError)  # rebuilt on the driver as its own type, with its rank
+    assert FailurePolicy().distrusted(remote) == {1: "its optimizer state on disk failed a checksum"}
+    other = FailureDetail(type="CollectiveError", message="peer reset", rank=0).error("rank 0")
+    assert FailurePolicy().distrusted(other) == {}
+    assert FailurePolicy().distrusted(StateCorruptError("raised here, no rank known")) == {}

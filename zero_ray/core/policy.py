@@ -17,6 +17,7 @@ from zero_ray.errors import (
     OwnerError,
     OwnerLostError,
     ResourceError,
+    StateCorruptError,
     StopRequested,
 )
 
@@ -119,6 +120,15 @@ class FailurePolicy:
             return Decision(action=Action.RESTORE, source=sources[0],
                             reason=f"a rank had started updating weights: restore from {sources[0].value} and replay")
         return Decision(action=Action.FAIL, reason="a rank had started updating weights: the partitions may disagree")
+
+    def distrusted(self, error: BaseException) -> dict[int, str]:
+        """Owners that answer but whose partition is not to be used, by rank with why: one whose
+        optimizer state on disk failed its checksum (``StateCorruptError``). They are treated as
+        lost: ended, and their partitions restored from a copy held elsewhere."""
+        failure = getattr(error, "failure", None)
+        if isinstance(error, StateCorruptError) and failure is not None and failure.rank is not None:
+            return {failure.rank: "its optimizer state on disk failed a checksum"}
+        return {}
 
     def needs_recovery(self, error: BaseException, *, collective: bool) -> bool:
         """Whether a call's failure is one to recover from (find the lost, abort, re-form or

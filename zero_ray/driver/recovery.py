@@ -181,7 +181,7 @@ class RecoveryController:
         t0 = time.time()
         self.failures += 1
         pool = self._pool
-        lost = pool.find_lost(timeout_s=self._probe_timeout_s)
+        lost = {**pool.find_lost(timeout_s=self._probe_timeout_s), **self.failure.distrusted(err)}
         stall = self._stall(err) if not lost else None
         if stall is not None:  # the rank the others wait for, and only it, is lost
             lost = {r: f"stuck ({where})" for r, where in stall.items()}
