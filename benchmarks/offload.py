@@ -10,7 +10,15 @@ set (``VmHWM``) over the whole run and over the steps after the first (the peak 
 the first step, through ``/proc/self/clear_refs``: the first step is where torch creates the
 state), the memory report's optimizer and ``nvme`` bytes, the streaming window (the most state
 resident at once: a group's and the next one's, read ahead), step times, and a hash of the final fp32 parameters, equal in both
-trials when the runs are bit for bit the same.
+trials when the runs are bit for bit the same. A second table breaks the steps after the first
+down (medians): forward and backward, the update, and within a streamed update
+(``owner/optimizer.StreamTimes``) what the stepping thread spent waiting for a group's state,
+stepping, and waiting at the end for the last groups to be put back, against what the helper
+thread spent meanwhile reading the state in, checking its checksums, recording new ones and
+handing the pages back (its time overlaps the steps: the less the stepping thread waits, the
+more of it is hidden); with the bytes the process read from and wrote to the disk per step
+(``/proc/self/io``; writes are the kernel's write-back, so they land after the step that dirtied
+them and overlap the next one).
 
 Writes ``benchmarks/results/offload.{json,md}`` (``--results-dir``) and prints the table.
 """
@@ -49,6 +57,19 @@ class OffloadRow:
     first_step_s: float
     steady_step_s: float  # median of the steps after the first
     params_sha256: str
+    # The steps after the first, medians: forward and backward; the update (the step less those);
+    # the streamed update's parts (owner/optimizer.StreamTimes; 0 in memory); disk bytes per step.
+    compute_s: float = 0.0
+    update_s: float = 0.0
+    wait_s: float = 0.0
+    optimizer_s: float = 0.0
+    drain_s: float = 0.0
+    read_s: float = 0.0
+    verify_s: float = 0.0
+    seal_s: float = 0.0
+    evict_s: float = 0.0
+    read_bytes: int = 0
+    write_bytes: int = 0
 
 
 def _peak_rss() -> int:
@@ -62,6 +83,13 @@ def _peak_rss() -> int:
 def _reset_peak_rss() -> None:
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")  # resets VmHWM to the current resident set (Linux 4.0+)
+
+
+def _disk_io() -> tuple[int, int]:
+    """Bytes this process has made the kernel read from and write to storage."""
+    with open("/proc/self/io", encoding="ascii") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
 def _child(args: argparse.Namespace, nvme: bool) -> OffloadRow:
@@ -94,12 +122,18 @@ def _child(args: argparse.Namespace, nvme: bool) -> OffloadRow:
                       loss_scale=zr.LossScaleConfig(), offload=offload)
     engine = OwnerEngine(spec, rank=0, group=SoloGroup())
     g = torch.Generator().manual_seed(0)
-    took = []
+    took: list[float] = []
+    parts: list[tuple[float, ...]] = []  # as _PARTS
     for step in range(args.steps):
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+        io = _disk_io()
         start = time.perf_counter()
-        engine.step(tokens, global_samples=args.batch)
+        result = engine.step(tokens, global_samples=args.batch)
         took.append(time.perf_counter() - start)
+        read, written = (b - a for a, b in zip(io, _disk_io()))
+        t = engine.state.optimizer.stream_times
+        parts.append((result.compute_seconds, took[-1] - result.compute_seconds, t.wait_s, t.step_s, t.drain_s,
+                      t.read_s, t.verify_s, t.seal_s, t.evict_s, read, written))
         if step == 0:
             peak = _peak_rss()
             _reset_peak_rss()
@@ -116,7 +150,16 @@ def _child(args: argparse.Namespace, nvme: bool) -> OffloadRow:
                       optimizer_bytes=report["optimizer"], nvme_bytes=report["nvme"], window_bytes=window,
                       peak_rss_bytes=max(peak, steady_peak), steady_peak_rss_bytes=steady_peak,
                       first_step_s=took[0], steady_step_s=statistics.median(took[1:]),
-                      params_sha256=digest.hexdigest())
+                      params_sha256=digest.hexdigest(), **_medians(parts[1:]))
+
+
+_PARTS = ("compute_s", "update_s", "wait_s", "optimizer_s", "drain_s", "read_s", "verify_s", "seal_s", "evict_s",
+          "read_bytes", "write_bytes")
+
+
+def _medians(parts: list[tuple[float, ...]]) -> dict[str, Any]:
+    values = {n: statistics.median(column) for n, column in zip(_PARTS, zip(*parts))}
+    return {n: int(v) if n.endswith("_bytes") else float(v) for n, v in values.items()}
 
 
 def _trial(name: str, args: argparse.Namespace) -> OffloadRow:
@@ -145,6 +188,16 @@ def render(rows: list[OffloadRow], *, command: str, machine: str) -> str:
                      f"{saved / MIB:.0f} MiB | {r.first_step_s:.2f} | {r.steady_step_s:.2f} | "
                      f"{r.steady_step_s / memory.steady_step_s:.2f} | "
                      f"{'yes' if r.params_sha256 == memory.params_sha256 else 'NO'} |")
+    lines += ["", "Where a step after the first goes (medians, seconds; the update is the step less forward and "
+                  "backward; the helper thread's columns overlap the stepping thread's; read and written: the disk, "
+                  "per step)", "",
+              "| trial | step | forward + backward | update | waiting for state | optimizer step | final put-back | "
+              "helper: read in | helper: check | helper: new checksums | helper: hand back | read | written |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.trial} | {r.steady_step_s:.2f} | {r.compute_s:.2f} | {r.update_s:.2f} | {r.wait_s:.3f} | "
+                     f"{r.optimizer_s:.3f} | {r.drain_s:.3f} | {r.read_s:.3f} | {r.verify_s:.3f} | {r.seal_s:.3f} | "
+                     f"{r.evict_s:.3f} | {r.read_bytes / MIB:.0f} MiB | {r.write_bytes / MIB:.0f} MiB |")
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@ GPT-2: the peer copies of that state (``redundancy="peer"``) are files too; a ch
 with the state on disk resumes with it in memory at another stage and
 size, and the reverse, both equal to the run that never offloaded; and an owner SIGKILLed in
 backward while its state is on disk is restored from its peer's copy, the run ending equal to
-single-process torch. The stage x optimizer matrix is on thread ranks
+single-process torch; so is one whose state files the disk changed (a byte flipped through the
+file, found by the block checksums before the update used it). The stage x optimizer matrix is on thread ranks
 (tests/unit/test_offload_threads.py)."""
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import os
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 import zero_ray as zr
+from disk_faults import corrupt_state
 from faults import run_with_kill
 from finetune_models import causal_lm_loss, gpt2_lm, token_batches
 from zero_ray.testing import single_process
@@ -77,3 +80,26 @@ def test_an_owner_killed_with_its_state_on_disk_is_restored_from_its_peer(tmp_pa
     print("; ".join(r.summary() for r in run.recoveries))
     assert [r.outcome.value for r in run.recoveries] == ["restored"] and 1 in run.recoveries[0].lost
     assert max(float((run.params[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
+
+
+@pytest.mark.timeout(300)
+def test_an_owner_whose_state_the_disk_changed_is_treated_as_lost_and_restored_from_its_peer(tmp_path: Path) -> None:
+    opt = zr.SGD(lr=0.1, momentum=0.9)
+    batches = token_batches(steps=5, n=6)
+    ref, _ = single_process(gpt2_lm, causal_lm_loss, opt, batches)
+    nvme = str(tmp_path / "nvme")
+    config = zr.ZeroConfig(stage=2, world_size=3, device="cpu", offload=zr.Offload(optimizer="nvme", path=nvme),
+                           elastic=zr.ElasticConfig(redundancy="peer"))
+    with zr.ZeroTrainer(gpt2_lm, causal_lm_loss, optimizer=opt, config=config) as trainer:
+        for batch in batches[:2]:
+            trainer.step(batch)
+        pid = ray.get(trainer.actors[1].node.remote(), timeout=60)["pid"]
+        assert corrupt_state(pid, rank=1, directory=nvme) >= 1  # between two steps, as a failing disk would
+        for batch in batches[2:]:
+            trainer.step(batch)
+        got = trainer.full_state_dict()
+        (report,) = trainer.recoveries
+    print(report.summary(), report.error)
+    assert report.outcome.value == "restored" and report.lost == {1: "its optimizer state on disk failed a checksum"}
+    assert "StateCorruptError" in report.error or "fail their checksum" in report.error
+    assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6

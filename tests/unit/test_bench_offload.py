@@ -21,16 +21,26 @@ def test_both_trials_train_the_same_bits_and_only_one_uses_the_disk(tmp_path: Pa
     assert memory.params_sha256 == nvme.params_sha256
     assert memory.nvme_bytes == 0 < nvme.nvme_bytes <= nvme.optimizer_bytes == memory.optimizer_bytes
     assert 0 < nvme.window_bytes <= nvme.nvme_bytes
+    # the breakdown: a streamed update has its parts (checksums both ways), one in memory has none
+    assert memory.verify_s == memory.optimizer_s == memory.seal_s == memory.read_s == 0.0
+    assert nvme.verify_s > 0 and nvme.optimizer_s > 0 and nvme.seal_s > 0 and nvme.read_s > 0
+    for row in (memory, nvme):
+        assert 0 < row.compute_s < row.steady_step_s and row.update_s > 0
 
 
 def test_the_table_compares_each_trial_with_memory() -> None:
     memory = OffloadRow(trial="memory", params=124_000_000, optimizer_bytes=2**30, nvme_bytes=0,
                         window_bytes=50 * 2**20, peak_rss_bytes=3 * 2**30, steady_peak_rss_bytes=3 * 2**30,
-                        first_step_s=4.0, steady_step_s=2.0, params_sha256="a")
-    nvme = replace(memory, trial="nvme", nvme_bytes=2**30, steady_peak_rss_bytes=2 * 2**30, steady_step_s=2.5)
+                        first_step_s=4.0, steady_step_s=2.0, params_sha256="a", compute_s=1.5, update_s=0.5,
+                        read_bytes=0, write_bytes=0)
+    nvme = replace(memory, trial="nvme", nvme_bytes=2**30, steady_peak_rss_bytes=2 * 2**30, steady_step_s=2.5,
+                   update_s=1.0, wait_s=0.0625, optimizer_s=0.5, drain_s=0.03125, read_s=0.375, verify_s=0.25,
+                   seal_s=0.125, evict_s=0.01, write_bytes=512 * 2**20)
     table = render([memory, nvme], command="python -m benchmarks.offload", machine="here")
     assert "| nvme | 124.0M | 1024 MiB | 1024 MiB | 50 MiB | 3072 MiB | 2048 MiB | 1024 MiB | 4.00 | 2.50 | 1.25 | yes |" \
         in table
+    assert ("| nvme | 2.50 | 1.50 | 1.00 | 0.062 | 0.500 | 0.031 | 0.375 | 0.250 | 0.125 | 0.010 | 0 MiB | 512 MiB |"
+            in table)
 
 
 def test_too_few_steps_are_refused_by_value(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,7 +2,8 @@
 bit for bit at every stage, with SGD and AdamW, on Hugging Face GPT-2 built from a config, in
 bf16 and with a frozen base (PEFT); the state really in files (the memory report's ``nvme``);
 owners sharing a directory; and the refusals: an unwritable path, a full disk (before any
-step), whole-tensor optimizers, ``optimizer="cpu"``."""
+step), whole-tensor optimizers, ``optimizer="cpu"``; and a state file changed on disk between
+two updates, caught by its block checksums before the update would use it."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ import pytest
 import torch
 
 import zero_ray as zr
+from disk_faults import corrupt_state, flip_byte, state_mappings
 from finetune_models import causal_lm_loss, lora_gpt2, token_batches
 from test_activation_checkpointing import gpt2
 from test_optimizers_threads import adamw_rest, llama, llama_loss, muon
 from test_units_threads import _max_dev
 from thread_ranks import run_ranks
-from zero_ray.errors import ConfigError, ResourceError
+from zero_ray.errors import ConfigError, ResourceError, StateCorruptError
 from zero_ray.owner import offload as owner_offload
-from zero_ray.owner.offload import StateFiles
+from zero_ray.owner.offload import BLOCK_BYTES, StateFiles
 
 OPTIMIZERS = {"adamw": lambda: zr.AdamW(lr=1e-2, weight_decay=0.1), "sgd": lambda: zr.SGD(lr=0.1, momentum=0.9)}
 
@@ -98,9 +100,39 @@ def test_state_files_hold_zeros_and_survive_eviction(tmp_path: Path) -> None:
     assert files.holds(t) and float(t.abs().sum()) == 0.0
     t.copy_(torch.arange(t.numel(), dtype=torch.float32))
     files.evict(t)
-    files.prefetch(t)
+    files.populate(t)
     assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32))
     assert files.zeros(0).numel() == 0
+
+
+def test_a_block_changed_on_disk_is_named_by_its_checksum(tmp_path: Path) -> None:
+    files = StateFiles(str(tmp_path), rank=5)
+    t = files.zeros(3 * BLOCK_BYTES // 4)  # three blocks
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32))
+    files.verify(t, what="unsealed")  # no checksums yet: nothing to compare
+    files.seal(t)
+    files.evict(t)
+    files.verify(t, what="intact")
+    ((start, end),) = state_mappings(os.getpid(), rank=5, directory=str(tmp_path))
+    flip_byte(os.getpid(), start, end, offset=BLOCK_BYTES + 7)  # through the file, not the tensor
+    with pytest.raises(StateCorruptError, match=rf"rank 5: moment x \({3 * BLOCK_BYTES} bytes .*1 of 3 blocks fail "
+                                                rf"their checksum, the first bytes \[{BLOCK_BYTES}, {2 * BLOCK_BYTES}\)"):
+        files.verify(t, what="moment x")
+    assert files.zeros(t.numel()).data_ptr() != t.data_ptr()  # (a new buffer starts with no checksums)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_update_stops_before_using_state_the_disk_changed(stage: int, tmp_path: Path) -> None:
+    batches = token_batches(steps=3)
+    _, (engine,), _ = run_ranks(1, _gpt2, causal_lm_loss, zr.AdamW(lr=1e-2), batches[:2], stage=stage,
+                                offload=_nvme(tmp_path))
+    before = {n: v.clone() for n, (_, _, v) in engine.master_fragments().items()}
+    assert corrupt_state(os.getpid(), rank=0, directory=str(tmp_path)) >= 2  # exp_avg and exp_avg_sq at least
+    with pytest.raises(StateCorruptError, match=r"rank 0: optimizer state 'exp_avg' of bucket \d+ .* fail their "
+                                                r"checksum"):
+        engine.step(batches[2], global_samples=len(batches[2]))
+    after = engine.master_fragments()  # the first bucket's update was where it stopped: nothing changed
+    assert all(torch.equal(after[n][2], before[n]) for n in before)
 
 
 def test_whole_tensor_optimizers_are_refused(tmp_path: Path) -> None:

@@ -24,8 +24,10 @@ class Offload:
         group's pages leave the owner's memory once it has stepped (the kernel writes them
         back). Bit for bit the same run as without it. "cpu" (ZeRO-Offload's host memory, for
         GPU owners) is not built: on a CPU owner the state already is in host memory.
-    path: a directory on each owner's node, e.g. a local NVMe mount; every owner makes its own
-        directory under it, so owners of one node may share it.
+    path: a directory on each owner's node, e.g. a local NVMe mount. Owners of one node may
+        share it: each owner's files are unlinked as soon as they are made. Each file is checked
+        by block checksums; one the disk changed makes its owner count as lost (restored from its
+        peer's copy or the checkpoint), never used.
     """
 
     optimizer: str | None = None

@@ -6,14 +6,23 @@ a SIGKILL included, frees it), preallocated (a full disk fails the allocation, w
 named, rather than a later write) and mapped into the owner with ``mmap``. torch reads and writes it as any tensor, so
 checkpoints, resizes, peer snapshots and restores need nothing of their own.
 
-The I/O is the kernel's page cache: ``prefetch`` asks for a buffer's pages to be read ahead
-(``MADV_WILLNEED``, asynchronous) and ``evict`` takes them out of the owner's memory
+The I/O is the kernel's page cache: ``populate`` reads a buffer's pages in and maps them
+writable (``MADV_POPULATE_WRITE``), and ``evict`` takes them out of the owner's memory
 (``MADV_DONTNEED``; on a shared file mapping that only unmaps them, the kernel writes dirty
-pages back). No Python thread does I/O, so none holds the GIL for it.
+pages back). The checksums and ``populate`` release the GIL; the update runs them on a helper thread
+(``owner/optimizer.py``), one group ahead of and one behind the group being stepped.
+
+Each buffer is checked by block: ``seal`` records a 64-bit xxh3 hash of every ``BLOCK_BYTES`` of it once
+the update has written it (its pages still in memory), ``verify`` reads it back before the next
+update and compares. A block the disk returned changed raises ``StateCorruptError`` naming it,
+and the driver treats that owner as lost (its partition comes back from its peer's copy or the
+checkpoint), so a corrupted state is never stepped on. xxh3 runs without the GIL at about 25 GB/s
+on one core here (zlib's CRC-32: about 4), one pass after each update and one before.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -21,8 +30,15 @@ import tempfile
 import weakref
 
 import torch
+import xxhash
 
-from zero_ray.errors import ConfigError, ResourceError
+from zero_ray.errors import ConfigError, ResourceError, StateCorruptError
+
+BLOCK_BYTES = 4 << 20  # the unit a checksum covers: a mismatch names its byte range
+# Linux's madvise(2) value (5.14+; Python 3.11's mmap has no name for it): fault the pages in, writable.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 class StateFiles:
@@ -38,6 +54,7 @@ class StateFiles:
             raise ConfigError(f"Offload(path={path!r}) cannot hold rank {rank}'s optimizer state: {err.strerror} "
                               f"({type(err).__name__}); give a writable directory on the owners' local disk") from err
         self._maps: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
+        self._sums: dict[int, list[int]] = {}  # each sealed buffer's block checksums, by data_ptr
 
     def _create(self) -> int:
         """A new file of this owner's, already unlinked: its descriptor."""
@@ -64,15 +81,25 @@ class StateFiles:
             os.close(fd)
         tensor = torch.frombuffer(mapped, dtype=dtype)  # keeps the mapping alive while the tensor lives
         self._maps[tensor.data_ptr()] = mapped
+        self._sums.pop(tensor.data_ptr(), None)  # a freed buffer's checksums, were its address reused
         return tensor
 
     def holds(self, tensor: torch.Tensor) -> bool:
         return tensor.data_ptr() in self._maps
 
-    def prefetch(self, tensor: torch.Tensor) -> None:
-        """Start reading ``tensor``'s pages in (returns at once)."""
+    def populate(self, tensor: torch.Tensor) -> None:
+        """Read ``tensor``'s pages in and map them writable now (returns when they are in), so
+        that the update that follows takes no page faults; where the kernel cannot (before
+        Linux 5.14), ask for them to be read ahead instead. libc's ``madvise`` is called
+        through ctypes, which releases the GIL for it (``mmap.madvise`` holds it)."""
         mapped = self._maps.get(tensor.data_ptr())
-        if mapped is not None:
+        if mapped is None:
+            return
+        if _libc.madvise(tensor.data_ptr(), len(mapped), MADV_POPULATE_WRITE) != 0:
+            code = ctypes.get_errno()
+            if code != errno.EINVAL:
+                raise OSError(code, f"madvise(MADV_POPULATE_WRITE) of rank {self.rank}'s optimizer state under "
+                                    f"{self.directory}: {os.strerror(code)}")
             mapped.madvise(mmap.MADV_WILLNEED)
 
     def evict(self, tensor: torch.Tensor) -> None:
@@ -81,3 +108,33 @@ class StateFiles:
         if mapped is not None:
             mapped.madvise(mmap.MADV_DONTNEED)
 
+    def seal(self, tensor: torch.Tensor) -> None:
+        """Record ``tensor``'s block checksums (after a write, while its pages are in memory)."""
+        mapped = self._maps.get(tensor.data_ptr())
+        if mapped is not None:
+            self._sums[tensor.data_ptr()] = _block_sums(mapped)
+
+    def verify(self, tensor: torch.Tensor, *, what: str) -> None:
+        """Read ``tensor`` back and compare it with its checksums (none recorded yet: nothing to
+        compare). Raises StateCorruptError naming the first block that differs."""
+        mapped = self._maps.get(tensor.data_ptr())
+        expected = self._sums.get(tensor.data_ptr())
+        if mapped is None or expected is None:
+            return
+        got = _block_sums(mapped)
+        bad = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
+        if bad:
+            lo = bad[0] * BLOCK_BYTES
+            raise StateCorruptError(
+                f"rank {self.rank}: {what} ({len(mapped)} bytes in a file under {self.directory}) read back changed: "
+                f"{len(bad)} of {len(expected)} blocks fail their checksum, the first bytes [{lo}, "
+                f"{min(lo + BLOCK_BYTES, len(mapped))}); the disk under Offload(path=...) lost or altered it. The "
+                "owner is treated as lost and its partition restored from its peer's copy or the last checkpoint")
+
+
+def _block_sums(mapped: mmap.mmap) -> list[int]:
+    view = memoryview(mapped)
+    try:
+        return [xxhash.xxh3_64_intdigest(view[at:at + BLOCK_BYTES]) for at in range(0, len(view), BLOCK_BYTES)]
+    finally:
+        view.release()  # a live export would keep the mapping from closing

@@ -143,17 +143,31 @@ class ParamGroup:
                 if self.state_files is None else self.state_files.zeros(self.update_numel))
         return t
 
-    def prefetch_state(self) -> None:
-        """Offloaded: start reading this group's optimizer state in, ahead of its update."""
+    def populate_state(self) -> None:
+        """Offloaded: read this group's optimizer state in and map it writable, ahead of its
+        update (which then takes no page faults)."""
         if self.state_files is not None:
             for t in self.moments.values():
-                self.state_files.prefetch(t)
+                self.state_files.populate(t)
 
     def evict_state(self) -> None:
         """Offloaded: take this group's optimizer state out of memory (it stays in its files)."""
         if self.state_files is not None:
             for t in self.moments.values():
                 self.state_files.evict(t)
+
+    def seal_state(self) -> None:
+        """Offloaded: record the checksums of this group's optimizer state as just written."""
+        if self.state_files is not None:
+            for t in self.moments.values():
+                self.state_files.seal(t)
+
+    def verify_state(self) -> None:
+        """Offloaded: check this group's optimizer state against its checksums before it is
+        used (StateCorruptError if the disk changed it)."""
+        if self.state_files is not None:
+            for name, t in self.moments.items():
+                self.state_files.verify(t, what=f"optimizer state {name!r} of bucket {self.index}")
 
     @property
     def index(self) -> int:
