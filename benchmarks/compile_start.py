@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from typing import Any
 
 from benchmarks.harness.report import machine_line
 from benchmarks.harness.runner import loadavg, machine_info
+from benchmarks.harness.trials import add_trial_arguments, run_child, write_results
 
 TRIALS = ("eager", "cold", "warm")
 
@@ -81,13 +81,9 @@ def _child(stage: int, model: str, steps: int, compiled: bool) -> StartRow:
 
 
 def _trial(name: str, args: argparse.Namespace, cache_dir: str) -> StartRow:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
-    cmd = [sys.executable, "-m", "benchmarks.compile_start", "--child", "--stage", str(args.stage),
-           "--model", args.model, "--steps", str(args.steps)] + ([] if name == "eager" else ["--compiled"])
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"the {name} trial failed (exit {out.returncode}): {out.stderr[-2000:]}")
-    data = json.loads(out.stdout.strip().splitlines()[-1])
+    data = run_child("benchmarks.compile_start", ["--stage", str(args.stage), "--model", args.model, "--steps",
+                                                  str(args.steps)] + ([] if name == "eager" else ["--compiled"]),
+                     name=name, timeout_s=args.timeout, env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir))
     return StartRow(**{**data, "trial": name})
 
 
@@ -107,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
     parser.add_argument("--model", default="gpt", choices=("gpt", "mlp"))
     parser.add_argument("--steps", type=int, default=6, help="steps per trial, at least 3 (default 6)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="bound on each trial, seconds")
-    parser.add_argument("--results-dir", default=os.path.join("benchmarks", "results"))
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_trial_arguments(parser, timeout_s=900.0)
     parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 3:
@@ -122,13 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [_trial(name, args, cache) for name in TRIALS]
     info["loadavg_end"] = loadavg()
     table = render(rows, stage=args.stage, model=args.model, machine=machine_line(info))
-    os.makedirs(args.results_dir, exist_ok=True)
-    with open(os.path.join(args.results_dir, "compile_start.json"), "w") as f:
-        json.dump({"stage": args.stage, "model": args.model, "machine": info, "rows": [asdict(r) for r in rows]},
-                  f, indent=2)
-    with open(os.path.join(args.results_dir, "compile_start.md"), "w") as f:
-        f.write(table + "\n")
-    print(table)
+    write_results(args.results_dir, "compile_start", {"stage": args.stage, "model": args.model, "machine": info,
+                                                      "rows": [asdict(r) for r in rows]}, table)
     return 0
 
 

@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -38,6 +36,7 @@ from typing import Any
 
 from benchmarks.harness.report import machine_line
 from benchmarks.harness.runner import loadavg, machine_info
+from benchmarks.harness.trials import add_trial_arguments, run_child, write_results
 
 TRIALS = ("memory", "nvme")
 MIB = 2**20
@@ -163,14 +162,11 @@ def _medians(parts: list[tuple[float, ...]]) -> dict[str, Any]:
 
 
 def _trial(name: str, args: argparse.Namespace) -> OffloadRow:
-    cmd = [sys.executable, "-m", "benchmarks.offload", "--child", "--layers", str(args.layers), "--width",
-           str(args.width), "--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch),
-           "--steps", str(args.steps), "--bucket-mib", str(args.bucket_mib), "--path", args.path]
-    cmd += ["--nvme"] if name == "nvme" else []
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"the {name} trial failed (exit {out.returncode}): {out.stderr[-2000:]}")
-    data = json.loads(out.stdout.strip().splitlines()[-1])
+    data = run_child("benchmarks.offload", ["--layers", str(args.layers), "--width", str(args.width), "--vocab",
+                                            str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch),
+                                            "--steps", str(args.steps), "--bucket-mib", str(args.bucket_mib),
+                                            "--path", args.path] + (["--nvme"] if name == "nvme" else []),
+                     name=name, timeout_s=args.timeout)
     return OffloadRow(**{**data, "trial": name})
 
 
@@ -211,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="at least 2 (the first creates the state)")
     parser.add_argument("--bucket-mib", type=int, default=25, help="ZeroConfig.bucket_bytes in MiB (a group's size)")
     parser.add_argument("--path", default="/var/tmp", help="Offload(path=...): a directory on local disk")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="bound on each trial, seconds")
-    parser.add_argument("--results-dir", default=os.path.join("benchmarks", "results"))
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_trial_arguments(parser, timeout_s=1800.0)
     parser.add_argument("--nvme", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 2:
@@ -226,13 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     info["loadavg_end"] = loadavg()
     command = "python -m benchmarks.offload " + " ".join(argv if argv is not None else sys.argv[1:])
     table = render(rows, command=command.strip(), machine=machine_line(info))
-    os.makedirs(args.results_dir, exist_ok=True)
-    with open(os.path.join(args.results_dir, "offload.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("child", "nvme")}, "machine": info,
-                   "rows": [asdict(r) for r in rows]}, f, indent=2)
-    with open(os.path.join(args.results_dir, "offload.md"), "w") as f:
-        f.write(table + "\n")
-    print(table)
+    write_results(args.results_dir, "offload", {"args": {k: v for k, v in vars(args).items() if k not in ("child", "nvme")},
+                                                "machine": info, "rows": [asdict(r) for r in rows]}, table)
     return 0
 
 

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.offload import OffloadRow, _child, main, render
+from benchmarks.offload import OffloadRow, _child, _trial, main, render
 
 
 def _args(path: Path) -> argparse.Namespace:
-    return argparse.Namespace(layers=1, width=32, vocab=64, seq=8, batch=2, steps=2, bucket_mib=1, path=str(path))
+    return argparse.Namespace(layers=1, width=32, vocab=64, seq=8, batch=2, steps=2, bucket_mib=1, path=str(path),
+                              timeout=300.0)
 
 
 def test_both_trials_train_the_same_bits_and_only_one_uses_the_disk(tmp_path: Path) -> None:
@@ -26,6 +27,11 @@ def test_both_trials_train_the_same_bits_and_only_one_uses_the_disk(tmp_path: Pa
     assert nvme.verify_s > 0 and nvme.optimizer_s > 0 and nvme.seal_s > 0 and nvme.read_s > 0
     for row in (memory, nvme):
         assert 0 < row.compute_s < row.steady_step_s and row.update_s > 0
+
+
+def test_a_trial_runs_in_a_process_of_its_own(tmp_path: Path) -> None:
+    row = _trial("nvme", _args(tmp_path))
+    assert row.trial == "nvme" and row.nvme_bytes > 0 and row.params_sha256 == _child(_args(tmp_path), True).params_sha256
 
 
 def test_the_table_compares_each_trial_with_memory() -> None:
