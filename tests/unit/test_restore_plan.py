@@ -8,19 +8,27 @@ import json
 import pytest
 
 from zero_ray.control.plain import dumps, loads
+from zero_ray.core.position import Position
 from zero_ray.core.replica import ReplicaPlan, ReplicaRound
 from zero_ray.core.restore_plan import (
     PeerRestore,
     Peers,
     ReplicaRestore,
     ReshardPlan,
+    RunCounters,
+    SnapshotRecord,
+    TransferDescription,
     reshard_from_data,
     restore_from_data,
     restore_to_data,
 )
 from zero_ray.errors import ConfigError
 
-DESCRIPTION = {"position": {"step": 7, "samples_seen": 84}, "scale": 1.0, "table": {3: {"scalars": {"step": "7"}}}}
+COUNTERS = RunCounters(position=Position(step=7, samples_seen=84), scale=1.0, growth_tracker=2,
+                       hyper={"optimizers": [[{"lr": 0.001}]], "schedulers": []})
+DESCRIPTION = TransferDescription(layout={"specs": [["w", [4, 2], "float32"]], "groups": [[0]]}, whole_params=(0,),
+                                  replicated=False, table={0: {"scalars": {"step": "7"}, "elementwise": []}},
+                                  counters=COUNTERS)
 
 
 def _wire(data):  # type: ignore[no-untyped-def]
@@ -49,7 +57,7 @@ def test_restore_plans_round_trip(peers: Peers | None) -> None:
 def test_a_reshard_plan_keeps_its_description_and_peers_apart() -> None:
     plan = ReshardPlan(description=DESCRIPTION, peers=Peers.of([1, 0]))
     back = reshard_from_data(_wire(plan.to_data()))
-    assert back == plan and "peers" not in back.description
+    assert back == plan
     assert reshard_from_data(_wire(ReshardPlan(description=DESCRIPTION).to_data())).peers is None
 
 
@@ -57,5 +65,22 @@ def test_malformed_plans_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="kind 'snapshot'"):
         restore_from_data({"kind": "snapshot"})
     with pytest.raises(ConfigError, match="3 old ranks names 2 holders"):
-        PeerRestore(old_world=3, holders=(0, 1), description={})
-    json.dumps(restore_to_data(PeerRestore(old_world=1, holders=(0,), description={"a": 1})))
+        PeerRestore(old_world=3, holders=(0, 1), description=DESCRIPTION)
+    with pytest.raises(ConfigError, match="no owner's part"):
+        TransferDescription.merged([])
+    json.dumps(restore_to_data(PeerRestore(old_world=1, holders=(0,), description=DESCRIPTION)))
+
+
+def test_a_merged_description_has_every_ranks_table_entries_keyed_by_parameter_index() -> None:
+    other = TransferDescription(layout=DESCRIPTION.layout, whole_params=(0,), replicated=False,
+                                table={"5": {"scalars": {"step": "7"}, "elementwise": ["exp_avg"]}}, counters=COUNTERS)
+    merged = TransferDescription.merged([DESCRIPTION, TransferDescription.from_data(_wire(other.to_data()))])
+    assert sorted(merged.table) == [0, 5] and merged.table[5]["elementwise"] == ["exp_avg"]
+    assert merged.counters == COUNTERS and merged.layout == DESCRIPTION.layout
+    back = TransferDescription.from_data(_wire(merged.to_data()))
+    assert back == merged and back.counters.position == Position(step=7, samples_seen=84)
+
+
+def test_a_snapshot_record_crosses_as_data_and_comes_back_typed() -> None:
+    record = SnapshotRecord(step=6, world_size=3, description=DESCRIPTION)
+    assert SnapshotRecord.from_data(_wire(record.to_data())) == record

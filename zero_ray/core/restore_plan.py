@@ -4,9 +4,10 @@ The driver builds them, converts them to plain data once where it calls the owne
 (``to_data``), and an owner's control handler converts them back once (``reshard_from_data``,
 ``restore_from_data``); nothing in between reads plans by string keys.
 
-``description`` is the merged transfer description every rank of a transfer needs (the old
-layout, the optimizer's state table, the counters the state continues from): owners build their
-parts (``owner/resize.describe_state``) and the driver merges them; it travels as it is.
+``TransferDescription`` is what every rank of a transfer needs besides the tensors (the layout,
+the optimizer's state table, the counters the state continues from): each owner describes its
+part (``OwnerEngine.transfer_description``), the driver merges them (``merged``), and it travels
+inside the plan. ``SnapshotRecord`` is what an owner says of a peer snapshot it holds.
 
 Pure: imports neither ray nor grpc nor torch.
 """
@@ -14,13 +15,84 @@ Pure: imports neither ray nor grpc nor torch.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from zero_ray.core.optim_state import StateEntry, merge_tables
+from zero_ray.core.position import Position
 from zero_ray.core.replica import ReplicaPlan, ReplicaRound
 from zero_ray.errors import ConfigError
 
 _PEERS = "peers"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunCounters:
+    """What moved or restored model state continues from besides its tensors (equal on every
+    rank): the run's position, the loss scaler's, and the optimizers' hyperparameters and
+    schedulers (``ShardOptimizer.hyper_state``: JSON data of its own)."""
+
+    position: Position
+    scale: float
+    growth_tracker: int
+    hyper: Mapping[str, Any]
+
+    def to_data(self) -> dict[str, Any]:
+        return {"position": self.position.to_data(), "scale": self.scale, "growth_tracker": self.growth_tracker,
+                "hyper": dict(self.hyper)}
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> RunCounters:
+        return cls(position=Position.from_data(data["position"]), scale=float(data["scale"]),
+                   growth_tracker=int(data["growth_tracker"]), hyper=data["hyper"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferDescription:
+    """What every rank of a transfer plans it from: the layout (``FlatLayout.describe``), the
+    parameters stepped whole, whether the optimizer state is replicated, the optimizer state
+    table (``core/optim_state.py``) and the counters."""
+
+    layout: Mapping[str, list]
+    whole_params: tuple[int, ...]
+    replicated: bool
+    table: Mapping[int, StateEntry]
+    counters: RunCounters
+
+    @classmethod
+    def merged(cls, parts: Sequence[TransferDescription]) -> TransferDescription:
+        """One description from every rank's: each knows the table entries of what it updates."""
+        if not parts:
+            raise ConfigError("a transfer description merged from no owner's part")
+        return replace(parts[0], table=merge_tables(p.table for p in parts))
+
+    def to_data(self) -> dict[str, Any]:
+        return {"layout": dict(self.layout), "whole_params": list(self.whole_params), "replicated": self.replicated,
+                "table": {int(k): dict(v) for k, v in self.table.items()}, "counters": self.counters.to_data()}
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> TransferDescription:
+        return cls(layout=data["layout"], whole_params=tuple(int(p) for p in data["whole_params"]),
+                   replicated=bool(data["replicated"]), table=merge_tables([data["table"]]),
+                   counters=RunCounters.from_data(data["counters"]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotRecord:
+    """A committed peer snapshot an owner holds: of ``step`` (index of the step it followed),
+    in a ``world_size``-rank layout, and the description a restore from it plans with."""
+
+    step: int
+    world_size: int
+    description: TransferDescription
+
+    def to_data(self) -> dict[str, Any]:
+        return {"step": self.step, "world_size": self.world_size, "description": self.description.to_data()}
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> SnapshotRecord:
+        return cls(step=int(data["step"]), world_size=int(data["world_size"]),
+                   description=TransferDescription.from_data(data["description"]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,11 +126,12 @@ class Peers:
 class ReshardPlan:
     """A resize: the merged description, and the new layout's peers (copies made inside it)."""
 
-    description: Mapping[str, Any]
+    description: TransferDescription
     peers: Peers | None = None
 
     def to_data(self) -> dict[str, Any]:
-        return {**self.description, _PEERS: self.peers.to_data()} if self.peers else dict(self.description)
+        peers = {_PEERS: self.peers.to_data()} if self.peers else {}
+        return {"description": self.description.to_data(), **peers}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +141,7 @@ class PeerRestore:
 
     old_world: int
     holders: tuple[int, ...]
-    description: Mapping[str, Any]
+    description: TransferDescription
     peers: Peers | None = None
 
     def __post_init__(self) -> None:
@@ -81,7 +154,7 @@ class ReplicaRestore:
     """A restore from a surviving shard group's live state (``core/replica.py``)."""
 
     plan: ReplicaPlan
-    description: Mapping[str, Any]
+    description: TransferDescription
     peers: Peers | None = None
 
 
@@ -96,9 +169,9 @@ def restore_to_data(plan: RestorePlan | None) -> dict[str, Any] | None:
     if isinstance(plan, ReplicaRestore):
         return {"kind": "replica", "group_size": plan.plan.group_size, "source": list(plan.plan.source),
                 "rounds": [{"senders": list(r.senders), "receivers": list(r.receivers)} for r in plan.plan.rounds],
-                "description": dict(plan.description), **peers}
+                "description": plan.description.to_data(), **peers}
     return {"kind": "peer", "old_world": plan.old_world, "holders": list(plan.holders),
-            "description": dict(plan.description), **peers}
+            "description": plan.description.to_data(), **peers}
 
 
 def restore_from_data(data: Mapping[str, Any] | None) -> RestorePlan | None:
@@ -111,14 +184,14 @@ def restore_from_data(data: Mapping[str, Any] | None) -> RestorePlan | None:
         rounds = tuple(ReplicaRound(senders=tuple(r["senders"]), receivers=tuple(r["receivers"]))
                        for r in data["rounds"])
         plan = ReplicaPlan(source=tuple(data["source"]), group_size=int(data["group_size"]), rounds=rounds)
-        return ReplicaRestore(plan=plan, description=data["description"], peers=peers)
+        return ReplicaRestore(plan=plan, description=TransferDescription.from_data(data["description"]), peers=peers)
     if kind == "peer":
         return PeerRestore(old_world=int(data["old_world"]), holders=tuple(data["holders"]),
-                           description=data["description"], peers=peers)
+                           description=TransferDescription.from_data(data["description"]), peers=peers)
     raise ConfigError(f"a restore plan of kind {kind!r}; expected 'peer' or 'replica'")
 
 
 def reshard_from_data(data: Mapping[str, Any]) -> ReshardPlan:
     """The typed plan from a Reshard call's plain data."""
-    description = {k: v for k, v in data.items() if k != _PEERS}
-    return ReshardPlan(description=description, peers=Peers.from_data(data.get(_PEERS)))
+    return ReshardPlan(description=TransferDescription.from_data(data["description"]),
+                       peers=Peers.from_data(data.get(_PEERS)))

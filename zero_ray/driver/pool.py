@@ -40,7 +40,14 @@ from zero_ray.control.handlers import (
 )
 from zero_ray.core.placement import NodeRoom, Target, place
 from zero_ray.core.reshard import backup_peers
-from zero_ray.core.restore_plan import Peers, ReshardPlan, RestorePlan, restore_to_data
+from zero_ray.core.restore_plan import (
+    Peers,
+    ReshardPlan,
+    RestorePlan,
+    SnapshotRecord,
+    TransferDescription,
+    restore_to_data,
+)
 from zero_ray.driver.fanout import FanOut
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.driver.pool_spec import PoolSpec, check_resources, cluster_is_local
@@ -48,7 +55,6 @@ from zero_ray.driver.replacements import Replacements
 from zero_ray.driver.terminate import end_process
 from zero_ray.errors import ConfigError, OwnerLostError, ResourceError
 from zero_ray.owner.actor import OwnerOptions, RemotePartitionOwner
-from zero_ray.owner.resize import merge_descriptions
 from zero_ray.owner.spec import EngineSpec
 
 log = logging.getLogger(__name__)
@@ -419,8 +425,9 @@ class OwnerPool:
             rank = min(lost)
             raise OwnerLostError(f"cannot resize: partition owner {self.where(rank)} is gone ({lost[rank]})", rank=rank)
         timeout = self.spec.init_timeout_s
-        info = merge_descriptions(self.fan.grpc(self.clients, "resize_info",
-                                                lambda c, r: c.resize_info(timeout_s=timeout), watch=False))
+        info = TransferDescription.merged(self.fan.grpc(
+            self.clients, "resize_info",
+            lambda c, r: TransferDescription.from_data(c.resize_info(timeout_s=timeout)), watch=False))
         if world_size > old:
             check_resources(world_size=world_size, use_gpu=self.spec.use_gpu,
                             num_cpus_per_owner=self.spec.num_cpus_per_owner)
@@ -469,12 +476,13 @@ class OwnerPool:
         for client in clients:
             client.close()
 
-    def snapshot_info(self, ranks: Sequence[int], committed_step: int) -> dict[int, dict[int, Any]]:
+    def snapshot_info(self, ranks: Sequence[int], committed_step: int) -> dict[int, dict[int, SnapshotRecord]]:
         """Per surviving rank: the committed snapshots it holds (by the rank they belong to)."""
         timeout = self.spec.settle_timeout_s + 30
         complete = self._layout_unconfirmed
         infos = self.fan.grpc([self.clients[r] for r in ranks], "snapshots",
-                              lambda c, i: c.snapshots(committed_step, layout_complete=complete, timeout_s=timeout),
+                              lambda c, i: {int(r): SnapshotRecord.from_data(d) for r, d in c.snapshots(
+                                  committed_step, layout_complete=complete, timeout_s=timeout).items()},
                               watch=False, ranks=ranks)
         return dict(zip(ranks, infos))
 

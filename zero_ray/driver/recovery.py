@@ -317,7 +317,7 @@ class RecoveryController:
         """Rebuild from the snapshots the survivors hold; returns the steps completed in them."""
         pool = self._pool
         held = pool.snapshot_info(survivors, committed_step)
-        taken = {(info["step"], info["world_size"]) for infos in held.values() for info in infos.values()}
+        taken = {(info.step, info.world_size) for infos in held.values() for info in infos.values()}
         if len(taken) != 1:
             raise CheckpointError(f"peer snapshots disagree on (step, world size): {sorted(taken)}, or none were taken")
         step, old_world = taken.pop()  # the layout they were taken in (a resize may have been cut short)
@@ -329,8 +329,9 @@ class RecoveryController:
         if missing:
             raise CheckpointError(f"no surviving peer holds a snapshot of ranks {missing} (their backups were lost "
                                   "too); restore from a checkpoint instead")
-        scalars = next(iter(held[survivors[0]].values()))["scalars"]  # with the layout and the merged state table
-        plan = PeerRestore(old_world=old_world, holders=tuple(holder[r] for r in range(old_world)), description=scalars)
+        description = next(iter(held[survivors[0]].values())).description  # the layout, the merged table
+        plan = PeerRestore(old_world=old_world, holders=tuple(holder[r] for r in range(old_world)),
+                           description=description)
         pool.rebuild(survivors, target, restore=lambda position: plan)
         return step + 1
 

@@ -21,12 +21,11 @@ from collections.abc import Sequence, Set
 from typing import Any
 
 from zero_ray.core.replica import keep_whole_groups, replica_plan, surviving_group
-from zero_ray.core.restore_plan import ReplicaRestore
+from zero_ray.core.restore_plan import ReplicaRestore, TransferDescription
 from zero_ray.core.topology import Mesh, Topology, plan_mesh
 from zero_ray.driver.pool import OwnerPool
 from zero_ray.driver.pool_spec import check_resources
 from zero_ray.errors import CheckpointError, ConfigError, OwnerLostError
-from zero_ray.owner.resize import merge_descriptions
 
 
 def replica_mesh(pool: OwnerPool, topology: Topology, lost: Set[int]) -> Mesh | None:
@@ -109,8 +108,9 @@ def _rebuild_from(pool: OwnerPool, topology: Topology, old: Mesh, *, source: Seq
                   target: int, timeout_s: float) -> int:
     """Rebuild the pool from ``kept`` (old ranks, in order) to ``target`` owners, every new
     shard group receiving ``source``'s live shards; returns bytes sent."""
-    info = merge_descriptions(pool.fan.grpc([pool.clients[r] for r in source], "resize_info",
-                                            lambda c, i: c.resize_info(timeout_s=timeout_s), watch=False,
+    info = TransferDescription.merged(pool.fan.grpc(
+        [pool.clients[r] for r in source], "resize_info",
+        lambda c, i: TransferDescription.from_data(c.resize_info(timeout_s=timeout_s)), watch=False,
                                             ranks=list(source)))
     gone = set(range(old.world_size)) - set(kept)
 

@@ -38,7 +38,7 @@ import torch
 
 from zero_ray.collective.flight import FlightRecorder, RecordedGroup
 from zero_ray.collective.group import Collective
-from zero_ray.core.restore_plan import Peers, ReplicaRestore, ReshardPlan, RestorePlan
+from zero_ray.core.restore_plan import Peers, ReplicaRestore, ReshardPlan, RestorePlan, SnapshotRecord, TransferDescription
 from zero_ray.collective.ray_group import destroy_group, form_group
 from zero_ray.control.auth import Credentials
 from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
@@ -53,7 +53,7 @@ from zero_ray.owner.fabric import exchange_nodes
 from zero_ray.owner.spec import EngineSpec
 from zero_ray.owner.redundancy import PeerSnapshots
 from zero_ray.owner.replica import live_state, restore_replica
-from zero_ray.owner.resize import RankState, TransferPlan, describe_state, exchange, install
+from zero_ray.owner.resize import RankState, TransferPlan, exchange, install
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class PartitionOwner:
                                 timeout_s=self._options.collective_timeout_s)
             engine.phase = StepPhase.IDLE
 
-    def snapshot_info(self, committed_step: int, *, layout_complete: bool = False) -> dict[int, Any]:
+    def snapshot_info(self, committed_step: int, *, layout_complete: bool = False) -> dict[int, SnapshotRecord]:
         """The committed snapshots held (by rank), once the driver says ``committed_step`` was
         finished everywhere; a pending snapshot of a later, interrupted step is dropped."""
         with self._locked("snapshot_info", settle=True):
@@ -294,7 +294,7 @@ class PartitionOwner:
             engine = self._new_engine(group)
             if staged is not None and plan is not None and restore is not None:
                 install(staged, engine.state, plan.table)
-                engine.set_counters(restore.description)
+                engine.set_counters(restore.description.counters)
                 engine.state.publish_masters()
             self._engine = engine
             if restore is None:  # fresh state, a checkpoint loaded next: no copies to keep
@@ -317,14 +317,10 @@ class PartitionOwner:
                                    ward=peers.ward[me], timeout_s=self._options.collective_timeout_s)
         engine.phase = StepPhase.IDLE
 
-    def resize_info(self) -> dict[str, Any]:
+    def resize_info(self) -> TransferDescription:
         """This rank's part of what every actor of a resize needs (the driver merges every
         rank's: each knows the optimizer state entries of what it updates)."""
-        engine = self.engine
-        optimizer = engine.state.optimizer
-        return {**engine.counters(), **describe_state(engine.layout, whole_params=sorted(optimizer.whole_plan.assignee),
-                                                      replicated=engine.spec.plan.updates_whole_buffer,
-                                                      table=optimizer.table())}
+        return self.engine.transfer_description()
 
     def reshard(self, *, old_world: int, new_world: int, generation: int, plan: ReshardPlan) -> int:
         """Move this actor's part of the model state from the ``old_world`` layout to the
@@ -373,7 +369,7 @@ class PartitionOwner:
         engine = self._new_engine(group)
         assert staged is not None
         install(staged, engine.state, plan.table)
-        engine.set_counters(info)
+        engine.set_counters(info.counters)
         engine.state.publish_masters()
         self._engine = engine
         self._copy_layout(engine, group, reshard.peers)  # the old layout's copies stay until confirmed

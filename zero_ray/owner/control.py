@@ -20,7 +20,14 @@ from zero_ray.collective.flight import Event, FlightRecorder
 from zero_ray.control import handlers as h
 from zero_ray.core.flight import IDLE
 from zero_ray.core.position import Position
-from zero_ray.core.restore_plan import ReshardPlan, RestorePlan, reshard_from_data, restore_from_data
+from zero_ray.core.restore_plan import (
+    ReshardPlan,
+    RestorePlan,
+    SnapshotRecord,
+    TransferDescription,
+    reshard_from_data,
+    restore_from_data,
+)
 from zero_ray.errors import CollectiveError
 from zero_ray.owner.checkpointing import ShardSaver, restore, shard_record_json
 from zero_ray.owner.data import PieceSource
@@ -58,9 +65,9 @@ class OwnerHost(Protocol):
 
     def set_peers(self, backup: int, ward: int) -> None: ...
 
-    def snapshot_info(self, committed_step: int, *, layout_complete: bool) -> dict[int, Any]: ...
+    def snapshot_info(self, committed_step: int, *, layout_complete: bool) -> dict[int, SnapshotRecord]: ...
 
-    def resize_info(self) -> dict[str, Any]: ...
+    def resize_info(self) -> TransferDescription: ...
 
     def reshard(self, *, old_world: int, new_world: int, generation: int, plan: ReshardPlan) -> int: ...
 
@@ -204,11 +211,12 @@ class OwnerControl:
 
     def snapshots(self, committed_step: int, layout_complete: bool) -> h.Plain:
         self._owner.touch()
-        return self._owner.snapshot_info(committed_step, layout_complete=layout_complete)
+        held = self._owner.snapshot_info(committed_step, layout_complete=layout_complete)
+        return {rank: record.to_data() for rank, record in held.items()}
 
     def resize_info(self) -> h.Plain:
         self._owner.touch()
-        return self._owner.resize_info()
+        return self._owner.resize_info().to_data()
 
     def reshard(self, *, old_world: int, new_world: int, generation: int, description: h.Plain) -> int:
         self._owner.touch()

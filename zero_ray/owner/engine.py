@@ -33,8 +33,10 @@ from zero_ray.control.handlers import LossTotals, StepResult
 from zero_ray.core.devices import allocator_figures
 from zero_ray.core.flight import IDLE
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes, to_device
+from zero_ray.core.optim_state import StateTable
 from zero_ray.core.position import Position
 from zero_ray.core.precision import LossScaler
+from zero_ray.core.restore_plan import RunCounters, TransferDescription
 from zero_ray.core.usage import pack_marks, unpack_marks
 from zero_ray.errors import ConfigError, ModelError
 from zero_ray.owner.fabric import Fabric
@@ -306,16 +308,26 @@ class OwnerEngine:
         self.state.rebind(group)
         self.fabric = self.state.fabric
 
-    def counters(self) -> dict[str, Any]:
+    def counters(self) -> RunCounters:
         """What a moved or restored model state continues from besides its tensors (equal on
         every rank): the run's position, the loss scaler, hyperparameters and schedulers."""
-        return {"position": self.position.to_data(), "scale": self.scaler.scale,
-                "growth_tracker": self.scaler.growth_tracker, "hyper": self.state.optimizer.hyper_state()}
+        return RunCounters(position=self.position, scale=self.scaler.scale,
+                           growth_tracker=self.scaler.growth_tracker, hyper=self.state.optimizer.hyper_state())
 
-    def set_counters(self, values: Mapping[str, Any]) -> None:
-        self.position = Position.from_data(values["position"])
-        self.state.optimizer.load_hyper_state(values["hyper"])
-        self.scaler.scale, self.scaler.growth_tracker = float(values["scale"]), int(values["growth_tracker"])
+    def set_counters(self, counters: RunCounters) -> None:
+        self.position = counters.position
+        self.state.optimizer.load_hyper_state(counters.hyper)
+        self.scaler.scale, self.scaler.growth_tracker = counters.scale, counters.growth_tracker
+
+    def transfer_description(self, table: StateTable | None = None) -> TransferDescription:
+        """This rank's part of what a transfer of its state is planned from (``table``: the
+        merged state table when the caller has one, else the entries of what this rank updates)."""
+        optimizer = self.state.optimizer
+        return TransferDescription(layout=self.layout.describe(),
+                                   whole_params=tuple(sorted(optimizer.whole_plan.assignee)),
+                                   replicated=self.spec.plan.updates_whole_buffer,
+                                   table=dict(optimizer.table() if table is None else table),
+                                   counters=self.counters())
 
     # -- reports ----------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:

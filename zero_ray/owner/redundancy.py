@@ -15,18 +15,19 @@ as step counts) is merged over all ranks when a snapshot is taken, so any holder
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from zero_ray.collective.group import Collective
 from zero_ray.core.optim_state import bucket_kinds, merge_tables
+from zero_ray.core.restore_plan import SnapshotRecord, TransferDescription
 from zero_ray.owner.engine import OwnerEngine
 from zero_ray.owner.host_copy import host_copies
 from zero_ray.owner.offload import StateFiles
 from zero_ray.owner.param_group import OptimizerSlice
-from zero_ray.owner.resize import RankState, WholeState, describe_state, run_p2p
+from zero_ray.owner.resize import RankState, WholeState, run_p2p
 
 
 @dataclass(kw_only=True)
@@ -37,7 +38,7 @@ class Snapshot:
     step: int
     world_size: int
     state: RankState
-    scalars: dict[str, Any] = field(default_factory=dict)
+    description: TransferDescription  # what a restore from it plans with: layout, merged table, counters
 
     @property
     def nbytes(self) -> int:
@@ -110,13 +111,10 @@ class PeerSnapshots:
         table = merge_tables(gather_objects(group, optimizer.table()))
         whole_plan = optimizer.whole_plan
         kinds = bucket_kinds(engine.layout, table)
-        # What a restore needs without a live engine: the layout, the merged table, the counters.
-        scalars = {**engine.counters(), **describe_state(engine.layout, whole_params=sorted(whole_plan.assignee),
-                                                         replicated=engine.spec.plan.updates_whole_buffer,
-                                                         table=table)}
+        description = engine.transfer_description(table)  # a restore needs no live engine
         own_whole: WholeState = {p: dict(zip(sorted(st), host_copies([st[k] for k in sorted(st)])))
                                  for p, st in optimizer.whole_state(saver_only=True).items()}
-        own = Snapshot(rank=rank, step=step, world_size=n, scalars=scalars,
+        own = Snapshot(rank=rank, step=step, world_size=n, description=description,
                        state=RankState(slices=_slices(engine, rank, kinds, clone=True), whole=own_whole))
         engine.state.evict_state()  # offloaded state read for the copy goes back to its files
         theirs = None
@@ -126,7 +124,7 @@ class PeerSnapshots:
             for p in whole_plan.assigned_to(ward):
                 for key, desc in table.get(p, {}).get("whole", {}).items():
                     ward_whole.setdefault(p, {})[key] = torch.zeros(desc["shape"], dtype=getattr(torch, desc["dtype"]))
-            theirs = Snapshot(rank=ward, step=step, world_size=n, scalars=scalars,
+            theirs = Snapshot(rank=ward, step=step, world_size=n, description=description,
                               state=RankState(slices=_slices(engine, ward, kinds, clone=False), whole=ward_whole))
             pg = getattr(group, "process_group", None)
             ops: list[object] = []
@@ -206,8 +204,9 @@ class PeerSnapshots:
         """The committed snapshots held, by the rank they belong to."""
         return {s.rank: s for s in (self.own, self.ward) if s is not None}
 
-    def info(self) -> dict[int, Any]:
-        return {r: {"step": s.step, "world_size": s.world_size, "scalars": s.scalars} for r, s in self.sources().items()}
+    def info(self) -> dict[int, SnapshotRecord]:
+        return {r: SnapshotRecord(step=s.step, world_size=s.world_size, description=s.description)
+                for r, s in self.sources().items()}
 
     @property
     def nbytes(self) -> int:

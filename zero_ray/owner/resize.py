@@ -17,7 +17,7 @@ state, from the old layout's assignee to the new one's (``plan_whole_moves``); a
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +26,9 @@ import torch
 from zero_ray.collective.group import Collective
 from zero_ray.core.assign import plan_whole_tensors
 from zero_ray.core.layout import FlatLayout
-from zero_ray.core.optim_state import StateTable, bucket_kinds, merge_tables
+from zero_ray.core.optim_state import StateTable, bucket_kinds
 from zero_ray.core.reshard import Move, WholeMove, bucket_range, plan_moves, plan_whole_moves
+from zero_ray.core.restore_plan import TransferDescription
 from zero_ray.errors import CollectiveError
 from zero_ray.owner.model_state import ModelState
 from zero_ray.owner.param_group import OptimizerSlice
@@ -62,19 +63,6 @@ class Staged:
     whole: WholeState
 
 
-def describe_state(layout: FlatLayout, *, whole_params: Sequence[int], replicated: bool,
-                   table: StateTable) -> dict[str, Any]:
-    """What every actor of a transfer needs to plan it, as plain data: the layout, which
-    parameters are stepped whole, whether the optimizer is replicated, and the state table."""
-    return {"layout": layout.describe(), "whole_params": list(whole_params), "replicated": replicated,
-            "table": dict(table)}
-
-
-def merge_descriptions(infos: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One transfer description from every rank's (each knows the table entries of what it updates)."""
-    return {**infos[0], "table": merge_tables(i["table"] for i in infos)}
-
-
 @dataclass(frozen=True, kw_only=True)
 class TransferPlan:
     """A transfer from ``old_world`` to ``new_world`` ranks, as every actor computes it."""
@@ -87,12 +75,12 @@ class TransferPlan:
     replicated: bool
 
     @classmethod
-    def of(cls, info: Mapping[str, Any], *, old_world: int, new_world: int) -> TransferPlan:
-        table = merge_tables([info["table"]])
-        old = FlatLayout.from_description(info["layout"], world_size=old_world)
-        new = FlatLayout.from_description(info["layout"], world_size=new_world)
-        whole = list(info["whole_params"])
-        replicated = bool(info["replicated"])
+    def of(cls, info: TransferDescription, *, old_world: int, new_world: int) -> TransferPlan:
+        table = dict(info.table)
+        old = FlatLayout.from_description(dict(info.layout), world_size=old_world)
+        new = FlatLayout.from_description(dict(info.layout), world_size=new_world)
+        whole = list(info.whole_params)
+        replicated = info.replicated
         numels = [b.numel for b in old.buckets]
         return cls(moves=plan_moves(numels, old_world=old_world, new_world=new_world, whole=replicated),
                    kinds=bucket_kinds(old, table), table=table, buckets=numels, replicated=replicated,
