@@ -31,6 +31,7 @@ from typing import Any
 from benchmarks.control_measure import ScaleRow, ScaleSettings, measure
 from benchmarks.harness.report import machine_line
 from benchmarks.harness.runner import loadavg, machine_info
+from zero_ray.config import ZeroConfig
 from zero_ray.errors import ZeroRayError
 
 # The goals, at GOAL_OWNERS owners for the step and per 100 owners for heartbeats.
@@ -133,8 +134,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--per-process", type=int, default=128, help="simulated owners per worker process")
     parser.add_argument("--heartbeat-window-s", type=float, default=5.0)
-    parser.add_argument("--health-interval-s", type=float, default=1.0, help="ZeroConfig's default")
-    parser.add_argument("--health-timeout-s", type=float, default=10.0, help="ZeroConfig's default")
+    defaults = ZeroConfig()
+    parser.add_argument("--health-interval-s", type=float, default=defaults.health_interval_s,
+                        help="ZeroConfig's default")
+    parser.add_argument("--health-timeout-s", type=float, default=defaults.health_timeout_s,
+                        help="ZeroConfig's default")
     parser.add_argument("--probe-calls", type=int, default=64)
     parser.add_argument("--shared", default="yes", help="say whether other work ran on the machine meanwhile")
     parser.add_argument("--results-dir", default=os.path.join("benchmarks", "results"))

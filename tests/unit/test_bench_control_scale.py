@@ -23,7 +23,7 @@ ISSUE_KEYS = {"owners", "driver_added_ms_per_step", "driver_cpu_cores", "heartbe
 def test_two_owners_three_steps_write_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     command = [sys.executable, "-m", "benchmarks.control_scale", "--owners", "2", "--steps", "3", "--warmup", "1",
-               "--heartbeat-window-s", "1", "--probe-calls", "4", "--results-dir", str(tmp_path), "--json", str(out)]
+               "--heartbeat-window-s", "1", "--health-interval-s", "1", "--probe-calls", "4", "--results-dir", str(tmp_path), "--json", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     data = json.loads(out.read_text())

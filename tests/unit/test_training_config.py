@@ -189,3 +189,11 @@ def test_the_non_finite_error_names_the_step_and_the_ranks() -> None:
     assert text.startswith("step 5: non-finite values in the loss on rank 1 and the reduced gradient in the slices "
                            "of ranks 0, 1. The step was not taken")
     assert "step_count stays at 4" in text and 'on_nonfinite="skip"' in text
+
+
+def test_heartbeats_default_to_four_per_health_timeout_and_an_interval_at_the_timeout_is_refused() -> None:
+    assert zr.ZeroConfig().health_interval_s == 2.5
+    assert zr.ZeroConfig(health_timeout_s=5.0).health_interval_s == 1.25
+    assert zr.ZeroConfig(health_interval_s=0.2, health_timeout_s=3.0).health_interval_s == 0.2
+    with pytest.raises(ConfigError, match="health_interval_s=3.0 must be below health_timeout_s=3.0"):
+        zr.ZeroConfig(health_interval_s=3.0, health_timeout_s=3.0)
