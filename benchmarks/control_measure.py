@@ -78,6 +78,9 @@ class ScaleRow:
     false_loss_reason: str  # the first one's
     heartbeat_cpu_by_thread: dict[str, float]  # cores, over the heartbeat window, by thread group
     step_cpu_by_thread: dict[str, float]  # ms per timed step, by thread group
+    # fit's path: each step sent while the one before runs; wall per step less the compute time
+    pipelined_added_ms_per_step: float = float("nan")
+    pipelined_cpu_cores: float = float("nan")
 
     def as_json(self) -> dict[str, Any]:
         """The row as JSON-ready numbers."""
@@ -193,9 +196,9 @@ def _cpu_us_per(count: int, fn: Callable[[], Any]) -> float:
     return (time.process_time() - c0) / count * 1e6
 
 
-def _step_args(step: int, owners: int) -> list[StepArgs]:
+def _step_args(step: int, owners: int, *, ahead: bool = False) -> list[StepArgs]:
     return [StepArgs(step=step, piece=Piece(dataset=DATASET, indices=(r,)), global_samples=owners, generation=0,
-                     samples_seen=step * owners) for r in range(owners)]
+                     samples_seen=step * owners, ahead=ahead) for r in range(owners)]
 
 
 class Driver:
@@ -248,6 +251,22 @@ class Driver:
         wall, cpu = time.monotonic() - t0, time.process_time() - c0
         self.threads_seen = max(self.threads_seen, threading.active_count())
         return wall, cpu, [(t0, results)]
+
+    def pipelined(self, first: int, count: int) -> tuple[float, float]:
+        """``count`` steps as ``fit`` runs them (``Controller.execute``): each sent while the one
+        before runs (``StepArgs.ahead``), then the one before collected; (wall s, driver CPU s)."""
+        t0, c0 = time.monotonic(), time.process_time()
+
+        def start(step: int, ahead: bool) -> Any:
+            args = _step_args(step, self.owners, ahead=ahead)
+            return self.fan.start(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=STEP_TIMEOUT_S))
+
+        flight = start(first, False)
+        for k in range(first, first + count):
+            following = start(k + 1, True) if k + 1 < first + count else None
+            self.fan.collect(flight)
+            flight = following
+        return time.monotonic() - t0, time.process_time() - c0
 
     def stats_fanout_s(self, repeats: int) -> float:
         walls = []
@@ -343,6 +362,9 @@ def measure(owners: int, settings: ScaleSettings, log: Callable[[str], None] = p
             collect.append(t_end - max(ends))
         step_threads = {g: round(v * 1e3 / settings.steps, 3) for g, v in cpu_by_group(th0, thread_cpu()).items()}
         log(f"  steps: median wall {_median(walls) * 1e3:.1f} ms, CPU {_median(cpus) * 1e3:.1f} ms")
+        piped_wall, piped_cpu = driver.pipelined(k, settings.steps)
+        k += settings.steps
+        log(f"  pipelined: {piped_wall / settings.steps * 1e3:.1f} ms a step, CPU {piped_cpu / piped_wall:.2f} cores")
         owner_gap = cluster.usage()["max_beat_gap"]
         loss = _loss(cluster, driver, k)
         cpu_ms = _median(cpus) * 1e3
@@ -357,7 +379,9 @@ def measure(owners: int, settings: ScaleSettings, log: Callable[[str], None] = p
             owners_heartbeat_cpu_cores=owners_cpu, health_detect_s=loss["health_s"],
             abort_survivors_s=loss["abort_s"], lost_rank_ok=loss["rank_ok"], heartbeat_cpu_by_thread=beat_threads,
             step_cpu_by_thread=step_threads, max_beat_age_s=max(ages), owners_max_beat_gap_s=owner_gap,
-            false_losses=len(false_losses), false_loss_reason=false_losses[0] if false_losses else "")
+            false_losses=len(false_losses), false_loss_reason=false_losses[0] if false_losses else "",
+            pipelined_added_ms_per_step=(piped_wall / settings.steps - settings.compute_s) * 1e3,
+            pipelined_cpu_cores=piped_cpu / piped_wall)
     finally:
         driver.close()
         cluster.stop()

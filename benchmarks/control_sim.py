@@ -163,7 +163,7 @@ def worker_main(conn: Any, ranks: list[int], settings: SimSettings) -> None:
     credentials = Credentials(job_id=settings.job_id, token=settings.token)
     hosts = [SimHost(r, settings) for r in ranks]
     servers: list[ControlServer] = [
-        serve_owner(OwnerControl(host, fetch_timeout_s=30.0, save_timeout_s=30.0),  # type: ignore[arg-type]
+        serve_owner(OwnerControl(host, fetch_timeout_s=30.0, save_timeout_s=30.0, ahead_timeout_s=30.0),  # type: ignore[arg-type]
                     ServerConfig(host="127.0.0.1", credentials=credentials, threads=CONTROL_THREADS))
         for host in hosts]
     conn.send([s.address for s in servers])

@@ -38,13 +38,15 @@ def test_two_owners_three_steps_write_every_figure(tmp_path: Path) -> None:
     # Heartbeats less the idle baseline: never negative; zero only within a short window's noise.
     assert math.isfinite(row["heartbeat_cpu_cores"]) and row["heartbeat_cpu_cores"] >= 0
     assert row["step_wall_ms"] >= 20.0  # the stand-in computes 20 ms
+    assert math.isfinite(row["pipelined_added_ms_per_step"]) and row["pipelined_added_ms_per_step"] > -1.0
+    assert 0 < row["pipelined_cpu_cores"] < 2.5
     assert row["loss_to_decision_s"] < 10.0  # a killed process's sockets close: no heartbeat timeout
     assert row["lost_rank_ok"] is True and row["false_losses"] == 0
     assert 0 < row["max_beat_age_s"] < 10.0
     assert 1.0 <= row["heartbeats_per_s"] <= 4.0  # 2 owners, one beat a second each
 
 
-def _row(owners: int, *, added: float, cpu: float, beats: float) -> ScaleRow:
+def _row(owners: int, *, added: float, cpu: float, beats: float, piped: float = 3.0) -> ScaleRow:
     return ScaleRow(owners=owners, driver_added_ms_per_step=added, driver_cpu_cores=cpu, heartbeat_cpu_cores=beats,
                     loss_to_decision_s=0.02, step_wall_ms=20 + added, dispatch_ms=added * 0.8, compute_ms=20.5,
                     collect_ms=1.0, driver_cpu_ms_per_step=cpu * (20 + added), driver_cpu_us_per_owner=400.0,
@@ -53,22 +55,26 @@ def _row(owners: int, *, added: float, cpu: float, beats: float) -> ScaleRow:
                     health_detect_s=0.02, abort_survivors_s=0.3, lost_rank_ok=True, max_beat_age_s=1.5,
                     owners_max_beat_gap_s=1.1,
                     false_losses=0, false_loss_reason="", heartbeat_cpu_by_thread={},
-                    step_cpu_by_thread={"zero_ray-rpc": 300.0})
+                    step_cpu_by_thread={"zero_ray-rpc": 300.0}, pipelined_added_ms_per_step=piped,
+                    pipelined_cpu_cores=0.9)
 
 
 def test_notes_name_the_misses_at_1024_owners_and_the_heartbeat_budget() -> None:
-    fine, slow = _row(1024, added=4.0, cpu=0.5, beats=0.05), _row(1024, added=400.0, cpu=1.2, beats=0.2)
+    fine = _row(1024, added=4.0, cpu=0.5, beats=0.05)
+    slow = _row(1024, added=400.0, cpu=1.2, beats=0.2, piped=300.0)
     assert notes([fine]) == ["1024 owners: added latency 4.0 ms/step (goal ≤ 5): met",
+                             "1024 owners: added latency with fit's pipelined steps 3.0 ms/step (goal ≤ 5): met",
                              "1024 owners: driver CPU 0.50 cores (goal ≤ 1): met"]
     got = notes([slow])
     assert any("heartbeats MISS" in n and "budget 0.1024" in n for n in got)
     assert any("added latency 400.0 ms/step" in n and n.endswith("MISS") for n in got)
+    assert any("pipelined steps 300.0 ms/step" in n and n.endswith("MISS") for n in got)
     assert any("driver CPU 1.20 cores" in n and n.endswith("MISS") for n in got)
     assert any("where the time goes" in n and "dispatch 320.0 ms" in n for n in got)
     assert any("CPU-bound (1.20 cores)" in n for n in got)
     # Below 1024 owners only the heartbeat budget is judged.
     assert notes([replace(fine, owners=64, heartbeat_cpu_cores=0.001)]) == []
-    assert "| 1024 | 400.0 | 1.20 |" in table([slow])
+    assert "| 1024 | 400.0 | 300.0, 0.90 | 1.20 |" in table([slow])
     lossy = notes([replace(fine, owners=64, heartbeat_cpu_cores=0.001, false_losses=2, false_loss_reason="stall")])
     assert lossy == ["64 owners: live owners were declared lost (or a call timed out) 2 time(s), the monitor "
                      "restarted each time as a membership change does: stall"]
@@ -93,4 +99,4 @@ def test_render_recomputes_the_notes_from_the_rows(tmp_path: Path) -> None:
     assert results["notes"] == notes([slow]) + ["2048 owners: no row: TimeoutError: too many"]
     assert ScaleRow.from_json(json.loads((out / "control_scale.json").read_text())["rows"][0]) == slow
     text = (out / "control_scale.md").read_text()
-    assert "| 1024 | 400.0 | 1.20 |" in text and "2048 owners: no row" in text and "zero_ray-rpc 300" in text
+    assert "| 1024 | 400.0 | 3.0, 0.90 | 1.20 |" in text and "2048 owners: no row" in text and "zero_ray-rpc 300" in text

@@ -15,6 +15,15 @@ The run's position is held here, once (``Position``: steps completed in the owne
 the samples they read), with ``target``: the steps the user's calls have completed. The two
 differ only while a restore's replay catches up.
 
+Pipelined steps (``fit``): ``step(work, ahead=next)`` sends the next step to the owners before
+collecting this one (``StepArgs.ahead``; ``owner/step_order.py`` runs it there after this one,
+and never if this one failed), so the owners find their next command waiting and the driver's
+work for a step overlaps their compute. The step sent ahead is collected by the next ``step``
+call naming the same batch; any other call first collects it (``_land``) and counts it, keeping
+its results for that ``step`` call. A recovery drops it: the step before it failed somewhere, so
+it cannot complete anywhere. It is not sent when the step before takes a peer snapshot (its
+commit would wait a step longer) or a grow may be due (``RecoveryController.may_grow``).
+
 Step numbering: ``position.step`` counts completed steps. The step at index ``k`` (0-based: the
 ``k``-th batch of ``fit``'s order, ``StepArgs.step``, ``RecoveryReport.failed_step``) takes the
 position from ``k`` to ``k + 1`` and is called step ``k + 1`` in messages and metrics
@@ -31,11 +40,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from zero_ray.control.handlers import StepArgs, StepResult
+from zero_ray.control.handlers import Piece, StepArgs, StepResult
 from zero_ray.core.policy import Action
 from zero_ray.core.position import Position
 from zero_ray.driver.callbacks import Callbacks
-from zero_ray.driver.data import GlobalBatch
+from zero_ray.driver.data import GlobalBatch, IndexedBatch
+from zero_ray.driver.fanout import InFlight
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.pool import OwnerPool
 from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport, Replay, failed_error
@@ -67,6 +77,25 @@ class Call(Generic[T]):
     takes_step: bool = False  # the user's next step: a restore replays up to and including it
 
 
+@dataclass(frozen=True, kw_only=True)
+class Ahead:
+    """A step sent while the one before it runs (``Controller.step``'s ``ahead``)."""
+
+    index: int
+    generation: int
+    work: GlobalBatch
+    flight: InFlight[StepResult]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Landed:
+    """A step sent ahead that another call collected first: its results, for its ``step`` call."""
+
+    index: int
+    work: GlobalBatch
+    results: list[StepResult]
+
+
 class Controller:
     """The run's one loop over its calls, its position, and the recoveries carried out."""
 
@@ -86,6 +115,9 @@ class Controller:
         self.target = 0  # steps the user's calls have completed (>= position.step)
         self.recoveries: list[RecoveryReport] = []
         self._restored_at = 0.0
+        self._ahead: Ahead | None = None  # the step in flight behind the current one
+        self._landed: Landed | None = None
+        self.last_sent_ahead = False  # the last step executed had been sent while the one before ran
         # Held for a whole call, so that an operator's checkpoint (a gRPC thread) lands between
         # steps on every rank alike.
         self.mutex = threading.RLock()
@@ -98,6 +130,8 @@ class Controller:
             started = time.perf_counter()
             while True:
                 try:
+                    if not call.takes_step:  # a step collects the one sent ahead itself
+                        self._land()
                     self._catch_up()
                     result = call.attempt()
                 except ZeroRayError as err:
@@ -123,28 +157,86 @@ class Controller:
         self.target = position.step
 
     # -- steps -------------------------------------------------------------------------------------
-    def execute(self, work: GlobalBatch) -> list[StepResult]:
-        """Run the step at index ``position.step`` on ``work`` on every owner and count it."""
+    def execute(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> list[StepResult]:
+        """Run the step at index ``position.step`` on ``work`` on every owner and count it;
+        ``ahead``: send the step after it before waiting for this one."""
         generation = self._pool.generation
         at = self.position
-        pieces, held = work.send(self._pool, world_size=self._pool.world_size, key=f"{generation}:{at.step}")
-        args = [StepArgs(step=at.step, piece=piece, global_samples=work.samples, generation=generation,
-                         samples_seen=at.samples_seen) for piece in pieces]
-        with self._life.during(TrainerState.STEPPING, cause=f"step {at.step + 1}"):
-            results = self._pool.step(args, timeout_s=self._step_timeout_s)
+        held = None
+        sent, self._ahead = self._ahead, None
+        self.last_sent_ahead = sent is not None and (sent.index, sent.generation, sent.work) == (at.step, generation,
+                                                                                                  work)
+        if self.last_sent_ahead:
+            assert sent is not None
+            flight = sent.flight
+        else:
+            assert sent is None, f"step {sent.index + 1} was sent ahead, but step {at.step + 1} runs next"
+            pieces, held = work.send(self._pool, world_size=self._pool.world_size, key=f"{generation}:{at.step}")
+            flight = self._pool.start_step(self._args(at, work, pieces, ahead=False), timeout_s=self._step_timeout_s)
+        try:
+            if ahead is not None and self._pipelines(at.step, ahead):
+                pieces, _ = ahead.send(self._pool, world_size=self._pool.world_size,
+                                       key=f"{generation}:{at.step + 1}")
+                # Its deadline counts from when this step is collected (below); gRPC's is an outer bound.
+                args = self._args(at.after(work.samples), ahead, pieces, ahead=True)
+                self._ahead = Ahead(index=at.step + 1, generation=generation, work=ahead,
+                                    flight=self._pool.start_step(args, timeout_s=2 * self._step_timeout_s))
+            with self._life.during(TrainerState.STEPPING, cause=f"step {at.step + 1}"):
+                results = self._pool.fan.collect(flight)
+            if results[0].refused:  # on_nonfinite="raise": every owner refused it alike
+                raise NonFiniteError.refused(at.step + 1, results[0].nonfinite_loss_ranks,
+                                             results[0].nonfinite_grad_ranks)
+        except BaseException:
+            self._drop_ahead()  # this step failed somewhere: the one sent ahead runs nowhere
+            raise
         del held  # the owners are done with the staged pieces: the object store frees them
-        if results[0].refused:  # on_nonfinite="raise": every owner refused it alike
-            raise NonFiniteError.refused(at.step + 1, results[0].nonfinite_loss_ranks,
-                                         results[0].nonfinite_grad_ranks)
+        if self._ahead is not None:
+            self._ahead.flight.expire_in(self._step_timeout_s)
         self.position = at.after(work.samples)
         return results
 
-    def step(self, work: GlobalBatch) -> list[StepResult]:
-        """The user's next step: kept for a replay, run (after any replay), counted."""
+    def _args(self, at: Position, work: GlobalBatch, pieces: list[Piece], *, ahead: bool) -> list[StepArgs]:
+        return [StepArgs(step=at.step, piece=piece, global_samples=work.samples, generation=self._pool.generation,
+                         samples_seen=at.samples_seen, ahead=ahead) for piece in pieces]
+
+    def _pipelines(self, index: int, ahead: GlobalBatch) -> bool:
+        """Whether the step after step ``index`` may be sent while it runs: a dataset's batch
+        (nothing staged), no peer snapshot after this step, no grow due."""
+        every = self._pool.spec.snapshot_every
+        return (isinstance(ahead, IndexedBatch) and not (every and (index + 1) % every == 0)
+                and not self.recovery.may_grow())
+
+    def _land(self) -> None:
+        """Collect the step sent ahead before another call uses the owners, and count it."""
+        sent, self._ahead = self._ahead, None
+        if sent is None:
+            return
+        self.replay.add(sent.index, sent.work)
+        with self._life.during(TrainerState.STEPPING, cause=f"step {sent.index + 1}"):
+            results = self._pool.fan.collect(sent.flight)
+        if results[0].refused:
+            raise NonFiniteError.refused(sent.index + 1, results[0].nonfinite_loss_ranks,
+                                         results[0].nonfinite_grad_ranks)
+        self.position = self.position.after(sent.work.samples)
+        self.target = max(self.target, sent.index + 1)
+        self._landed = Landed(index=sent.index, work=sent.work, results=results)
+
+    def _drop_ahead(self) -> None:
+        sent, self._ahead, self._landed = self._ahead, None, None
+        if sent is not None:
+            sent.flight.cancel()
+
+    def step(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> list[StepResult]:
+        """The user's next step: kept for a replay, run (after any replay), counted. ``ahead``:
+        the batch of the step after it, sent to the owners while this one runs (``fit``)."""
+        landed, self._landed = self._landed, None
+        if landed is not None and landed.work is work and landed.index == self.target - 1:
+            self.last_sent_ahead = True
+            return landed.results  # sent ahead, collected and counted by another call
         index = self.target
         self.replay.add(index, work)
-        results = self.run(Call(name=f"step {index + 1}", attempt=lambda: self.execute(work), collective=True,
-                                takes_step=True))
+        results = self.run(Call(name=f"step {index + 1}", attempt=lambda: self.execute(work, ahead=ahead),
+                                collective=True, takes_step=True))
         self.target = index + 1
         return results
 
@@ -169,6 +261,7 @@ class Controller:
         outcome is recorded and told to the callbacks."""
         until = self.target if until is None else until
         failed_step = self.position.step
+        self._drop_ahead()
         self._life.move(TrainerState.RECOVERING, cause=f"{cause}: {type(err).__name__}", error=err)
         report = self.recovery.recover(err, failed_step=failed_step,
                                        step_started=time.time() - (time.perf_counter() - started),
@@ -206,6 +299,8 @@ class Controller:
     def grow(self, resize: Callable[[int], object]) -> None:
         """Grow back towards the desired size when the recovery controller says so (``grow_now``:
         replacements started after a loss are up, or the cluster has room again)."""
+        if self._ahead is not None:  # the owners are busy with the next step: at a later boundary
+            return
         target = self.recovery.grow_now()
         if target is None:
             return

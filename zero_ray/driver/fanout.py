@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import ray
 
@@ -85,6 +86,28 @@ def control_error(err: ControlError, where: str, rank: int, what: str) -> ZeroRa
     cls = (CallTimeout if err.code == "DEADLINE_EXCEEDED" else OwnerLostError if err.code in _LOST_CODES
            else OwnerError)
     return cls(f"{where} failed in {what}: {err}", rank=rank)
+
+
+@dataclass(kw_only=True)
+class InFlight(Generic[T]):
+    """Calls begun on every owner and not yet collected (``FanOut.start``)."""
+
+    what: str
+    staged: dict[int, Any]
+    calls: list[Pending[T]] = field(default_factory=list)
+    arrived: queue.SimpleQueue[int] = field(default_factory=queue.SimpleQueue)
+    deadline: float | None = None  # time.monotonic(); besides each call's own gRPC deadline
+    timeout_s: float = 0.0
+
+    def expire_in(self, timeout_s: float) -> None:
+        """Fail the calls not answered ``timeout_s`` from now (a step sent ahead: from when the
+        step before it ended), as their gRPC deadline would."""
+        self.deadline, self.timeout_s = time.monotonic() + timeout_s, timeout_s
+
+    def cancel(self) -> None:
+        """Stop waiting for the replies (the owners are told the calls were cancelled)."""
+        for call in self.calls:
+            call.cancel()
 
 
 class FanOut:
@@ -216,18 +239,27 @@ class FanOut:
         """As ``grpc``, for calls in gRPC's future form (``start`` begins one and returns at
         once): no pool thread per owner, each reply handled as it arrives, the health monitor
         and the staging calls looked at every ``POLL_S``. The per-step path (``step``)."""
-        arrived: queue.SimpleQueue[int] = queue.SimpleQueue()
-        calls: list[Pending[T]] = []
+        return self.collect(self.start(clients, what, start, staged=staged))
+
+    @staticmethod
+    def start(clients: Sequence[OwnerClient], what: str, start: Callable[[OwnerClient, int], Pending[T]], *,
+              staged: Mapping[int, Any] | None = None) -> InFlight[T]:
+        """Begin ``start(client, i)`` on every owner and return at once (``collect`` waits)."""
+        flight: InFlight[T] = InFlight(what=what, staged=dict(staged or {}))
         for i, client in enumerate(clients):
             call = start(client, i)
-            call.add_done_callback(lambda _, i=i: arrived.put(i))
-            calls.append(call)
-        staging = dict(staged or {})
+            call.add_done_callback(lambda _, i=i: flight.arrived.put(i))
+            flight.calls.append(call)
+        return flight
+
+    def collect(self, flight: InFlight[T]) -> list[T]:
+        """Every reply of ``flight`` in order, watching health and staging as ``pending`` does."""
+        what, calls, staging = flight.what, flight.calls, flight.staged
         results: dict[int, T] = {}
         checked = time.monotonic()
         while len(results) < len(calls):
             try:
-                i = arrived.get(timeout=POLL_S)
+                i = flight.arrived.get(timeout=POLL_S)
             except queue.Empty:
                 i = None
             if i is not None:
@@ -239,6 +271,10 @@ class FanOut:
                 checked = time.monotonic()
                 self._check_staged(staging)
                 self.check(what)
+                if flight.deadline is not None and checked > flight.deadline and len(results) < len(calls):
+                    late = min(set(range(len(calls))) - set(results))
+                    raise CallTimeout(f"{self._where(late)} did not finish {what} within {flight.timeout_s:g}s",
+                                      rank=late)
         return [results[i] for i in range(len(calls))]
 
     def urgent(self, targets: Mapping[int, OwnerClient], call: Callable[[OwnerClient], T], *,

@@ -43,7 +43,7 @@ class Trainer(Protocol):
     @property
     def stop_requested(self) -> bool: ...
 
-    def _step(self, work: GlobalBatch) -> dict[str, Any]: ...
+    def _step(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> dict[str, Any]: ...
 
     def _evaluate(self, work: GlobalBatch) -> dict[str, float]: ...
 
@@ -75,6 +75,12 @@ class FitPlan:
                 raise ConfigError(f"fit({name}={value!r}): must be an integer >= 1")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"fit(seed={self.seed!r}): must be an integer")
+
+    def pipelines(self, index: int) -> bool:
+        """Whether step ``index`` (0-based) may be sent while the one before runs: it is part of
+        this fit, and no evaluation or checkpoint comes between the two."""
+        return (index < self.steps and not (self.eval_every and index % self.eval_every == 0)
+                and not (self.checkpoint_every and index % self.checkpoint_every == 0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,14 +172,19 @@ def fit(trainer: Trainer, dataset: Any, *, global_batch_size: int, steps: int, s
     result: dict[str, Any] = {}
     start, start_step, items = time.perf_counter(), trainer.step_count, 0.0
     try:
-        while trainer.step_count < plan.steps and not trainer.stop_requested:
-            k = trainer.step_count
+        k = trainer.step_count
+        work = IndexedBatch(TRAIN, order.indices(k))
+        while k < plan.steps and not trainer.stop_requested:
+            # The next step goes to the owners while this one runs, unless something happens
+            # between them: an evaluation, a checkpoint, the end (the controller may decline too).
+            ahead = IndexedBatch(TRAIN, order.indices(k + 1)) if plan.pipelines(k + 1) else None
             with trainer._step_mutex:
-                metrics = trainer._step(IndexedBatch(TRAIN, order.indices(k)))
+                metrics = trainer._step(work, ahead=ahead)
             items += metrics["items"]
-            result.update(step=trainer.step_count, loss=metrics["loss"], epoch=order.position(k)[0],
+            done = k = k + 1  # (not step_count: a call in the callback may have counted the step sent ahead)
+            work = ahead if ahead is not None else IndexedBatch(TRAIN, order.indices(k))
+            result.update(step=done, loss=metrics["loss"], epoch=order.position(done - 1)[0],
                           items_per_second=items / max(time.perf_counter() - start, 1e-9))
-            done = trainer.step_count
             if plan.eval_every is not None and (done % plan.eval_every == 0 or done == plan.steps):
                 result["eval_loss"] = metrics["eval_loss"] = evaluate_dataset(trainer, eval_length,
                                                                              plan.global_batch_size)["loss"]

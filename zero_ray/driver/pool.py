@@ -48,7 +48,7 @@ from zero_ray.core.restore_plan import (
     TransferDescription,
     restore_to_data,
 )
-from zero_ray.driver.fanout import FanOut
+from zero_ray.driver.fanout import FanOut, InFlight
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.driver.pool_spec import PoolSpec, check_resources, cluster_is_local
 from zero_ray.driver.replacements import Replacements
@@ -244,8 +244,12 @@ class OwnerPool:
     def step(self, args: Sequence[StepArgs], *, timeout_s: float) -> list[StepResult]:
         """One step on every owner over gRPC, each call with a deadline; a failed staging call
         of its pieces fails it at once."""
-        return self.fan.pending(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=timeout_s),
-                                staged=self._staged(args[0].piece.batch_key if args else ""))
+        return self.fan.collect(self.start_step(args, timeout_s=timeout_s))
+
+    def start_step(self, args: Sequence[StepArgs], *, timeout_s: float) -> InFlight[StepResult]:
+        """Send a step to every owner and return at once (``fan.collect`` waits for it)."""
+        return self.fan.start(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=timeout_s),
+                              staged=self._staged(args[0].piece.batch_key if args else ""))
 
     def evaluate(self, args: Sequence[EvaluateArgs], *, timeout_s: float) -> list[EvaluateResult]:
         """A forward-only pass on every owner over gRPC (all take part: stage 3 gathers)."""

@@ -345,6 +345,10 @@ class RecoveryController:
             if pool.replacements.started is not None:
                 report.notes.append(f"{target - pool.world_size} replacements starting, to join once up")
 
+    def may_grow(self) -> bool:
+        """Whether a grow back may be due at a coming step boundary (no side effects)."""
+        return self._grow_back and self._pool.world_size < self.desired
+
     def grow_now(self) -> int | None:
         """The size to grow back to at this step boundary (``grow_back``), or None: the started
         replacements' once every one answers (None while they start; ended when they have not

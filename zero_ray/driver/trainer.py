@@ -269,13 +269,14 @@ class ZeroTrainer(ResumeAPI):
         ``on_nonfinite="skip"``, which adds ``nonfinite_loss_ranks`` and ``nonfinite_grad_ranks``),
         ``loss_scale``, ``samples``, ``items`` (the count, or tokens of an integer batch, or
         samples) and ``items_per_second``, ``step_seconds``, ``data_wait_seconds`` (the slowest
-        owner's wait for its piece of the batch). Under ``on_nonfinite="raise"`` a
+        owner's wait for its piece of the batch), ``sent_ahead`` (``fit`` sent this step to the
+        owners while the step before it ran; never here). Under ``on_nonfinite="raise"`` a
         non-finite step raises ``NonFiniteError`` having changed nothing: ``step()`` again.
         """
         with self._step_mutex:
             return self._step(StagedBatch(batch))
 
-    def _step(self, work: GlobalBatch) -> dict[str, Any]:
+    def _step(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> dict[str, Any]:
         self._life.require_ready()
         cfg = self.config
         n = work.samples
@@ -284,7 +285,7 @@ class ZeroTrainer(ResumeAPI):
                               f"{self.world_size} * {cfg.grad_accum_steps}; every rank needs at least one sample "
                               "per micro-batch")
         start = time.perf_counter()
-        results = self._controller.step(work)
+        results = self._controller.step(work, ahead=ahead)
         seconds = time.perf_counter() - start
         totals = combine([r.totals for r in results])
         metrics = {
@@ -301,6 +302,7 @@ class ZeroTrainer(ResumeAPI):
             "owner_compute_seconds": max(r.compute_seconds for r in results),
             "data_wait_seconds": max(r.data_seconds for r in results),  # the slowest owner's wait for its piece
             "bytes_sent": sum(sum(r.bytes_sent.values()) for r in results),
+            "sent_ahead": self._controller.last_sent_ahead,
         }
         if "count" in totals:
             metrics["count"] = totals["count"]

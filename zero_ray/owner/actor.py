@@ -104,7 +104,8 @@ class PartitionOwner:
         torch.set_num_threads(max(1, options.threads))
         host = options.control_host or ("127.0.0.1" if options.local_cluster else ray.util.get_node_ip_address())
         self._server: ControlServer = serve_owner(
-            OwnerControl(self, fetch_timeout_s=options.collective_timeout_s, save_timeout_s=options.save_timeout_s),
+            OwnerControl(self, fetch_timeout_s=options.collective_timeout_s, save_timeout_s=options.save_timeout_s,
+                         ahead_timeout_s=options.collective_timeout_s),
             # Every control operation is served here, the long ones (a step, a reshard or rebuild
             # waiting on the step lock) beside Abort, Stats probes and up to max_streams heartbeat
             # streams (an old monitor's and its replacement's during a membership change).

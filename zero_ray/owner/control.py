@@ -33,6 +33,7 @@ from zero_ray.owner.checkpointing import ShardSaver, restore, shard_record_json
 from zero_ray.owner.data import PieceSource
 from zero_ray.owner.engine import OwnerEngine
 from zero_ray.owner.redundancy import PeerSnapshots
+from zero_ray.owner.step_order import StepOrder
 
 
 class OwnerHost(Protocol):
@@ -100,31 +101,44 @@ def rss_bytes() -> int:
 class OwnerControl:
     """Implements ``zero_ray.control.handlers.OwnerHandler`` for one partition owner."""
 
-    def __init__(self, owner: OwnerHost, *, fetch_timeout_s: float, save_timeout_s: float) -> None:
+    def __init__(self, owner: OwnerHost, *, fetch_timeout_s: float, save_timeout_s: float,
+                 ahead_timeout_s: float) -> None:
         self._owner = owner
         self._fetch_timeout_s = fetch_timeout_s
         self._save_timeout_s = save_timeout_s
+        self._ahead_timeout_s = ahead_timeout_s  # the longest a step sent ahead waits for the one before
         self._lock = owner.step_lock  # one step at a time, whatever the driver sends
+        self._order = StepOrder()
 
     def step(self, args: h.StepArgs) -> h.StepResult:
         owner = self._owner
         owner.touch()
         self._check_generation(args.generation, "step")
+        if args.ahead:  # sent while the step before may still run: after it, and only if it completed
+            self._order.wait_for_previous(rank=owner.rank, generation=args.generation, step=args.step,
+                                          timeout_s=self._ahead_timeout_s)
         with self._lock:
-            owner.snapshots.commit_upto(args.step - 1)  # the driver saw every rank finish that step
-            started = time.perf_counter()
-            owner.flight.phase(f"waiting for data (step {args.step + 1})")
+            self._check_generation(args.generation, "step")
+            # The driver saw every rank finish the step before (two before, for one sent ahead).
+            owner.snapshots.commit_upto(args.step - (2 if args.ahead else 1))
+            completed = False
             try:
-                piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s, generation=args.generation,
-                                        step=args.step)
-                waited = time.perf_counter() - started
-                result = owner.engine.step(piece, global_samples=args.global_samples,
-                                           position=Position(step=args.step, samples_seen=args.samples_seen))
-            finally:  # a step that raised is over here: idle, not "in compute", to a stall diagnosis
-                owner.flight.phase(IDLE)
-            result = dataclasses.replace(result, data_seconds=waited)
-            if not result.refused:  # a refused step changed nothing: no snapshot is due
-                owner.after_step(args.step)
+                started = time.perf_counter()
+                owner.flight.phase(f"waiting for data (step {args.step + 1})")
+                try:
+                    piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s,
+                                            generation=args.generation, step=args.step)
+                    waited = time.perf_counter() - started
+                    result = owner.engine.step(piece, global_samples=args.global_samples,
+                                               position=Position(step=args.step, samples_seen=args.samples_seen))
+                finally:  # a step that raised is over here: idle, not "in compute", to a stall diagnosis
+                    owner.flight.phase(IDLE)
+                result = dataclasses.replace(result, data_seconds=waited)
+                if not result.refused:  # a refused step changed nothing: no snapshot is due
+                    owner.after_step(args.step)
+                    completed = True
+            finally:
+                self._order.ended(generation=args.generation, step=args.step, completed=completed)
         return result
 
     def evaluate(self, args: h.EvaluateArgs) -> h.EvaluateResult:
@@ -167,8 +181,10 @@ class OwnerControl:
         return h.LoadResult(step=owner.engine.position.step, bytes_read=read)
 
     def abort(self, reason: str, generation: int) -> bool:
-        # A step waiting for a staged piece that will never come (its staging failed) gives up too.
+        # A step waiting for a staged piece that will never come (its staging failed) gives up too,
+        # as does one sent ahead waiting for the step before it.
         self._owner.data.abort(generation)
+        self._order.interrupt(generation)
         return self._owner.abort(reason=reason, generation=generation)
 
     def heartbeat(self) -> h.Heartbeat:

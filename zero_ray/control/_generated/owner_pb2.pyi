@@ -28,20 +28,22 @@ class Piece(_message.Message):
     def __init__(self, batch_key: _Optional[str] = ..., dataset: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("header", "step", "piece", "global_samples", "generation", "samples_seen")
+    __slots__ = ("header", "step", "piece", "global_samples", "generation", "samples_seen", "ahead")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_SEEN_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     step: int
     piece: Piece
     global_samples: int
     generation: int
     samples_seen: int
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., step: _Optional[int] = ..., piece: _Optional[_Union[Piece, _Mapping]] = ..., global_samples: _Optional[int] = ..., generation: _Optional[int] = ..., samples_seen: _Optional[int] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., step: _Optional[int] = ..., piece: _Optional[_Union[Piece, _Mapping]] = ..., global_samples: _Optional[int] = ..., generation: _Optional[int] = ..., samples_seen: _Optional[int] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class LossTotals(_message.Message):
     __slots__ = ("loss_sum", "samples", "count", "counted", "items")

@@ -55,6 +55,10 @@ class StepArgs:
     # Samples the run had seen before this step: with `step`, the driver's position,
     # which the owner holds once the step completes.
     samples_seen: int = 0
+    # Sent while step `step - 1` may still be running (fit pipelines its steps): the
+    # owner runs it once it has completed that step itself, and never if that step
+    # failed there. The driver has then seen every rank complete only `step - 2`.
+    ahead: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
