@@ -20,6 +20,11 @@ more of it is hidden); with the bytes the process read from and wrote to the dis
 (``/proc/self/io``; writes are the kernel's write-back, so they land after the step that dirtied
 them and overlap the next one).
 
+With ``--cold``, a third trial, ``nvme-cold``, writes the state files back and drops their pages
+from the page cache after every step (``fdatasync`` and ``POSIX_FADV_DONTNEED`` on each, outside
+the timed step; root, for ``/proc/self/map_files``), so that every step reads its state from the
+disk: a model whose state does not fit in the page cache. Its write-back is left out of the step.
+
 Writes ``benchmarks/results/offload.{json,md}`` (``--results-dir``) and prints the table.
 """
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -39,7 +45,29 @@ from benchmarks.harness.runner import loadavg, machine_info
 from benchmarks.harness.trials import add_trial_arguments, run_child, write_results
 
 TRIALS = ("memory", "nvme")
+COLD = "nvme-cold"
 MIB = 2**20
+
+
+def _page_out_state() -> int:
+    """Write this process's offloaded state files back and drop them from the page cache, so
+    the next step reads them from the disk; returns their bytes. The files are unlinked: each is
+    opened through ``/proc/self/map_files`` (root), written back (``fdatasync``) and dropped
+    (``POSIX_FADV_DONTNEED``; the owner has already unmapped their pages after the update)."""
+    total = 0
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+        for line in f:
+            if "zero_ray-rank" not in line or "(deleted)" not in line:
+                continue
+            span = line.split()[0]
+            fd = os.open(f"/proc/self/map_files/{span}", os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return total
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +119,7 @@ def _disk_io() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
-def _child(args: argparse.Namespace, nvme: bool) -> OffloadRow:
+def _child(args: argparse.Namespace, nvme: bool, *, cold: bool = False) -> OffloadRow:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -136,6 +164,8 @@ def _child(args: argparse.Namespace, nvme: bool) -> OffloadRow:
         if step == 0:
             peak = _peak_rss()
             _reset_peak_rss()
+        if cold and _page_out_state() == 0:
+            raise RuntimeError("--page-out found no offloaded state file mapped in this process")
     steady_peak = _peak_rss()
     report = engine.memory_report()
     # At most two groups' state is resident while streaming: the one stepping and the next, read ahead.
@@ -165,7 +195,8 @@ def _trial(name: str, args: argparse.Namespace) -> OffloadRow:
     data = run_child("benchmarks.offload", ["--layers", str(args.layers), "--width", str(args.width), "--vocab",
                                             str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch),
                                             "--steps", str(args.steps), "--bucket-mib", str(args.bucket_mib),
-                                            "--path", args.path] + (["--nvme"] if name == "nvme" else []),
+                                            "--path", args.path] + (["--nvme"] if name != "memory" else [])
+                     + (["--page-out"] if name == COLD else []),
                      name=name, timeout_s=args.timeout)
     return OffloadRow(**{**data, "trial": name})
 
@@ -208,19 +239,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mib", type=int, default=25, help="ZeroConfig.bucket_bytes in MiB (a group's size)")
     parser.add_argument("--path", default="/var/tmp", help="Offload(path=...): a directory on local disk")
     add_trial_arguments(parser, timeout_s=1800.0)
+    parser.add_argument("--cold", action="store_true",
+                        help=f"a third trial, {COLD}: every step reads the state from the disk, not the page cache")
     parser.add_argument("--nvme", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--page-out", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error(f"--steps={args.steps}: at least 2 (the first creates the optimizer state)")
     if args.child:
-        print(json.dumps(asdict(_child(args, args.nvme))))
+        print(json.dumps(asdict(_child(args, args.nvme, cold=args.page_out))))
         return 0
     info: dict[str, Any] = machine_info()
-    rows = [_trial(name, args) for name in TRIALS]
+    rows = [_trial(name, args) for name in TRIALS + ((COLD,) if args.cold else ())]
     info["loadavg_end"] = loadavg()
     command = "python -m benchmarks.offload " + " ".join(argv if argv is not None else sys.argv[1:])
     table = render(rows, command=command.strip(), machine=machine_line(info))
-    write_results(args.results_dir, "offload", {"args": {k: v for k, v in vars(args).items() if k not in ("child", "nvme")},
+    write_results(args.results_dir, "offload", {"args": {k: v for k, v in vars(args).items()
+                                                         if k not in ("child", "nvme", "page_out")},
                                                 "machine": info, "rows": [asdict(r) for r in rows]}, table)
     return 0
 

@@ -4,6 +4,7 @@ disk in one), the table, and the argument check."""
 from __future__ import annotations
 
 import argparse
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -53,3 +54,15 @@ def test_too_few_steps_are_refused_by_value(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit):
         main(["--steps", "1"])
     assert "--steps=1: at least 2" in capsys.readouterr().err
+
+
+def test_a_cold_trial_reads_every_steps_state_from_the_disk_and_trains_the_same_bits() -> None:
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as disk:  # a disk, never a tmpfs
+        args = replace_args(_args(Path(disk)), steps=3)
+        cold, warm = _child(args, True, cold=True), _child(args, True)
+    assert cold.params_sha256 == warm.params_sha256
+    assert cold.read_bytes >= cold.nvme_bytes > 0 == warm.read_bytes  # all of it, each step
+
+
+def replace_args(args: argparse.Namespace, **changes: object) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
