@@ -241,13 +241,9 @@ class OwnerPool:
         return int(min(free.get(k, 0.0) // v for k, v in self.spec.demand.items())) + self.replacements.slots
 
     # -- calls ---------------------------------------------------------------------------------------
-    def step(self, args: Sequence[StepArgs], *, timeout_s: float) -> list[StepResult]:
-        """One step on every owner over gRPC, each call with a deadline; a failed staging call
-        of its pieces fails it at once."""
-        return self.fan.collect(self.start_step(args, timeout_s=timeout_s))
-
     def start_step(self, args: Sequence[StepArgs], *, timeout_s: float) -> InFlight[StepResult]:
-        """Send a step to every owner and return at once (``fan.collect`` waits for it)."""
+        """Send a step to every owner, each call with a deadline, and return at once
+        (``fan.collect`` waits for it; a failed staging call of its pieces fails it at once)."""
         return self.fan.start(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=timeout_s),
                               staged=self._staged(args[0].piece.batch_key if args else ""))
 
