@@ -353,8 +353,9 @@ class ZeroConfig:
     compile: ``torch.compile`` each unit's forward (regional compilation): True, or
         ``Compile(mode=..., fullgraph=..., ...)``; see ``Compile``. Return the plain module from
         ``model_fn``: a module ``torch.compile``'d there is refused.
-    offload: where each owner keeps its optimizer state: ``Offload(optimizer="nvme", path=...)``
-        streams it from local disk; see ``Offload``.
+    offload: where each owner keeps its optimizer state, and at stage 3 its parameter shards:
+        ``Offload(optimizer="nvme", params="nvme", path=...)`` streams them from local disk; see
+        ``Offload``.
     init_state_dict: start from these weights instead of ``model_fn()``'s (fine-tuning): a
         safetensors file (e.g. ``zero-ray checkpoint consolidate``'s output; read a slice at a
         time at stage 3) or a ``{name: tensor}`` dict (which travels to every rank whole).
@@ -416,9 +417,13 @@ class ZeroConfig:
                               "mode='max-autotune-no-cudagraphs' (or 'default')")
         if not isinstance(self.offload, Offload):
             raise ConfigError(f"offload={self.offload!r} must be a zr.Offload(optimizer='nvme', path=...)")
-        if self.offload.optimizer_on_nvme and self.device == "cuda":
-            raise ConfigError("Offload(optimizer='nvme') is built for CPU owners (device='cpu'); with device='cuda' "
-                              "keep the optimizer state in memory (Offload())")
+        if self.offload.any_on_nvme and self.device == "cuda":
+            raise ConfigError(f"{self.offload} is built for CPU owners (device='cpu'); with device='cuda' keep the "
+                              "model state in memory (Offload())")
+        if self.offload.params_on_nvme and self.stage != 3:
+            raise ConfigError(f"Offload(params='nvme') was given with stage={self.stage}: parameters are sharded, and "
+                              "so offloaded, at stage 3 only (below it every owner uses every parameter each step); "
+                              "use stage=3, or Offload(optimizer='nvme') to offload the optimizer state")
         if self.stage != 3 and self.stage3 != Stage3Config():
             raise ConfigError(f"stage3 options were given with stage={self.stage}; they apply to stage 3 only")
         if not isinstance(self.world_size, int) or self.world_size < 1:

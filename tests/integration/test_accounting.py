@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import pytest
 import torch
 
 import zero_ray as zr
-from zero_ray.core.memory import model_state_bytes, optimizer_bytes_per_param
+from zero_ray.core.memory import model_state_bytes, optimizer_bytes_per_param, tier_bytes
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -68,3 +69,29 @@ def test_model_state_bytes_and_communication_match_the_paper(stage: int, world_s
         model_state = rank["total"] - rank.get("scalars", 0)
         assert model_state == 2 * (world_size - 1) * padded // world_size * element
         assert rank.get("scalars", 0) <= 64  # the global gradient norm, a few bytes
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_offloaded_bytes_and_what_stays_resident_match_the_formulas(world_size: int, tmp_path: Path) -> None:
+    # Stage 3, the optimizer state and the parameter and gradient shards on disk (ZeRO-Infinity's NVMe tier).
+    offload = zr.Offload(optimizer="nvme", params="nvme", path=str(tmp_path))
+    trainer = zr.ZeroTrainer(_model, _loss, optimizer=zr.AdamW(lr=1e-3),
+                             config=zr.ZeroConfig(stage=3, world_size=world_size, bucket_bytes=2048,
+                                                  offload=offload))
+    try:
+        trainer.step(torch.randn(world_size * 3, 23))
+        memory = trainer.memory_report()
+    finally:
+        trainer.shutdown()
+    padded = memory[0]["padded_numel"]
+    state = model_state_bytes(stage=3, num_params=padded, world_size=world_size, param_bytes=4, grad_bytes=4,
+                              optimizer_bytes=optimizer_bytes_per_param("adamw", mixed_precision=False))
+    tiers = tier_bytes(state, stage=3, optimizer="nvme", params="nvme")
+    for rank in memory:
+        assert rank["total"] == rank["held_storage_bytes"]
+        assert rank["nvme"] == tiers.nvme == state.total  # the step's whole model state, padding included
+        # what stays in memory: the formula's device share (none), torch's per-fragment step counts and
+        # the working set, a unit's gather buffer and its gradients' staging buffer
+        working = rank["gather_buffers"] + rank["reduce_buffers"]
+        assert working == 2 * 4 * padded
+        assert rank["resident"] - rank["optimizer_scalars"] - working == tiers.device == 0

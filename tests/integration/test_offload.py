@@ -1,8 +1,9 @@
-"""Optimizer state on local disk (``Offload(optimizer="nvme")``) on Ray actors, with Hugging Face
-GPT-2: the peer copies of that state (``redundancy="peer"``) are files too; a checkpoint saved
-with the state on disk resumes with it in memory at another stage and
-size, and the reverse, both equal to the run that never offloaded; and an owner SIGKILLed in
-backward while its state is on disk is restored from its peer's copy, the run ending equal to
+"""Optimizer state, and stage-3 parameter shards, on local disk (``Offload(optimizer="nvme",
+params="nvme")``) on Ray actors, with Hugging Face GPT-2: the peer copies of that state
+(``redundancy="peer"``) are files too; a checkpoint saved with the state on disk resumes with it
+in memory at another stage and size, and the reverse, all equal to the run that never offloaded;
+and an owner SIGKILLed in backward while its optimizer state and parameter shards are on disk is
+restored from its peer's copy, the run ending equal to
 single-process torch; so is one whose state files the disk changed (a byte flipped through the
 file, found by the block checksums before the update used it). The stage x optimizer matrix is on thread ranks
 (tests/unit/test_offload_threads.py)."""
@@ -26,12 +27,13 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 STEPS, SAVE_AT = 4, 2
 
 
-def _run(tmp_path: Path, name: str, *, before: zr.Offload, after: zr.Offload) -> dict[str, torch.Tensor]:
-    """Two steps at stage 2 on 2 owners, a save, then the last two resumed at stage 3 on 3."""
+def _run(tmp_path: Path, name: str, *, before: zr.Offload, after: zr.Offload,
+         stages: tuple[int, int] = (2, 3)) -> dict[str, torch.Tensor]:
+    """Two steps at ``stages[0]`` on 2 owners, a save, then the last two resumed at ``stages[1]`` on 3."""
     opt = zr.AdamW(lr=1e-2, weight_decay=0.1)
     batches = token_batches(steps=STEPS, n=6)
     trainer = zr.ZeroTrainer(gpt2_lm, causal_lm_loss, optimizer=opt,
-                             config=zr.ZeroConfig(stage=2, world_size=2, device="cpu", offload=before,
+                             config=zr.ZeroConfig(stage=stages[0], world_size=2, device="cpu", offload=before,
                                                   elastic=zr.ElasticConfig(redundancy="peer")))
     try:
         for batch in batches[:SAVE_AT]:
@@ -45,11 +47,12 @@ def _run(tmp_path: Path, name: str, *, before: zr.Offload, after: zr.Offload) ->
     finally:
         trainer.shutdown()
     resumed = zr.ZeroTrainer.from_checkpoint(saved, gpt2_lm, causal_lm_loss, optimizer=opt,
-                                             config=zr.ZeroConfig(stage=3, world_size=3, device="cpu", offload=after))
+                                             config=zr.ZeroConfig(stage=stages[1], world_size=3, device="cpu",
+                                                                  offload=after))
     try:
         for batch in batches[SAVE_AT:]:
             resumed.step(batch)
-        assert all((r["nvme"] > 0) == after.optimizer_on_nvme for r in resumed.memory_report())
+        assert all((r["nvme"] > 0) == after.any_on_nvme for r in resumed.memory_report())
         return resumed.full_state_dict()
     finally:
         resumed.shutdown()
@@ -58,11 +61,14 @@ def _run(tmp_path: Path, name: str, *, before: zr.Offload, after: zr.Offload) ->
 @pytest.mark.timeout(300)
 def test_a_checkpoint_resumes_across_tiers(tmp_path: Path) -> None:
     disk = zr.Offload(optimizer="nvme", path=str(tmp_path / "nvme"))
+    everything = zr.Offload(optimizer="nvme", params="nvme", path=str(tmp_path / "nvme"))  # stage 3's shards too
     memory = zr.Offload()
-    ref = _run(tmp_path, "memory", before=memory, after=memory)
-    for before, after in ((disk, memory), (memory, disk)):
-        got = _run(tmp_path, f"{before.optimizer}-{after.optimizer}", before=before, after=after)
-        assert max(float((got[n] - ref[n]).abs().max()) for n in ref) == 0.0, (before, after)
+    refs = {stages: _run(tmp_path, f"memory{stages}", before=memory, after=memory, stages=stages)
+            for stages in ((2, 3), (3, 2))}
+    for k, (before, after, stages) in enumerate(((disk, memory, (2, 3)), (memory, everything, (2, 3)),
+                                                 (everything, memory, (3, 2)))):
+        got, ref = _run(tmp_path, f"run{k}", before=before, after=after, stages=stages), refs[stages]
+        assert max(float((got[n] - ref[n]).abs().max()) for n in ref) == 0.0, (before, after, stages)
     assert not os.listdir(tmp_path / "nvme")  # the owners' files went with them
 
 
@@ -72,7 +78,8 @@ def test_an_owner_killed_with_its_state_on_disk_is_restored_from_its_peer(tmp_pa
     batches = token_batches(steps=6, n=6)
     ref, _ = single_process(gpt2_lm, causal_lm_loss, opt, batches)
     config = zr.ZeroConfig(stage=3, world_size=3, device="cpu", health_interval_s=0.2, health_timeout_s=5.0,
-                           collective_timeout_s=600, offload=zr.Offload(optimizer="nvme", path=str(tmp_path / "nvme")),
+                           collective_timeout_s=600,
+                           offload=zr.Offload(optimizer="nvme", params="nvme", path=str(tmp_path / "nvme")),
                            elastic=zr.ElasticConfig(redundancy="peer"))
     (tmp_path / "marks").mkdir()
     run = run_with_kill("backward", model_fn=gpt2_lm, loss_fn=causal_lm_loss, optimizer=opt, batches=batches,

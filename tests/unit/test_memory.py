@@ -300,7 +300,9 @@ def test_module_is_pure() -> None:
 
 def test_tier_bytes_moves_the_optimizer_and_stage3_params() -> None:
     state = StateBytes(params=2, grads=3, optimizer=12, secondary=1)
-    assert tier_bytes(state, stage=3, optimizer="nvme", params="cpu") == TierBytes(device=4, host=2, nvme=12)
+    # at stage 3 the gradient partition goes with the parameters' (ZeRO-Infinity), hpZ's copy stays
+    assert tier_bytes(state, stage=3, optimizer="nvme", params="cpu") == TierBytes(device=1, host=5, nvme=12)
+    assert tier_bytes(state, stage=3, optimizer="nvme") == TierBytes(device=6, host=0, nvme=12)
     assert tier_bytes(state, stage=1) == TierBytes(device=18, host=0, nvme=0)
     with pytest.raises(ConfigError, match="stage 3 only"):
         tier_bytes(state, stage=2, params="nvme")

@@ -1,4 +1,5 @@
-"""Optimizer state on local disk (``Offload(optimizer="nvme")``) on thread ranks: the same run
+"""Optimizer state, and stage-3 parameter shards, on local disk (``Offload(optimizer="nvme",
+params="nvme")``) on thread ranks: the same run
 bit for bit at every stage, with SGD and AdamW, on Hugging Face GPT-2 built from a config, in
 bf16 and with a frozen base (PEFT); the state really in files (the memory report's ``nvme``);
 owners sharing a directory; and the refusals: an unwritable path, a full disk (before any
@@ -54,6 +55,71 @@ def test_offloaded_run_is_the_in_memory_run(stage: int, world_size: int, optimiz
         assert report["resident"] == report["total"] - report["nvme"]
 
 
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(("world_size", "tiers"), [(1, ("nvme", "nvme")), (3, ("nvme", "nvme")), (2, (None, "nvme"))])
+def test_parameters_on_disk_at_stage_3_are_the_in_memory_run(world_size: int, tiers: tuple[str | None, str],
+                                                             optimizer: str, tmp_path: Path) -> None:
+    batches = token_batches()
+    ref, _, _ = run_ranks(world_size, _gpt2, causal_lm_loss, OPTIMIZERS[optimizer](), batches, stage=3)
+    offload = zr.Offload(optimizer=tiers[0], params=tiers[1], path=str(tmp_path))
+    got, engines, _ = run_ranks(world_size, _gpt2, causal_lm_loss, OPTIMIZERS[optimizer](), batches, stage=3,
+                                offload=offload, prefetch_depth=2)
+    assert _max_dev(got, ref) == 0.0
+    for engine in engines:
+        report = engine.memory_report()
+        sharded = [g for g in engine.state.groups if g.param_files is not None]
+        files = engine.state.state_files
+        assert sharded and files is not None and all(files.holds(g.shard) for g in sharded)
+        moments = [t for g in engine.state.groups for t in g.moments.values()] if tiers[0] else []
+        # the report is the step's: every sharded group's fp32 shard (its master) and its gradient
+        # shard in files, padding included; persistent groups stay in memory
+        assert report["nvme"] == 2 * sum(4 * g.shard.numel() for g in sharded) + sum(4 * t.numel() for t in moments)
+        assert report["resident"] == report["total"] - report["nvme"] > 0
+
+
+def test_parameters_on_disk_with_bf16_and_a_frozen_base(tmp_path: Path) -> None:
+    batches = token_batches()
+    opt = zr.AdamW(lr=1e-2)
+    offload = zr.Offload(optimizer="nvme", params="nvme", path=str(tmp_path))
+    for model_fn, dtype in ((_gpt2, "bfloat16"), (lora_gpt2, "float32")):
+        ref, _, _ = run_ranks(2, model_fn, causal_lm_loss, opt, batches, stage=3, dtype=dtype)
+        got, _, _ = run_ranks(2, model_fn, causal_lm_loss, opt, batches, stage=3, dtype=dtype, offload=offload)
+        assert _max_dev(got, ref) == 0.0, (model_fn, dtype)
+
+
+def test_a_parameter_shard_the_disk_changed_stops_the_gather(tmp_path: Path) -> None:
+    batches = token_batches(steps=3)
+    offload = zr.Offload(params="nvme", path=str(tmp_path))
+    _, (engine,), _ = run_ranks(1, _gpt2, causal_lm_loss, zr.SGD(lr=0.1), batches[:2], stage=3, offload=offload)
+    before = torch.cat([v for _, (_, _, v) in sorted(engine.master_fragments().items())])
+    flipped = corrupt_state(os.getpid(), rank=0, directory=str(tmp_path))  # a byte of each shard's file
+    assert flipped == sum(g.param_files is not None for g in engine.state.groups) >= 2
+    with pytest.raises(StateCorruptError, match=r"rank 0: the parameter shard of bucket \d+ .* fail their checksum"):
+        engine.step(batches[2], global_samples=len(batches[2]))
+    after = torch.cat([v for _, (_, _, v) in sorted(engine.master_fragments().items())])
+    # stopped in the forward's first gather: no update ran, only the flipped bytes' values differ
+    assert int((after != before).sum()) == flipped
+
+
+def test_a_full_disk_in_a_step_fails_it_and_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    batches = token_batches(steps=2)
+    offload = zr.Offload(optimizer="nvme", params="nvme", path=str(tmp_path))
+    _, (engine,), _ = run_ranks(1, _gpt2, causal_lm_loss, zr.AdamW(lr=1e-2), batches[:1], stage=3, offload=offload)
+    before = {n: v.clone() for n, (_, _, v) in engine.master_fragments().items()}
+    calls: list[int] = []
+
+    def full(fd: int, offset: int, length: int) -> None:
+        calls.append(length)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(owner_offload.os, "posix_fallocate", full)
+    with pytest.raises(ResourceError, match=r"rank 0's offloaded state needs \d+ more bytes .* disk is full"):
+        engine.step(batches[1], global_samples=len(batches[1]))
+    assert calls  # the fault fired: the step's gradient shards could not be reserved
+    after = engine.master_fragments()
+    assert all(torch.equal(after[n][2], before[n]) for n in before)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_offload_with_bf16_and_a_frozen_base(stage: int, tmp_path: Path) -> None:
     batches = token_batches()
@@ -88,7 +154,7 @@ def test_a_full_disk_fails_the_start_not_a_step(tmp_path: Path, monkeypatch: pyt
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(owner_offload.os, "posix_fallocate", full)
-    with pytest.raises(ResourceError, match=r"rank 0's optimizer state needs \d+ more bytes .* disk is full"):
+    with pytest.raises(ResourceError, match=r"rank 0's offloaded state needs \d+ more bytes .* disk is full"):
         run_ranks(1, _gpt2, causal_lm_loss, zr.AdamW(lr=1e-2), token_batches(steps=1), stage=1,
                   offload=_nvme(tmp_path))
     assert calls  # the fault fired, while the owner was built (run_ranks takes no step before that)
@@ -142,7 +208,7 @@ def test_whole_tensor_optimizers_are_refused(tmp_path: Path) -> None:
 
 
 def test_settings_are_checked() -> None:
-    with pytest.raises(ConfigError, match="on CPU owners that state already is in host memory.*optimizer='nvme'"):
+    with pytest.raises(ConfigError, match="on CPU owners it already is in host memory.*optimizer='nvme'"):
         zr.Offload(optimizer="cpu")
     with pytest.raises(ConfigError, match="needs path="):
         zr.Offload(optimizer="nvme")
@@ -150,6 +216,12 @@ def test_settings_are_checked() -> None:
         zr.Offload(optimizer="disk", path="/x")
     with pytest.raises(ConfigError, match="built for CPU owners"):
         zr.ZeroConfig(device="cuda", offload=zr.Offload(optimizer="nvme", path="/x"))
+    with pytest.raises(ConfigError, match=r"Offload\(params='cpu'\).*move nothing.*params='nvme'"):
+        zr.Offload(params="cpu", path="/x")
+    with pytest.raises(ConfigError, match=r"Offload\(params='nvme'\) needs path="):
+        zr.Offload(params="nvme")
+    with pytest.raises(ConfigError, match=r"params='nvme'\) was given with stage=2.*use stage=3"):
+        zr.ZeroConfig(stage=2, offload=zr.Offload(params="nvme", path="/x"))
     with pytest.raises(ConfigError, match="must be a zr.Offload"):
         zr.ZeroConfig(offload="nvme")  # type: ignore[arg-type]
     assert zr.ZeroConfig().offload == zr.Offload()

@@ -151,7 +151,8 @@ def _print_offload(out: TextIO, args: argparse.Namespace, *, world_size: int, ac
     print(f"Offload at Nd = {world_size}: optimizer state on {args.offload_optimizer or 'the device'}, parameters on "
           f"{args.offload_params or 'the device'}"
           + (" (stage 3 only: below it every device holds every parameter)" if args.offload_params else "")
-          + "; gradients stay on the device. GB per device", file=out)
+          + ("; gradients go with the parameters" if args.offload_params else "; gradients stay on the device")
+          + ". GB per device", file=out)
     rows = [["stage", "device GB", "host GB", "NVMe GB"]]
     for stage in stages:
         state = model_state_bytes(stage=stage, num_params=args.params, world_size=world_size,

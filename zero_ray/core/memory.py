@@ -273,20 +273,21 @@ def tier_bytes(state: StateBytes, *, stage: int, optimizer: str | None = None,
                params: str | None = None) -> TierBytes:
     """Where ``state`` (one device's, at ``stage``) lies under ZeRO-Offload / ZeRO-Infinity:
     the optimizer state (K per element: fp32 master and moments) moved to ``optimizer``'s tier,
-    and at stage 3 the parameter partition to ``params``'s ("cpu": host memory, "nvme": local
-    disk, None: the device). Gradients stay on the device: each partition is copied to the
-    optimizer's tier for the update, a group at a time. Parameters are offloaded only at stage
-    3, where a device holds its partition and gathers a unit at a time; below, every device
-    needs every parameter."""
+    and at stage 3 the parameter partition and the gradient partition to ``params``'s ("cpu":
+    host memory, "nvme": local disk, None: the device), as ZeRO-Infinity moves them: a reduced
+    gradient shard goes to that tier as it is produced. Without parameter offload the
+    gradients stay on the device, each partition copied to the optimizer's tier for the update
+    a group at a time. Parameters are offloaded only at stage 3, where a device holds its
+    partition and gathers a unit at a time; below, every device needs every parameter."""
     for name, tier in (("optimizer", optimizer), ("params", params)):
         if tier is not None and tier not in OFFLOAD_TIERS:
             raise ConfigError(f"{name} offload {tier!r} is not one of {OFFLOAD_TIERS} (or None: on the device)")
     if params is not None and not stage_spec(stage).partitions_params:
         raise ConfigError(f"parameters are offloaded at stage 3 only (stage {stage} keeps every parameter on every "
                           "device)")
-    where = {"device": state.grads + state.secondary, "cpu": 0, "nvme": 0}
+    where = {"device": state.secondary, "cpu": 0, "nvme": 0}
     where[optimizer or "device"] += state.optimizer
-    where[params or "device"] += state.params
+    where[params or "device"] += state.params + state.grads
     return TierBytes(device=where["device"], host=where["cpu"], nvme=where["nvme"])
 
 

@@ -98,7 +98,7 @@ class ModelState:
         self.scheduler: UnitScheduler | None = None
         self.checkpointed: list[str] = []  # paths of the units whose activations are recomputed
         self.compiled: list[str] = []  # paths of the units whose forward is torch.compile'd
-        self.state_files: StateFiles | None = None  # Offload(optimizer="nvme"): where the state lives
+        self.state_files: StateFiles | None = None  # Offload(...="nvme"): where offloaded state lives
         self._in_step: dict[str, int] | None = None
         self._counted_state = -1  # the optimizer's state version _in_step was counted at
         self._construct()
@@ -151,10 +151,12 @@ class ModelState:
         params = self._placeholders(module, [p for _, p in named], names)
         gather_of, staging_of = self._pools(specs, units, layout)
         self.state_files = files = self._state_files(plan)
+        offload = spec.offload
         self.groups = [ParamGroup(g, layout=layout, params=[params[i] for i in g.params], rank=self.shard_rank,
                                   dtype=self.dtype, device=self.device, source=source, empty=self._empty,
                                   staging=staging_of.get(g.index), reduce_dtype=self.reduce_dtype,
-                                  state_files=files) for g in specs]
+                                  state_files=files if offload.optimizer_on_nvme else None,
+                                  param_files=files if offload.params_on_nvme else None) for g in specs]
         self.fabric.allocate(self.groups)
         self.optimizer = ShardOptimizer(plan, self.groups, layout=layout, rank=self.shard_rank,
                                         update_whole=spec.plan.updates_whole_buffer, scheduler=spec.lr_scheduler,
@@ -239,20 +241,21 @@ class ModelState:
         return out
 
     def _state_files(self, plan: OptimizersPlan) -> StateFiles | None:
-        """Where the optimizer state lives: files on local disk (``Offload(optimizer="nvme")``),
-        else None (memory). Refused where it is not built: whole-tensor optimizers (their state
-        is not in the groups' flat buffers) and GPU owners (it would need host staging)."""
+        """Where offloaded state lives: files on local disk (``Offload(optimizer="nvme")`` and/or
+        ``Offload(params="nvme")``), else None (memory). Refused where it is not built:
+        whole-tensor optimizers (their state is not in the groups' flat buffers, and the update
+        streams one group at a time) and GPU owners (it would need host staging)."""
         offload = self.spec.offload
-        if not offload.optimizer_on_nvme:
+        if not offload.any_on_nvme:
             return None
         whole = sorted(qualified_name(o.cls) for o in plan.optimizers if o.kind is UpdateKind.WHOLE_TENSOR)
         if whole:
-            raise ConfigError(f"Offload(optimizer='nvme') streams element-wise optimizer state, but {', '.join(whole)} "
-                              "steps whole tensors; keep its state in memory (Offload()) or use an element-wise "
-                              "optimizer such as torch.optim.AdamW")
+            raise ConfigError(f"{offload} streams the update one group at a time over element-wise optimizer state, "
+                              f"but {', '.join(whole)} steps whole tensors; keep the state in memory (Offload()) or "
+                              "use an element-wise optimizer such as torch.optim.AdamW")
         if self.device.type != "cpu":
-            raise ConfigError(f"Offload(optimizer='nvme') is built for CPU owners; this owner's device is "
-                              f"{self.device}. Use device='cpu' or Offload()")
+            raise ConfigError(f"{offload} is built for CPU owners; this owner's device is {self.device}. Use "
+                              "device='cpu' or Offload()")
         assert offload.path is not None  # Offload's own check
         return StateFiles(offload.path, rank=self.rank)
 
@@ -438,8 +441,9 @@ class ModelState:
         return report
 
     def evict_state(self) -> None:
-        """Offloaded optimizer state: out of memory again after something read it all (a
-        snapshot); it stays in its files. Nothing to do when it is in memory."""
+        """Offloaded state (optimizer state, stage-3 parameter shards): out of memory again after
+        something read or wrote it all (a snapshot, a restore); it stays in its files. Nothing
+        to do when it is in memory."""
         for g in self.groups:
             g.evict_state()
 

@@ -1,4 +1,5 @@
-"""StateFiles: one owner's optimizer state on local disk (``Offload(optimizer="nvme")``).
+"""StateFiles: one owner's offloaded state on local disk (``Offload(optimizer="nvme")``, and the
+stage-3 parameter and gradient shards with ``Offload(params="nvme")``).
 
 Each state buffer is a file of its own under ``path``, unlinked as soon as it is created (so
 owners may share a directory, nothing can open or clobber the file by name, and the owner's end,
@@ -35,7 +36,9 @@ import xxhash
 from zero_ray.errors import ConfigError, ResourceError, StateCorruptError
 
 BLOCK_BYTES = 4 << 20  # the unit a checksum covers: a mismatch names its byte range
-# Linux's madvise(2) value (5.14+; Python 3.11's mmap has no name for it): fault the pages in, writable.
+# Linux's madvise(2) values (5.14+; Python 3.11's mmap has no names for them): fault the pages in,
+# readable (clean pages stay clean: nothing to write back) or writable.
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -51,7 +54,7 @@ class StateFiles:
             os.makedirs(path, exist_ok=True)
             os.close(self._create())
         except OSError as err:
-            raise ConfigError(f"Offload(path={path!r}) cannot hold rank {rank}'s optimizer state: {err.strerror} "
+            raise ConfigError(f"Offload(path={path!r}) cannot hold rank {rank}'s offloaded state: {err.strerror} "
                               f"({type(err).__name__}); give a writable directory on the owners' local disk") from err
         self._maps: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
         self._sums: dict[int, list[int]] = {}  # each sealed buffer's block checksums, by data_ptr
@@ -73,7 +76,7 @@ class StateFiles:
             mapped = mmap.mmap(fd, nbytes)
         except OSError as err:
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ResourceError(f"rank {self.rank}'s optimizer state needs {nbytes} more bytes under "
+                raise ResourceError(f"rank {self.rank}'s offloaded state needs {nbytes} more bytes under "
                                     f"{self.directory} but the disk is full ({err.strerror}); free space there or "
                                     "give Offload(path=...) a larger disk") from err
             raise
@@ -87,18 +90,20 @@ class StateFiles:
     def holds(self, tensor: torch.Tensor) -> bool:
         return tensor.data_ptr() in self._maps
 
-    def populate(self, tensor: torch.Tensor) -> None:
-        """Read ``tensor``'s pages in and map them writable now (returns when they are in), so
-        that the update that follows takes no page faults; where the kernel cannot (before
-        Linux 5.14), ask for them to be read ahead instead. libc's ``madvise`` is called
-        through ctypes, which releases the GIL for it (``mmap.madvise`` holds it)."""
+    def populate(self, tensor: torch.Tensor, *, write: bool = True) -> None:
+        """Read ``tensor``'s pages in now (returns when they are in), mapped writable, or only
+        readable for a tensor that will only be read (``write=False``: its pages stay clean, so
+        nothing is written back), so that what follows takes no page faults; where the kernel
+        cannot (before Linux 5.14), ask for them to be read ahead instead. libc's ``madvise``
+        is called through ctypes, which releases the GIL for it (``mmap.madvise`` holds it)."""
         mapped = self._maps.get(tensor.data_ptr())
         if mapped is None:
             return
-        if _libc.madvise(tensor.data_ptr(), len(mapped), MADV_POPULATE_WRITE) != 0:
+        advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+        if _libc.madvise(tensor.data_ptr(), len(mapped), advice) != 0:
             code = ctypes.get_errno()
             if code != errno.EINVAL:
-                raise OSError(code, f"madvise(MADV_POPULATE_WRITE) of rank {self.rank}'s optimizer state under "
+                raise OSError(code, f"madvise({advice}) of rank {self.rank}'s offloaded state under "
                                     f"{self.directory}: {os.strerror(code)}")
             mapped.madvise(mmap.MADV_WILLNEED)
 
@@ -113,6 +118,11 @@ class StateFiles:
         mapped = self._maps.get(tensor.data_ptr())
         if mapped is not None:
             self._sums[tensor.data_ptr()] = _block_sums(mapped)
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Drop ``tensor``'s checksums: something other than the update is about to overwrite it
+        (a restore), and the next seal records new ones."""
+        self._sums.pop(tensor.data_ptr(), None)
 
     def verify(self, tensor: torch.Tensor, *, what: str) -> None:
         """Read ``tensor`` back and compare it with its checksums (none recorded yet: nothing to

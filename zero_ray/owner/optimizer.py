@@ -324,6 +324,7 @@ class ShardOptimizer:
             opt.state.clear()
         for g in self._groups:
             g.moments.clear()
+            g.forget_sums()
         self.version += 1
 
     def load(self, table: StateTable, whole: Mapping[int, Mapping[str, torch.Tensor]]) -> None:

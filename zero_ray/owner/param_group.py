@@ -65,7 +65,7 @@ class ParamGroup:
     def __init__(self, spec: GroupSpec, *, layout: FlatLayout, params: list[nn.Parameter], rank: int,
                  dtype: torch.dtype, device: torch.device, source: ParamSource, empty: torch.Tensor,
                  staging: BufferPool | None, reduce_dtype: torch.dtype | None = None,
-                 state_files: StateFiles | None = None) -> None:
+                 state_files: StateFiles | None = None, param_files: StateFiles | None = None) -> None:
         self.spec = spec
         self.policy = spec.policy
         self.bucket: Bucket = layout.buckets[spec.index]
@@ -88,6 +88,8 @@ class ParamGroup:
         self._empty = empty
         self._staging_pool = staging
         self.state_files = state_files  # where the optimizer state lives (None: in memory)
+        # where the parameter and gradient shards live (Offload(params="nvme"), PER_USE groups; None: in memory)
+        self.param_files = param_files if spec.policy.params is ParamResidency.PER_USE else None
         self.full: torch.Tensor | None = None  # the whole buffer (WHOLE) or the gathered region (PER_USE)
         self.shard: torch.Tensor | None = None  # this rank's compute-dtype shard (PER_USE)
         self.grads: torch.Tensor | None = None  # ACCUMULATE: the full gradient buffer, during a step
@@ -123,14 +125,20 @@ class ParamGroup:
             self.master = master if master is not None else full[start:end]
             self.owns_master = master is not None
         else:
-            shard = torch.zeros(end - start, dtype=fp32, device=device)
+            files = self.param_files
+            shard = (torch.zeros(end - start, dtype=fp32, device=device) if files is None
+                     else files.zeros(end - start))
             for f in self._fragments:
                 shard[f.local_start:f.local_end] = source.fragment(f.param, f.param_start, f.param_end).to(device)
             for p in self.params:
                 p.data = self._empty
-            self.shard = shard if dtype == fp32 else shard.to(dtype)
+            self.shard = (shard if dtype == fp32 else shard.to(dtype) if files is None
+                          else files.zeros(end - start, dtype).copy_(shard))
             self.master = shard if trainable else self.shard
             self.owns_master = self.master is not self.shard
+            if files is not None:
+                for t in self._param_tensors():
+                    files.evict(t)  # written here; read back shard by shard as its unit is gathered
         self.moments: dict[str, torch.Tensor] = {}  # created by the optimizer's first step (or a restore)
 
     def moment(self, name: str) -> torch.Tensor:
@@ -143,31 +151,59 @@ class ParamGroup:
                 if self.state_files is None else self.state_files.zeros(self.update_numel))
         return t
 
+    def _param_tensors(self) -> list[torch.Tensor]:
+        """The parameter-shard tensors this group keeps in files (Offload(params="nvme")): the
+        fp32 master and, where the compute dtype differs, the compute-dtype shard."""
+        if self.param_files is None:
+            return []
+        assert self.shard is not None
+        return [self.master] if self.master is self.shard else [self.master, self.shard]
+
+    def _filed(self) -> list[tuple[StateFiles, str, torch.Tensor]]:
+        """Every tensor of this group's update that lives in a file, with what it is (for errors):
+        optimizer state, master weights, then the reduced gradient shard."""
+        out = [(self.state_files, f"optimizer state {name!r} of bucket {self.index}", t)
+               for name, t in self.moments.items()] if self.state_files is not None else []
+        if self.param_files is not None:
+            out.append((self.param_files, f"the fp32 master weights of bucket {self.index}", self.master))
+            if self.grad_shard is not None:
+                out.append((self.param_files, f"the gradient shard of bucket {self.index}", self.grad_shard))
+        return out
+
     def populate_state(self) -> None:
-        """Offloaded: read this group's optimizer state in and map it writable, ahead of its
-        update (which then takes no page faults)."""
-        if self.state_files is not None:
-            for t in self.moments.values():
-                self.state_files.populate(t)
+        """Offloaded: read this group's update state in (optimizer state and master weights
+        mapped writable, the gradient shard readable) ahead of its update, which then takes no
+        page faults."""
+        for files, _, t in self._filed():
+            files.populate(t, write=t is not self.grad_shard)
 
     def evict_state(self) -> None:
-        """Offloaded: take this group's optimizer state out of memory (it stays in its files)."""
-        if self.state_files is not None:
-            for t in self.moments.values():
-                self.state_files.evict(t)
+        """Offloaded: take this group's offloaded tensors out of memory (they stay in their files)."""
+        for files, _, t in self._filed():
+            files.evict(t)
+        if self.param_files is not None and self.shard is not self.master:
+            assert self.shard is not None
+            self.param_files.evict(self.shard)
 
     def seal_state(self) -> None:
-        """Offloaded: record the checksums of this group's optimizer state as just written."""
-        if self.state_files is not None:
-            for t in self.moments.values():
-                self.state_files.seal(t)
+        """Offloaded: record the checksums of this group's optimizer state and master weights as
+        the update just wrote them (the gradient shard lives one step: not checked)."""
+        for files, _, t in self._filed():
+            if t is not self.grad_shard:
+                files.seal(t)
 
     def verify_state(self) -> None:
-        """Offloaded: check this group's optimizer state against its checksums before it is
-        used (StateCorruptError if the disk changed it)."""
-        if self.state_files is not None:
-            for name, t in self.moments.items():
-                self.state_files.verify(t, what=f"optimizer state {name!r} of bucket {self.index}")
+        """Offloaded: check this group's optimizer state and master weights against their
+        checksums before the update uses them (StateCorruptError if the disk changed them)."""
+        for files, what, t in self._filed():
+            files.verify(t, what=what)
+
+    def forget_sums(self) -> None:
+        """Before a restore overwrites the master weights: their checksums no longer apply (the
+        next update records new ones)."""
+        if self.param_files is not None:
+            for t in self._param_tensors():
+                self.param_files.forget(t)
 
     @property
     def index(self) -> int:
@@ -194,6 +230,9 @@ class ParamGroup:
             if self.grad_views:
                 for p, (off, stop, shape) in zip(self.params, self.views):
                     p.grad = self.grads[off:stop].view(shape)
+        elif self.param_files is not None:
+            # A new file each step: its blocks are reserved and read as zeros with no disk read.
+            self.grad_shard = self.param_files.zeros(self.shard_end - self.shard_start, self.reduce_dtype)
         else:
             self.grad_shard = torch.zeros(self.shard_end - self.shard_start, dtype=self.reduce_dtype,
                                           device=self.master.device)
@@ -297,11 +336,13 @@ class ParamGroup:
         staging = self._staging_buffer()
         buf = staging.tensor[:self.bucket.padded_numel]
         self._zero_gaps(buf)
-        out = self.grad_shard
+        out, files = self.grad_shard, self.param_files
         assert out is not None
 
         def job() -> None:
             out.add_(stream.reduce_scatter(buf, op=op))
+            if files is not None:
+                files.evict(out)  # in its file until the update reads it
 
         staging.done = stream.submit(job)
         assert self._staging_pool is not None
@@ -331,6 +372,10 @@ class ParamGroup:
             if self.policy.params is ParamResidency.PER_USE:
                 assert self.shard is not None
                 self.shard.copy_(self.master)
+                if self.param_files is not None:
+                    self.param_files.seal(self.shard)  # the next gathers check what they read against these
+                    self.param_files.evict(self.shard)
+                    self.param_files.evict(self.master)
             else:
                 assert self.full is not None
                 self.full[self.update_start:self.update_end].copy_(self.master)
@@ -344,7 +389,13 @@ class ParamGroup:
         the stream's thread."""
         assert self.shard is not None
         full = region[:self.bucket.padded_numel]
+        files = self.param_files
+        if files is not None:  # read in and checked here, on the stream's thread, ahead of its unit
+            files.populate(self.shard, write=False)
+            files.verify(self.shard, what=f"the parameter shard of bucket {self.index}")
         full[self.shard_start:self.shard_end].copy_(self.shard)
+        if files is not None:
+            files.evict(self.shard)
         stream.all_gather(full, op=op)
 
     def attach(self, region: torch.Tensor) -> None:
@@ -382,8 +433,10 @@ class ParamGroup:
             counter.add("optimizer_master", self.master, update_real)
         for t in self.moments.values():
             counter.add("optimizer_moments", t, update_real)
-            if self.state_files is not None and self.state_files.holds(t):
-                counter.add_whole("nvme", t)
+        filed = {t.data_ptr(): t for files, _, t in self._filed() if files.holds(t)}
+        filed.update((t.data_ptr(), t) for t in self._param_tensors())
+        for t in filed.values():
+            counter.add_whole("nvme", t)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this group holds (storages are counted once by the caller)."""
