@@ -51,6 +51,8 @@ def _wrap_policy(value: object) -> WrapPolicy:
 
 #: heartbeats per health_timeout_s when health_interval_s is not given
 HEARTBEATS_PER_TIMEOUT = 4
+#: the heartbeat intervals an owner's Health stream accepts (control/servicers.py), in seconds
+HEALTH_INTERVAL_RANGE_S = (0.01, 60.0)
 
 @dataclass(frozen=True, kw_only=True)
 class Stage3Config:
@@ -338,7 +340,8 @@ class ZeroConfig:
         scaler backs off and skips whatever this says (docs/numerics.md).
     health_interval_s / health_timeout_s: owners send heartbeats every interval over gRPC; one
         silent for the timeout (a frozen process) or whose stream breaks (a dead one) is lost.
-        The interval defaults to a quarter of the timeout (2.5 s of the default 10 s): a dead
+        The interval defaults to a quarter of the timeout (2.5 s of the default 10 s), at most
+        60 s (the longest an owner accepts; at least 10 ms): a dead
         owner is found when its stream breaks, at once, and a frozen one after the timeout,
         whatever the interval, so beats need only come often enough that three late ones are
         not a loss; each costs the driver 0.2-0.5 ms of CPU (``benchmarks.control_scale``).
@@ -451,7 +454,13 @@ class ZeroConfig:
         if self.max_failures < 0:
             raise ConfigError(f"max_failures={self.max_failures!r} must be >= 0")
         if self.health_interval_s is None and isinstance(self.health_timeout_s, (int, float)):
-            object.__setattr__(self, "health_interval_s", self.health_timeout_s / HEARTBEATS_PER_TIMEOUT)
+            object.__setattr__(self, "health_interval_s", min(self.health_timeout_s / HEARTBEATS_PER_TIMEOUT,
+                                                              HEALTH_INTERVAL_RANGE_S[1]))
+        low, high = HEALTH_INTERVAL_RANGE_S
+        if isinstance(self.health_interval_s, (int, float)) and not low <= self.health_interval_s <= high:
+            raise ConfigError(f"health_interval_s={self.health_interval_s!r} is outside the [{low}, {high}] seconds an "
+                              "owner's heartbeat stream accepts; give one in that range (a longer health_timeout_s "
+                              "needs no longer interval: beats only need to come more often than the timeout)")
         if not self.health_interval_s < self.health_timeout_s:
             raise ConfigError(f"health_interval_s={self.health_interval_s!r} must be below "
                               f"health_timeout_s={self.health_timeout_s!r}")

@@ -195,5 +195,11 @@ def test_heartbeats_default_to_four_per_health_timeout_and_an_interval_at_the_ti
     assert zr.ZeroConfig().health_interval_s == 2.5
     assert zr.ZeroConfig(health_timeout_s=5.0).health_interval_s == 1.25
     assert zr.ZeroConfig(health_interval_s=0.2, health_timeout_s=3.0).health_interval_s == 0.2
+    # a long timeout (slow steps) keeps the default within what an owner's Health stream accepts
+    assert zr.ZeroConfig(health_timeout_s=600).health_interval_s == 60.0
+    with pytest.raises(ConfigError, match=r"health_interval_s=120 is outside the \[0.01, 60.0\] seconds"):
+        zr.ZeroConfig(health_interval_s=120, health_timeout_s=600)
+    with pytest.raises(ConfigError, match=r"health_interval_s=0.001 is outside"):
+        zr.ZeroConfig(health_interval_s=0.001)
     with pytest.raises(ConfigError, match="health_interval_s=3.0 must be below health_timeout_s=3.0"):
         zr.ZeroConfig(health_interval_s=3.0, health_timeout_s=3.0)
