@@ -12,7 +12,7 @@ state), the memory report's optimizer and ``nvme`` bytes, the streaming window (
 resident at once: a group's and the next one's, read ahead), step times, and a hash of the final fp32 parameters, equal in both
 trials when the runs are bit for bit the same. A second table breaks the steps after the first
 down (medians): forward and backward, the update, and within a streamed update
-(``owner/optimizer.StreamTimes``) what the stepping thread spent waiting for a group's state,
+(``owner/state_stream.StreamTimes``) what the stepping thread spent waiting for a group's state,
 stepping, and waiting at the end for the last groups to be put back, against what the helper
 thread spent meanwhile reading the state in, checking its checksums, recording new ones and
 handing the pages back (its time overlaps the steps: the less the stepping thread waits, the
@@ -85,7 +85,7 @@ class OffloadRow:
     steady_step_s: float  # median of the steps after the first
     params_sha256: str
     # The steps after the first, medians: forward and backward; the update (the step less those);
-    # the streamed update's parts (owner/optimizer.StreamTimes; 0 in memory); disk bytes per step.
+    # the streamed update's parts (owner/state_stream.StreamTimes; 0 in memory); disk bytes per step.
     compute_s: float = 0.0
     update_s: float = 0.0
     wait_s: float = 0.0
@@ -158,7 +158,7 @@ def _child(args: argparse.Namespace, nvme: bool, *, cold: bool = False) -> Offlo
         result = engine.step(tokens, global_samples=args.batch)
         took.append(time.perf_counter() - start)
         read, written = (b - a for a, b in zip(io, _disk_io()))
-        t = engine.state.optimizer.stream_times
+        t = engine.state.optimizer.stream.times
         parts.append((result.compute_seconds, took[-1] - result.compute_seconds, t.wait_s, t.step_s, t.drain_s,
                       t.read_s, t.verify_s, t.seal_s, t.evict_s, read, written))
         if step == 0:

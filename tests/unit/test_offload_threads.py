@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,9 @@ from thread_ranks import run_ranks
 from zero_ray.errors import ConfigError, ResourceError, StateCorruptError
 from zero_ray.owner import offload as owner_offload
 from zero_ray.owner.offload import BLOCK_BYTES, StateFiles
+from zero_ray.owner.optimizer import ShardOptimizer
+from zero_ray.owner.param_group import ParamGroup
+from zero_ray.owner.state_stream import StateStream
 
 OPTIMIZERS = {"adamw": lambda: zr.AdamW(lr=1e-2, weight_decay=0.1), "sgd": lambda: zr.SGD(lr=0.1, momentum=0.9)}
 
@@ -118,6 +122,29 @@ def test_a_full_disk_in_a_step_fails_it_and_changes_nothing(tmp_path: Path, monk
     assert calls  # the fault fired: the step's gradient shards could not be reserved
     after = engine.master_fragments()
     assert all(torch.equal(after[n][2], before[n]) for n in before)
+
+
+def test_the_first_group_is_read_while_the_step_computes_and_each_group_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    batches = token_batches(steps=2)
+    _, (engine,), _ = run_ranks(1, _gpt2, causal_lm_loss, zr.AdamW(lr=1e-2), batches[:1], stage=1,
+                                offload=_nvme(tmp_path))
+    events: list[tuple[str, int]] = []
+    optimizer = engine.state.optimizer
+    for name, cls in (("populate_state", ParamGroup), ("read_ahead", StateStream), ("step", ShardOptimizer)):
+        original = getattr(cls, name)
+
+        def record(self: object, *args: object, _original: Any = original, _name: str = name) -> Any:
+            events.append((_name, self.index if isinstance(self, ParamGroup) else -1))
+            return _original(self, *args)
+
+        monkeypatch.setattr(cls, name, record)
+    engine.step(batches[1], global_samples=len(batches[1]))
+    order = optimizer._stream_order(optimizer._by_group())
+    assert len(order) >= 3
+    # the read-ahead was asked for before the update began, and nobody read its group again
+    assert [e for e in events if e[0] != "populate_state"] == [("read_ahead", -1), ("step", -1)]
+    assert sorted(i for name, i in events if name == "populate_state") == sorted(g.index for g in order)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

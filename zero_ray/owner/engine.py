@@ -179,6 +179,7 @@ class OwnerEngine:
         scale = self.scaler.scale
         kept = self.guard.keep()
         self.phase = StepPhase.COMPUTING
+        self.state.optimizer.read_ahead()  # offloaded: the update's first group comes in while this computes
         tally = _Tally()
         compute = 0.0
         self.module.train()

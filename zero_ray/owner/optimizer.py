@@ -19,9 +19,7 @@ gradient for keeps ``grad=None``, so torch skips it exactly as in one process.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +33,7 @@ from zero_ray.core.optim_state import StateEntry, StateTable
 from zero_ray.errors import CheckpointError, ConfigError
 from zero_ray.owner.accounting import StateCounter
 from zero_ray.owner.param_group import ParamGroup
+from zero_ray.owner.state_stream import StateStream
 from zero_ray.owner.whole_tensor import WholeTensorExchange
 
 
@@ -85,24 +84,6 @@ def _elementwise_state_names(plan: OptimizersPlan) -> dict[tuple[int, int], list
     return out
 
 
-@dataclass
-class StreamTimes:
-    """Where the last streamed update's time went, in seconds (``Offload``). On the stepping
-    thread: waiting for a group's state to be read and checked (``wait``), the optimizers' own
-    steps, and at the end waiting for the last groups to be put back (``drain``). On the helper
-    thread, overlapping those: reading the state in (``read``), checking its checksums
-    (``verify``), recording the new ones (``seal``) and handing the pages back to the kernel,
-    which writes them out on its own (``evict``)."""
-
-    wait_s: float = 0.0
-    step_s: float = 0.0
-    drain_s: float = 0.0
-    read_s: float = 0.0
-    verify_s: float = 0.0
-    seal_s: float = 0.0
-    evict_s: float = 0.0
-
-
 class ShardOptimizer:
     """This rank's instances of the run's optimizers and schedulers."""
 
@@ -111,7 +92,7 @@ class ShardOptimizer:
                  streamed: bool = False) -> None:
         self.plan = plan
         self.streamed = streamed  # the state is offloaded: step one group at a time (step())
-        self.stream_times = StreamTimes()  # the last streamed update's (benchmarks.offload reads it)
+        self.stream = StateStream(rank)  # its helper thread
         self.rank = rank
         self.layout = layout
         self.update_whole = update_whole
@@ -192,59 +173,40 @@ class ShardOptimizer:
         for sched in self.schedulers:
             sched.step()
 
-    def _step_streamed(self, grads: Mapping[int, torch.Tensor], used: Sequence[bool]) -> None:
-        """The same step, one group at a time: torch leaves a parameter whose ``grad`` is None
-        untouched, so stepping each group's pieces alone is the step of all of them. A helper
-        thread brings the next group's offloaded state in (reads it and checks its checksums)
-        and puts the last one's back (new checksums, pages handed to the kernel to write out)
-        while this thread steps the current group: at most about two groups' state is resident."""
+    def _by_group(self) -> dict[int, list[Piece]]:
         by_group: dict[int, list[Piece]] = {}
         for piece in self.pieces:
             by_group.setdefault(piece.group.index, []).append(piece)
-        order = [g for g in self._groups if g.index in by_group]
-        times = self.stream_times = StreamTimes()
+        return by_group
 
-        def bring_in(group: ParamGroup) -> None:
-            t0 = time.perf_counter()
-            group.populate_state()
-            t1 = time.perf_counter()
-            group.verify_state()  # the disk gave back what the last update wrote, or the step stops
-            times.read_s += t1 - t0
-            times.verify_s += time.perf_counter() - t1
+    def _stream_order(self, by_group: Mapping[int, Sequence[Piece]]) -> list[ParamGroup]:
+        return [g for g in self._groups if g.index in by_group]
 
-        def put_back(group: ParamGroup) -> None:
-            t0 = time.perf_counter()
-            group.seal_state()
-            t1 = time.perf_counter()
-            group.evict_state()
-            times.seal_s += t1 - t0
-            times.evict_s += time.perf_counter() - t1
+    def read_ahead(self) -> None:
+        """Streamed: start bringing the update's first groups in now, while the step computes
+        (a no-op when the state is in memory)."""
+        if self.streamed:
+            self.stream.read_ahead(self._stream_order(self._by_group()))
 
-        # One worker, so its jobs run in the order given: the group before's put-back ends before
-        # the group after's bring-in starts. Leaving the block waits for every job, an error too.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"zero_ray-state-rank{self.rank}") as io:
-            ready = io.submit(bring_in, order[0]) if order else None
-            for k, group in enumerate(order):
-                following = io.submit(bring_in, order[k + 1]) if k + 1 < len(order) else None
-                t0 = time.perf_counter()
-                assert ready is not None
-                ready.result()
-                t1 = time.perf_counter()
-                pieces = by_group[group.index]
-                for piece in pieces:
-                    piece.tensor.grad = (grads[group.index][piece.start:piece.end].view(piece.tensor.shape)
-                                         if used[piece.param] else None)
-                for opt in self.optimizers:
-                    opt.step()
-                for piece in pieces:
-                    piece.tensor.grad = None
-                self._adopt(pieces)
-                times.wait_s += t1 - t0
-                times.step_s += time.perf_counter() - t1
-                io.submit(put_back, group)
-                ready = following
-            t0 = time.perf_counter()
-        times.drain_s = time.perf_counter() - t0
+    def _step_streamed(self, grads: Mapping[int, torch.Tensor], used: Sequence[bool]) -> None:
+        """The same step, one group at a time: torch leaves a parameter whose ``grad`` is None
+        untouched, so stepping each group's pieces alone is the step of all of them. The
+        ``StateStream``'s helper thread brings each group's offloaded state in ahead of its step
+        and puts it back after: at most about two groups' state is resident."""
+        by_group = self._by_group()
+
+        def step_group(group: ParamGroup) -> None:
+            pieces = by_group[group.index]
+            for piece in pieces:
+                piece.tensor.grad = (grads[group.index][piece.start:piece.end].view(piece.tensor.shape)
+                                     if used[piece.param] else None)
+            for opt in self.optimizers:
+                opt.step()
+            for piece in pieces:
+                piece.tensor.grad = None
+            self._adopt(pieces)
+
+        self.stream.run(self._stream_order(by_group), step_group)
         for sched in self.schedulers:
             sched.step()
 
@@ -322,6 +284,7 @@ class ShardOptimizer:
         """Forget all optimizer state (before a restore fills it anew)."""
         for opt in self.optimizers:
             opt.state.clear()
+        self.stream.forget()  # a read-ahead of the state being replaced
         for g in self._groups:
             g.moments.clear()
             g.forget_sums()
