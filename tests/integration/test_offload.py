@@ -110,3 +110,23 @@ def test_an_owner_whose_state_the_disk_changed_is_treated_as_lost_and_restored_f
     assert report.outcome.value == "restored" and report.lost == {1: "its optimizer state on disk failed a checksum"}
     assert "StateCorruptError" in report.error or "fail their checksum" in report.error
     assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
+
+
+@pytest.mark.timeout(300)
+def test_a_run_with_its_parameters_on_disk_grows_and_shrinks_as_the_run_in_memory(tmp_path: Path) -> None:
+    # The resize's transfer reads each rank's shards out of its files and writes the new ranks' in.
+    opt = zr.AdamW(lr=1e-2, weight_decay=0.1)
+    batches = token_batches(steps=5, n=6)
+    runs = {}
+    for name, offload in (("memory", zr.Offload()),
+                          ("disk", zr.Offload(optimizer="nvme", params="nvme", path=str(tmp_path / "nvme")))):
+        config = zr.ZeroConfig(stage=3, world_size=2, device="cpu", offload=offload)
+        with zr.ZeroTrainer(gpt2_lm, causal_lm_loss, optimizer=opt, config=config) as trainer:
+            for step, batch in enumerate(batches):
+                if step in (2, 4):
+                    assert trainer.resize({2: 3, 4: 2}[step])["world_size"] == {2: 3, 4: 2}[step]
+                trainer.step(batch)
+            assert all((r["nvme"] > 0) == offload.any_on_nvme for r in trainer.memory_report())
+            runs[name] = trainer.full_state_dict()
+    assert max(float((runs["disk"][n] - runs["memory"][n]).abs().max()) for n in runs["memory"]) == 0.0
+    assert not os.listdir(tmp_path / "nvme")  # the owners that left took their files with them
