@@ -181,11 +181,7 @@ class Controller:
                 args = self._args(at.after(work.samples), ahead, pieces, ahead=True)
                 self._ahead = Ahead(index=at.step + 1, generation=generation, work=ahead,
                                     flight=self._pool.start_step(args, timeout_s=2 * self._step_timeout_s))
-            with self._life.during(TrainerState.STEPPING, cause=f"step {at.step + 1}"):
-                results = self._pool.fan.collect(flight)
-            if results[0].refused:  # on_nonfinite="raise": every owner refused it alike
-                raise NonFiniteError.refused(at.step + 1, results[0].nonfinite_loss_ranks,
-                                             results[0].nonfinite_grad_ranks)
+            results = self._collect(flight, at.step)
         except BaseException:
             self._drop_ahead()  # this step failed somewhere: the one sent ahead runs nowhere
             raise
@@ -193,6 +189,14 @@ class Controller:
         if self._ahead is not None:
             self._ahead.flight.expire_in(self._step_timeout_s)
         self.position = at.after(work.samples)
+        return results
+
+    def _collect(self, flight: InFlight[StepResult], index: int) -> list[StepResult]:
+        """Wait for step ``index``'s results on every owner (the run STEPPING meanwhile)."""
+        with self._life.during(TrainerState.STEPPING, cause=f"step {index + 1}"):
+            results = self._pool.fan.collect(flight)
+        if results[0].refused:  # on_nonfinite="raise": every owner refused it alike
+            raise NonFiniteError.refused(index + 1, results[0].nonfinite_loss_ranks, results[0].nonfinite_grad_ranks)
         return results
 
     def _args(self, at: Position, work: GlobalBatch, pieces: list[Piece], *, ahead: bool) -> list[StepArgs]:
@@ -212,11 +216,7 @@ class Controller:
         if sent is None:
             return
         self.replay.add(sent.index, sent.work)
-        with self._life.during(TrainerState.STEPPING, cause=f"step {sent.index + 1}"):
-            results = self._pool.fan.collect(sent.flight)
-        if results[0].refused:
-            raise NonFiniteError.refused(sent.index + 1, results[0].nonfinite_loss_ranks,
-                                         results[0].nonfinite_grad_ranks)
+        results = self._collect(sent.flight, sent.index)
         self.position = self.position.after(sent.work.samples)
         self.target = max(self.target, sent.index + 1)
         self._landed = Landed(index=sent.index, work=sent.work, results=results)
