@@ -247,7 +247,8 @@ class Driver:
         t0, c0 = time.monotonic(), time.process_time()
         args = _step_args(step, self.owners)
         # the path OwnerPool.step takes: calls in gRPC's future form, no pool thread per owner
-        results = self.fan.pending(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=STEP_TIMEOUT_S))
+        results = self.fan.collect(
+            self.fan.start(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=STEP_TIMEOUT_S)))
         wall, cpu = time.monotonic() - t0, time.process_time() - c0
         self.threads_seen = max(self.threads_seen, threading.active_count())
         return wall, cpu, [(t0, results)]

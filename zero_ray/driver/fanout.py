@@ -234,17 +234,12 @@ class FanOut:
                 self.check(what)
         return [results[i] for i in range(len(clients))]
 
-    def pending(self, clients: Sequence[OwnerClient], what: str, start: Callable[[OwnerClient, int], Pending[T]], *,
-                staged: Mapping[int, Any] | None = None) -> list[T]:
-        """As ``grpc``, for calls in gRPC's future form (``start`` begins one and returns at
-        once): no pool thread per owner, each reply handled as it arrives, the health monitor
-        and the staging calls looked at every ``POLL_S``. The per-step path (``step``)."""
-        return self.collect(self.start(clients, what, start, staged=staged))
-
     @staticmethod
     def start(clients: Sequence[OwnerClient], what: str, start: Callable[[OwnerClient, int], Pending[T]], *,
               staged: Mapping[int, Any] | None = None) -> InFlight[T]:
-        """Begin ``start(client, i)`` on every owner and return at once (``collect`` waits)."""
+        """For calls in gRPC's future form (``start`` begins one and returns at once): begin
+        ``start(client, i)`` on every owner and return at once. ``collect`` waits, with no pool
+        thread per owner, each reply handled as it arrives. The per-step path."""
         flight: InFlight[T] = InFlight(what=what, staged=dict(staged or {}))
         for i, client in enumerate(clients):
             call = start(client, i)
@@ -253,7 +248,8 @@ class FanOut:
         return flight
 
     def collect(self, flight: InFlight[T]) -> list[T]:
-        """Every reply of ``flight`` in order, watching health and staging as ``pending`` does."""
+        """Every reply of ``flight`` in order, the health monitor and the staging calls looked at
+        every ``POLL_S``."""
         what, calls, staging = flight.what, flight.calls, flight.staged
         results: dict[int, T] = {}
         checked = time.monotonic()
