@@ -4,7 +4,8 @@
                                            steps, then keep training slowly until killed
     detached_run.py second OUT RUN_ID      attach to the run, finish to STEPS and write OUT/final.pt
 
-Both fit over the same token file (zero_ray.data.TokenFiles, whose order is a function of the
+The owners keep their optimizer state on disk (``Offload(optimizer="nvme")``) throughout. Both
+fit over the same token file (zero_ray.data.TokenFiles, whose order is a function of the
 step alone), so the second driver continues exactly where the owners are, mid-epoch.
 """
 
@@ -45,7 +46,9 @@ def token_mse(module: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def first(out: str, orphan_s: float) -> None:
+    # The optimizer state on disk: the owners keep it in their files while no driver is attached.
     config = zr.ZeroConfig(stage=2, world_size=2, health_interval_s=0.2, health_timeout_s=5.0,
+                           offload=zr.Offload(optimizer="nvme", path=os.path.join(out, "nvme")),
                            elastic=zr.ElasticConfig(detached=True, orphan_timeout_s=orphan_s, redundancy="peer"))
     corpus_tokens().tofile(os.path.join(out, "corpus.bin"))
     trainer = zr.ZeroTrainer(model, token_mse, optimizer=zr.SGD(lr=0.1, momentum=0.9), config=config)
@@ -73,6 +76,7 @@ def second(out: str, run_id: str) -> None:
         torch.save(trainer.full_state_dict(), os.path.join(out, "final.pt"))
         summary = {"resumed": resumed, "resumed_samples": resumed_samples, "samples_seen": trainer.samples_seen,
                    "step": trainer.step_count, "world_size": trainer.world_size,
+                   "nvme": [r["nvme"] for r in trainer.memory_report()],
                    "events": list(trainer.events), "recoveries": [r.summary() for r in trainer.recoveries]}
     finally:
         trainer.shutdown()

@@ -84,6 +84,7 @@ def test_a_second_driver_attaches_and_finishes_the_run(tmp_path: Path) -> None:
         # The position comes back from the owners: samples too, not only steps.
         assert summary["resumed_samples"] == 12 * summary["resumed"] and summary["samples_seen"] == 12 * run.STEPS
         assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
+        assert all(b > 0 for b in summary["nvme"])  # the attached owners' state was still in its files
         assert info["run_id"] not in _status(head)  # the second driver shut the run down
 
         # A run no driver reattaches: its owners end themselves after orphan_timeout_s.
