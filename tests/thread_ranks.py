@@ -174,6 +174,9 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
         else:
             engine = OwnerEngine(spec, rank=rank, group=group, nodes=nodes)
         engines[rank] = engine
+        # No rank steps while another builds: a step can set the process-wide RNG (activation
+        # checkpointing's recomputation restores the forward's), which a build is drawing from.
+        group.barrier()
         for batch in batches:
             n = batch_size(batch)
             piece = split_batch(batch, split_sizes(n, world_size))[rank]
