@@ -140,7 +140,7 @@ def test_the_first_group_is_read_while_the_step_computes_and_each_group_once(
 
         monkeypatch.setattr(cls, name, record)
     engine.step(batches[1], global_samples=len(batches[1]))
-    order = optimizer._stream_order(optimizer._by_group())
+    order = optimizer.stream_order
     assert len(order) >= 3
     # the read-ahead was asked for before the update began, and nobody read its group again
     assert [e for e in events if e[0] != "populate_state"] == [("read_ahead", -1), ("step", -1)]

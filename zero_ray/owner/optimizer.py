@@ -130,6 +130,11 @@ class ShardOptimizer:
             raise ConfigError(f"rebuilding the user's optimizers over this rank's partition failed: {err}") from err
         self.schedulers = [self._schedule(scheduler, opt) for opt in self.optimizers] if scheduler is not None else []
         self._pieces_of = {id(p.tensor): p for p in self.pieces}
+        # Streamed: each group's pieces, and the groups in the order the update steps them.
+        self._by_group: dict[int, list[Piece]] = {}
+        for piece in self.pieces:
+            self._by_group.setdefault(piece.group.index, []).append(piece)
+        self.stream_order = [g for g in self._groups if g.index in self._by_group]
         self.version = 0  # changes whenever torch creates state (memory is counted again then)
         self._entries = 0
         if streamed:  # every state file now, so that a full disk fails the start, not half a step
@@ -173,30 +178,19 @@ class ShardOptimizer:
         for sched in self.schedulers:
             sched.step()
 
-    def _by_group(self) -> dict[int, list[Piece]]:
-        by_group: dict[int, list[Piece]] = {}
-        for piece in self.pieces:
-            by_group.setdefault(piece.group.index, []).append(piece)
-        return by_group
-
-    def _stream_order(self, by_group: Mapping[int, Sequence[Piece]]) -> list[ParamGroup]:
-        return [g for g in self._groups if g.index in by_group]
-
     def read_ahead(self) -> None:
         """Streamed: start bringing the update's first groups in now, while the step computes
         (a no-op when the state is in memory)."""
         if self.streamed:
-            self.stream.read_ahead(self._stream_order(self._by_group()))
+            self.stream.read_ahead(self.stream_order)
 
     def _step_streamed(self, grads: Mapping[int, torch.Tensor], used: Sequence[bool]) -> None:
         """The same step, one group at a time: torch leaves a parameter whose ``grad`` is None
         untouched, so stepping each group's pieces alone is the step of all of them. The
         ``StateStream``'s helper thread brings each group's offloaded state in ahead of its step
         and puts it back after: at most about two groups' state is resident."""
-        by_group = self._by_group()
-
         def step_group(group: ParamGroup) -> None:
-            pieces = by_group[group.index]
+            pieces = self._by_group[group.index]
             for piece in pieces:
                 piece.tensor.grad = (grads[group.index][piece.start:piece.end].view(piece.tensor.shape)
                                      if used[piece.param] else None)
@@ -206,7 +200,7 @@ class ShardOptimizer:
                 piece.tensor.grad = None
             self._adopt(pieces)
 
-        self.stream.run(self._stream_order(by_group), step_group)
+        self.stream.run(self.stream_order, step_group)
         for sched in self.schedulers:
             sched.step()
 
