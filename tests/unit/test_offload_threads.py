@@ -41,6 +41,18 @@ def _nvme(path: Path) -> zr.Offload:
     return zr.Offload(optimizer="nvme", path=str(path))
 
 
+def _fill_the_disk(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every later reservation of a state file fails with ENOSPC; the lengths asked for."""
+    calls: list[int] = []
+
+    def full(fd: int, offset: int, length: int) -> None:
+        calls.append(length)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(owner_offload.os, "posix_fallocate", full)
+    return calls
+
+
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize(("stage", "world_size"), [(0, 2), (1, 1), (1, 3), (2, 2), (3, 1), (3, 3)])
 def test_offloaded_run_is_the_in_memory_run(stage: int, world_size: int, optimizer: str, tmp_path: Path) -> None:
@@ -110,13 +122,7 @@ def test_a_full_disk_in_a_step_fails_it_and_changes_nothing(tmp_path: Path, monk
     offload = zr.Offload(optimizer="nvme", params="nvme", path=str(tmp_path))
     _, (engine,), _ = run_ranks(1, _gpt2, causal_lm_loss, zr.AdamW(lr=1e-2), batches[:1], stage=3, offload=offload)
     before = {n: v.clone() for n, (_, _, v) in engine.master_fragments().items()}
-    calls: list[int] = []
-
-    def full(fd: int, offset: int, length: int) -> None:
-        calls.append(length)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(owner_offload.os, "posix_fallocate", full)
+    calls = _fill_the_disk(monkeypatch)
     with pytest.raises(ResourceError, match=r"rank 0's offloaded state needs \d+ more bytes .* disk is full"):
         engine.step(batches[1], global_samples=len(batches[1]))
     assert calls  # the fault fired: the step's gradient shards could not be reserved
@@ -174,13 +180,7 @@ def test_an_unwritable_path_is_refused_by_name(tmp_path: Path) -> None:
 
 
 def test_a_full_disk_fails_the_start_not_a_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-
-    def full(fd: int, offset: int, length: int) -> None:
-        calls.append(length)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(owner_offload.os, "posix_fallocate", full)
+    calls = _fill_the_disk(monkeypatch)
     with pytest.raises(ResourceError, match=r"rank 0's offloaded state needs \d+ more bytes .* disk is full"):
         run_ranks(1, _gpt2, causal_lm_loss, zr.AdamW(lr=1e-2), token_batches(steps=1), stage=1,
                   offload=_nvme(tmp_path))
