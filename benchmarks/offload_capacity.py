@@ -33,6 +33,7 @@ import functools
 import json
 import math
 import os
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,6 +47,7 @@ from benchmarks.harness.probe import cap_address_space
 from benchmarks.harness.ray_env import runtime_env
 from benchmarks.harness.report import machine_line
 from benchmarks.harness.runner import loadavg, machine_info
+from benchmarks.harness.trials import write_results
 from zero_ray.config import Stage3Config
 
 VOCAB, SEQ, OWNERS, STEPS = 50257, 32, 4, 3
@@ -209,20 +211,14 @@ def main() -> None:
     finally:
         ray.shutdown()
     info["loadavg_end"] = loadavg()
-    os.makedirs(args.results_dir, exist_ok=True)
-    stem = os.path.join(args.results_dir, "offload_capacity")
+    path = os.path.join(args.results_dir, "offload_capacity.json")
     rows: list[dict[str, Any]] = []
-    if os.path.exists(stem + ".json"):
-        with open(stem + ".json", encoding="utf-8") as f:
+    if os.path.exists(path):  # one row per run: the runs so far are kept
+        with open(path, encoding="utf-8") as f:
             rows = json.load(f)["runs"]
-    rows.append(asdict(row) | {"machine": machine_line(info), "command": " ".join(os.sys.argv[1:])})
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump({"runs": rows}, f, indent=2)
-    text = table(rows)
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write(text + "\n\n" + "\n".join(f"- {r['layers']} x {r['width']}: {r['machine']}; `{r['command']}`"
-                                          for r in rows) + "\n")
-    print(text)
+    rows.append(asdict(row) | {"machine": machine_line(info), "command": " ".join(sys.argv[1:])})
+    sources = "\n".join(f"- {r['layers']} x {r['width']}: {r['machine']}; `{r['command']}`" for r in rows)
+    write_results(args.results_dir, "offload_capacity", {"runs": rows}, table(rows) + "\n\n" + sources)
 
 
 if __name__ == "__main__":
