@@ -129,3 +129,45 @@ def test_a_run_with_its_parameters_on_disk_grows_and_shrinks_as_the_run_in_memor
             assert all((r["nvme"] > 0) == offload.any_on_nvme for r in trainer.memory_report())
             runs[name] = trainer.full_state_dict()
     assert max(float((runs["disk"][n] - runs["memory"][n]).abs().max()) for n in runs["memory"]) == 0.0
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_without_config_keeps_offload_peer_redundancy_and_the_checkpoint_dir(tmp_path: Path) -> None:
+    """The whole run comes back from its checkpoint: its state stays on disk, its peer copies are
+    kept, a save without a path goes to its checkpoint dir, and it ends as the run never stopped."""
+    opt = zr.AdamW(lr=1e-2, weight_decay=0.1)
+    batches = token_batches(steps=STEPS, n=6)
+    config = zr.ZeroConfig(stage=2, world_size=2, device="cpu", offload=zr.Offload(optimizer="nvme",
+                                                                                   path=str(tmp_path / "nvme")),
+                           elastic=zr.ElasticConfig(redundancy="peer"),
+                           checkpoint=zr.CheckpointConfig(dir=str(tmp_path / "ckpt"), keep=5))
+
+    def train(trainer: zr.ZeroTrainer, part: list[torch.Tensor]) -> None:
+        for batch in part:
+            trainer.step(batch)
+        for r in trainer.memory_report():  # optimizer state and its peer copy on disk, not in memory
+            assert r["nvme"] > 0 and r["redundancy_nvme"] > 0 and r["redundancy_host"] == 0, r
+
+    whole = zr.ZeroTrainer(gpt2_lm, causal_lm_loss, optimizer=opt, config=config)
+    try:
+        train(whole, batches)
+        ref = whole.full_state_dict()
+    finally:
+        whole.shutdown()
+    first = zr.ZeroTrainer(gpt2_lm, causal_lm_loss, optimizer=opt, config=config)
+    try:
+        train(first, batches[:SAVE_AT])
+        saved = first.save_checkpoint(wait=True)  # into checkpoint.dir
+    finally:
+        first.shutdown()
+    assert zr.ZeroTrainer.saved_config(saved) == config
+    resumed = zr.ZeroTrainer.from_checkpoint(saved, gpt2_lm, causal_lm_loss, optimizer=opt)
+    try:
+        assert resumed.config == config and resumed.step_count == SAVE_AT
+        train(resumed, batches[SAVE_AT:])
+        again = resumed.save_checkpoint(wait=True)  # the restored checkpoint dir, not a default
+        got = resumed.full_state_dict()
+    finally:
+        resumed.shutdown()
+    assert os.path.dirname(again) == str(tmp_path / "ckpt") and again.endswith(f"step-{STEPS:08d}")
+    assert max(float((got[n] - ref[n]).abs().max()) for n in ref) == 0.0

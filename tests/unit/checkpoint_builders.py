@@ -13,6 +13,7 @@ import torch
 
 from zero_ray.checkpoint import store
 from zero_ray.config import ZeroConfig, training_record
+from zero_ray.config_record import config_record
 from zero_ray.checkpoint.format import BUFFER, MASTER, RNG, build_manifest, shard_file_name, state_kind
 from zero_ray.checkpoint.shardfile import Item, write_shard
 from zero_ray.checkpoint.storage import LocalStorage, Storage
@@ -108,7 +109,8 @@ def save(module: torch.nn.Module, root: str | os.PathLike[str], *, world_size: i
                                  rank=rank, name=name, chunk_bytes=chunk_bytes))
     manifest = build_manifest(models=[describe(module, layout, moments)], files=files, step=step,
                               samples_seen=12 * step, world_size=world_size, stage=2, compute_dtype="float32",
-                              seed=0, training=training_record(ZeroConfig()))
+                              seed=0, training=training_record(ZeroConfig()),
+                              config=config_record(ZeroConfig(world_size=world_size)))
     return Saved(path=store.commit(pending, manifest, keep=keep, storage=storage), layout=layout, values=values)
 
 

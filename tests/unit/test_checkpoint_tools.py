@@ -148,8 +148,9 @@ def test_inspect_describes_the_checkpoint(tmp_path: Path) -> None:
     info = inspect_checkpoint(str(tmp_path / "root"), verify=True)
     assert info["path"] == saved.path and info["verified"]
     assert (info["format_version"], info["step"], info["samples_seen"], info["world_size"], info["stage"]) == \
-           (3, 5, 60, 3, 2)
+           (4, 5, 60, 3, 2)
     assert info["training"]["grad_accum_steps"] == 1 and info["training"]["on_nonfinite"] == "raise"
+    assert info["config"]["world_size"] == 3 and info["config"]["checkpoint"]["keep"] == 3  # the whole ZeroConfig
     assert info["optimizers"] == [{"type": "torch.optim.adamw.AdamW", "kind": "elementwise", "groups": 2}]
     assert info["state"] == ["exp_avg", "exp_avg_sq"]
     assert info["params"] == len(list(model.parameters()))

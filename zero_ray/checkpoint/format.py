@@ -35,8 +35,10 @@ from zero_ray.errors import CheckpointError
 # 3: the run's training configuration (``training``) and one position (step, samples_seen); the
 #    engine's own optimizer-step count (``optimizer_steps``) is gone. Version 2 is still read:
 #    its ``optimizer_steps`` is dropped and it records no training configuration.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)
+# 4: the run's whole ZeroConfig (``config``), which a resume without a config restores; version 3
+#    records only the settings that change the math.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 DEFAULT_CHUNK_BYTES = 4 * 2**20
@@ -156,6 +158,9 @@ class Manifest:
     # The run's settings that change the math (``zero_ray.config.TRAINING_FIELDS`` as JSON data:
     # what a resume without a config restores and a config is compared with); empty in version 2.
     training: Mapping[str, Any] = field(default_factory=dict)
+    # The run's whole ZeroConfig (``zero_ray.config_record``): what a resume without a config runs
+    # with; empty before version 4.
+    config: Mapping[str, Any] = field(default_factory=dict)
     # Not an __init__ argument, so dataclasses.replace() builds a fresh index for the new files.
     _index: dict[tuple[str, str], list[tuple[int, Entry]]] = field(default_factory=dict, init=False, compare=False,
                                                                    repr=False)
@@ -267,7 +272,8 @@ def shard_file_from_data(data: Mapping[str, Any]) -> ShardFile:
 
 def build_manifest(*, models: Sequence[Mapping[str, Any]], files: Sequence[ShardFile], step: int,
                    samples_seen: int, world_size: int, stage: int, compute_dtype: str, seed: int,
-                   extra: Mapping[str, Any] | None = None, training: Mapping[str, Any] | None = None) -> Manifest:
+                   extra: Mapping[str, Any] | None = None, training: Mapping[str, Any] | None = None,
+                   config: Mapping[str, Any] | None = None) -> Manifest:
     """The manifest of a save: ``models`` are every rank's description (``models[0]``'s layout,
     optimizers and counters, which every rank shares; the parameters' optimizer state entries
     merged over ranks, each rank knowing those of what it updates), ``files`` every rank's record."""
@@ -282,7 +288,8 @@ def build_manifest(*, models: Sequence[Mapping[str, Any]], files: Sequence[Shard
         params=_param_records(model["params"]), buckets=_bucket_records(model["buckets"]),
         optimizers=tuple(model["optimizers"]), hyper=dict(model["hyper"]),
         param_state=dict(sorted(param_state.items())), loss_scaler=dict(model["loss_scaler"]),
-        files=tuple(sorted(files, key=lambda f: f.rank)), extra=dict(extra or {}), training=dict(training or {}))
+        files=tuple(sorted(files, key=lambda f: f.rank)), extra=dict(extra or {}), training=dict(training or {}),
+        config=dict(config or {}))
 
 
 @dataclass(frozen=True, kw_only=True)

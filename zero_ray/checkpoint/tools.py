@@ -69,6 +69,7 @@ def inspect_checkpoint(path: str, *, verify: bool = False, storage: Storage | No
         "step": m.step,
         "samples_seen": m.samples_seen,
         "training": dict(m.training),
+        "config": dict(m.config),
         "stage": m.stage,
         "world_size": m.world_size,
         "compute_dtype": m.compute_dtype,

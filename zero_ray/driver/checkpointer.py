@@ -44,6 +44,7 @@ class RunRecord:
     world_size: int
     stage: int
     training: dict[str, Any]  # zero_ray.config.training_record: the settings that change the math
+    config: dict[str, Any]  # zero_ray.config_record.config_record: the whole ZeroConfig
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. fit()'s data order, to resume it
 
     @property
@@ -111,7 +112,8 @@ class Checkpointer:
                                       step=record.step, samples_seen=record.position.samples_seen,
                                       world_size=len(files), stage=record.stage,
                                       compute_dtype=record.training["dtype"], seed=record.training["seed"],
-                                      extra=record.extra, training=record.training)
+                                      extra=record.extra, training=record.training,
+                                      config=record.config)
             path = store.commit(pending, manifest, keep=self._keep, storage=storage)
         except BaseException as err:  # the previous checkpoint stays the committed one
             log.error("checkpoint %s abandoned: %s", pending.final, err)

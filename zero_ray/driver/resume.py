@@ -1,12 +1,14 @@
 """How a run continues where another left off: from a checkpoint (``from_checkpoint``,
-``load_checkpoint``) or from a detached run's owners (``attach``), with its position and the
-settings that change its math.
+``load_checkpoint``) or from a detached run's owners (``attach``), with its position and config.
 
-Every checkpoint records the run's position (core/position.py) and its training configuration
-(``zero_ray.config.TRAINING_FIELDS``). A resume without a config restores all of it (stage and
-world size as saved); a config that would change the math is refused field by field unless the
-caller names the fields in ``override``. A detached run's owners keep its config and position,
-which ``attach`` takes back. ``ZeroTrainer`` inherits these methods (``ResumeAPI``).
+Every checkpoint records the run's position (core/position.py), its whole ``ZeroConfig``
+(``zero_ray.config_record``) and, apart, the settings that change its math
+(``zero_ray.config.TRAINING_FIELDS``). A resume without a config restores the whole config (stage
+and world size as saved); a passed config that would change the math is refused field by field
+unless the caller names the fields in ``override``. A detached run's owners keep its config and
+position, which ``attach`` takes back. Either way a restored setting that cannot hold here (a
+checkpoint directory this driver cannot write) is an error naming it. ``ZeroTrainer`` inherits
+these methods (``ResumeAPI``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import ray
 
 from zero_ray.checkpoint.format import Manifest
 from zero_ray.checkpoint.store import CheckpointReader
+from zero_ray.checkpoint.location import url_scheme
 from zero_ray.config import (
     ZeroConfig,
     check_overrides,
@@ -29,6 +32,7 @@ from zero_ray.config import (
     refuse_conflicts,
     training_record,
 )
+from zero_ray.config_record import FILESYSTEM_FIELD, RestoredConfig, config_record, restore_config
 from zero_ray.core.optim import OptimizerFactory, SchedulerFactory, recorded_factories
 from zero_ray.core.position import Position
 from zero_ray.core.precision import dtype_name, parse_dtype
@@ -51,16 +55,53 @@ def recorded_training(m: Manifest) -> dict[str, Any]:
     return {"dtype": dtype_name(parse_dtype(m.compute_dtype)), "seed": m.seed}
 
 
-def resume_config(m: Manifest, config: ZeroConfig | None, *, override: Sequence[str], source: str) -> ZeroConfig:
+def restored_config(m: Manifest, *, source: str, filesystem: Any = None) -> RestoredConfig:
+    """The config a resume without one runs with: the run's whole recorded ``ZeroConfig`` at the
+    saved stage and world size, the checkpoint ``filesystem`` it is read through standing in for
+    a recorded filesystem object. A format-2/3 checkpoint recorded only the settings that change
+    the math: those, with defaults for the rest (logged)."""
+    if m.config:
+        supply = {FILESYSTEM_FIELD: filesystem} if filesystem is not None else {}
+        return restore_config(m.config, stage=m.stage, world_size=m.world_size, supply=supply)
+    log.warning("%s (format %d) records only the settings that change the math; its other settings (offload, "
+                "elastic, checkpoint, ...) are at their defaults: pass config= to set them", source, m.format_version)
+    return RestoredConfig(config=config_from_training(recorded_training(m), stage=m.stage, world_size=m.world_size))
+
+
+def check_holds_here(config: ZeroConfig, *, source: str) -> None:
+    """Refuse a restored config whose settings cannot hold for this driver: a local
+    ``checkpoint.dir`` it cannot create or write (it writes every manifest there)."""
+    where = config.checkpoint.dir
+    if where is None or config.checkpoint.filesystem is not None or url_scheme(os.fspath(where)) is not None:
+        return
+    existing = os.path.abspath(os.fspath(where))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not (os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK)):
+        raise ConfigError(f"{source} was saved with checkpoint.dir={os.fspath(where)!r}, which this driver cannot "
+                          f"write ({existing!r} is not a writable directory); pass config= with another "
+                          "CheckpointConfig(dir=...), e.g. dataclasses.replace(ZeroTrainer.saved_config(path), "
+                          "checkpoint=zr.CheckpointConfig(dir=...))")
+
+
+def resume_config(m: Manifest, config: ZeroConfig | None, *, override: Sequence[str], source: str,
+                  filesystem: Any = None) -> ZeroConfig:
     """The config a resume from ``m`` runs with: ``config`` when it keeps the recorded math
-    (or changes only fields named in ``override``), else the recorded one at the saved stage
-    and world size. A conflict not overridden is a ConfigError naming the field and both values."""
+    (or changes only fields named in ``override``), else the whole recorded one at the saved
+    stage and world size. A conflict not overridden is a ConfigError naming the field and both
+    values; so is a recorded setting that cannot be rebuilt or cannot hold here."""
     names = check_overrides(override)
     if config is None:
         if names:
             raise ConfigError(f"override={names!r} without config=: a resume without a config restores the "
                               f"checkpoint's settings, so there is nothing to override; pass the config to change")
-        return config_from_training(recorded_training(m), stage=m.stage, world_size=m.world_size)
+        restored = restored_config(m, source=source, filesystem=filesystem)
+        if restored.unrecorded:
+            raise ConfigError(f"{source} was saved with {restored.describe()}, which a checkpoint cannot record; "
+                              "pass config= with it, e.g. config=dataclasses.replace(ZeroTrainer.saved_config(path), "
+                              "...) setting it again")
+        check_holds_here(restored.config, source=source)
+        return restored.config
     if not isinstance(config, ZeroConfig):
         raise ConfigError(f"config={config!r} must be a zr.ZeroConfig")
     for name, theirs, mine in refuse_conflicts(recorded_training(m), config, override=names, source=source,
@@ -97,16 +138,22 @@ class ResumeAPI:
         """What a checkpoint of the run now records besides the model state."""
         cfg = self.config
         return RunRecord(position=self.position, world_size=self.world_size, stage=cfg.stage,
-                         training=training_record(cfg), extra=dict(self.run_extra))
+                         training=training_record(cfg), config=config_record(cfg), extra=dict(self.run_extra))
 
     # -- checkpoints -----------------------------------------------------------------------------------
     @staticmethod
     def saved_config(path: str | os.PathLike[str], *, filesystem: Any = None) -> ZeroConfig:
-        """The ZeroConfig ``from_checkpoint(path, ...)`` resumes with when given none: the
-        checkpoint's stage, world size and every setting that changes the math (defaults for
-        the rest). ``dataclasses.replace`` it to change what does not, e.g. ``world_size``."""
-        m = CheckpointReader(path, filesystem=filesystem).manifest
-        return config_from_training(recorded_training(m), stage=m.stage, world_size=m.world_size)
+        """The ZeroConfig ``from_checkpoint(path, ...)`` resumes with when given none: the run's
+        whole config, at the checkpoint's stage and world size. ``dataclasses.replace`` it to
+        change what you want to, e.g. ``world_size``; everything else stays as the run had it. A
+        setting a checkpoint cannot record (a wrap policy's function, a filesystem object other
+        than ``filesystem``) comes back at its default, with a warning naming it: set it again."""
+        reader = CheckpointReader(path, filesystem=filesystem)
+        restored = restored_config(reader.manifest, source=f"checkpoint {reader.path}", filesystem=filesystem)
+        if restored.unrecorded:
+            log.warning("checkpoint %s was saved with %s, which a checkpoint cannot record: saved_config() gives "
+                        "the default; set it again", reader.path, restored.describe())
+        return restored.config
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str], model_fn: ModelFn, loss_fn: LossFn, *,
@@ -117,13 +164,15 @@ class ResumeAPI:
         a path, a URL, or a path in ``filesystem``) at any stage and world size: each owner reads
         only the ranges its new partition needs (ranged GETs on an object store).
 
-        ``config`` defaults to the checkpoint's: stage and world size as saved and every setting
-        that changes the math (``grad_accum_steps``, ``max_grad_norm``, dtypes, ``seed``,
-        ``loss_scale``, ``optimizer_kinds``, ``on_nonfinite``, the ``topology``'s quantized
-        collectives (``weight_comm``, ``grad_comm``); ``saved_config(path)`` returns
-        it). A config that sets any of those otherwise is a ConfigError naming the field and both
-        values, unless ``override`` names it (e.g. ``override=("max_grad_norm",)``); stage, world
-        size and every other field may differ freely. ``optimizer`` defaults to the checkpoint's
+        ``config`` defaults to the run's whole config as saved (stage, world size, offload,
+        elastic, checkpoint, stage3, device, ...; ``saved_config(path)`` returns it); a recorded
+        setting that cannot hold here (a ``checkpoint.dir`` this driver cannot write) or that a
+        checkpoint cannot record (a wrap policy's function) is a ConfigError naming it. A config
+        passed that sets a setting that changes the math (``grad_accum_steps``,
+        ``max_grad_norm``, dtypes, ``seed``, ``loss_scale``, ``optimizer_kinds``,
+        ``on_nonfinite``, the ``topology``'s quantized collectives) otherwise is a ConfigError
+        naming the field and both values, unless ``override`` names it (e.g.
+        ``override=("max_grad_norm",)``); stage, world size and every other field may differ. ``optimizer`` defaults to the checkpoint's
         (its classes and groups, rebuilt by parameter name); a different optimizer is refused,
         naming both. The optimizers' state, group hyperparameters and the scheduler's state come
         from the checkpoint; a run saved with a scheduler needs the same ``lr_scheduler``
@@ -133,10 +182,17 @@ class ResumeAPI:
         reader = CheckpointReader(path, filesystem=filesystem)  # the manifest only: checked before owners start
         m = reader.manifest
         reader.check_files()
-        config = resume_config(m, config, override=override, source=f"checkpoint {reader.path}")
+        restoring = config is None
+        config = resume_config(m, config, override=override, source=f"checkpoint {reader.path}", filesystem=filesystem)
         opt = optimizer if optimizer is not None else list(recorded_factories(m.optimizers))
-        trainer = cls(model_fn, loss_fn, optimizer=opt, lr_scheduler=lr_scheduler, config=config,  # type: ignore[call-arg]
-                      callbacks=callbacks)
+        try:
+            trainer = cls(model_fn, loss_fn, optimizer=opt, lr_scheduler=lr_scheduler,  # type: ignore[call-arg]
+                          config=config, callbacks=callbacks)
+        except Exception as err:
+            if restoring:
+                err.add_note(f"The run's config was restored from checkpoint {reader.path}: "
+                             "ZeroTrainer.saved_config(path) returns it; pass config= to change a setting.")
+            raise
         try:
             trainer.load_checkpoint(reader.path, override=override, filesystem=filesystem)
         except BaseException:
@@ -193,6 +249,7 @@ class ResumeAPI:
         found = find_run(run_id, timeout_s=timeout_s)
         run = found.run
         config: ZeroConfig = run["config"]
+        check_holds_here(config, source=f"detached run {run_id}")
         return cls(model_fn, loss_fn, optimizer=optimizer if optimizer is not None else run["optimizer"],  # type: ignore[call-arg]
                    lr_scheduler=lr_scheduler if lr_scheduler is not None else run.get("lr_scheduler"),
                    config=config, callbacks=callbacks, _found=found)
