@@ -59,20 +59,22 @@ class RestoredConfig:
         return ", ".join(f"{name}={what}" for name, what in self.unrecorded)
 
 
-def config_record(config: ZeroConfig) -> dict[str, Any]:
-    """``config`` as JSON data: every field, option objects tagged with their class."""
-    return _encode(config, "")
+def config_record(config: ZeroConfig, *, world_size: int | None = None) -> dict[str, Any]:
+    """``config`` as JSON data: every field, option objects tagged with their class;
+    ``world_size``: the run's size now, where a resize or a loss changed it."""
+    record = _encode(config, "")
+    if world_size is not None:
+        record["world_size"] = world_size
+    return record
 
 
-def restore_config(record: Mapping[str, Any], *, stage: int, world_size: int,
-                   supply: Mapping[str, Any] | None = None) -> RestoredConfig:
-    """The config ``record`` holds, at ``stage`` and ``world_size`` (the checkpoint's layout).
-    ``supply`` gives values for fields the record could not hold, by dotted name (only
-    ``FILESYSTEM_FIELD`` is supplied by a resume); one neither recorded nor supplied is at its
-    default and named in ``unrecorded``. A record this zero_ray cannot read is a ConfigError."""
+def restore_config(record: Mapping[str, Any], *, supply: Mapping[str, Any] | None = None) -> RestoredConfig:
+    """The config ``record`` holds. ``supply`` gives values for fields the record could not
+    hold, by dotted name (only ``FILESYSTEM_FIELD`` is supplied by a resume); one neither
+    recorded nor supplied is at its default and named in ``unrecorded``. A record this
+    zero_ray cannot read is a ConfigError."""
     unrecorded: list[tuple[str, str]] = []
     kwargs = _decode_fields(dict(record), "", dict(supply or {}), unrecorded)
-    kwargs.update(stage=stage, world_size=world_size)
     try:
         config = ZeroConfig(**kwargs)
     except (TypeError, ConfigError) as err:

@@ -40,9 +40,8 @@ RUN = zr.ZeroConfig(
 )
 
 
-def _through_json(config: zr.ZeroConfig, **where: int) -> zr.ZeroConfig:
-    restored = restore_config(json.loads(json.dumps(config_record(config))),
-                              stage=where.get("stage", config.stage), world_size=where.get("world_size", config.world_size))
+def _through_json(config: zr.ZeroConfig, world_size: int | None = None) -> zr.ZeroConfig:
+    restored = restore_config(json.loads(json.dumps(config_record(config, world_size=world_size))))
     assert restored.unrecorded == ()
     return restored.config
 
@@ -50,7 +49,7 @@ def _through_json(config: zr.ZeroConfig, **where: int) -> zr.ZeroConfig:
 def test_every_field_comes_back_through_json() -> None:
     assert _through_json(RUN) == RUN
     assert _through_json(zr.ZeroConfig()) == zr.ZeroConfig()
-    moved = _through_json(RUN, world_size=6)  # the checkpoint's layout wins: it is what was saved
+    moved = _through_json(RUN, world_size=6)  # the run's size when saved, after a resize
     assert moved == dataclasses.replace(RUN, world_size=6)
     quantized = dataclasses.replace(RUN, elastic=zr.ElasticConfig(),
                                     topology=zr.Topology(shard_group_size=2, weight_comm="int8", quant_block=64))
@@ -71,14 +70,14 @@ def test_what_a_checkpoint_cannot_record_is_named_and_supplied() -> None:
     odd = dataclasses.replace(RUN, stage3=zr.Stage3Config(wrap_policy=mine),
                               checkpoint=zr.CheckpointConfig(dir="bucket/ckpt", filesystem=pyarrow.fs.LocalFileSystem()))
     record = json.loads(json.dumps(config_record(odd)))
-    restored = restore_config(record, stage=3, world_size=4)
+    restored = restore_config(record)
     names = [name for name, _ in restored.unrecorded]
     assert names == ["stage3.wrap_policy.fn", "checkpoint.filesystem"]
     assert "test_config_record.test_what_a_checkpoint_cannot_record_is_named_and_supplied.<locals>.mine" in \
         restored.describe()
     assert restored.config.stage3.wrap_policy == zr.WrapPolicy()  # the default stands in, and is named above
     fs = pyarrow.fs.LocalFileSystem()
-    supplied = restore_config(record, stage=3, world_size=4, supply={"checkpoint.filesystem": fs})
+    supplied = restore_config(record, supply={"checkpoint.filesystem": fs})
     assert supplied.config.checkpoint.filesystem is fs and [n for n, _ in supplied.unrecorded] == names[:1]
 
 
@@ -86,11 +85,11 @@ def test_a_record_this_zero_ray_cannot_read_is_refused_naming_it() -> None:
     record = config_record(RUN)
     record["offload"] = {"__class__": "os.system", "command": "true"}  # only zero_ray's option classes are built
     with pytest.raises(ConfigError, match="offload=.*not an option this zero_ray reads"):
-        restore_config(record, stage=3, world_size=4)
+        restore_config(record)
     newer = config_record(RUN)
     newer["elastic"]["quorum"] = 3
     with pytest.raises(ConfigError, match="recorded elastic cannot be rebuilt.*quorum"):
-        restore_config(newer, stage=3, world_size=4)
+        restore_config(newer)
 
 
 @pytest.fixture

@@ -56,13 +56,13 @@ def recorded_training(m: Manifest) -> dict[str, Any]:
 
 
 def restored_config(m: Manifest, *, source: str, filesystem: Any = None) -> RestoredConfig:
-    """The config a resume without one runs with: the run's whole recorded ``ZeroConfig`` at the
-    saved stage and world size, the checkpoint ``filesystem`` it is read through standing in for
-    a recorded filesystem object. A format-2/3 checkpoint recorded only the settings that change
+    """The config a resume without one runs with: the run's whole recorded ``ZeroConfig`` (its
+    stage and its world size when saved), the checkpoint ``filesystem`` it is read through
+    standing in for a recorded filesystem object. A format-2/3 checkpoint recorded only the settings that change
     the math: those, with defaults for the rest (logged)."""
     if m.config:
         supply = {FILESYSTEM_FIELD: filesystem} if filesystem is not None else {}
-        return restore_config(m.config, stage=m.stage, world_size=m.world_size, supply=supply)
+        return restore_config(m.config, supply=supply)
     log.warning("%s (format %d) records only the settings that change the math; its other settings (offload, "
                 "elastic, checkpoint, ...) are at their defaults: pass config= to set them", source, m.format_version)
     return RestoredConfig(config=config_from_training(recorded_training(m), stage=m.stage, world_size=m.world_size))
@@ -138,7 +138,7 @@ class ResumeAPI:
         """What a checkpoint of the run now records besides the model state."""
         cfg = self.config
         return RunRecord(position=self.position, world_size=self.world_size, stage=cfg.stage,
-                         training=training_record(cfg), config=config_record(cfg), extra=dict(self.run_extra))
+                         training=training_record(cfg), config=config_record(cfg, world_size=self.world_size), extra=dict(self.run_extra))
 
     # -- checkpoints -----------------------------------------------------------------------------------
     @staticmethod
