@@ -4,9 +4,10 @@ Every machine with Python has that corpus, so the job needs no downloads. Bytes 
 (vocabulary 256). The job writes the corpus once as nanoGPT-style token files (``train.bin``,
 and the last ``--eval-fraction`` of it as ``val.bin``, uint16) to ``--data`` (a directory or a
 URL such as ``s3://bucket/corpus``; by default beside the checkpoints, else a local temporary
-directory) and trains from them through ``zero_ray.data.TokenFiles``: every actor reads its own
-samples from there, the driver only the files' sizes. Used by ``zero-ray train`` and
-``examples/train_gpt.py``.
+directory), never over an existing file: files an earlier run wrote are reused, any other file
+there stops the job with a DataError naming it. It trains from them through
+``zero_ray.data.TokenFiles``: every actor reads its own samples from there, the driver only the
+files' sizes. Used by ``zero-ray train`` and ``examples/train_gpt.py``.
 """
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ from __future__ import annotations
 import argparse
 import functools
 import glob
+import hashlib
 import logging
 import os
+import secrets
 import sysconfig
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from zero_ray.errors import ConfigError
+from zero_ray.checkpoint.storage import LocalStorage, Storage, fsync_dir
+from zero_ray.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -74,36 +78,121 @@ class CorpusWindows:
                 CorpusWindows(self.corpus, self.block_size, cut, self.last))
 
 
-def write_token_files(data: str, corpus: torch.Tensor, *, eval_fraction: float, block_size: int) -> tuple[str, str]:
-    """``corpus`` (bytes) as uint16 token files ``train.bin`` and ``val.bin`` (its last
-    ``eval_fraction``) under ``data``, written once: files already there with the right sizes
-    are kept. Returns their locations."""
+def token_parts(corpus: torch.Tensor, *, eval_fraction: float, block_size: int) -> dict[str, bytes]:
+    """The bytes of ``train.bin`` and ``val.bin`` (the last ``eval_fraction`` of ``corpus``),
+    as uint16 tokens."""
     import numpy as np
 
-    from zero_ray.checkpoint.location import open_location
-
-    storage, root = open_location(data)
     tokens = corpus.numpy().astype("<u2")
     held = max(block_size + 2, int(len(tokens) * eval_fraction))
     if held >= len(tokens) - block_size - 1:
         raise ConfigError(f"--eval-fraction={eval_fraction} leaves too little of the {len(tokens)}-token corpus to "
                           f"train on with --block-size={block_size}")
-    storage.makedirs(root)
-    out = []
-    for name, part in (("train.bin", tokens[:-held]), ("val.bin", tokens[-held:])):
-        path = storage.join(root, name)
-        if not storage.exists(path) or storage.size(path) != part.nbytes:
-            storage.write_atomic(path, np.ascontiguousarray(part).tobytes())
-        out.append(storage.locate(path))
-    return out[0], out[1]
+    return {"train.bin": np.ascontiguousarray(tokens[:-held]).tobytes(),
+            "val.bin": np.ascontiguousarray(tokens[-held:]).tobytes()}
 
 
-def default_data(args: argparse.Namespace) -> str:
+def write_token_files(data: str, corpus: torch.Tensor, *, eval_fraction: float, block_size: int,
+                      say: Callable[[str], None] = log.info) -> tuple[str, str]:
+    """``corpus`` (bytes) as uint16 token files ``train.bin`` and ``val.bin`` (its last
+    ``eval_fraction``) under ``data`` (a directory or a URL). Returns their locations.
+
+    A file there is never overwritten: one that already holds exactly these bytes (an earlier
+    run's) is reused, and ``say`` is told so; any other (another size, or the same size with
+    other contents) is a DataError naming it, raised before anything is written. A missing
+    file is written whole or not at all (locally a temp file linked into place, which fails if
+    the name was taken meanwhile; on an object store one upload), so a killed run leaves no
+    half file for the next run to trust."""
+    from zero_ray.checkpoint.location import open_location
+
+    storage, root = open_location(data)
+    parts = token_parts(corpus, eval_fraction=eval_fraction, block_size=block_size)
+    paths = {name: storage.join(root, name) for name in parts}
+    # Every existing file is checked before anything is written: a refusal leaves `data` as it was.
+    missing = [name for name in parts if not _holds(storage, paths[name], parts[name])]
+    if missing:
+        storage.makedirs(root)
+    for name in parts:
+        where = storage.locate(paths[name])
+        if name in missing and _write_new(storage, paths[name], parts[name]):
+            say(f"wrote {where} ({len(parts[name]):,} bytes)")
+        else:
+            say(f"reusing {where}: it already holds this corpus ({len(parts[name]):,} bytes, compared byte for byte)")
+    return storage.locate(paths["train.bin"]), storage.locate(paths["val.bin"])
+
+
+_FIX = "pass another --data directory, or remove it if it is one an earlier run of this job wrote with other settings"
+
+
+def _holds(storage: Storage, path: str, expected: bytes) -> bool:
+    """False when ``path`` does not exist; True when it holds exactly ``expected``; otherwise a
+    DataError naming it (the job would overwrite, or train on, a file that is not its own)."""
+    if not storage.exists(path):
+        return False
+    where = storage.locate(path)
+    if storage.is_dir(path):
+        raise DataError(f"{where} is a directory where the main job would write its token file; {_FIX}")
+    size = storage.size(path)
+    if size != len(expected):
+        raise DataError(f"{where} already exists with {size:,} bytes; the main job's token file there would have "
+                        f"{len(expected):,} bytes, and the job never overwrites a file: {_FIX}")
+    chunk, offset = 1 << 20, 0
+    with storage.open_input(path) as fh:
+        while offset < size:
+            got = fh.read(min(chunk, size - offset))
+            if not got:
+                raise DataError(f"{where} ended at byte {offset:,} of the {size:,} its size says; {_FIX}")
+            if got != expected[offset:offset + len(got)]:
+                raise DataError(f"{where} has the size of the main job's token file ({size:,} bytes) but other "
+                                f"contents (they differ within bytes {offset:,}-{offset + len(got):,}); the job "
+                                f"trains only on the corpus it writes and never overwrites a file: {_FIX}")
+            offset += len(got)
+    return True
+
+
+def _write_new(storage: Storage, path: str, data: bytes) -> bool:
+    """``path`` created whole, never replacing a file: locally a temp file hard-linked into place
+    (the link fails if the name exists), on an object store one upload (visible only once
+    complete). A name taken meanwhile is checked as an existing file (False: it is reused)."""
+    if not isinstance(storage, LocalStorage):
+        storage.write_atomic(path, data)
+        return True
+    directory, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any new file
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return not _holds(storage, path, data)  # another run wrote it first: reused if it is this corpus
+        except OSError:  # a filesystem without hard links: rename, only if the name is still free
+            if _holds(storage, path, data):
+                return False
+            os.rename(tmp, path)
+            tmp = ""
+    finally:
+        if tmp:
+            os.unlink(tmp)
+    fsync_dir(directory)
+    return True
+
+
+def default_data(args: argparse.Namespace, parts: dict[str, bytes]) -> str:
     """Where the corpus goes without ``--data``: beside the checkpoints (every actor reaches
-    them), else a local temporary directory (a single-machine cluster)."""
+    them), else a local temporary directory (a single-machine cluster) named by a digest of
+    ``parts`` (the files to write), so another Python's corpus or other settings never meet an
+    earlier run's files there."""
     if args.checkpoint_dir:
         return args.checkpoint_dir.rstrip("/") + "/corpus"
-    return os.path.join(tempfile.gettempdir(), f"zero_ray-stdlib-{args.corpus_bytes}")
+    digest = hashlib.sha256()
+    for name, payload in sorted(parts.items()):
+        digest.update(f"{name}:{len(payload)}:".encode())
+        digest.update(payload)
+    return os.path.join(tempfile.gettempdir(), f"zero_ray-stdlib-{args.corpus_bytes}-{digest.hexdigest()[:12]}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -179,9 +268,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--eval-fraction={args.eval_fraction} must be between 0 and 1")
     gpt = GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                     n_embd=args.n_embd)
-    data = args.data or default_data(args)
-    train_url, val_url = write_token_files(data, stdlib_corpus(args.corpus_bytes), eval_fraction=args.eval_fraction,
-                                           block_size=args.block_size)
+    corpus = stdlib_corpus(args.corpus_bytes)
+    data = args.data or default_data(args, token_parts(corpus, eval_fraction=args.eval_fraction,
+                                                       block_size=args.block_size))
+    train_url, val_url = write_token_files(data, corpus, eval_fraction=args.eval_fraction, block_size=args.block_size,
+                                           say=print)
     train = zr.data.TokenFiles(train_url, seq_len=args.block_size)
     held_out = zr.data.TokenFiles(val_url, seq_len=args.block_size)
     windows = {"train": sum(train.scan().block_sizes), "val": sum(held_out.scan().block_sizes)}  # file sizes only
