@@ -308,7 +308,7 @@ class ZeroConfig:
     stage: 0 (plain data parallelism), 1 (optimizer state partitioned), 2 (+ gradients),
         3 (+ parameters).
     world_size: number of partition owners (Ray actors), one device each.
-    device: "cpu", "cuda" or "auto" (CUDA when the cluster has world_size GPUs).
+    device: "cpu", "cuda" or "auto" (CUDA when the cluster has world_size GPUs now, else the CPU, warned).
     backend: "gloo", "nccl" or "auto" (NCCL on CUDA, gloo on CPU).
     dtype: compute dtype, "float32" (default), "bfloat16" or "float16"; master weights and
         optimizer state are float32 whatever this is. float16 uses dynamic loss scaling.
@@ -324,7 +324,8 @@ class ZeroConfig:
         the partition) or ``{cls: "whole_tensor"}`` (each parameter stepped whole on one
         owner); classes or "module.Class" names.
     collective_timeout_s: every collective wait is bounded by this.
-    step_timeout_s / init_timeout_s: bounds on the driver's waits for a step / for start-up.
+    step_timeout_s / init_timeout_s / capacity_timeout_s: bounds on the driver's waits for a step / for
+        start-up / for nodes with room for every owner, an autoscaler's (0: fail at once; docs/elastic.md).
     num_cpus_per_owner: logical CPUs each owner asks Ray for (CPU device), also its torch
         thread count.
     placement_strategy: where owners go, with Ray placement-group strategy names: PACK and SPREAD
@@ -383,6 +384,7 @@ class ZeroConfig:
     collective_timeout_s: float = 300.0
     step_timeout_s: float = 900.0
     init_timeout_s: float = 120.0
+    capacity_timeout_s: float = 600.0
     num_cpus_per_owner: float = 1.0
     placement_strategy: str = "PACK"
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
@@ -469,6 +471,8 @@ class ZeroConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name}={value!r} must be a finite number of seconds > 0")
+        if not (self.capacity_timeout_s >= 0 and math.isfinite(self.capacity_timeout_s)):
+            raise ConfigError(f"capacity_timeout_s={self.capacity_timeout_s!r} must be a finite number of seconds >= 0")
         if not self.num_cpus_per_owner > 0:
             raise ConfigError(f"num_cpus_per_owner={self.num_cpus_per_owner!r} must be > 0")
         if self.placement_strategy not in PLACEMENTS:

@@ -20,8 +20,9 @@ def _loss(module: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def test_world_size_larger_than_the_cluster_names_the_resources() -> None:
-    with pytest.raises(zr.ResourceError, match=r"world_size=64 needs 64 CPU .* cluster has 8 CPU"):
-        zr.ZeroTrainer(_model, _loss, config=zr.ZeroConfig(world_size=64))
+    # capacity_timeout_s=0: fail at once instead of waiting for nodes to join (test_capacity_wait.py)
+    with pytest.raises(zr.ResourceError, match=r"64 owners need \{'CPU': 1\} each; the cluster's live nodes hold 8"):
+        zr.ZeroTrainer(_model, _loss, config=zr.ZeroConfig(world_size=64, capacity_timeout_s=0))
 
 
 def test_stage_outside_range_is_refused_before_anything_starts() -> None:

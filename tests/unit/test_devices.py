@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_ray.core.devices import DeviceFacts, allocator_figures, check_owner_device, resolve_device
-from zero_ray.errors import ConfigError, ResourceError
+from zero_ray.core.devices import DeviceFacts, allocator_figures, check_owner_device, choose_device
+from zero_ray.errors import ConfigError
 from zero_ray.owner.buffers import BufferPool
 from zero_ray.owner.device import probe, setup_device
 from zero_ray.owner.host_copy import host_copies
@@ -49,12 +49,28 @@ def test_setup_on_this_machine_checks_what_it_probes() -> None:
     assert probe(need_nccl=False).cupy_error is None  # cupy is not imported unless NCCL is wanted
 
 
-def test_the_driver_picks_cuda_only_with_a_gpu_per_owner() -> None:
-    assert resolve_device(device="auto", backend="auto", cluster_gpus=4, world_size=4) == ("cuda", "nccl")
-    assert resolve_device(device="auto", backend="auto", cluster_gpus=3, world_size=4) == ("cpu", "gloo")
-    assert resolve_device(device="cuda", backend="gloo", cluster_gpus=2, world_size=2) == ("cuda", "gloo")
-    with pytest.raises(ResourceError, match=r"device='cuda' with world_size=4 needs 4 GPUs; the cluster has 1"):
-        resolve_device(device="cuda", backend="auto", cluster_gpus=1, world_size=4)
+def test_auto_picks_cuda_only_with_a_gpu_per_owner_and_warns_when_it_picks_the_cpu() -> None:
+    def pick(device: str, backend: str, gpus: float, world: int) -> tuple[str, str, bool]:
+        c = choose_device(device=device, backend=backend, cluster_gpus=gpus, world_size=world)
+        return c.device, c.backend, c.warn
+
+    assert pick("auto", "auto", 4, 4) == ("cuda", "nccl", False)
+    assert pick("auto", "auto", 8, 4) == ("cuda", "nccl", False)
+    assert pick("auto", "auto", 3, 4) == ("cpu", "gloo", True)
+    assert pick("auto", "auto", 0, 1) == ("cpu", "gloo", True)
+    assert pick("cpu", "auto", 4, 4) == ("cpu", "gloo", False)
+    # The CPU fallback says why and what to do on a cluster whose GPU nodes are autoscaled.
+    cpu = choose_device(device="auto", backend="auto", cluster_gpus=1, world_size=2)
+    assert "has 1 GPU now for 2 owners" in cpu.reason and "use device='cuda'" in cpu.reason
+    assert "capacity_timeout_s" in cpu.reason
+
+
+def test_explicit_cuda_with_too_few_gpus_now_is_kept_for_start_up_to_wait_for() -> None:
+    """No error here: the owners' requests for GPUs are what an autoscaler starts nodes for, and
+    start-up waits for them within capacity_timeout_s (test_capacity.py)."""
+    choice = choose_device(device="cuda", backend="auto", cluster_gpus=0, world_size=4)
+    assert (choice.device, choice.backend, choice.warn) == ("cuda", "nccl", False)
+    assert choose_device(device="cuda", backend="gloo", cluster_gpus=2, world_size=2).backend == "gloo"
 
 
 def test_allocator_figures_and_fragmentation() -> None:

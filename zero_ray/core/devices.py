@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from zero_ray.errors import ConfigError, ResourceError
+from zero_ray.errors import ConfigError
 
 GPU_EXTRA = "pip install 'zero-ray[gpu]'"
 
@@ -50,18 +50,47 @@ def check_owner_device(facts: DeviceFacts, *, device: str, backend: str, rank: i
                               f"{facts.cupy_error}. Install it with {GPU_EXTRA} (or use backend='gloo')")
 
 
-def resolve_device(*, device: str, backend: str, cluster_gpus: float, world_size: int) -> tuple[str, str]:
-    """The device and backend a run uses: "auto" means CUDA when the cluster has a GPU for every
-    owner, and NCCL on CUDA. An explicit "cuda" on a cluster with too few GPUs fails here, where
-    waiting for the owners' slots would otherwise hang until the start-up timeout."""
+@dataclass(frozen=True, kw_only=True)
+class DeviceChoice:
+    """The device and backend a run uses, and why (the trainer logs ``reason``; as a warning when
+    ``warn``: "auto" chose the CPU, which a cluster whose GPU nodes are still to come would
+    regret)."""
+
+    device: str
+    backend: str
+    reason: str
+    warn: bool = False
+
+
+def choose_device(*, device: str, backend: str, cluster_gpus: float, world_size: int) -> DeviceChoice:
+    """The device and backend for ``world_size`` owners on a cluster with ``cluster_gpus`` GPUs now.
+
+    "auto" means CUDA when the cluster has a GPU for every owner now, else the CPU, said loudly
+    (``warn``): GPU nodes an autoscaler has yet to start are not counted, since Ray 2.60 tells a
+    driver nothing of them (its autoscalers never report their node types to the GCS), and
+    waiting for GPUs that may never come would hang a machine with fewer GPUs than owners. A
+    cluster whose GPU nodes are autoscaled runs with ``device="cuda"``: its owners' requests for
+    GPUs are the autoscaler's demand, and start-up waits for them (``core/capacity.py``). NCCL on
+    CUDA, gloo on the CPU, unless ``backend`` says otherwise.
+    """
+    have = f"{cluster_gpus:g} GPU{'s' if cluster_gpus != 1 else ''}"
     if device == "auto":
-        device = "cuda" if cluster_gpus >= world_size else "cpu"
-    elif device == "cuda" and cluster_gpus < world_size:
-        raise ResourceError(f"device='cuda' with world_size={world_size} needs {world_size} GPUs; the cluster has "
-                            f"{cluster_gpus:g}. Add GPU nodes, lower world_size, or use device='cpu'")
+        if cluster_gpus >= world_size:
+            device, warn = "cuda", False
+            reason = f"device='auto' chose CUDA: the cluster has {have} for {world_size} owners"
+        else:
+            device, warn = "cpu", True
+            reason = (f"device='auto' chose the CPU: the cluster has {have} now for {world_size} owners (GPU nodes an "
+                      "autoscaler could start are not counted). If its GPU nodes are autoscaled or still joining, "
+                      "use device='cuda': start-up then waits for them, up to capacity_timeout_s")
+    elif device == "cuda":
+        reason = f"device='cuda': the cluster has {have} now for {world_size} owners"
+        warn = False
+    else:
+        reason, warn = f"device={device!r}", False
     if backend == "auto":
         backend = "nccl" if device == "cuda" else "gloo"
-    return device, backend
+    return DeviceChoice(device=device, backend=backend, reason=reason, warn=warn)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,7 +50,7 @@ from zero_ray.core.restore_plan import (
 )
 from zero_ray.driver.fanout import FanOut, InFlight
 from zero_ray.driver.health import HealthMonitor
-from zero_ray.driver.pool_spec import PoolSpec, check_resources, cluster_is_local
+from zero_ray.driver.pool_spec import PoolSpec, await_room, check_resources, cluster_is_local
 from zero_ray.driver.replacements import Replacements
 from zero_ray.driver.terminate import end_process
 from zero_ray.errors import ConfigError, OwnerLostError, ResourceError
@@ -137,9 +137,7 @@ class OwnerPool:
                 self._connect(adopt.actors)
                 self.info = [adopt.info]
             else:
-                check_resources(world_size=spec.world_size, use_gpu=spec.use_gpu,
-                                num_cpus_per_owner=spec.num_cpus_per_owner)
-                self._start_owners(range(spec.world_size), world_size=spec.world_size)
+                self._start_owners(range(spec.world_size), world_size=spec.world_size, wait_for_room=True)
                 setups = self.fan.grpc(self.clients, "setup", lambda c, r: c.setup(timeout_s=spec.init_timeout_s))
                 self.info = [layout_info(r) for r in setups]
             if spec.snapshot_every:
@@ -173,21 +171,34 @@ class OwnerPool:
             ).remote(rank=rank, world_size=world_size, spec=self._engine, options=self._options))
         return new
 
-    def _start_owners(self, ranks: range, *, world_size: int) -> None:
+    def _start_owners(self, ranks: range, *, world_size: int, wait_for_room: bool = False) -> None:
         """Start owners for ``ranks`` (or take the replacements already started for them),
-        connect their control clients and restart the health monitor over every owner. Owners
-        that cannot be placed within the start-up timeout are ended and ResourceError raised:
+        connect their control clients and restart the health monitor over every owner. With
+        ``wait_for_room`` (start-up) the owners are created first, their pending requests being
+        what an autoscaler sees, and the wait for nodes with room for them all is bounded by
+        ``capacity_timeout_s`` (``pool_spec.await_room``). Owners that cannot be placed in time, or
+        whose start takes longer than the start-up timeout, are ended and ResourceError raised:
         nothing is kept."""
         spec = self.spec
+        if wait_for_room and not spec.capacity_timeout_s:  # no wait: fail before creating any owner
+            await_room(owners=len(self.actors) + len(ranks), demand=spec.demand, bound_s=0.0)
         new = self.replacements.take(ranks)
         new += self._launch(ranks[len(new):], world_size)
         try:
+            if wait_for_room:
+                await_room(owners=len(self.actors) + len(new), demand=spec.demand, bound_s=spec.capacity_timeout_s)
             nodes = self.fan.ray(new, "node", timeout_s=spec.init_timeout_s, watch=False, ranks=list(ranks))
         except OwnerLostError as err:
             for actor in new:
                 ray.kill(actor, no_restart=True)
+            free = {k: v for k, v in ray.available_resources().items() if k in spec.demand}
             raise ResourceError(f"{len(new)} new owners of {spec.demand} could not all start within "
-                                f"{spec.init_timeout_s:g}s (free now: {ray.available_resources()}): {err}") from err
+                                f"init_timeout_s={spec.init_timeout_s:g}s (free now: {free}; other work may hold the "
+                                f"slots the nodes have room for): {err}") from err
+        except BaseException:
+            for actor in new:
+                ray.kill(actor, no_restart=True)
+            raise
         self._connect(new, nodes)
 
     def start_replacements(self, world_size: int) -> None:

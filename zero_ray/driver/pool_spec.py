@@ -1,13 +1,18 @@
-"""How the owners are placed and started (``PoolSpec``), and what the Ray cluster has room for."""
+"""How the owners are placed and started (``PoolSpec``), and what the Ray cluster has room for:
+``check_resources`` (a resize's fail-fast check) and ``await_room`` (start-up's bounded wait for
+nodes, ``core/capacity.py``)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from zero_ray.config import ControlTLS
+from zero_ray.core.capacity import CapacityWait, Room, Verdict, room
 from zero_ray.errors import ResourceError
 
 
@@ -22,6 +27,7 @@ class PoolSpec:
     placement_strategy: str
     collective_timeout_s: float
     init_timeout_s: float
+    capacity_timeout_s: float = 0.0  # start-up's wait for nodes with room for every owner; 0: fail at once
     health_interval_s: float
     health_timeout_s: float
     tls: ControlTLS | None = None
@@ -73,6 +79,35 @@ def check_resources(*, world_size: int, use_gpu: bool, num_cpus_per_owner: float
     if have < need:
         raise ResourceError(f"world_size={world_size} needs {need:g} {what} ({'1 GPU' if use_gpu else f'{num_cpus_per_owner:g} CPU'} "
                             f"per partition owner) but the Ray cluster has {have:g} {what}; {hint}")
+
+
+log = logging.getLogger(__name__)
+ROOM_POLL_S = 1.0  # how often start-up looks at the cluster's nodes while it waits for room
+
+
+def cluster_room(*, owners: int, demand: dict[str, float]) -> Room:
+    """What the live nodes can hold of ``owners`` owners of ``demand``, now."""
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    return room(owners=owners, demand=demand, nodes=nodes, free=ray.available_resources())
+
+
+def await_room(*, owners: int, demand: dict[str, float], bound_s: float) -> float:
+    """Wait until the live nodes can hold ``owners`` owners of ``demand`` (a pool's owners already
+    created, so that their pending requests are what an autoscaler sees), logging what it waits
+    for; ``ResourceError`` after ``bound_s`` with room still missing. Returns the seconds waited."""
+    start = time.monotonic()
+    wait = CapacityWait(bound_s=bound_s, started_s=start)
+    while True:
+        now = time.monotonic()
+        current = cluster_room(owners=owners, demand=demand)
+        verdict = wait.check(current, now)
+        if verdict is Verdict.READY:
+            if wait.reported_s is not None:
+                log.warning("the cluster has room for all %d owners after %.0fs", owners, now - start)
+            return now - start
+        if verdict is Verdict.REPORT:
+            log.warning("%s", current.waiting(waited_s=now - start, bound_s=bound_s))
+        time.sleep(min(ROOM_POLL_S, max(0.0, start + bound_s - now)))
 
 
 def cluster_is_local() -> bool:

@@ -27,7 +27,7 @@ from zero_ray.control.auth import Credentials, new_token, write_token_file
 from zero_ray.control.handlers import EvaluateArgs, JobStatus, MetricsEvent, combine
 from zero_ray.control.server import ServerConfig, serve_coordinator
 from zero_ray.core.batching import Batch
-from zero_ray.core.devices import resolve_device
+from zero_ray.core.devices import choose_device
 from zero_ray.core.flight import diagnose
 from zero_ray.core.optim import (
     AdamW,
@@ -73,8 +73,11 @@ def _ensure_ray() -> None:
 
 
 def _resolve_device(config: ZeroConfig) -> tuple[str, str]:
-    return resolve_device(device=config.device, backend=config.backend, world_size=config.world_size,
-                          cluster_gpus=ray.cluster_resources().get("GPU", 0.0))
+    choice = choose_device(device=config.device, backend=config.backend, world_size=config.world_size,
+                           cluster_gpus=ray.cluster_resources().get("GPU", 0.0))
+    # "auto" falling back to the CPU is said loudly: on an autoscaled GPU cluster it is a mistake.
+    log.log(logging.WARNING if choice.warn else logging.INFO, "%s", choice.reason)
+    return choice.device, choice.backend
 
 
 class ZeroTrainer(ResumeAPI):
@@ -132,7 +135,8 @@ class ZeroTrainer(ResumeAPI):
         pool = PoolSpec(world_size=cfg.world_size, use_gpu=self.device == "cuda",
                         num_cpus_per_owner=cfg.num_cpus_per_owner, backend=backend,
                         placement_strategy=cfg.placement_strategy, collective_timeout_s=cfg.collective_timeout_s,
-                        init_timeout_s=cfg.init_timeout_s, health_interval_s=cfg.health_interval_s,
+                        init_timeout_s=cfg.init_timeout_s, capacity_timeout_s=cfg.capacity_timeout_s,
+                        health_interval_s=cfg.health_interval_s,
                         health_timeout_s=cfg.health_timeout_s, tls=cfg.control_tls,
                         snapshot_every=elastic.snapshot_every if elastic.redundancy == "peer" else 0,
                         detached=elastic.detached, orphan_timeout_s=elastic.orphan_timeout_s,
