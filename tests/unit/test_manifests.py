@@ -408,6 +408,25 @@ def test_rayjob_entrypoint_arguments_are_accepted() -> None:
     assert not unknown, f"{script} does not accept {unknown} from the RayJob's entrypoint"
 
 
+
+RAYJOB_DOCS = [(p, d) for p, d in ALL_DOCS if d.get("kind") == "RayJob"]
+
+
+@pytest.mark.parametrize(("path", "doc"), RAYJOB_DOCS, ids=[f"{p.relative_to(DEPLOY)}" for p, _ in RAYJOB_DOCS])
+def test_rayjob_training_runs_on_the_gpus_its_workers_have(path: Path, doc: dict[str, Any]) -> None:
+    """A job on GPU workers runs with --device cuda: its owners' GPU requests are what the
+    autoscaler starts workers for, and start-up waits for them; the default "auto" would train
+    on the workers' CPUs whenever the job starts before every GPU worker is up."""
+    script, args = _entrypoint_script(doc["spec"]["entrypoint"])
+    assert script == "examples/train_gpt.py", f"{path}: no known parser for {script}"
+    parser = argparse.ArgumentParser()
+    importlib.import_module("zero_ray.demo").add_arguments(parser)
+    device = parser.parse_known_args(args)[0].device
+    gpu_groups = [name for name, group in pod_groups(cluster_spec(doc)) if name != "head"
+                  and int(str(ray_container(group).get("resources", {}).get("limits", {}).get(GPU, 0)))]
+    assert gpu_groups, f"{path}: no worker group has GPUs"
+    assert device == "cuda", f"{path}: the entrypoint trains with device {device!r} on GPU workers {gpu_groups}"
+
 # -- the RayJob with checkpoints on S3 ------------------------------------------------------------------
 
 def _checkpoint_storage_removed(spec: dict[str, Any]) -> dict[str, Any]:
