@@ -74,3 +74,16 @@ def test_the_waiting_line_says_what_it_waits_for() -> None:
     assert line.startswith("waiting for 1 more owner slot: 2 owners need {'CPU': 1} each; the cluster's live "
                            "nodes hold 1 (they have {'CPU': 1}, {'CPU': 0} free); 12s of up to "
                            "capacity_timeout_s=600s")
+
+
+def test_the_bound_is_a_finite_number_of_seconds_zero_allowed() -> None:
+    import math
+
+    from zero_ray.config import ZeroConfig
+    from zero_ray.errors import ConfigError
+
+    assert ZeroConfig().capacity_timeout_s == 600.0
+    assert ZeroConfig(capacity_timeout_s=0).capacity_timeout_s == 0
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ConfigError, match="capacity_timeout_s=.* must be a finite number of seconds >= 0"):
+            ZeroConfig(capacity_timeout_s=bad)
