@@ -29,9 +29,6 @@ ALLOWED = frozenset({
 # Creating an owner: RemotePartitionOwner.options(...).remote(...); ending one: ray.kill, and the
 # task pinned to its node that SIGKILLs a frozen owner's process (driver/terminate.py).
 ACTOR_CLASSES = frozenset({"RemotePartitionOwner", "_remote_sigkill"})
-# Ray tasks of the data path that never reach an owner: a Ray Dataset block's rows counted
-# beside the block (data/raydata.py).
-DATA_TASKS = frozenset({"_block_rows"})
 # The one dynamic call, checked at run time against RAY_METHODS.
 DYNAMIC = ("driver/fanout.py", "FanOut.ray")
 # Modules with Ray actors of their own that never reach an owner: the DDP reference runs.
@@ -84,7 +81,7 @@ def violations(source: str, rel: str) -> list[str]:
                     and target.func.attr == "options":
                 target = target.func.value  # X.options(...).remote(...): as X.remote(...)
             if isinstance(target, ast.Name):  # an actor class created, or @ray.remote itself
-                if target.id != "ray" and target.id not in ACTOR_CLASSES | DATA_TASKS:
+                if target.id != "ray" and target.id not in ACTOR_CLASSES:
                     found.append(f"{where}: {target.id}.remote(...) starts a Ray actor or task")
             elif isinstance(target, ast.Attribute):  # handle.method.remote(...)
                 if target.attr not in ALLOWED:
