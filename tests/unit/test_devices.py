@@ -27,7 +27,7 @@ def test_a_cuda_owner_with_its_one_gpu_and_cupy_passes() -> None:
     (DeviceFacts(cuda_available=True, visible_gpus=2, visible_env="0,1"), "cuda", "nccl",
      r"rank 2: the owner sees 2 GPUs \(CUDA_VISIBLE_DEVICES='0,1'\); each owner must own exactly one"),
     (DeviceFacts(cuda_available=True, visible_gpus=1, cupy_error="ModuleNotFoundError: No module named 'cupy'"),
-     "cuda", "nccl", r"rank 2: backend='nccl' needs cupy .*No module named 'cupy'.*pip install 'zero-ray\[gpu\]'"),
+     "cuda", "nccl", r"rank 2: backend='nccl' needs cupy .*No module named 'cupy'.*pip install -e '\.\[gpu\]' \(from the checkout\)"),
     (ONE_GPU, "cpu", "nccl", r"backend='nccl' needs device='cuda' \(got device='cpu'\); use backend='gloo'"),
 ])
 def test_what_an_owner_cannot_run_is_refused_with_the_fix(facts: DeviceFacts, device: str, backend: str,
@@ -58,6 +58,10 @@ def test_auto_picks_cuda_only_with_a_gpu_per_owner_and_warns_when_it_picks_the_c
     assert pick("auto", "auto", 8, 4) == ("cuda", "nccl", False)
     assert pick("auto", "auto", 3, 4) == ("cpu", "gloo", True)
     assert pick("auto", "auto", 0, 1) == ("cpu", "gloo", True)
+    # One machine without a GPU (a laptop) is no cluster whose GPU nodes are still to come: no warning.
+    laptop = choose_device(device="auto", backend="auto", cluster_gpus=0, world_size=2, one_machine=True)
+    assert (laptop.device, laptop.warn) == ("cpu", False) and "chose the CPU" in laptop.reason
+    assert choose_device(device="auto", backend="auto", cluster_gpus=1, world_size=2, one_machine=True).warn
     assert pick("cpu", "auto", 4, 4) == ("cpu", "gloo", False)
     # The CPU fallback says why and what to do on a cluster whose GPU nodes are autoscaled.
     cpu = choose_device(device="auto", backend="auto", cluster_gpus=1, world_size=2)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from zero_ray.errors import ConfigError
 
-GPU_EXTRA = "pip install 'zero-ray[gpu]'"
+GPU_EXTRA = "pip install -e '.[gpu]' (from the checkout)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +62,8 @@ class DeviceChoice:
     warn: bool = False
 
 
-def choose_device(*, device: str, backend: str, cluster_gpus: float, world_size: int) -> DeviceChoice:
+def choose_device(*, device: str, backend: str, cluster_gpus: float, world_size: int,
+                  one_machine: bool = False) -> DeviceChoice:
     """The device and backend for ``world_size`` owners on a cluster with ``cluster_gpus`` GPUs now.
 
     "auto" means CUDA when the cluster has a GPU for every owner now, else the CPU, said loudly
@@ -71,7 +72,8 @@ def choose_device(*, device: str, backend: str, cluster_gpus: float, world_size:
     waiting for GPUs that may never come would hang a machine with fewer GPUs than owners. A
     cluster whose GPU nodes are autoscaled runs with ``device="cuda"``: its owners' requests for
     GPUs are the autoscaler's demand, and start-up waits for them (``core/capacity.py``). NCCL on
-    CUDA, gloo on the CPU, unless ``backend`` says otherwise.
+    CUDA, gloo on the CPU, unless ``backend`` says otherwise. The CPU is not warned about on
+    ``one_machine`` (every node is the driver's) without a GPU: a laptop, not a cluster to come.
     """
     have = f"{cluster_gpus:g} GPU{'s' if cluster_gpus != 1 else ''}"
     if device == "auto":
@@ -79,7 +81,7 @@ def choose_device(*, device: str, backend: str, cluster_gpus: float, world_size:
             device, warn = "cuda", False
             reason = f"device='auto' chose CUDA: the cluster has {have} for {world_size} owners"
         else:
-            device, warn = "cpu", True
+            device, warn = "cpu", not (one_machine and cluster_gpus == 0)
             reason = (f"device='auto' chose the CPU: the cluster has {have} now for {world_size} owners (GPU nodes an "
                       "autoscaler could start are not counted). If its GPU nodes are autoscaled or still joining, "
                       "use device='cuda': start-up then waits for them, up to capacity_timeout_s")

@@ -74,8 +74,8 @@ def _ensure_ray() -> None:
 
 def _resolve_device(config: ZeroConfig) -> tuple[str, str]:
     choice = choose_device(device=config.device, backend=config.backend, world_size=config.world_size,
-                           cluster_gpus=ray.cluster_resources().get("GPU", 0.0))
-    # "auto" falling back to the CPU is said loudly: on an autoscaled GPU cluster it is a mistake.
+                           cluster_gpus=ray.cluster_resources().get("GPU", 0.0), one_machine=cluster_is_local())
+    # "auto" falling back to the CPU is said loudly on a cluster: where GPU nodes are autoscaled it is a mistake.
     log.log(logging.WARNING if choice.warn else logging.INFO, "%s", choice.reason)
     return choice.device, choice.backend
 
