@@ -262,8 +262,6 @@ def run(args: argparse.Namespace) -> int:
     import zero_ray as zr
     from zero_ray.models import GPT, GPTConfig, lm_loss_sum
 
-    if not ray.is_initialized():
-        ray.init(address=args.address, log_to_driver=False) if args.address else ray.init(log_to_driver=False)
     if not 0 < args.eval_fraction < 1:
         raise ConfigError(f"--eval-fraction={args.eval_fraction} must be between 0 and 1")
     gpt = GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
@@ -271,8 +269,11 @@ def run(args: argparse.Namespace) -> int:
     corpus = stdlib_corpus(args.corpus_bytes)
     data = args.data or default_data(args, token_parts(corpus, eval_fraction=args.eval_fraction,
                                                        block_size=args.block_size))
+    # Before Ray starts: a file under --data that is not the job's own stops it at once.
     train_url, val_url = write_token_files(data, corpus, eval_fraction=args.eval_fraction, block_size=args.block_size,
                                            say=print)
+    if not ray.is_initialized():
+        ray.init(address=args.address, log_to_driver=False) if args.address else ray.init(log_to_driver=False)
     train = zr.data.TokenFiles(train_url, seq_len=args.block_size)
     held_out = zr.data.TokenFiles(val_url, seq_len=args.block_size)
     windows = {"train": sum(train.scan().block_sizes), "val": sum(held_out.scan().block_sizes)}  # file sizes only

@@ -67,6 +67,23 @@ def test_an_existing_file_of_another_size_is_refused_and_left_byte_for_byte(tmp_
     assert os.listdir(tmp_path) == ["train.bin"]  # val.bin not written either: refused before any write
 
 
+def test_the_job_refuses_before_starting_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`examples/train_gpt.py --data DIR` over a user's train.bin: the job stops with the
+    DataError before Ray starts (or anything is written), the file as it was."""
+    import ray
+
+    def no_ray(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the job started Ray before checking --data")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    mine = tmp_path / "train.bin"
+    mine.write_bytes(b"\x01\x02" * 999)
+    before = state(mine)
+    with pytest.raises(DataError, match="1,998 bytes"):
+        demo.main(["--data", str(tmp_path), "--corpus-bytes", "65536", "--no-progress"])
+    assert state(mine) == before and os.listdir(tmp_path) == ["train.bin"]
+
+
 def test_a_file_of_the_same_size_with_other_contents_is_refused(tmp_path: Path) -> None:
     parts = expected()
     (tmp_path / "train.bin").write_bytes(parts["train.bin"])  # an earlier run's: fine
