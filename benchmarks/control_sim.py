@@ -21,15 +21,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from zero_ray.collective.flight import FlightRecorder
+from zero_ray.collective.flight_recorder import FlightRecorder
 from zero_ray.control import handlers as h
 from zero_ray.control.auth import Credentials
 from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
 from zero_ray.core.position import Position
 from zero_ray.errors import CollectiveError
 from zero_ray.owner.checkpointing import ShardSaver
-from zero_ray.owner.control import OwnerControl
-from zero_ray.owner.data import PieceSource
+from zero_ray.owner.owner_control import OwnerControl
+from zero_ray.owner.batch_source import PieceSource
 from zero_ray.owner.redundancy import PeerSnapshots
 
 CONTROL_THREADS = 16  # as zero_ray/owner/actor.py's _CONTROL_THREADS

@@ -93,7 +93,7 @@ def run_throughput(args: argparse.Namespace, gpus: int, activations: int) -> dic
     import zero_ray as zr
     from benchmarks.harness.gpu import MemoryCheck, bf16_peak, flops_per_token, mfu
     from zero_ray.config import Stage3Config
-    from zero_ray.core.memory import model_state_bytes
+    from zero_ray.core.memory_formulas import model_state_bytes
     from zero_ray.models import GPT, Block, lm_loss
 
     cfg = gpt_config(args)

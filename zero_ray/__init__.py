@@ -15,7 +15,7 @@ from zero_ray.config import (
 from zero_ray.core.offload import Offload
 from zero_ray.core.optim import SGD, AdamW
 from zero_ray.core.precision import LossScaleConfig
-from zero_ray.core.schedule import WarmupCosine
+from zero_ray.core.lr_schedule import WarmupCosine
 from zero_ray.core.topology import Topology
 from zero_ray.core.units import WrapPolicy
 from zero_ray.driver.callbacks import Callback

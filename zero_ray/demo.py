@@ -234,7 +234,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def memory_table(reports: Sequence[dict[str, int]], *, stage: int, dtype: str) -> str:
     """Per-actor model-state bytes (measured) beside the paper's formula for the stage."""
-    from zero_ray.core.memory import model_state_bytes, optimizer_bytes_per_param
+    from zero_ray.core.memory_formulas import model_state_bytes, optimizer_bytes_per_param
 
     mixed = dtype not in ("float32", "fp32")
     element = 2 if mixed else 4

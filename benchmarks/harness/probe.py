@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zero_ray.core.memory import StateBytes
+from zero_ray.core.memory_formulas import StateBytes
 
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"

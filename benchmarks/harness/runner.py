@@ -39,7 +39,7 @@ from benchmarks.harness.systems import (
 )
 from benchmarks.harness.workloads import WORKLOADS, Workload, gpt_workload, mlp_workload
 from zero_ray.core.batching import Batch
-from zero_ray.core.memory import communication_elements
+from zero_ray.core.memory_formulas import communication_elements
 from zero_ray.core.optim import AdamW
 from zero_ray.errors import ConfigError, ResourceError
 

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from control_fakes import WAIT_S, FakeOwner, server_config  # noqa: E402
 
 from zero_ray.control.auth import Credentials  # noqa: E402
-from zero_ray.control.beats import HeartbeatReader  # noqa: E402
+from zero_ray.control.heartbeats import HeartbeatReader  # noqa: E402
 from zero_ray.control.client import ClientConfig  # noqa: E402
 from zero_ray.control.server import ControlServer  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Every owner's heartbeats read on one thread (control/beats.py): beats arrive, a silent
+"""Every owner's heartbeats read on one thread (control/heartbeats.py): beats arrive, a silent
 stream is lost after its stall bound, a stopped server is lost, close() reports nothing, and
 readers closed one after another leave gRPC nothing to print."""
 
@@ -13,7 +13,7 @@ import time
 
 from control_fakes import WAIT_S, Served
 
-from zero_ray.control.beats import HeartbeatReader
+from zero_ray.control.heartbeats import HeartbeatReader
 from zero_ray.control.handlers import Heartbeat
 
 READERS = 50  # before the fix, 4 runs of this test in 5 printed tracebacks from some of the closes

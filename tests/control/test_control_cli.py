@@ -10,8 +10,8 @@ import pytest
 from control_fakes import STATUS, Served
 
 from zero_ray.cli import _COMMAND_MODULES
-from zero_ray.cli import control as control_cli
-from zero_ray.cli.groups import subcommand_group
+from zero_ray.cli import operator_commands as control_cli
+from zero_ray.cli.subcommand_groups import subcommand_group
 from zero_ray.control.auth import Credentials, write_token_file
 
 
@@ -91,4 +91,4 @@ def test_checkpoint_group_is_shared_with_offline_commands() -> None:
     subcommand_group(subparsers, "checkpoint", help="ignored: the group exists").add_parser("inspect")
     assert parser.parse_args(["checkpoint", "inspect"]).checkpoint_action == "inspect"
     assert parser.parse_args(["checkpoint", "now", "--address", "a:1", "--token-file", "f"]).path is None
-    assert "zero_ray.cli.control" in _COMMAND_MODULES
+    assert "zero_ray.cli.operator_commands" in _COMMAND_MODULES

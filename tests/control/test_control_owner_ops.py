@@ -8,7 +8,7 @@ import pytest
 import torch
 from control_fakes import DESCRIPTION, LAYOUT, OWNER_STATUS, Served
 
-from zero_ray.control import plain
+from zero_ray.control import json_fields as plain
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import OwnerClient
 from zero_ray.control.handlers import SetupResult

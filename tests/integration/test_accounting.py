@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zero_ray as zr
-from zero_ray.core.memory import model_state_bytes, optimizer_bytes_per_param, tier_bytes
+from zero_ray.core.memory_formulas import model_state_bytes, optimizer_bytes_per_param, tier_bytes
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -23,7 +23,7 @@ from finetune_models import (
 from safetensors.torch import load_file
 
 from zero_ray.checkpoint.tools import consolidate, reshard
-from zero_ray.core.memory import model_state_bytes, optimizer_bytes_per_param
+from zero_ray.core.memory_formulas import model_state_bytes, optimizer_bytes_per_param
 from zero_ray.testing import ddp_params, single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")

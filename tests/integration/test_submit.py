@@ -140,7 +140,7 @@ def test_invalid_arguments_are_config_errors(tmp_path: Path) -> None:
 
 
 def test_submit_is_a_registered_subcommand() -> None:
-    assert "zero_ray.cli.submit" in cli._COMMAND_MODULES
+    assert "zero_ray.cli.submit_command" in cli._COMMAND_MODULES
     assert cli.main(["submit", "--address", "http://127.0.0.1:1"]) == 2  # no command after --
 
 

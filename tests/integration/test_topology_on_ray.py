@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zero_ray as zr
-from zero_ray.core.memory import optimizer_bytes_per_param, topology_state_bytes
+from zero_ray.core.memory_formulas import optimizer_bytes_per_param, topology_state_bytes
 from zero_ray.models import GPT, GPTConfig, lm_loss
 from zero_ray.testing import single_process
 

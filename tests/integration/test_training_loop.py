@@ -199,7 +199,7 @@ def test_step_batches_are_freed_from_the_object_store() -> None:
 
 
 def test_no_private_ray_api_in_the_data_path() -> None:
-    import zero_ray.driver.data as data
+    import zero_ray.driver.batch_staging as data
     import zero_ray.driver.trainer as trainer
 
     for module in (data, trainer):

@@ -8,7 +8,7 @@ import torch
 import zero_ray as zr
 from zero_ray.core.batching import batch_size, split_batch, split_sizes
 from zero_ray.core.precision import LossScaleConfig, LossScaler, parse_dtype
-from zero_ray.core.schedule import WarmupCosine
+from zero_ray.core.lr_schedule import WarmupCosine
 from zero_ray.errors import ConfigError
 
 

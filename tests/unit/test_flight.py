@@ -7,10 +7,10 @@ import threading
 
 import torch
 
-from zero_ray.collective.flight import FlightRecorder, RecordedGroup
+from zero_ray.collective.flight_recorder import FlightRecorder, RecordedGroup
 from zero_ray.collective.group import SoloGroup
 from zero_ray.control.handlers import CollectiveEvent, Flight
-from zero_ray.core.flight import IDLE, diagnose
+from zero_ray.core.stall_diagnosis import IDLE, diagnose
 
 G = "zr-run-g3"
 

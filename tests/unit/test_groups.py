@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from zero_ray.core.groups import GradFlow, ParamResidency, group_policy, plan_groups, size_buckets
+from zero_ray.core.group_policy import GradFlow, ParamResidency, group_policy, plan_groups, size_buckets
 from zero_ray.core.stages import GradReduction, stage_plan
 from zero_ray.core.units import UnitPlan, UnitSpec
-from zero_ray.core.usage import digits_per_value, pack_marks, unpack_marks
+from zero_ray.core.updated_params import digits_per_value, pack_marks, unpack_marks
 from zero_ray.errors import ConfigError
 
 W, P, A, B = ParamResidency.WHOLE, ParamResidency.PER_USE, GradFlow.ACCUMULATE, GradFlow.PER_MICRO_BATCH

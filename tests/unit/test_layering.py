@@ -14,9 +14,9 @@ import pytest
 from tests_paths import REPO_ROOT
 
 PACKAGE = os.path.join(REPO_ROOT, "zero_ray")
-PURE = ("core.layout", "core.reshard", "core.memory", "core.policy", "core.units", "core.stages", "core.groups",
-        "core.usage", "core.assign", "core.optim_state", "checkpoint.format", "core.topology", "core.restore_plan",
-        "core.flight", "core.position")
+PURE = ("core.layout", "core.reshard", "core.memory_formulas", "core.policy", "core.units", "core.stages", "core.group_policy",
+        "core.updated_params", "core.assign", "core.optim_state", "checkpoint.format", "core.topology", "core.restore_plan",
+        "core.stall_diagnosis", "core.position")
 # package -> packages it must never import (directly or lazily)
 FORBIDDEN = {
     "core": ("driver", "owner", "collective", "control", "checkpoint", "testing", "cli", "config", "compat"),

@@ -1,4 +1,4 @@
-"""zero_ray.core.memory against the paper's formulas, worked example, Table 1 and Table 2."""
+"""zero_ray.core.memory_formulas against the paper's formulas, worked example, Table 1 and Table 2."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 import pytest
 
 from tests_paths import SHARED_DIR
-from zero_ray.core import memory
-from zero_ray.core.memory import (
+from zero_ray.core import memory_formulas as memory
+from zero_ray.core.memory_formulas import (
     OPTIMIZERS,
     STAGES,
     StateBytes,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from zero_ray.cli import main
-from zero_ray.core.memory import model_state_bytes, topology_communication, topology_state_bytes
+from zero_ray.core.memory_formulas import model_state_bytes, topology_communication, topology_state_bytes
 from zero_ray.errors import ConfigError
 
 

@@ -24,8 +24,8 @@ from test_optimizers_threads import adamw_rest, llama, llama_loss, muon
 from test_units_threads import _max_dev
 from thread_ranks import run_ranks
 from zero_ray.errors import ConfigError, ResourceError, StateCorruptError
-from zero_ray.owner import offload as owner_offload
-from zero_ray.owner.offload import BLOCK_BYTES, StateFiles
+from zero_ray.owner import state_files as owner_offload
+from zero_ray.owner.state_files import BLOCK_BYTES, StateFiles
 from zero_ray.owner.optimizer import ShardOptimizer
 from zero_ray.owner.param_group import ParamGroup
 from zero_ray.owner.state_stream import StateStream

@@ -21,7 +21,7 @@ from zero_ray.core.optim import (
     takes_weight_decay,
     update_kind,
 )
-from zero_ray.core.schedule import WarmupCosine
+from zero_ray.core.lr_schedule import WarmupCosine
 from zero_ray.errors import ConfigError
 
 

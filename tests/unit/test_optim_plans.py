@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from zero_ray.core.assign import plan_whole_tensors, whole_pieces
-from zero_ray.core.groups import plan_groups
+from zero_ray.core.group_policy import plan_groups
 from zero_ray.core.layout import FlatLayout
 from zero_ray.core.optim_state import bucket_kinds, merge_tables, table_by_name, table_from_names
 from zero_ray.core.reshard import plan_whole_moves

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from zero_ray.control.plain import dumps, loads
+from zero_ray.control.json_fields import dumps, loads
 from zero_ray.core.position import Position
 from zero_ray.core.replica import ReplicaPlan, ReplicaRound
 from zero_ray.core.restore_plan import (

@@ -11,7 +11,7 @@ import torch
 
 import zero_ray as zr
 from thread_ranks import run_ranks
-from zero_ray.core.memory import optimizer_bytes_per_param, topology_state_bytes
+from zero_ray.core.memory_formulas import optimizer_bytes_per_param, topology_state_bytes
 from zero_ray.models import GPT, GPTConfig, lm_loss, mlp, mse_loss
 from zero_ray.testing import single_process
 

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 _COMMAND_MODULES: tuple[str, ...] = (
     "zero_ray.cli.estimate",
     "zero_ray.cli.train",
-    "zero_ray.cli.control",
+    "zero_ray.cli.operator_commands",
     "zero_ray.cli.checkpoint",
-    "zero_ray.cli.submit",
+    "zero_ray.cli.submit_command",
 )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from zero_ray.checkpoint.tools import consolidate, export_pretrained, inspect_checkpoint, reshard
 from zero_ray.cli.estimate import positive_int
-from zero_ray.cli.groups import SubParsers, subcommand_group
+from zero_ray.cli.subcommand_groups import SubParsers, subcommand_group
 from zero_ray.errors import ZeroRayError
 
 

@@ -1,6 +1,6 @@
 """`zero-ray estimate`: the paper's per-device model-state memory and communication, per stage.
 
-Pure arithmetic from `zero_ray.core.memory`; it starts no Ray and touches no device.
+Pure arithmetic from `zero_ray.core.memory_formulas`; it starts no Ray and touches no device.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from zero_ray.core.memory import (
+from zero_ray.core.memory_formulas import (
     OFFLOAD_TIERS,
     OPTIMIZERS,
     STAGES,

@@ -86,7 +86,7 @@ class ClientConfig:
 
 def channel_settings(config: ClientConfig) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
     """The credentials (None: plaintext) and options every channel to ``config.address`` uses,
-    blocking (``_channel``) or asyncio (``control/beats.py``)."""
+    blocking (``_channel``) or asyncio (``control/heartbeats.py``)."""
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),

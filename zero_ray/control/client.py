@@ -16,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-from zero_ray.control import plain
+from zero_ray.control import json_fields as plain
 from zero_ray.control._generated import coordinator_pb2, coordinator_pb2_grpc, owner_pb2, owner_pb2_grpc
 from zero_ray.control.channel import BaseClient, ClientConfig, Pending, Stream, check_timeout
 from zero_ray.control.handlers import (

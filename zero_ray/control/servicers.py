@@ -3,7 +3,7 @@ registers for an :class:`OwnerHandler` and a :class:`CoordinatorHandler`.
 
 Every method runs its handler through :func:`zero_ray.control.status.serve`, so that a failure
 ends the call with a status and a FailureDetail; ``*_json`` fields are read and written with
-:mod:`zero_ray.control.plain`; records are converted by :mod:`zero_ray.control.records`, by field name.
+:mod:`zero_ray.control.json_fields`; records are converted by :mod:`zero_ray.control.records`, by field name.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from zero_ray.control import plain
+from zero_ray.control import json_fields as plain
 from zero_ray.control._generated import coordinator_pb2, coordinator_pb2_grpc, owner_pb2, owner_pb2_grpc
 from zero_ray.control.handlers import (
     CoordinatorHandler,

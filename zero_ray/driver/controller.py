@@ -44,7 +44,7 @@ from zero_ray.control.handlers import Piece, StepArgs, StepResult
 from zero_ray.core.policy import Action
 from zero_ray.core.position import Position
 from zero_ray.driver.callbacks import Callbacks
-from zero_ray.driver.data import GlobalBatch, IndexedBatch
+from zero_ray.driver.batch_staging import GlobalBatch, IndexedBatch
 from zero_ray.driver.fanout import InFlight
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.pool import OwnerPool

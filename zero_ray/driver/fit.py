@@ -24,7 +24,7 @@ import ray
 from zero_ray.config import ZeroConfig
 from zero_ray.core.epochs import BlockOrder, EpochOrder, evaluation_chunks
 from zero_ray.data import as_source, opener
-from zero_ray.driver.data import GlobalBatch, IndexedBatch
+from zero_ray.driver.batch_staging import GlobalBatch, IndexedBatch
 from zero_ray.errors import ConfigError
 
 

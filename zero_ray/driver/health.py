@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from zero_ray.control.beats import HeartbeatReader
+from zero_ray.control.heartbeats import HeartbeatReader
 from zero_ray.control.client import OwnerClient
 from zero_ray.control.handlers import Heartbeat
 
@@ -32,7 +32,7 @@ class RankHealth:
 
 
 class HealthMonitor:
-    """Watches every owner's Health stream (all of them on one thread: ``control/beats.py``);
+    """Watches every owner's Health stream (all of them on one thread: ``control/heartbeats.py``);
     ``lost()`` names the ranks that stopped answering."""
 
     def __init__(self, clients: list[OwnerClient], *, interval_s: float, timeout_s: float) -> None:

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 from zero_ray.checkpoint import store
 from zero_ray.checkpoint.location import open_location
-from zero_ray.core.flight import diagnose, where
+from zero_ray.core.stall_diagnosis import diagnose, where
 from zero_ray.core.policy import Action, Decision, FailurePolicy, ScalingPolicy, Source
 from zero_ray.core.restore_plan import PeerRestore
 from zero_ray.core.topology import Topology
-from zero_ray.driver.data import GlobalBatch
+from zero_ray.driver.batch_staging import GlobalBatch
 from zero_ray.driver.pool import OwnerPool
 from zero_ray.driver.replica_restore import replica_mesh, restore_from_replica
 from zero_ray.errors import (
@@ -155,7 +155,7 @@ class RecoveryController:
 
     def _stall(self, err: ZeroRayError) -> dict[int, str] | None:
         """After a call or collective timed out with every owner alive: who the others wait for,
-        from every rank's flight record (``core/flight.diagnose``), by rank with where it is;
+        from every rank's flight record (``core/stall_diagnosis.diagnose``), by rank with where it is;
         None when no rank diverged (a slow step, not a stuck one)."""
         if not isinstance(err, (CallTimeout, CollectiveTimeout)):
             return None

@@ -38,7 +38,7 @@ from zero_ray.core.position import Position
 from zero_ray.core.precision import dtype_name, parse_dtype
 from zero_ray.driver.attach import FoundRun, find_run
 from zero_ray.driver.checkpointer import RunRecord
-from zero_ray.driver.checkpoints import CheckpointAPI
+from zero_ray.driver.checkpoint_api import CheckpointAPI
 from zero_ray.driver.controller import Controller
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.errors import CollectiveError, ConfigError

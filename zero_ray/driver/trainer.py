@@ -28,7 +28,7 @@ from zero_ray.control.handlers import EvaluateArgs, JobStatus, MetricsEvent, com
 from zero_ray.control.server import ServerConfig, serve_coordinator
 from zero_ray.core.batching import Batch
 from zero_ray.core.devices import choose_device
-from zero_ray.core.flight import diagnose
+from zero_ray.core.stall_diagnosis import diagnose
 from zero_ray.core.optim import (
     AdamW,
     OptimizerFactory,
@@ -41,10 +41,10 @@ from zero_ray.core.precision import parse_dtype
 from zero_ray.core.stages import stage_plan
 from zero_ray.driver.attach import FoundRun, check_layout
 from zero_ray.driver.callbacks import Callback, Callbacks, EventLog, check_callbacks
-from zero_ray.driver.checkpoints import CheckpointAPI
+from zero_ray.driver.checkpoint_api import CheckpointAPI
 from zero_ray.driver.controller import AfterRecovery, Call, Controller
 from zero_ray.driver.coordinator import Coordinator
-from zero_ray.driver.data import GlobalBatch, StagedBatch
+from zero_ray.driver.batch_staging import GlobalBatch, StagedBatch
 from zero_ray.driver.fit import fit
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.metrics import RunMetrics
@@ -253,7 +253,7 @@ class ZeroTrainer(ResumeAPI):
 
     def job_status(self, *, flight: bool = False) -> JobStatus:
         """A snapshot for the Coordinator's Status call (thread-safe); with ``flight``, every
-        owner's flight record read now and diagnosed (``core/flight.py``)."""
+        owner's flight record read now and diagnosed (``core/stall_diagnosis.py``)."""
         lines: tuple[str, ...] = ()
         if flight:
             flights, unreachable = self._pool.flights(timeout_s=2.0)

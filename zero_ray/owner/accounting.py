@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from zero_ray.core.memory import StateBytes
+from zero_ray.core.memory_formulas import StateBytes
 
 CATEGORIES = ("params", "grads", "optimizer", "optimizer_master", "optimizer_moments", "optimizer_scalars",
               "padding", "padding_params", "padding_grads", "padding_optimizer", "nvme")

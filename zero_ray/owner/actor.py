@@ -2,7 +2,7 @@
 
 The actor is a thin shell: it serves the gRPC control plane on its own threads (every control
 operation: setup, step, evaluate, reform, rebuild, reshard, snapshots, save, load, stats,
-status, abort, health, close; see owner/control.py), joins the collective group of the current
+status, abort, health, close; see owner/owner_control.py), joins the collective group of the current
 generation, builds an OwnerEngine and forwards calls to it. Its Ray methods are only the
 bootstrap (``node``: where it runs and its control address; ``credentials`` and ``run_spec``:
 what a driver attaching to a detached run needs before it can speak gRPC) and the data path
@@ -36,7 +36,7 @@ from typing import Any
 import ray
 import torch
 
-from zero_ray.collective.flight import FlightRecorder, RecordedGroup
+from zero_ray.collective.flight_recorder import FlightRecorder, RecordedGroup
 from zero_ray.collective.group import Collective
 from zero_ray.core.restore_plan import Peers, ReplicaRestore, ReshardPlan, RestorePlan, SnapshotRecord, TransferDescription
 from zero_ray.collective.ray_group import destroy_group, form_group
@@ -44,15 +44,15 @@ from zero_ray.control.auth import Credentials
 from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
 from zero_ray.checkpoint.location import register_filesystem
 from zero_ray.owner.checkpointing import ShardSaver
-from zero_ray.owner.data import PieceSource
+from zero_ray.owner.batch_source import PieceSource
 from zero_ray.owner.device import setup_device
-from zero_ray.owner.control import OwnerControl
+from zero_ray.owner.owner_control import OwnerControl
 from zero_ray.errors import CollectiveError, OwnerError
 from zero_ray.owner.engine import OwnerEngine, StepPhase
-from zero_ray.owner.fabric import exchange_nodes
+from zero_ray.owner.rank_collectives import exchange_nodes
 from zero_ray.owner.spec import EngineSpec
 from zero_ray.owner.redundancy import PeerSnapshots
-from zero_ray.owner.replica import live_state, restore_replica
+from zero_ray.owner.replica_transfer import live_state, restore_replica
 from zero_ray.owner.resize import RankState, TransferPlan, exchange, install
 
 log = logging.getLogger(__name__)

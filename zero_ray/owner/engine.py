@@ -27,19 +27,19 @@ from typing import Any
 
 import torch
 
-from zero_ray.collective.flight import FlightRecorder
+from zero_ray.collective.flight_recorder import FlightRecorder
 from zero_ray.collective.group import Collective
 from zero_ray.control.handlers import LossTotals, StepResult
 from zero_ray.core.devices import allocator_figures
-from zero_ray.core.flight import IDLE
+from zero_ray.core.stall_diagnosis import IDLE
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes, to_device
 from zero_ray.core.optim_state import StateTable
 from zero_ray.core.position import Position
 from zero_ray.core.precision import LossScaler
 from zero_ray.core.restore_plan import RunCounters, TransferDescription
-from zero_ray.core.usage import pack_marks, unpack_marks
+from zero_ray.core.updated_params import pack_marks, unpack_marks
 from zero_ray.errors import ConfigError, ModelError
-from zero_ray.owner.fabric import Fabric
+from zero_ray.owner.rank_collectives import Fabric
 from zero_ray.owner.model_state import ModelState
 from zero_ray.owner.rollback import StepGuard
 from zero_ray.owner.spec import EngineSpec

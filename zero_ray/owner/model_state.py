@@ -26,7 +26,7 @@ from zero_ray.collective.device_sync import DeviceSync, device_sync
 from zero_ray.collective.group import Collective
 from zero_ray.collective.stream import CommStream
 from zero_ray.config import Compile
-from zero_ray.core.groups import GradFlow, GroupSpec, ParamResidency, plan_groups
+from zero_ray.core.group_policy import GradFlow, GroupSpec, ParamResidency, plan_groups
 from zero_ray.core.layout import FlatLayout
 from zero_ray.core.optim import OptimizersPlan, UpdateKind, plan_optimizers, qualified_name
 from zero_ray.core.stages import Residency
@@ -44,13 +44,13 @@ from zero_ray.owner.accounting import StateCounter, held_storage_bytes
 from zero_ray.owner.activations import apply_activation_checkpointing
 from zero_ray.owner.buffers import BufferPool
 from zero_ray.owner.compiled import apply_compile
-from zero_ray.owner.fabric import Fabric
+from zero_ray.owner.rank_collectives import Fabric
 from zero_ray.owner.materialize import build_recorded
-from zero_ray.owner.offload import StateFiles
+from zero_ray.owner.state_files import StateFiles
 from zero_ray.owner.optimizer import ShardOptimizer
 from zero_ray.owner.param_group import OptimizerSlice, ParamGroup
 from zero_ray.owner.reducer import GradReducer
-from zero_ray.owner.schedule import Unit, UnitScheduler
+from zero_ray.owner.unit_scheduler import Unit, UnitScheduler
 from zero_ray.owner.sources import (
     ModuleSource,
     ParamSource,

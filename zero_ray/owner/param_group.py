@@ -6,7 +6,7 @@ buffer), its gradient buffer or reduced gradient shard, its fp32 master slice an
 buffers its element-wise optimizer state lives in (``moments``: one per state name, over the
 update slice; the optimizer's per-fragment state tensors are views of them), the staging buffer
 it fills during backward, and the hooks on its parameters. How it behaves is its
-``GroupPolicy`` (``core/groups.py``): data derived from the stage's plan and from whether its
+``GroupPolicy`` (``core/group_policy.py``): data derived from the stage's plan and from whether its
 parameters are trainable. Nothing here reads a stage number. The optimizer itself is
 ``owner/optimizer.py``'s.
 
@@ -29,13 +29,13 @@ import torch
 from torch import nn
 
 from zero_ray.collective.stream import CommStream
-from zero_ray.core.groups import GradFlow, GroupSpec, ParamResidency
+from zero_ray.core.group_policy import GradFlow, GroupSpec, ParamResidency
 from zero_ray.core.layout import Bucket, FlatLayout
 from zero_ray.core.stages import GradReduction
 from zero_ray.errors import ModelError
 from zero_ray.owner.accounting import StateCounter
 from zero_ray.owner.buffers import BufferPool, PoolBuffer
-from zero_ray.owner.offload import StateFiles
+from zero_ray.owner.state_files import StateFiles
 from zero_ray.owner.sources import ParamSource
 
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from zero_ray.collective.device_sync import DeviceSync
 from zero_ray.collective.group import Collective
 from zero_ray.collective.stream import CommStream
-from zero_ray.core.groups import GradFlow, ParamResidency
+from zero_ray.core.group_policy import GradFlow, ParamResidency
 from zero_ray.errors import ModelError
 from zero_ray.owner.buffers import BufferPool
 from zero_ray.owner.param_group import ParamGroup

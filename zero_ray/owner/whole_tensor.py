@@ -19,7 +19,7 @@ import torch
 
 from zero_ray.collective.stream import CommStream
 from zero_ray.core.assign import WholeTensorPlan
-from zero_ray.core.groups import ParamResidency
+from zero_ray.core.group_policy import ParamResidency
 from zero_ray.core.layout import FlatLayout
 from zero_ray.owner.param_group import ParamGroup
 

@@ -274,7 +274,7 @@ class JobStatus:
     # Membership changes and failure decisions, oldest first (the last few).
     events: tuple[str, ...] = ()
     # On request: one line per rank saying where it is, after a line naming any rank the others
-    # wait for (core/flight.diagnose).
+    # wait for (core/stall_diagnosis.diagnose).
     flight: tuple[str, ...] = ()
 
 

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 
-from zero_ray.cli.groups import SubParsers, subcommand_group
+from zero_ray.cli.subcommand_groups import SubParsers, subcommand_group
 from zero_ray.control.auth import read_token_file
 from zero_ray.control.client import ClientConfig, CoordinatorClient
 from zero_ray.control.handlers import JobStatus

@@ -45,7 +45,7 @@ from zero_ray.config import Stage3Config
 from zero_ray.core.units import UnitSpec
 from zero_ray.errors import ModelError
 from zero_ray.owner.buffers import BufferPool, PoolBuffer
-from zero_ray.owner.fabric import Fabric
+from zero_ray.owner.rank_collectives import Fabric
 from zero_ray.owner.param_group import ParamGroup
 from zero_ray.owner.reducer import GradReducer
 

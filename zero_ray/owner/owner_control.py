@@ -16,9 +16,9 @@ import threading
 import time
 from typing import Any, Protocol
 
-from zero_ray.collective.flight import Event, FlightRecorder
+from zero_ray.collective.flight_recorder import Event, FlightRecorder
 from zero_ray.control import handlers as h
-from zero_ray.core.flight import IDLE
+from zero_ray.core.stall_diagnosis import IDLE
 from zero_ray.core.position import Position
 from zero_ray.core.restore_plan import (
     ReshardPlan,
@@ -30,7 +30,7 @@ from zero_ray.core.restore_plan import (
 )
 from zero_ray.errors import CollectiveError
 from zero_ray.owner.checkpointing import ShardSaver, restore, shard_record_json
-from zero_ray.owner.data import PieceSource
+from zero_ray.owner.batch_source import PieceSource
 from zero_ray.owner.engine import OwnerEngine
 from zero_ray.owner.redundancy import PeerSnapshots
 from zero_ray.owner.step_order import StepOrder

@@ -27,7 +27,7 @@ from zero_ray.collective.group import Collective
 from zero_ray.collective.mesh_group import MeshGroup
 from zero_ray.collective.stream import CommStream
 from zero_ray.collective.subgroup import SubGroup
-from zero_ray.core.groups import ParamResidency
+from zero_ray.core.group_policy import ParamResidency
 from zero_ray.core.topology import Mesh, SaveRole, Topology, plan_mesh
 from zero_ray.owner.accounting import StateCounter
 from zero_ray.owner.param_group import ParamGroup

@@ -133,7 +133,7 @@ OPTIMIZERS: Mapping[str, OptimizerState] = MappingProxyType({
                                 note="Not in K: the factored second moment, 4 (R + C) B per R x C matrix "
                                      "(8/d B per element of a d x d one: 0.002 at d = 4096) and 4 B per element "
                                      "of 1-D parameters (biases, norms); factored_state_bytes(shapes) in "
-                                     "zero_ray.core.memory counts it"),
+                                     "zero_ray.core.memory_formulas counts it"),
 })
 
 #: fp32 bytes of one element of optimizer state, and of the master copy mixed precision keeps

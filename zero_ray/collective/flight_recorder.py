@@ -3,7 +3,7 @@ thread (the control server's, while the compute thread is blocked) at any time.
 
 ``RecordedGroup`` wraps the rank's world group: every collective issued through it, from the
 compute thread or the communication thread, is recorded with its group's sequence number. The
-engine sets the phase (``FlightRecorder.phase``). ``core/flight.diagnose`` reads the records.
+engine sets the phase (``FlightRecorder.phase``). ``core/stall_diagnosis.diagnose`` reads the records.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from zero_ray.collective.group import ByteCounters, Collective
-from zero_ray.core.flight import IDLE
+from zero_ray.core.stall_diagnosis import IDLE
 
 RING = 64  # collectives kept per rank: enough to see the last step's pattern, a few KB
 
@@ -27,7 +27,7 @@ RING = 64  # collectives kept per rank: enough to see the last step's pattern, a
 @dataclass(frozen=True, slots=True)
 class Event:
     """One collective as this process records it (it crosses to the driver as the control
-    plane's ``CollectiveEvent`` record, field for field; ``core/flight`` reads either)."""
+    plane's ``CollectiveEvent`` record, field for field; ``core/stall_diagnosis`` reads either)."""
 
     op: str
     group: str
