@@ -24,6 +24,7 @@ from zero_ray.core.position import Position
 from zero_ray.driver.pool import NAMESPACE
 from zero_ray.driver.pool_spec import client_tls
 from zero_ray.errors import ConfigError, ControlError, ModelError, OwnerLostError
+from zero_ray.owner.spec import RunSpec
 
 _NAME = re.compile(r"^zero_ray-(?P<run>[0-9a-f]+)-rank(?P<rank>\d+)-g(?P<gen>\d+)(-s\d+)?$")
 
@@ -39,7 +40,7 @@ def _owner_names() -> dict[str, list[str]]:
     return runs
 
 
-def _status_dict(status: OwnerStatus, run: dict[str, Any] | None) -> dict[str, Any]:
+def _status_dict(status: OwnerStatus, run: RunSpec | None) -> dict[str, Any]:
     """An owner's Status as the plain record the trainer and ``zero-ray status`` read."""
     layout = status.layout
     return {"rank": status.rank, "node_id": status.node_id, "host": status.host, "ip": status.ip, "pid": status.pid,
@@ -61,7 +62,7 @@ def _statuses(names: list[str], *, timeout_s: float) -> list[tuple[Any, dict[str
         # AssertionError: Ray 2.60's get_actor on a named actor that is being torn down (its class
         # entry already gone from the GCS) fails an internal assert instead of a ValueError.
         raise OwnerLostError(f"an owner of {names} did not answer within {timeout_s:g}s: {err}", rank=None) from err
-    tls = client_tls(getattr((run or {}).get("config"), "control_tls", None))
+    tls = client_tls(run.config.control_tls if run is not None else None)
 
     def status(node: dict[str, Any]) -> OwnerStatus:
         config = ClientConfig(address=node["control_address"], credentials=credentials, timeout_s=timeout_s, **tls)
@@ -100,8 +101,11 @@ class FoundRun:
     statuses: list[dict[str, Any]]
 
     @property
-    def run(self) -> dict[str, Any]:
-        return self.statuses[0]["run"] or {}
+    def run(self) -> RunSpec:
+        run: RunSpec | None = self.statuses[0]["run"]
+        if run is None:  # find_run refuses a run that is not detached, and every detached one has a spec
+            raise ConfigError(f"the owners of run {self.run_id!r} hold no run spec; the run cannot be attached")
+        return run
 
     @property
     def generation(self) -> int:

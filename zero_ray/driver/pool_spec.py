@@ -7,13 +7,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 
 from zero_ray.config import ControlTLS
 from zero_ray.core.capacity import CapacityWait, Room, Verdict, room
 from zero_ray.errors import ResourceError
+from zero_ray.owner.spec import RunSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +34,7 @@ class PoolSpec:
     snapshot_every: int = 0  # peer snapshots every this many steps; 0: none
     detached: bool = False
     orphan_timeout_s: float = 300.0
-    run: dict[str, Any] | None = None  # what an attaching driver reads back (config, optimizer)
+    run: RunSpec | None = None  # what an attaching driver reads back (config, optimizer)
 
     @property
     def demand(self) -> dict[str, float]:

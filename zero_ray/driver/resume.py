@@ -248,10 +248,10 @@ class ResumeAPI:
             ray.init()
         found = find_run(run_id, timeout_s=timeout_s)
         run = found.run
-        config: ZeroConfig = run["config"]
+        config = run.config
         check_holds_here(config, source=f"detached run {run_id}")
-        return cls(model_fn, loss_fn, optimizer=optimizer if optimizer is not None else run["optimizer"],  # type: ignore[call-arg]
-                   lr_scheduler=lr_scheduler if lr_scheduler is not None else run.get("lr_scheduler"),
+        return cls(model_fn, loss_fn, optimizer=optimizer if optimizer is not None else run.optimizer,  # type: ignore[call-arg]
+                   lr_scheduler=lr_scheduler if lr_scheduler is not None else run.lr_scheduler,
                    config=config, callbacks=callbacks, _found=found)
 
     def _take_over(self, found: FoundRun) -> None:

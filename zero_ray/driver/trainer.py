@@ -58,7 +58,7 @@ from zero_ray.errors import (
     NonFiniteError,
     ZeroRayError,
 )
-from zero_ray.owner.spec import EngineSpec, LossFn, ModelFn
+from zero_ray.owner.spec import EngineSpec, LossFn, ModelFn, RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +140,8 @@ class ZeroTrainer(ResumeAPI):
                         health_timeout_s=cfg.health_timeout_s, tls=cfg.control_tls,
                         snapshot_every=elastic.snapshot_every if elastic.redundancy == "peer" else 0,
                         detached=elastic.detached, orphan_timeout_s=elastic.orphan_timeout_s,
-                        run={"detached": elastic.detached, "config": cfg, "optimizer": self.optimizer,
-                             "lr_scheduler": self.lr_scheduler})
+                        run=RunSpec(detached=elastic.detached, config=cfg, optimizer=self.optimizer,
+                                    lr_scheduler=self.lr_scheduler))
         self._run_metrics = RunMetrics(run_id=self._credentials.job_id)
         self._life = Lifecycle()
         self._event_log = EventLog()

@@ -50,7 +50,7 @@ from zero_ray.owner.owner_control import OwnerControl
 from zero_ray.errors import CollectiveError, OwnerError
 from zero_ray.owner.engine import OwnerEngine, StepPhase
 from zero_ray.owner.rank_collectives import exchange_nodes
-from zero_ray.owner.spec import EngineSpec
+from zero_ray.owner.spec import EngineSpec, RunSpec
 from zero_ray.owner.redundancy import PeerSnapshots
 from zero_ray.owner.replica_transfer import live_state, restore_replica
 from zero_ray.owner.resize import RankState, TransferPlan, exchange, install
@@ -77,7 +77,7 @@ class OwnerOptions:
     settle_timeout_s: float = 10.0  # after an abort: how long an operation waits for the aborted one to end
     detached: bool = False  # the owners outlive the driver (ElasticConfig.detached)
     orphan_timeout_s: float = 300.0  # a detached owner no driver has reached for this long ends itself
-    run: dict[str, Any] | None = None  # what a driver attaching to a detached run needs (config, optimizer)
+    run: RunSpec | None = None  # what a driver attaching to a detached run rebuilds itself from
 
 
 class PartitionOwner:
@@ -382,7 +382,7 @@ class PartitionOwner:
         channel: whoever may call this actor may already stop it)."""
         return self._options.credentials
 
-    def run_spec(self) -> dict[str, Any] | None:
+    def run_spec(self) -> RunSpec | None:
         """What a driver attaching to this run rebuilds itself from: its ZeroConfig (the control
         plane's TLS settings among them, needed before speaking gRPC), optimizer and scheduler
         factories. Python objects, so they travel through Ray like the other data."""

@@ -264,7 +264,7 @@ class OwnerControl:
         engine = owner.engine_or_none
         return h.OwnerStatus(rank=s["rank"], world_size=s["world_size"], generation=s["generation"],
                              step=s["step"], samples_seen=s["samples_seen"], phase=s["phase"],
-                             busy=s["busy"], detached=bool((s["run"] or {}).get("detached")), node_id=s["node_id"],
+                             busy=s["busy"], detached=s["run"] is not None and s["run"].detached, node_id=s["node_id"],
                              host=s["host"], ip=s["ip"], pid=s["pid"], control_address=s["control_address"],
                              layout=layout_of(engine) if engine is not None else None)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from zero_ray.config import ActivationCheckpointing, Compile, Stage3Config
+from zero_ray.config import ActivationCheckpointing, Compile, Stage3Config, ZeroConfig
 from zero_ray.core.offload import Offload
 from zero_ray.core.optim import OptimizerFactory, SchedulerFactory
 from zero_ray.core.precision import LossScaleConfig
@@ -18,6 +18,17 @@ from zero_ray.core.topology import Topology
 
 ModelFn = Callable[[], torch.nn.Module]
 LossFn = Callable[[torch.nn.Module, Any], Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """What a driver attaching to a detached run rebuilds itself from (``ZeroTrainer.attach``):
+    every owner holds it and hands it over through Ray, as Python objects."""
+
+    config: ZeroConfig  # the control plane's TLS settings among them, needed before speaking gRPC
+    optimizer: OptimizerFactory | list[OptimizerFactory]
+    lr_scheduler: SchedulerFactory | None
+    detached: bool
 
 
 @dataclass(frozen=True, kw_only=True)
