@@ -37,7 +37,7 @@ from zero_ray.core.optim_state import StateTable
 from zero_ray.core.position import Position
 from zero_ray.core.precision import LossScaler
 from zero_ray.core.restore_plan import RunCounters, TransferDescription
-from zero_ray.core.updated_params import pack_marks, unpack_marks
+from zero_ray.core.updated_params import UpdateShare
 from zero_ray.errors import ConfigError, ModelError
 from zero_ray.owner.rank_collectives import Fabric
 from zero_ray.owner.model_state import ModelState
@@ -253,23 +253,18 @@ class OwnerEngine:
         # ranks), in one all-reduce with the items counted, the marks of the parameters that
         # got a gradient, and per rank whether its loss and its slice's squares were finite.
         sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
-        whole = spec.plan.updates_whole_buffer
-        n = self.world_size
-        marks = self.state.used_marks()
-        flags = [False] * (2 * n)
-        flags[self.rank], flags[n + self.rank] = not loss_finite, not math.isfinite(sq)
-        head = ([] if whole else [sq]) + ([] if count is None else [count])
-        packed = pack_marks(marks, n)
-        summed = self.state.stream.all_reduce_values(head + packed + pack_marks(flags, n))
-        if not whole:
+        share = UpdateShare(rank=self.rank, world_size=self.world_size,
+                            squares=None if spec.plan.updates_whole_buffer else sq, count=count,
+                            marks=tuple(self.state.used_marks()), loss_nonfinite=not loss_finite,
+                            grad_nonfinite=not math.isfinite(sq))
+        sums = share.unpack(self.state.stream.all_reduce_values(share.pack()))
+        if sums.squares is not None:
             # with shard groups every shard is summed once per group holding it
-            sq = summed[0] if self.fabric.replicas == 1 else summed[0] / self.fabric.replicas
-        used = self.state.expand_marks(unpack_marks(summed[len(head):len(head) + len(packed)], len(marks), n))
-        bad = unpack_marks(summed[len(head) + len(packed):], 2 * n, n)
-        loss_ranks = [r for r in range(n) if bad[r]]
-        grad_ranks = [r for r in range(n) if bad[n + r]]
-        if count is not None:
-            total = summed[len(head) - 1]
+            sq = sums.squares if self.fabric.replicas == 1 else sums.squares / self.fabric.replicas
+        used = self.state.expand_marks(list(sums.used))
+        loss_ranks, grad_ranks = list(sums.loss_ranks), list(sums.grad_ranks)
+        if sums.count is not None:
+            total = sums.count
             if not total > 0:
                 raise ModelError(f"the step's loss covers {total:g} items over every rank and micro-batch; "
                                  "loss_fn's (loss_sum, count) needs a positive total count")
