@@ -24,10 +24,11 @@ import importlib.util
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from benchmarks.harness.ray_workers import workers_started
 
 TOKENS = 129
 
@@ -46,37 +47,15 @@ def raydataset_class(path: str | None) -> Any:
     return module.RayDataset
 
 
-def _raylet() -> Any:
-    import psutil
-
-    found = [p for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
-    if len(found) != 1:
-        raise RuntimeError(f"expected this process's one raylet, found {found}")
-    return found[0]
-
-
 def timed(fn: Callable[[], Any]) -> tuple[float, int, Any]:
     """Seconds ``fn`` took, the worker processes that appeared meanwhile, and its result."""
-    raylet = _raylet()
-    before = {p.pid for p in raylet.children()}
-    seen: set[int] = set()
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            seen.update(p.pid for p in raylet.children())
-            stop.wait(0.02)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    start = time.perf_counter()
-    try:
-        out = fn()
-    finally:
-        elapsed = time.perf_counter() - start
-        stop.set()
-        thread.join(timeout=5)
-    return elapsed, len(seen - before), out
+    with workers_started() as new:
+        start = time.perf_counter()
+        try:
+            out = fn()
+        finally:
+            elapsed = time.perf_counter() - start
+    return elapsed, len(new), out
 
 
 def measure(blocks: int, cpus: int, raydata: Any) -> dict[str, Any]:

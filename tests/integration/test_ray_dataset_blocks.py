@@ -6,13 +6,9 @@ hands out as a slice, read as the rows the dataset has."""
 from __future__ import annotations
 
 import functools
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pandas as pd
-import psutil
 import pyarrow as pa
 import pytest
 import ray
@@ -20,6 +16,7 @@ import ray.data
 import torch
 
 import zero_ray as zr
+from benchmarks.harness.ray_workers import workers_started
 from fit_order import reference_block_indices
 from zero_ray.data.raydata import RayDataset, RayDatasetLayout
 from zero_ray.models import GPT, GPTConfig, lm_loss
@@ -35,40 +32,6 @@ OPT = zr.SGD(lr=0.1, momentum=0.9)
 
 def rows_loss(module: torch.nn.Module, batch: dict) -> torch.Tensor:  # type: ignore[type-arg]
     return lm_loss(module, batch["tokens"])
-
-
-def raylet() -> psutil.Process:
-    """The raylet of the session's Ray (started by this process: ``ray.init(address="local")``)."""
-    found = [p for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
-    assert len(found) == 1, f"expected this process's one raylet, found {found}"
-    return found[0]
-
-
-@contextmanager
-def workers_started() -> Iterator[set[int]]:
-    """The set of Ray worker processes (the raylet's children) that appear while the block runs,
-    filled in as they appear: sampled every 20 ms on a thread, since Ray ends idle workers
-    beyond its soft limit (the CPU count) about a second after their tasks finish, so a count
-    taken only at the end would miss a storm. A worker takes far longer than 20 ms to start."""
-    parent = raylet()
-    before = {p.pid for p in parent.children()}
-    seen: set[int] = set()
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            seen.update(p.pid for p in parent.children())
-            stop.wait(0.02)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    new: set[int] = set()
-    try:
-        yield new
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-        new.update(seen - before)
 
 
 def test_a_2000_block_dataset_fits_with_no_worker_beyond_the_cpus() -> None:
