@@ -35,6 +35,8 @@ def _absent() -> list[str]:
         (torch._C, "_current_graph_task_id"), (_c10d, "_world"), (_c10d, "default_pg_timeout"),
         (_c10d, "_get_default_timeout"), (_pytree, "tree_flatten"), (_pytree, "tree_unflatten"),
         (_dispatch, "TorchDispatchMode"), (_ops, "OpOverload")) if not hasattr(mod, name)]
+    if not hasattr(torch.empty(0, device="meta").untyped_storage(), "_cdata"):
+        gone.append("torch.UntypedStorage._cdata")
     if not hasattr(torch.nn.Module(), "_compiled_call_impl"):
         gone.append("torch.nn.Module._compiled_call_impl")
     if hasattr(_c10d, "_world"):
@@ -76,6 +78,16 @@ tree_unflatten = _pytree.tree_unflatten
 # exports neither under a public one.
 TorchDispatchMode = _dispatch.TorchDispatchMode
 OpOverload = _ops.OpOverload
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An integer naming the storage under ``t``, equal for every view of it and distinct from
+    every other live storage: low-memory construction tells (views of) the meta parameters it
+    tracks from other tensors by it. Private: ``UntypedStorage._cdata`` (the storage's C++
+    address; torch's own StorageWeakRef and fake tensors name storages by it). No public value
+    is exact: ``data_ptr()`` is 0 for every meta storage, and ``id(t.untyped_storage())`` is
+    stable only because torch keeps one Python object per live storage, which it does not document."""
+    return t.untyped_storage()._cdata
 
 
 # -- torch.distributed ---------------------------------------------------------------------------------

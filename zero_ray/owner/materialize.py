@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.modules.module as torch_module
 
-from zero_ray.compat.torch_private import OpOverload, TorchDispatchMode, tree_flatten, tree_unflatten
+from zero_ray.compat.torch_private import OpOverload, TorchDispatchMode, storage_key, tree_flatten, tree_unflatten
 from zero_ray.errors import ModelError
 
 aten = torch.ops.aten
@@ -60,10 +60,6 @@ Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # size, stride, storage
 
 def _geometry(t: torch.Tensor) -> Geometry:
     return tuple(t.shape), tuple(t.stride()), t.storage_offset()
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 @dataclass(kw_only=True)
@@ -149,7 +145,7 @@ class InitRecorder(TorchDispatchMode):
         base = param.detach() if self._record else None
         recipe = ParamRecipe(geometry=_geometry(meta), storage_numel=meta.untyped_storage().nbytes() // meta.element_size(),
                              dtype=param.dtype, base=base)
-        self._tracked[_storage_key(meta)] = _Tracked(recipe=recipe, meta=meta, name_hint=f"{type(module).__name__}.{name}")
+        self._tracked[storage_key(meta)] = _Tracked(recipe=recipe, meta=meta, name_hint=f"{type(module).__name__}.{name}")
         self._replaced[id(param)] = (weakref.ref(param), meta)
         return meta
 
@@ -174,7 +170,7 @@ class InitRecorder(TorchDispatchMode):
     def _wrap_init(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if not (isinstance(tensor, torch.Tensor) and tensor.is_meta and _storage_key(tensor) in self._tracked):
+            if not (isinstance(tensor, torch.Tensor) and tensor.is_meta and storage_key(tensor) in self._tracked):
                 return fn(tensor, *args, **kwargs)
             if self._record:
                 self._record_op(fn, tensor, (tensor, *args), kwargs, seeded=True)
@@ -187,7 +183,7 @@ class InitRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         flat, spec = tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-        tracked = [t for t in tensors if t.is_meta and _storage_key(t) in self._tracked]
+        tracked = [t for t in tensors if t.is_meta and storage_key(t) in self._tracked]
         seeded = torch.Tag.nondeterministic_seeded in func.tags
         if not tracked:
             if seeded and any(t.is_meta for t in tensors):
@@ -203,7 +199,7 @@ class InitRecorder(TorchDispatchMode):
         if not self._record:
             return func(*args, **kwargs)  # structure only: the values will come from elsewhere
         target = args[writes[0]] if writes[0] < len(args) else None
-        if not isinstance(target, torch.Tensor) or not target.is_meta or _storage_key(target) not in self._tracked:
+        if not isinstance(target, torch.Tensor) or not target.is_meta or storage_key(target) not in self._tracked:
             raise ModelError(f"low_memory construction cannot record {func}: it writes a tensor computed from a parameter")
         self._record_op(func, target, args, kwargs, seeded=seeded)
         return target
@@ -211,7 +207,7 @@ class InitRecorder(TorchDispatchMode):
     def _record_op(self, func: Any, target: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], *,
                    seeded: bool) -> None:
         """Append one op on ``target`` to its parameter's recipe (drawing its random numbers now)."""
-        entry = self._tracked[_storage_key(target)]
+        entry = self._tracked[storage_key(target)]
         flat, spec = tree_flatten((args, kwargs))
         saved: list[Any] = []
         for a in flat:
@@ -247,7 +243,7 @@ class InitRecorder(TorchDispatchMode):
 
     # -- results ------------------------------------------------------------------------------------
     def recipe_for(self, param: torch.Tensor) -> ParamRecipe:
-        entry = self._tracked.get(_storage_key(param)) if param.is_meta else None
+        entry = self._tracked.get(storage_key(param)) if param.is_meta else None
         if entry is None:
             raise ModelError("a parameter was created on the meta device by model_fn itself; low_memory "
                              "construction needs parameters created on the host (it moves them to meta)")
