@@ -235,7 +235,7 @@ class ModelState:
                 new = nn.Parameter(self._empty, requires_grad=p.requires_grad)
                 for full_name in aliases:
                     owner, _, attr = full_name.rpartition(".")
-                    module.get_submodule(owner)._parameters[attr] = new
+                    module.get_submodule(owner).register_parameter(attr, new)
                 p = new
             out.append(p)
         return out

@@ -80,7 +80,7 @@ def describe_modules(module: nn.Module) -> tuple[list[ModuleInfo], list[list[str
             numel[a] += p.numel()
     infos: list[ModuleInfo] = []
     for path, m in module.named_modules():
-        own = tuple(dict.fromkeys(index[id(p)] for p in m._parameters.values() if p is not None))
+        own = tuple(dict.fromkeys(index[id(p)] for p in m.parameters(recurse=False)))
         classes = tuple(f"{c.__module__}.{c.__qualname__}" for c in type(m).__mro__ if issubclass(c, nn.Module))
         infos.append(ModuleInfo(path=path, classes=classes, params=own, numel=numel[path]))
     return infos, sites, names
