@@ -90,6 +90,96 @@ def test_no_private_ray_or_torch_api_outside_compat() -> None:
     assert found == ELSEWHERE
 
 
+# -- private attributes of torch's objects (``module._parameters``, ``storage._cdata``) --------------
+# The scan above follows names bound to the torch module; a torch object reached any other way
+# (a function argument, a call's result) has no such name, so attributes are matched by name.
+RECEIVERS_OF_OUR_OWN = ("self", "cls")  # zero_ray's own classes: their _names are their own
+# Private names torch's objects have that a zero_ray class also defines as its own (the scan
+# cannot tell whose object ``x._to`` is, so these are not flagged; a new one is a decision).
+SHARED_WITH_TORCH = {"_to"}  # collective/group.py's bytes-sent-per-peer counter
+
+
+def torch_private_attributes() -> frozenset[str]:
+    """The single-underscore attributes of torch's objects, read from the installed torch: the
+    classes' own, and the instance attributes of a real module and optimizer (``_parameters``,
+    ``_buffers``, ``_modules``, the hook dicts, ``_optimizer_step_code``...)."""
+    names: set[str] = set()
+    for cls in (torch.nn.Module, torch.Tensor, torch.nn.Parameter, torch.UntypedStorage, torch.optim.Optimizer,
+                torch.Generator):
+        names.update(dir(cls))
+    linear = torch.nn.Linear(2, 2)
+    names.update(vars(linear), vars(torch.optim.SGD(linear.parameters(), lr=0.1)))
+    return frozenset(n for n in names if _private(n))
+
+
+def own_private_names(source: str) -> set[str]:
+    """The private names ``source`` defines on its own classes: ``self._x = ...`` or
+    ``cls._x = ...``, and methods or class attributes named ``_x``."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) \
+                and node.value.id in RECEIVERS_OF_OUR_OWN:
+            names.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    names.update(t.id for t in item.targets if isinstance(t, ast.Name))
+    return {n for n in names if _private(n)}
+
+
+def torch_attribute_uses(source: str, private: frozenset[str]) -> list[tuple[int, str, str]]:
+    """(line, attribute, expression) for each ``x._name`` in ``source`` whose name is in
+    ``private`` and whose receiver is not ``self``/``cls``."""
+    uses = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in private \
+                and not (isinstance(node.value, ast.Name) and node.value.id in RECEIVERS_OF_OUR_OWN):
+            uses.append((node.lineno, node.attr, ast.unparse(node)))
+    return sorted(uses)
+
+
+def test_torch_private_attributes_are_read_from_torch() -> None:
+    private = torch_private_attributes()
+    assert {"_parameters", "_buffers", "_modules", "_forward_hooks", "_cdata", "_version", "_base",
+            "_optimizer_step_code"} <= private
+    assert not any(n.startswith("__") and n.endswith("__") for n in private) and "parameters" not in private
+
+
+def test_names_zero_ray_shares_with_torchs_private_attributes_are_known() -> None:
+    sources = {rel: open(path, encoding="utf-8").read() for rel, path in _library_files().items()}
+    ours = set().union(*(own_private_names(s) for s in sources.values()))
+    assert ours & torch_private_attributes() == SHARED_WITH_TORCH
+
+
+def test_no_private_attribute_of_a_torch_object_outside_compat() -> None:
+    private = torch_private_attributes() - SHARED_WITH_TORCH
+    found = [f"zero_ray/{rel}:{line} {attr} ({expr})" for rel, path in sorted(_library_files().items())
+             for line, attr, expr in torch_attribute_uses(open(path, encoding="utf-8").read(), private)]
+    assert not found, ("private attributes of torch objects outside zero_ray/compat/ (use public API, or an "
+                       "adapter in compat/torch_private.py):\n" + "\n".join(found))
+
+
+def test_the_attribute_scan_finds_torch_objects_private_attributes_only() -> None:
+    source = """
+class Owner:
+    def __init__(self, module):
+        self._parameters = {}
+        self._cdata = cls._buffers = None
+        own = module._parameters.values()
+        key = module.weight.untyped_storage()._cdata
+        module.get_submodule("a")._modules["b"] = None
+        ok = module.parameters(recurse=False), self._parameters, module.__class__, module._ours
+"""
+    assert torch_attribute_uses(source, torch_private_attributes()) == [
+        (6, "_parameters", "module._parameters"), (7, "_cdata", "module.weight.untyped_storage()._cdata"),
+        (8, "_modules", 'module.get_submodule(\'a\')._modules')]
+    assert own_private_names(source) == {"_parameters", "_cdata", "_buffers"}
+
+
 def test_the_scan_finds_each_kind_of_private_use() -> None:
     source = """
 import ray.util.collective as col
@@ -185,3 +275,13 @@ def test_reset_group_count_zeroes_torchs_count() -> None:
         assert c10d.get_pg_count() == 0
     finally:
         c10d._world.group_count = saved
+
+
+def test_storage_key_names_a_storage_across_its_views_and_tells_storages_apart() -> None:
+    meta = torch.empty(3, 4, device="meta")
+    other = torch.empty(3, 4, device="meta")
+    assert meta.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()  # why data_ptr cannot serve
+    assert torch_private.storage_key(meta[1]) == torch_private.storage_key(meta.t()) == torch_private.storage_key(meta)
+    assert torch_private.storage_key(other) != torch_private.storage_key(meta)
+    host = torch.zeros(4)
+    assert torch_private.storage_key(host[2:]) == torch_private.storage_key(host) != torch_private.storage_key(host.clone())
