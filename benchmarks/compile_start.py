@@ -56,8 +56,8 @@ def _child(stage: int, model: str, steps: int, compiled: bool) -> StartRow:
     from zero_ray.core.optim import check_optimizer_factories
     from zero_ray.core.precision import parse_dtype
     from zero_ray.core.stages import stage_plan
-    from zero_ray.owner.engine import OwnerEngine
-    from zero_ray.owner.spec import EngineSpec
+    from zero_ray.owner.step.engine import OwnerEngine
+    from zero_ray.owner.step.spec import EngineSpec
 
     torch.set_num_threads(1)  # as a one-CPU owner
     work = WORKLOADS[model]()

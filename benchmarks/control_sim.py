@@ -27,12 +27,12 @@ from zero_ray.control.auth import Credentials
 from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
 from zero_ray.core.position import Position
 from zero_ray.errors import CollectiveError
-from zero_ray.owner.checkpointing import ShardSaver
-from zero_ray.owner.owner_control import OwnerControl
-from zero_ray.owner.batch_source import PieceSource
-from zero_ray.owner.redundancy import PeerSnapshots
+from zero_ray.owner.resilience.checkpointing import ShardSaver
+from zero_ray.owner.service.owner_control import OwnerControl
+from zero_ray.owner.service.batch_source import PieceSource
+from zero_ray.owner.resilience.redundancy import PeerSnapshots
 
-CONTROL_THREADS = 16  # as zero_ray/owner/actor.py's _CONTROL_THREADS
+CONTROL_THREADS = 16  # as zero_ray/owner/service/actor.py's _CONTROL_THREADS
 DATASET = "sim"
 HOLD_LIMIT_S = 60.0  # a held step ends by itself after this, so a failed measurement never hangs
 

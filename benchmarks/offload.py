@@ -12,7 +12,7 @@ state), the memory report's optimizer and ``nvme`` bytes, the streaming window (
 resident at once: a group's and the next one's, read ahead), step times, and a hash of the final fp32 parameters, equal in both
 trials when the runs are bit for bit the same. A second table breaks the steps after the first
 down (medians): forward and backward, the update, and within a streamed update
-(``owner/state_stream.StreamTimes``) what the stepping thread spent waiting for a group's state,
+(``owner/step/state_stream.StreamTimes``) what the stepping thread spent waiting for a group's state,
 stepping, and waiting at the end for the last groups to be put back, against what the helper
 thread spent meanwhile reading the state in, checking its checksums, recording new ones and
 handing the pages back (its time overlaps the steps: the less the stepping thread waits, the
@@ -85,7 +85,7 @@ class OffloadRow:
     steady_step_s: float  # median of the steps after the first
     params_sha256: str
     # The steps after the first, medians: forward and backward; the update (the step less those);
-    # the streamed update's parts (owner/state_stream.StreamTimes; 0 in memory); disk bytes per step.
+    # the streamed update's parts (owner/step/state_stream.StreamTimes; 0 in memory); disk bytes per step.
     compute_s: float = 0.0
     update_s: float = 0.0
     wait_s: float = 0.0
@@ -128,8 +128,8 @@ def _child(args: argparse.Namespace, nvme: bool, *, cold: bool = False) -> Offlo
     from zero_ray.core.optim import check_optimizer_factories
     from zero_ray.core.precision import parse_dtype
     from zero_ray.core.stages import stage_plan
-    from zero_ray.owner.engine import OwnerEngine
-    from zero_ray.owner.spec import EngineSpec
+    from zero_ray.owner.step.engine import OwnerEngine
+    from zero_ray.owner.step.spec import EngineSpec
 
     torch.set_num_threads(1)  # as a one-CPU owner
     config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.width, n_layer=args.layers,

@@ -100,7 +100,7 @@ class _Hooks:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-_TRANSFER_CALLERS = ("rebuild", "_reshard")  # zero_ray.owner.actor's callers of exchange
+_TRANSFER_CALLERS = ("rebuild", "_reshard")  # zero_ray.owner.service.actor's callers of exchange
 _STATE = "zero_ray_test_faults"  # a module of this name holds each process's hooks
 
 
@@ -135,7 +135,9 @@ def _wrap(owner: Any, name: str, before: Callable[..., None]) -> None:
 
 def _install() -> None:
     """Hook the points in this process (once)."""
-    from zero_ray.owner import actor, checkpointing, redundancy
+    from zero_ray.owner.service import actor
+from zero_ray.owner.resilience import checkpointing
+from zero_ray.owner.resilience import redundancy
 
     state = hooks()
     if state.installed:
@@ -214,7 +216,7 @@ def _building_rank() -> int:
         if type(me).__name__ == "ModelState":
             return int(me.rank)
         frame = frame.f_back
-    raise AssertionError("model_fn was not called by a zero_ray.owner.model_state.ModelState: the faults keyed "
+    raise AssertionError("model_fn was not called by a zero_ray.owner.step.model_state.ModelState: the faults keyed "
                          "by rank (backward, set_peers, checkpoint_commit) cannot know this owner's rank; "
                          "update _building_rank")
 

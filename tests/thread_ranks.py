@@ -22,8 +22,8 @@ from zero_ray.core.precision import LossScaleConfig, parse_dtype
 from zero_ray.core.stages import stage_plan
 from zero_ray.core.topology import Topology
 from zero_ray.core.units import WrapPolicy
-from zero_ray.owner.engine import OwnerEngine
-from zero_ray.owner.spec import EngineSpec
+from zero_ray.owner.step.engine import OwnerEngine
+from zero_ray.owner.step.spec import EngineSpec
 
 
 class ThreadWorld:

@@ -26,10 +26,10 @@ from zero_ray.core.stages import stage_plan
 from zero_ray.errors import CollectiveError, ModelError
 from zero_ray.models import mlp, mse_loss
 from zero_ray.core.precision import LossScaleConfig
-from zero_ray.owner.model_state import STAGING_BUFFERS, ModelState
-from zero_ray.owner.param_group import ParamGroup
-from zero_ray.owner.reducer import GradReducer
-from zero_ray.owner.spec import EngineSpec
+from zero_ray.owner.step.model_state import STAGING_BUFFERS, ModelState
+from zero_ray.owner.step.param_group import ParamGroup
+from zero_ray.owner.step.reducer import GradReducer
+from zero_ray.owner.step.spec import EngineSpec
 
 COMM_THREAD = "zero_ray-grads-0"
 

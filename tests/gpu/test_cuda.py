@@ -141,7 +141,7 @@ def test_nccl_collectives_overlap_compute(ray_session: None) -> None:
             from zero_ray.collective.device_sync import CudaSync
             from zero_ray.collective.ray_group import form_group
             from zero_ray.collective.stream import CommStream
-            from zero_ray.owner.device import setup_device
+            from zero_ray.owner.service.device import setup_device
 
             setup_device(device="cuda", backend="nccl", rank=rank)
             group = form_group(backend="nccl", group_name="overlap-test", rank=rank, world_size=2, timeout_s=120)
@@ -166,7 +166,7 @@ def test_nccl_collectives_overlap_compute(ray_session: None) -> None:
 
 
 def test_host_copies_from_the_gpu_are_pinned_and_complete() -> None:
-    from zero_ray.owner.host_copy import host_copies
+    from zero_ray.owner.tensors.host_copy import host_copies
 
     src = [torch.arange(1 << 20, device="cuda", dtype=torch.bfloat16), torch.ones(3, device="cuda")]
     out = host_copies(src, dtype=torch.float32)

@@ -18,8 +18,8 @@ import zero_ray as zr
 from thread_ranks import ThreadGroup, ThreadWorld, engine_spec, run_ranks
 from zero_ray.config import ActivationCheckpointing, ZeroConfig
 from zero_ray.core.units import WrapPolicy
-from zero_ray.owner import activations
-from zero_ray.owner.engine import OwnerEngine
+from zero_ray.owner.construction import activations
+from zero_ray.owner.step.engine import OwnerEngine
 
 HIDDEN, LAYERS, SEQ, VOCAB = 64, 4, 32, 96
 

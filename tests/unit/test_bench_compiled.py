@@ -16,7 +16,7 @@ from benchmarks.harness.systems import COMPILED_SIDE_BY_SIDE, SYSTEMS, make_syst
 from benchmarks.harness.workloads import compiled_model, gpt_workload, mlp_workload
 from zero_ray.core.units import WrapPolicy, innermost_units, plan_units, repeated_blocks
 from zero_ray.errors import ConfigError
-from zero_ray.owner.sources import describe_modules
+from zero_ray.owner.construction.sources import describe_modules
 
 from test_bench_report import fake_results
 

@@ -20,7 +20,7 @@ from thread_ranks import engine_spec, run_ranks
 from zero_ray.collective.group import SoloGroup
 from zero_ray.compat.torch_private import compiled_frames
 from zero_ray.config import ActivationCheckpointing
-from zero_ray.owner.engine import OwnerEngine
+from zero_ray.owner.step.engine import OwnerEngine
 from zero_ray.testing import single_process
 
 CASES = [(stage, n) for stage in (0, 1, 2, 3) for n in (1, 2, 3)]

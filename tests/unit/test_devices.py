@@ -8,9 +8,9 @@ import torch
 
 from zero_ray.core.devices import DeviceFacts, allocator_figures, check_owner_device, choose_device
 from zero_ray.errors import ConfigError
-from zero_ray.owner.buffers import BufferPool
-from zero_ray.owner.device import probe, setup_device
-from zero_ray.owner.host_copy import host_copies
+from zero_ray.owner.tensors.buffers import BufferPool
+from zero_ray.owner.service.device import probe, setup_device
+from zero_ray.owner.tensors.host_copy import host_copies
 
 ONE_GPU = DeviceFacts(cuda_available=True, visible_gpus=1, visible_env="3")
 

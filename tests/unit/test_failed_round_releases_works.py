@@ -20,7 +20,7 @@ import torch
 from zero_ray.collective.group import ByteCounters
 from zero_ray.collective.ray_group import RingGroup
 from zero_ray.errors import CollectiveError
-from zero_ray.owner import resize
+from zero_ray.owner.resilience import resize
 
 
 def _closed(timeout: datetime.timedelta) -> bool:

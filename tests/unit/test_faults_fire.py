@@ -52,7 +52,7 @@ def test_every_hook_point_exists_in_the_library() -> None:
 
 
 def test_the_building_rank_is_never_silently_unknown() -> None:
-    with pytest.raises(AssertionError, match="not called by a zero_ray.owner.model_state.ModelState"):
+    with pytest.raises(AssertionError, match="not called by a zero_ray.owner.step.model_state.ModelState"):
         _building_rank()
 
 

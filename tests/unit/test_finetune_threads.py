@@ -23,7 +23,7 @@ from test_units_threads import _max_dev
 from thread_ranks import run_ranks
 from torch import nn
 from zero_ray.core.units import WrapPolicy
-from zero_ray.owner.sources import check_module
+from zero_ray.owner.construction.sources import check_module
 from zero_ray.testing import single_process
 
 CASES = [(stage, n) for stage in (0, 1, 2, 3) for n in (1, 2, 3)]

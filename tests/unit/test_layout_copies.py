@@ -1,4 +1,4 @@
-"""Peer copies across a resize or restore (owner/redundancy.PeerSnapshots): the old layout's stay
+"""Peer copies across a resize or restore (owner/resilience/redundancy.PeerSnapshots): the old layout's stay
 until the new layout's are confirmed, and a loss in between finds one complete set."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from zero_ray.owner.redundancy import PeerSnapshots
+from zero_ray.owner.resilience.redundancy import PeerSnapshots
 
 
 def _with_old_layout() -> PeerSnapshots:

@@ -15,7 +15,7 @@ from torch import nn
 import zero_ray as zr
 from thread_ranks import run_ranks
 from zero_ray.control.handlers import StepResult
-from zero_ray.owner.engine import OwnerEngine
+from zero_ray.owner.step.engine import OwnerEngine
 
 BATCH, WIDTH = 12, 8
 SCHEDULER = zr.WarmupCosine(warmup_steps=2, total_steps=10)

@@ -24,11 +24,11 @@ from test_optimizers_threads import adamw_rest, llama, llama_loss, muon
 from test_units_threads import _max_dev
 from thread_ranks import run_ranks
 from zero_ray.errors import ConfigError, ResourceError, StateCorruptError
-from zero_ray.owner import state_files as owner_offload
-from zero_ray.owner.state_files import BLOCK_BYTES, StateFiles
-from zero_ray.owner.optimizer import ShardOptimizer
-from zero_ray.owner.param_group import ParamGroup
-from zero_ray.owner.state_stream import StateStream
+from zero_ray.owner.tensors import state_files as owner_offload
+from zero_ray.owner.tensors.state_files import BLOCK_BYTES, StateFiles
+from zero_ray.owner.step.optimizer import ShardOptimizer
+from zero_ray.owner.step.param_group import ParamGroup
+from zero_ray.owner.step.state_stream import StateStream
 
 OPTIMIZERS = {"adamw": lambda: zr.AdamW(lr=1e-2, weight_decay=0.1), "sgd": lambda: zr.SGD(lr=0.1, momentum=0.9)}
 

@@ -9,7 +9,7 @@ import pytest
 
 from zero_ray.driver.fit import FitPlan
 from zero_ray.errors import CollectiveError
-from zero_ray.owner.step_order import StepOrder
+from zero_ray.owner.service.step_order import StepOrder
 
 
 def _waiter(order: StepOrder, *, generation: int, step: int) -> tuple[threading.Thread, list[object]]:

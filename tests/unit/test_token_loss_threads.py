@@ -10,7 +10,7 @@ import torch
 import zero_ray as zr
 from finetune_models import llama, padded_token_batches, token_mean_loss, token_sum_loss
 from test_units_threads import _max_dev, run_ranks
-from zero_ray.owner.engine import loss_terms
+from zero_ray.owner.step.engine import loss_terms
 from zero_ray.testing import single_process
 
 

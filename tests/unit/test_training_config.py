@@ -21,7 +21,7 @@ from zero_ray.core.position import Position
 from zero_ray.driver.resume import recorded_training, resume_config
 from zero_ray.errors import ConfigError
 from zero_ray.models import mlp
-from zero_ray.owner.rollback import StepGuard, rng_states, set_rng_states
+from zero_ray.owner.step.rollback import StepGuard, rng_states, set_rng_states
 
 RUN = zr.ZeroConfig(stage=2, world_size=2, dtype="bf16", grad_accum_steps=4, max_grad_norm=1.0, seed=7,
                     on_nonfinite="skip")

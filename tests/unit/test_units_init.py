@@ -1,4 +1,4 @@
-"""Low-memory construction (zero_ray.owner.materialize): which initialisations it reproduces
+"""Low-memory construction (zero_ray.owner.construction.materialize): which initialisations it reproduces
 bit for bit, and which it refuses. Pure torch, no Ray."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 
 from zero_ray.errors import ModelError
 from zero_ray.models import GPT, GPTConfig, mlp
-from zero_ray.owner.materialize import build_recorded
+from zero_ray.owner.construction.materialize import build_recorded
 
 
 class ManyInits(nn.Module):

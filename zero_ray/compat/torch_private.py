@@ -73,7 +73,7 @@ def in_backward() -> bool:
 tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
 
-# Low-memory construction (owner/materialize.py) intercepts the ops that initialise parameters
+# Low-memory construction (owner/construction/materialize.py) intercepts the ops that initialise parameters
 # with a dispatch mode, and tells an op overload from other callables. Private names: torch 2.13
 # exports neither under a public one.
 TorchDispatchMode = _dispatch.TorchDispatchMode

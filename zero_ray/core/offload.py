@@ -1,6 +1,6 @@
 """Offload: where an owner keeps its optimizer state (ZeRO-Infinity's NVMe tier).
 
-Pure settings: the owner's side is ``owner/state_files.py``.
+Pure settings: the owner's side is ``owner/tensors/state_files.py``.
 """
 
 from __future__ import annotations

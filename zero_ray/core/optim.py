@@ -5,7 +5,7 @@ Muon for the hidden matrices and AdamW for the rest), written exactly as in one 
 owner calls the factories on its own copy of the module (parameters with their real shapes, on
 the meta device where they are not materialised); ``plan_optimizers`` reads back which class
 each optimizer is, its groups with their hyperparameters and which parameters each group holds.
-The owners then run that class themselves (``owner/optimizer.py``) over what they update:
+The owners then run that class themselves (``owner/step/optimizer.py``) over what they update:
 
 - element-wise classes (``torch.optim.SGD``, ``Adam``, ``AdamW``, ...: every state tensor is the
   parameter's shape and every update element-wise) over 1-D views of the fragments of the flat

@@ -24,7 +24,7 @@ from zero_ray.core.position import Position
 from zero_ray.driver.pool import NAMESPACE
 from zero_ray.driver.pool_spec import client_tls
 from zero_ray.errors import ConfigError, ControlError, ModelError, OwnerLostError
-from zero_ray.owner.spec import RunSpec
+from zero_ray.owner.step.spec import RunSpec
 
 _NAME = re.compile(r"^zero_ray-(?P<run>[0-9a-f]+)-rank(?P<rank>\d+)-g(?P<gen>\d+)(-s\d+)?$")
 
@@ -148,8 +148,8 @@ def find_run(run_id: str, *, timeout_s: float) -> FoundRun:
 
 def check_layout(found: FoundRun, model_fn: Any, *, seed: int) -> None:
     """``model_fn`` builds the model the owners hold (names and shapes), on the meta device."""
-    from zero_ray.owner.materialize import build_recorded
-    from zero_ray.owner.sources import build_module, param_specs
+    from zero_ray.owner.construction.materialize import build_recorded
+    from zero_ray.owner.construction.sources import build_module, param_specs
 
     try:
         module, _ = build_recorded(model_fn, seed=seed, record=False)

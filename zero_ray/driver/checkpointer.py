@@ -102,7 +102,7 @@ class Checkpointer:
             if held != record.position:  # one position: the owners hold the driver's
                 raise CheckpointError(f"the owners' state is at {held} but the driver's position is "
                                       f"{record.position}; not saved")
-            # With shard groups only the first group writes (owner/checkpointing): G files, laid out
+            # With shard groups only the first group writes (owner/resilience/checkpointing): G files, laid out
             # as a flat run of G owners, which is the world size a reader reshards from.
             files = [shard_file_from_data(r["file"]) for r in records if r["file"] is not None]
             if not files or record.world_size % len(files):  # one file per owner of a shard group

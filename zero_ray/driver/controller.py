@@ -16,7 +16,7 @@ the samples they read), with ``target``: the steps the user's calls have complet
 differ only while a restore's replay catches up.
 
 Pipelined steps (``fit``): ``step(work, ahead=next)`` sends the next step to the owners before
-collecting this one (``StepArgs.ahead``; ``owner/step_order.py`` runs it there after this one,
+collecting this one (``StepArgs.ahead``; ``owner/service/step_order.py`` runs it there after this one,
 and never if this one failed), so the owners find their next command waiting and the driver's
 work for a step overlaps their compute. The step sent ahead is collected by the next ``step``
 call naming the same batch; any other call first collects it (``_land``) and counts it, keeping

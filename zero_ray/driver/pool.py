@@ -54,8 +54,8 @@ from zero_ray.driver.pool_spec import PoolSpec, await_room, check_resources, clu
 from zero_ray.driver.replacements import Replacements
 from zero_ray.driver.terminate import end_process
 from zero_ray.errors import ConfigError, OwnerLostError, ResourceError
-from zero_ray.owner.actor import OwnerOptions, RemotePartitionOwner
-from zero_ray.owner.spec import EngineSpec
+from zero_ray.owner.service.actor import OwnerOptions, RemotePartitionOwner
+from zero_ray.owner.step.spec import EngineSpec
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class OwnerPool:
         self.fan = FanOut(world_size=spec.world_size, lost=self._lost, abort=self.abort, where=self.where)
         self._staging: dict[str, list[ray.ObjectRef]] = {}  # the staging calls of the batch in flight, by key
         # Every rank's transfer of a resize or restore ended but SetPeers has not confirmed the new
-        # layout's peer copies on every owner yet: a recovery then counts them (owner/redundancy.py).
+        # layout's peer copies on every owner yet: a recovery then counts them (owner/resilience/redundancy.py).
         self._layout_unconfirmed = False
         self.replacements = Replacements()  # owners started for a later grow (after a loss)
         self._replacement_starts = 0

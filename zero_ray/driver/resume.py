@@ -42,7 +42,7 @@ from zero_ray.driver.checkpoint_api import CheckpointAPI
 from zero_ray.driver.controller import Controller
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.errors import CollectiveError, ConfigError
-from zero_ray.owner.spec import LossFn, ModelFn
+from zero_ray.owner.step.spec import LossFn, ModelFn
 
 log = logging.getLogger(__name__)
 

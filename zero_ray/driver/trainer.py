@@ -58,7 +58,7 @@ from zero_ray.errors import (
     NonFiniteError,
     ZeroRayError,
 )
-from zero_ray.owner.spec import EngineSpec, LossFn, ModelFn, RunSpec
+from zero_ray.owner.step.spec import EngineSpec, LossFn, ModelFn, RunSpec
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from zero_ray.collective.stream import CommStream
 from zero_ray.collective.subgroup import SubGroup
 from zero_ray.core.group_policy import ParamResidency
 from zero_ray.core.topology import Mesh, SaveRole, Topology, plan_mesh
-from zero_ray.owner.accounting import StateCounter
-from zero_ray.owner.param_group import ParamGroup
+from zero_ray.owner.tensors.accounting import StateCounter
+from zero_ray.owner.step.param_group import ParamGroup
 
 LOCAL_NODE = "local"
 

@@ -2,7 +2,7 @@
 
 The actor is a thin shell: it serves the gRPC control plane on its own threads (every control
 operation: setup, step, evaluate, reform, rebuild, reshard, snapshots, save, load, stats,
-status, abort, health, close; see owner/owner_control.py), joins the collective group of the current
+status, abort, health, close; see owner/service/owner_control.py), joins the collective group of the current
 generation, builds an OwnerEngine and forwards calls to it. Its Ray methods are only the
 bootstrap (``node``: where it runs and its control address; ``credentials`` and ``run_spec``:
 what a driver attaching to a detached run needs before it can speak gRPC) and the data path
@@ -43,17 +43,17 @@ from zero_ray.collective.ray_group import destroy_group, form_group
 from zero_ray.control.auth import Credentials
 from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
 from zero_ray.checkpoint.location import register_filesystem
-from zero_ray.owner.checkpointing import ShardSaver
-from zero_ray.owner.batch_source import PieceSource
-from zero_ray.owner.device import setup_device
-from zero_ray.owner.owner_control import OwnerControl
+from zero_ray.owner.resilience.checkpointing import ShardSaver
+from zero_ray.owner.service.batch_source import PieceSource
+from zero_ray.owner.service.device import setup_device
+from zero_ray.owner.service.owner_control import OwnerControl
 from zero_ray.errors import CollectiveError, OwnerError
-from zero_ray.owner.engine import OwnerEngine, StepPhase
-from zero_ray.owner.rank_collectives import exchange_nodes
-from zero_ray.owner.spec import EngineSpec, RunSpec
-from zero_ray.owner.redundancy import PeerSnapshots
-from zero_ray.owner.replica_transfer import live_state, restore_replica
-from zero_ray.owner.resize import RankState, TransferPlan, exchange, install
+from zero_ray.owner.step.engine import OwnerEngine, StepPhase
+from zero_ray.owner.step.rank_collectives import exchange_nodes
+from zero_ray.owner.step.spec import EngineSpec, RunSpec
+from zero_ray.owner.resilience.redundancy import PeerSnapshots
+from zero_ray.owner.resilience.replica_transfer import live_state, restore_replica
+from zero_ray.owner.resilience.resize import RankState, TransferPlan, exchange, install
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ class PartitionOwner:
 
     def reshard(self, *, old_world: int, new_world: int, generation: int, plan: ReshardPlan) -> int:
         """Move this actor's part of the model state from the ``old_world`` layout to the
-        ``new_world`` one (every actor of either calls this concurrently; see owner/resize.py).
+        ``new_world`` one (every actor of either calls this concurrently; see owner/resilience/resize.py).
         Returns bytes sent. Afterwards a surplus actor (index >= new_world) holds nothing."""
         with self._locked("reshard"):  # a recovery after a failed transfer waits for it to give up
             self.data.drop_staged()

@@ -30,8 +30,8 @@ from zero_ray.core.optim_state import StateTable, bucket_kinds
 from zero_ray.core.reshard import Move, WholeMove, bucket_range, plan_moves, plan_whole_moves
 from zero_ray.core.restore_plan import TransferDescription
 from zero_ray.errors import CollectiveError
-from zero_ray.owner.model_state import ModelState
-from zero_ray.owner.param_group import OptimizerSlice
+from zero_ray.owner.step.model_state import ModelState
+from zero_ray.owner.step.param_group import OptimizerSlice
 
 WholeState = dict[int, dict[str, torch.Tensor]]  # parameter -> whole-tensor state by name
 

@@ -40,18 +40,18 @@ from zero_ray.core.units import (
     repeated_blocks,
 )
 from zero_ray.errors import ConfigError
-from zero_ray.owner.accounting import StateCounter, held_storage_bytes
-from zero_ray.owner.activations import apply_activation_checkpointing
-from zero_ray.owner.buffers import BufferPool
-from zero_ray.owner.compiled import apply_compile
-from zero_ray.owner.rank_collectives import Fabric
-from zero_ray.owner.materialize import build_recorded
-from zero_ray.owner.state_files import StateFiles
-from zero_ray.owner.optimizer import ShardOptimizer
-from zero_ray.owner.param_group import OptimizerSlice, ParamGroup
-from zero_ray.owner.reducer import GradReducer
-from zero_ray.owner.unit_scheduler import Unit, UnitScheduler
-from zero_ray.owner.sources import (
+from zero_ray.owner.tensors.accounting import StateCounter, held_storage_bytes
+from zero_ray.owner.construction.activations import apply_activation_checkpointing
+from zero_ray.owner.tensors.buffers import BufferPool
+from zero_ray.owner.construction.compiled import apply_compile
+from zero_ray.owner.step.rank_collectives import Fabric
+from zero_ray.owner.construction.materialize import build_recorded
+from zero_ray.owner.tensors.state_files import StateFiles
+from zero_ray.owner.step.optimizer import ShardOptimizer
+from zero_ray.owner.step.param_group import OptimizerSlice, ParamGroup
+from zero_ray.owner.step.reducer import GradReducer
+from zero_ray.owner.step.unit_scheduler import Unit, UnitScheduler
+from zero_ray.owner.construction.sources import (
     ModuleSource,
     ParamSource,
     RecipeSource,
@@ -63,7 +63,7 @@ from zero_ray.owner.sources import (
     node_turn,
     param_specs,
 )
-from zero_ray.owner.spec import EngineSpec
+from zero_ray.owner.step.spec import EngineSpec
 
 #: staging buffers for gradients reduced per micro-batch from whole parameters (stage 2), each
 #: as large as the largest group: one being filled by backward while the other is reduced (per

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from zero_ray.owner.param_group import ParamGroup
+from zero_ray.owner.step.param_group import ParamGroup
 
 READ_AHEAD_GROUPS = 1  # brought in while the step computes (2 measured no faster from a cold disk: 1.30x vs 1.32x)
 

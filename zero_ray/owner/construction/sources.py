@@ -18,8 +18,8 @@ from torch import nn
 from zero_ray.collective.group import Collective
 from zero_ray.core.units import ModuleInfo
 from zero_ray.errors import CheckpointError, ModelError
-from zero_ray.owner.compiled import refuse_user_compile
-from zero_ray.owner.materialize import InitRecorder
+from zero_ray.owner.construction.compiled import refuse_user_compile
+from zero_ray.owner.construction.materialize import InitRecorder
 
 
 def build_module(model_fn: Callable[[], nn.Module], seed: int) -> nn.Module:

@@ -11,7 +11,7 @@ The I/O is the kernel's page cache: ``populate`` reads a buffer's pages in and m
 writable (``MADV_POPULATE_WRITE``), and ``evict`` takes them out of the owner's memory
 (``MADV_DONTNEED``; on a shared file mapping that only unmaps them, the kernel writes dirty
 pages back). The checksums and ``populate`` release the GIL; the update runs them on a helper thread
-(``owner/optimizer.py``), one group ahead of and one behind the group being stepped.
+(``owner/step/optimizer.py``), one group ahead of and one behind the group being stepped.
 
 Each buffer is checked by block: ``seal`` records a 64-bit xxh3 hash of every ``BLOCK_BYTES`` of it once
 the update has written it (its pages still in memory), ``verify`` reads it back before the next

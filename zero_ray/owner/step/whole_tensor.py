@@ -21,7 +21,7 @@ from zero_ray.collective.stream import CommStream
 from zero_ray.core.assign import WholeTensorPlan
 from zero_ray.core.group_policy import ParamResidency
 from zero_ray.core.layout import FlatLayout
-from zero_ray.owner.param_group import ParamGroup
+from zero_ray.owner.step.param_group import ParamGroup
 
 Messages = list[tuple[torch.Tensor, int]]
 

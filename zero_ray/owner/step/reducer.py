@@ -27,8 +27,8 @@ from zero_ray.collective.group import Collective
 from zero_ray.collective.stream import CommStream
 from zero_ray.core.group_policy import GradFlow, ParamResidency
 from zero_ray.errors import ModelError
-from zero_ray.owner.buffers import BufferPool
-from zero_ray.owner.param_group import ParamGroup
+from zero_ray.owner.tensors.buffers import BufferPool
+from zero_ray.owner.step.param_group import ParamGroup
 
 
 class GradReducer:

@@ -8,7 +8,7 @@ update slice; the optimizer's per-fragment state tensors are views of them), the
 it fills during backward, and the hooks on its parameters. How it behaves is its
 ``GroupPolicy`` (``core/group_policy.py``): data derived from the stage's plan and from whether its
 parameters are trainable. Nothing here reads a stage number. The optimizer itself is
-``owner/optimizer.py``'s.
+``owner/step/optimizer.py``'s.
 
 Gradients are kept in the reduce dtype (``ZeroConfig.reduce_dtype``, by default the compute
 dtype): where it differs, each backward's gradient is added into the flat buffer in that dtype
@@ -33,10 +33,10 @@ from zero_ray.core.group_policy import GradFlow, GroupSpec, ParamResidency
 from zero_ray.core.layout import Bucket, FlatLayout
 from zero_ray.core.stages import GradReduction
 from zero_ray.errors import ModelError
-from zero_ray.owner.accounting import StateCounter
-from zero_ray.owner.buffers import BufferPool, PoolBuffer
-from zero_ray.owner.state_files import StateFiles
-from zero_ray.owner.sources import ParamSource
+from zero_ray.owner.tensors.accounting import StateCounter
+from zero_ray.owner.tensors.buffers import BufferPool, PoolBuffer
+from zero_ray.owner.tensors.state_files import StateFiles
+from zero_ray.owner.construction.sources import ParamSource
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,9 +42,9 @@ from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.core.optim_state import table_by_name, table_from_names
 from zero_ray.core.position import Position
 from zero_ray.errors import CheckpointError
-from zero_ray.owner.engine import OwnerEngine
-from zero_ray.owner.host_copy import host_copies
-from zero_ray.owner.rollback import persistent_buffers, rng_states, set_rng_states
+from zero_ray.owner.step.engine import OwnerEngine
+from zero_ray.owner.tensors.host_copy import host_copies
+from zero_ray.owner.step.rollback import persistent_buffers, rng_states, set_rng_states
 
 
 def _param_aliases(module: torch.nn.Module) -> dict[int, list[str]]:

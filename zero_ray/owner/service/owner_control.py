@@ -29,11 +29,11 @@ from zero_ray.core.restore_plan import (
     restore_from_data,
 )
 from zero_ray.errors import CollectiveError
-from zero_ray.owner.checkpointing import ShardSaver, restore, shard_record_json
-from zero_ray.owner.batch_source import PieceSource
-from zero_ray.owner.engine import OwnerEngine
-from zero_ray.owner.redundancy import PeerSnapshots
-from zero_ray.owner.step_order import StepOrder
+from zero_ray.owner.resilience.checkpointing import ShardSaver, restore, shard_record_json
+from zero_ray.owner.service.batch_source import PieceSource
+from zero_ray.owner.step.engine import OwnerEngine
+from zero_ray.owner.resilience.redundancy import PeerSnapshots
+from zero_ray.owner.service.step_order import StepOrder
 
 
 class OwnerHost(Protocol):

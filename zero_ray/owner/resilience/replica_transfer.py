@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from zero_ray.collective.group import Collective
 from zero_ray.core.restore_plan import ReplicaRestore
-from zero_ray.owner.engine import OwnerEngine
-from zero_ray.owner.host_copy import host_copies
-from zero_ray.owner.redundancy import _slices
-from zero_ray.owner.resize import RankState, Staged, TransferPlan, exchange
+from zero_ray.owner.step.engine import OwnerEngine
+from zero_ray.owner.tensors.host_copy import host_copies
+from zero_ray.owner.resilience.redundancy import _slices
+from zero_ray.owner.resilience.resize import RankState, Staged, TransferPlan, exchange
 
 
 def live_state(engine: OwnerEngine | None, restore: ReplicaRestore) -> dict[int, RankState]:

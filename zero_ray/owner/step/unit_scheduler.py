@@ -44,10 +44,10 @@ from zero_ray.compat.torch_private import in_backward, tree_flatten, tree_unflat
 from zero_ray.config import Stage3Config
 from zero_ray.core.units import UnitSpec
 from zero_ray.errors import ModelError
-from zero_ray.owner.buffers import BufferPool, PoolBuffer
-from zero_ray.owner.rank_collectives import Fabric
-from zero_ray.owner.param_group import ParamGroup
-from zero_ray.owner.reducer import GradReducer
+from zero_ray.owner.tensors.buffers import BufferPool, PoolBuffer
+from zero_ray.owner.step.rank_collectives import Fabric
+from zero_ray.owner.step.param_group import ParamGroup
+from zero_ray.owner.step.reducer import GradReducer
 
 log = logging.getLogger(__name__)
 

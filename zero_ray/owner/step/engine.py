@@ -10,11 +10,11 @@ the parameters that did (``torch.optim`` skips the others), and publish them.
 
 A step whose loss or reduced gradient is non-finite on any rank is not applied anywhere
 (``ZeroConfig.on_nonfinite``): every rank learns it from the same all-reduce, so all decide
-alike, and the RNG and buffers its forward changed are put back (``owner/rollback.py``). The
+alike, and the RNG and buffers its forward changed are put back (``owner/step/rollback.py``). The
 owner never raises for it: the result says so and the driver raises (or counts a skip).
 
 What a rank holds, and so how gradients are combined and parameters reach the module, is the
-``ModelState``: parameter groups whose policies say it (``zero_ray.owner.model_state``).
+``ModelState``: parameter groups whose policies say it (``zero_ray.owner.step.model_state``).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from zero_ray.core.precision import LossScaler
 from zero_ray.core.restore_plan import RunCounters, TransferDescription
 from zero_ray.core.updated_params import UpdateShare
 from zero_ray.errors import ConfigError, ModelError
-from zero_ray.owner.rank_collectives import Fabric
-from zero_ray.owner.model_state import ModelState
-from zero_ray.owner.rollback import StepGuard
-from zero_ray.owner.spec import EngineSpec
+from zero_ray.owner.step.rank_collectives import Fabric
+from zero_ray.owner.step.model_state import ModelState
+from zero_ray.owner.step.rollback import StepGuard
+from zero_ray.owner.step.spec import EngineSpec
 
 
 class StepPhase(enum.Enum):

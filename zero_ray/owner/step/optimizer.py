@@ -31,10 +31,10 @@ from zero_ray.core.layout import FlatLayout
 from zero_ray.core.optim import OptimizersPlan, SchedulerFactory, UpdateKind, jsonable, qualified_name
 from zero_ray.core.optim_state import StateEntry, StateTable
 from zero_ray.errors import CheckpointError, ConfigError
-from zero_ray.owner.accounting import StateCounter
-from zero_ray.owner.param_group import ParamGroup
-from zero_ray.owner.state_stream import StateStream
-from zero_ray.owner.whole_tensor import WholeTensorExchange
+from zero_ray.owner.tensors.accounting import StateCounter
+from zero_ray.owner.step.param_group import ParamGroup
+from zero_ray.owner.step.state_stream import StateStream
+from zero_ray.owner.step.whole_tensor import WholeTensorExchange
 
 
 @dataclass(eq=False)

@@ -23,11 +23,11 @@ import torch
 from zero_ray.collective.group import Collective
 from zero_ray.core.optim_state import bucket_kinds, merge_tables
 from zero_ray.core.restore_plan import SnapshotRecord, TransferDescription
-from zero_ray.owner.engine import OwnerEngine
-from zero_ray.owner.host_copy import host_copies
-from zero_ray.owner.state_files import StateFiles
-from zero_ray.owner.param_group import OptimizerSlice
-from zero_ray.owner.resize import RankState, WholeState, run_p2p
+from zero_ray.owner.step.engine import OwnerEngine
+from zero_ray.owner.tensors.host_copy import host_copies
+from zero_ray.owner.tensors.state_files import StateFiles
+from zero_ray.owner.step.param_group import OptimizerSlice
+from zero_ray.owner.resilience.resize import RankState, WholeState, run_p2p
 
 
 @dataclass(kw_only=True)

@@ -49,8 +49,8 @@ class EngineSpec:
     stage3: Stage3Config = field(default_factory=Stage3Config)
     init_state_dict: str | os.PathLike[str] | Mapping[str, Any] | None = None  # fine-tuning start
     activation_checkpointing: ActivationCheckpointing | None = None
-    compile: Compile | None = None  # torch.compile per unit (owner/compiled.py)
-    offload: Offload = field(default_factory=Offload)  # where the optimizer state lives (owner/state_files.py)
+    compile: Compile | None = None  # torch.compile per unit (owner/construction/compiled.py)
+    offload: Offload = field(default_factory=Offload)  # where the optimizer state lives (owner/tensors/state_files.py)
     lr_scheduler: SchedulerFactory | None = None  # optimizer -> LRScheduler, applied to each optimizer
     optimizer_kinds: tuple[tuple[str, str], ...] = ()  # declared classes: (qualified name, kind)
     reduce_dtype: torch.dtype | None = None  # of gradient reductions; None: the compute dtype
