@@ -135,9 +135,8 @@ def _wrap(owner: Any, name: str, before: Callable[..., None]) -> None:
 
 def _install() -> None:
     """Hook the points in this process (once)."""
+    from zero_ray.owner.resilience import checkpointing, redundancy
     from zero_ray.owner.service import actor
-from zero_ray.owner.resilience import checkpointing
-from zero_ray.owner.resilience import redundancy
 
     state = hooks()
     if state.installed:
