@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from zero_ray.control import codegen, handlers, record_gen
-from zero_ray.control._generated import common_pb2, coordinator_pb2, owner_pb2, records as generated
-from zero_ray.control.records import record_fields, to_message, to_record
+from zero_ray.control._generated import common_pb2, coordinator_pb2, owner_pb2
+from zero_ray.core import records as generated
+from zero_ray.control.conversion import record_fields, to_message, to_record
 from zero_ray.errors import ConfigError
 
 NAMES = sorted(generated.MESSAGES)
@@ -132,7 +133,7 @@ def test_a_new_proto_field_reaches_its_record_through_codegen_alone(tmp_path: Pa
                                                    "  double wait_seconds = 14;\n"
                                                    "  repeated string notes = 15;\n"))
     codegen.generate(tmp_path / "out", protos)
-    source = (tmp_path / "out" / codegen.GENERATED_PACKAGE / record_gen.MODULE).read_text()
+    source = (tmp_path / "out" / record_gen.MODULE).read_text()
     namespace: dict[str, Any] = {}
     exec(compile(source, "records.py", "exec"), namespace)  # noqa: S102 (our own generated source)
     fields = {f.name: f for f in dataclasses.fields(namespace["StepResult"])}

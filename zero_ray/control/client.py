@@ -38,7 +38,7 @@ from zero_ray.control.handlers import (
     StepArgs,
     StepResult,
 )
-from zero_ray.control.records import to_message, to_record
+from zero_ray.control.conversion import to_message, to_record
 from zero_ray.errors import ConfigError
 
 __all__ = ["ClientConfig", "CoordinatorClient", "OwnerClient", "Stream"]

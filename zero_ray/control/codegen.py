@@ -19,8 +19,8 @@ putting the output directory on ``sys.path`` would make ``zero_ray.v1`` clash
 with the real ``zero_ray`` package, and rewriting imports after generation is
 editing generated code.
 
-The plain records the handlers take and return (``_generated/records.py``) are written in the
-same run from the descriptors protoc emits (:mod:`zero_ray.control.record_gen`), so a message's
+The plain records the handlers take and return (``zero_ray/core/records.py``: compute returns
+them without importing the control plane) are written in the same run from the descriptors protoc emits (:mod:`zero_ray.control.record_gen`), so a message's
 fields are declared in its .proto alone.
 
 The output depends on the grpcio-tools version (it is stamped into the stubs),
@@ -63,12 +63,13 @@ def default_out_root() -> Path:
 
 def is_generated(path: Path) -> bool:
     """Whether ``path`` is a file codegen writes (as opposed to ``__init__.py``)."""
-    return path.name.endswith(_GENERATED_SUFFIXES) or path.name == record_gen.MODULE
+    return path.name.endswith(_GENERATED_SUFFIXES)
 
 
 def generate(out_root: Path, proto_dir: Path | None = None) -> list[Path]:
     """Run protoc (from grpcio-tools) on the proto sources, writing the stubs to
-    ``out_root/zero_ray/control/_generated``; returns the generated files, sorted.
+    ``out_root/zero_ray/control/_generated`` and the records to ``out_root/zero_ray/core/records.py``;
+    returns the generated files, the stubs sorted and the records last.
 
     Stale stubs in the target directory (from a removed proto) are deleted first.
     """
@@ -108,17 +109,23 @@ def generate(out_root: Path, proto_dir: Path | None = None) -> list[Path]:
         if status != 0:
             raise ZeroRayError(f"protoc failed with exit status {status} (its messages are above); {args=}")
         files = descriptor_pb2.FileDescriptorSet.FromString(descriptors.read_bytes())
-    (target / record_gen.MODULE).write_text(record_gen.render(files), encoding="utf-8")
-    return sorted(path for path in target.iterdir() if is_generated(path))
+    records = out_root / record_gen.MODULE
+    records.parent.mkdir(parents=True, exist_ok=True)
+    records.write_text(record_gen.render(files), encoding="utf-8")
+    return sorted(path for path in target.iterdir() if is_generated(path)) + [records]
 
 
 def stale_files(committed_root: Path | None = None, proto_dir: Path | None = None) -> list[str]:
     """Names of stubs under ``committed_root`` that differ from, are missing from,
     or are absent in a fresh generation; empty when the committed stubs are current."""
-    committed = (committed_root or default_out_root()) / GENERATED_PACKAGE
+    root = committed_root or default_out_root()
+    committed = root / GENERATED_PACKAGE
     with tempfile.TemporaryDirectory(prefix="zero_ray_codegen_") as tmp:
-        fresh = {path.name: path for path in generate(Path(tmp), proto_dir)}
-        existing = {path.name: path for path in committed.iterdir() if is_generated(path)} if committed.is_dir() else {}
+        fresh = {str(path.relative_to(tmp)): path for path in generate(Path(tmp), proto_dir)}
+        existing = {str(path.relative_to(root)): path for path in committed.iterdir() if is_generated(path)} \
+            if committed.is_dir() else {}
+        if (root / record_gen.MODULE).is_file():
+            existing[record_gen.MODULE] = root / record_gen.MODULE
         names = sorted(fresh.keys() | existing.keys())
         return [
             name

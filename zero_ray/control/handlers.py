@@ -7,7 +7,7 @@ translate in both directions, and the clients in :mod:`zero_ray.control.client`
 return the same dataclasses, so both ends of a call share one vocabulary.
 
 The records' fields are their messages' (protos/zero_ray/v1): codegen writes them to
-``_generated/records.py`` and :mod:`zero_ray.control.records` converts by field name, so a new
+``zero_ray/core/records.py`` and :mod:`zero_ray.control.conversion` converts by field name, so a new
 field is written in the .proto and where it is computed. The records that check their values
 (``Piece``, ``StepArgs``, ``EvaluateArgs``) subclass the generated ones here.
 
@@ -43,9 +43,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from zero_ray.control._generated import records as _records
+from zero_ray.core import records as _records
 # The records whose fields are their messages' alone; the others below check their values.
-from zero_ray.control._generated.records import (
+from zero_ray.core.records import (
     CheckpointResult,
     CollectiveEvent,
     EvaluateResult,

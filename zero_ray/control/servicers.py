@@ -3,7 +3,7 @@ registers for an :class:`OwnerHandler` and a :class:`CoordinatorHandler`.
 
 Every method runs its handler through :func:`zero_ray.control.status.serve`, so that a failure
 ends the call with a status and a FailureDetail; ``*_json`` fields are read and written with
-:mod:`zero_ray.control.json_fields`; records are converted by :mod:`zero_ray.control.records`, by field name.
+:mod:`zero_ray.control.json_fields`; records are converted by :mod:`zero_ray.control.conversion`, by field name.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from zero_ray.control.handlers import (
     SavePhase,
     StepArgs,
 )
-from zero_ray.control.records import to_message, to_record
+from zero_ray.control.conversion import to_message, to_record
 from zero_ray.control.status import serve
 from zero_ray.control.streams import Streams
 

@@ -29,7 +29,7 @@ import torch
 
 from zero_ray.collective.flight_recorder import FlightRecorder
 from zero_ray.collective.group import Collective
-from zero_ray.control.handlers import LossTotals, StepResult
+from zero_ray.core.records import LossTotals, StepResult
 from zero_ray.core.devices import allocator_figures
 from zero_ray.core.stall_diagnosis import IDLE
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes, to_device

@@ -1,7 +1,7 @@
 """One conversion between the handlers' records and their protobuf messages, by field name.
 
 Both walk the message's descriptor, so no message has a conversion of its own: a field added
-to the .proto (and so, by codegen, to its record in ``_generated/records.py``) travels with no
+to the .proto (and so, by codegen, to its record in ``zero_ray/core/records.py``) travels with no
 change here, in the servicers or in the clients. A scalar is copied; ``repeated`` becomes a
 tuple and back; a map a dict; a nested message its record (the class
 :mod:`zero_ray.control.handlers` names for it, so that a ``Piece`` is checked on arrival); an
@@ -18,7 +18,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from zero_ray.control import handlers
-from zero_ray.control._generated.records import ENVELOPE, MESSAGES
+from zero_ray.core.records import ENVELOPE, MESSAGES
 
 R = TypeVar("R")
 M = TypeVar("M", bound=Message)
