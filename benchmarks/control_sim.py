@@ -135,11 +135,11 @@ class SimHost:
     def close(self) -> None:
         pass
 
-    def status(self) -> dict[str, Any]:
-        return {"rank": self.rank, "world_size": self.world_size, "generation": self.generation,
-                "step": self._engine.position.step, "samples_seen": self._engine.position.samples_seen,
-                "phase": self._engine.phase.value, "busy": self.step_lock.locked(), "run": None, "node_id": "sim",
-                "host": "localhost", "ip": "127.0.0.1", "pid": 0, "control_address": ""}
+    def status(self) -> h.OwnerStatus:
+        return h.OwnerStatus(rank=self.rank, world_size=self.world_size, generation=self.generation,
+                             step=self._engine.position.step, samples_seen=self._engine.position.samples_seen,
+                             phase=self._engine.phase.value, busy=self.step_lock.locked(), node_id="sim",
+                             host="localhost", ip="127.0.0.1", pid=0, control_address="")
 
     def _membership(self, *_: Any, **__: Any) -> Any:
         raise NotImplementedError("membership operations are not simulated")

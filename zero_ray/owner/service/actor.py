@@ -38,15 +38,17 @@ import torch
 
 from zero_ray.collective.flight_recorder import FlightRecorder, RecordedGroup
 from zero_ray.collective.group import Collective
+from zero_ray.core.position import Position
 from zero_ray.core.restore_plan import Peers, ReplicaRestore, ReshardPlan, RestorePlan, SnapshotRecord, TransferDescription
 from zero_ray.collective.ray_group import destroy_group, form_group
 from zero_ray.control.auth import Credentials
+from zero_ray.control.handlers import OwnerStatus
 from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
 from zero_ray.checkpoint.location import register_filesystem
 from zero_ray.owner.resilience.checkpointing import ShardSaver
 from zero_ray.owner.service.batch_source import PieceSource
 from zero_ray.owner.service.device import setup_device
-from zero_ray.owner.service.owner_control import OwnerControl
+from zero_ray.owner.service.owner_control import OwnerControl, layout_of
 from zero_ray.errors import CollectiveError, OwnerError
 from zero_ray.owner.step.engine import OwnerEngine, StepPhase
 from zero_ray.owner.step.rank_collectives import exchange_nodes
@@ -150,14 +152,9 @@ class PartitionOwner:
         nodes = exchange_nodes(group, ray.get_runtime_context().get_node_id())
         return OwnerEngine(self._spec, rank=self.rank, group=group, nodes=nodes, flight=self.flight)
 
-    def setup(self) -> dict[str, Any]:
+    def setup(self) -> None:
         """Join the group (all ranks concurrently) and build the model state."""
         self._engine = self._new_engine(self._join())
-        layout = self._engine.layout
-        trainable = self._engine.state.trainable
-        return {"rank": self.rank, "numel": layout.numel, "padded_numel": layout.padded_numel,
-                "buckets": len(layout.buckets), "shapes": {p.name: list(p.shape) for p in layout.params},
-                "trainable": {p.name: trainable[p.index] for p in layout.params}}
 
     # -- data ----------------------------------------------------------------------------------------
     def stage_batch(self, key: str, piece: Any) -> None:
@@ -388,19 +385,18 @@ class PartitionOwner:
         factories. Python objects, so they travel through Ray like the other data."""
         return self._options.run
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> OwnerStatus:
         """Where this owner stands, for ``ZeroTrainer.attach`` and ``zero-ray status``: ``step``
         and ``samples_seen`` are the run's position as the driver last set it here (steps
-        completed and their samples), ``run`` the run's config and factories."""
-        engine = self._engine
-        position = engine.position.to_data() if engine else {"step": 0, "samples_seen": 0}
-        return {**self.node(), "world_size": self.world_size, "generation": self.generation,
-                **position, "phase": engine.phase.value if engine else "starting", "run": self._options.run,
-                "busy": self.step_lock.locked(),
-                "numel": engine.layout.numel if engine else 0,
-                "shapes": {p.name: list(p.shape) for p in engine.layout.params} if engine else {},
-                "trainable": ({p.name: engine.state.trainable[p.index] for p in engine.layout.params}
-                              if engine else {})}
+        completed and their samples); no layout before the owner has model state."""
+        engine, node, run = self._engine, self.node(), self._options.run
+        position = engine.position if engine else Position()
+        return OwnerStatus(rank=self.rank, world_size=self.world_size, generation=self.generation,
+                           step=position.step, samples_seen=position.samples_seen,
+                           phase=engine.phase.value if engine else "starting", busy=self.step_lock.locked(),
+                           detached=run is not None and run.detached, node_id=node["node_id"], host=node["host"],
+                           ip=node["ip"], pid=node["pid"], control_address=node["control_address"],
+                           layout=layout_of(engine) if engine else None)
 
     def touch(self) -> None:
         """A driver is in touch (a control call, a heartbeat served)."""

@@ -60,7 +60,7 @@ class OwnerHost(Protocol):
 
     def touch(self) -> None: ...
 
-    def setup(self) -> dict[str, Any]: ...
+    def setup(self) -> None: ...
 
     def reform(self, generation: int) -> bool: ...
 
@@ -74,7 +74,7 @@ class OwnerHost(Protocol):
 
     def rebuild(self, *, position: int, world_size: int, generation: int, restore: RestorePlan | None) -> int: ...
 
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> h.OwnerStatus: ...
 
     def release(self) -> None: ...
 
@@ -82,7 +82,8 @@ class OwnerHost(Protocol):
 
 
 def layout_of(engine: OwnerEngine) -> h.ModelLayout:
-    """The model as ``engine`` laid it out."""
+    """The model as ``engine`` laid it out: the one description of it, in the Setup reply and in
+    Status (the driver builds its own view from this record, ``driver/pool.ModelView``)."""
     layout, trainable = engine.layout, engine.state.trainable
     return h.ModelLayout(numel=layout.numel, padded_numel=layout.padded_numel, buckets=len(layout.buckets),
                          params=tuple(h.ParamInfo(name=p.name, shape=tuple(p.shape), trainable=trainable[p.index])
@@ -259,14 +260,7 @@ class OwnerControl:
 
     def status(self) -> h.OwnerStatus:
         # Not a driver's contact: `zero-ray status` listing an orphaned run must not keep it alive.
-        owner = self._owner
-        s = owner.status()
-        engine = owner.engine_or_none
-        return h.OwnerStatus(rank=s["rank"], world_size=s["world_size"], generation=s["generation"],
-                             step=s["step"], samples_seen=s["samples_seen"], phase=s["phase"],
-                             busy=s["busy"], detached=s["run"] is not None and s["run"].detached, node_id=s["node_id"],
-                             host=s["host"], ip=s["ip"], pid=s["pid"], control_address=s["control_address"],
-                             layout=layout_of(engine) if engine is not None else None)
+        return self._owner.status()
 
     def close(self) -> None:
         owner = self._owner
