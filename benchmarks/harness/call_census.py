@@ -22,6 +22,7 @@ ENV = "ZR_CALL_CENSUS"
 _MARK = os.sep + "zero_ray" + os.sep
 _counts: collections.Counter[str] = collections.Counter()
 _stop = threading.Event()
+_flusher: list[threading.Thread] = []
 
 
 def _profile(frame: FrameType, event: str, arg: Any) -> None:
@@ -49,16 +50,19 @@ def install(directory: str) -> None:
         _flush(path)
 
     _stop.clear()
-    threading.Thread(target=flusher, name="call-census", daemon=True).start()
+    _flusher[:] = [threading.Thread(target=flusher, name="call-census", daemon=True)]
+    _flusher[0].start()
     threading.setprofile(_profile)
     sys.setprofile(_profile)
 
 
 def uninstall() -> None:
-    """Stop counting (threads already started keep their hook until they end) and flush once."""
+    """Stop counting (threads already started keep their hook until they end), flushed once more."""
     threading.setprofile(None)
     sys.setprofile(None)
     _stop.set()
+    for thread in _flusher:
+        thread.join(timeout=10)
 
 
 def install_from_env() -> None:
