@@ -257,7 +257,7 @@ class OwnerEngine:
                             squares=None if spec.plan.updates_whole_buffer else sq, count=count,
                             marks=tuple(self.state.used_marks()), loss_nonfinite=not loss_finite,
                             grad_nonfinite=not math.isfinite(sq))
-        sums = share.unpack(self.state.stream.all_reduce_values(share.pack()))
+        sums = share.unpack(self.state.all_reduce_values(share.pack()))
         if sums.squares is not None:
             # with shard groups every shard is summed once per group holding it
             sq = sums.squares if self.fabric.replicas == 1 else sums.squares / self.fabric.replicas

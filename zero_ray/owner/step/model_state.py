@@ -96,6 +96,8 @@ class ModelState:
         self.optim_plan: OptimizersPlan
         self.optimizer: ShardOptimizer
         self.scheduler: UnitScheduler | None = None
+        self.stream: CommStream  # the rank's comm thread: every collective of a step, in order
+        self.reducer: GradReducer
         self.checkpointed: list[str] = []  # paths of the units whose activations are recomputed
         self.compiled: list[str] = []  # paths of the units whose forward is torch.compile'd
         self.state_files: StateFiles | None = None  # Offload(...="nvme"): where offloaded state lives
@@ -170,14 +172,14 @@ class ModelState:
         cast_buffers(module, self.dtype)
         self.module = module
         staging = [p for p in self.pools if p.name.endswith(("staging", "reduce"))]
-        self.reducer = GradReducer(self.groups, self.fabric.primary, rank=self.rank,
-                                   micro_batches=spec.grad_accum_steps, staging=staging, sync=self.sync)
+        self.stream = CommStream(self.fabric.primary, sync=self.sync, name=f"zero_ray-grads-{self.rank}")
+        self.reducer = GradReducer(self.groups, self.stream, micro_batches=spec.grad_accum_steps, staging=staging)
         if units is not None:
             self.units = [Unit(spec=u, module=module.get_submodule(u.path), pool=gather_of[u.index],
                                groups=sorted((g for g in self.groups if g.spec.unit == u.index),
                                              key=lambda g: not g.policy.trainable))
                           for u in units.units]
-            self.scheduler = UnitScheduler(self.units, root=module, config=spec.stage3, stream=self.reducer.stream,
+            self.scheduler = UnitScheduler(self.units, root=module, config=spec.stage3, stream=self.stream,
                                            reducer=self.reducer, device=self.device, fabric=self.fabric,
                                            pools=[p for p in self.pools if p.name.endswith(("gather", "reduce"))])
         numels = [p.numel() for _, p in named]
@@ -312,10 +314,10 @@ class ModelState:
         return gather_of, staging_of
 
     # -- the step ---------------------------------------------------------------------------------------
-    @property
-    def stream(self) -> CommStream:
-        """Where this rank's collectives run (the gradient reducer's communication thread)."""
-        return self.reducer.stream
+    def all_reduce_values(self, values: list[float]) -> list[float]:
+        """Sum a few of the step's control scalars across ranks, on the comm stream after the
+        collectives already issued (waited for)."""
+        return self.stream.all_reduce_values(values)
 
     @property
     def trainable_groups(self) -> list[ParamGroup]:
@@ -363,7 +365,7 @@ class ModelState:
     def apply_update(self, grads: list[torch.Tensor], *, used: list[bool]) -> None:
         """Step the user's optimizers over the parameters some rank produced a gradient for
         (``used``, by layout index; torch skips the others) and publish them."""
-        stream = self.reducer.stream
+        stream = self.stream
         self.optimizer.step({g.index: grad for g, grad in zip(self.trainable_groups, grads)}, used, stream)
         # The step's peak of model state: every gradient reduced, none released yet, the
         # optimizer's state created. Sizes change only when torch creates state, so the count is
@@ -379,7 +381,7 @@ class ModelState:
         (a checkpoint restore, a reshard): copy, and all-gather where parameters are whole."""
         self.fabric.forget()
         for g in self.groups:
-            g.publish(self.reducer.stream)
+            g.publish(self.stream)
 
     def end_step(self) -> None:
         """The update has used the step's gradients: release them."""
@@ -397,7 +399,7 @@ class ModelState:
         self._collective = group
         self.fabric = self.fabric.rebind(group)
         self.fabric.allocate(self.groups)
-        self.reducer.rebind(self.fabric.primary)
+        self.stream.rebind(self.fabric.primary)
         if self.scheduler is not None:
             self.scheduler.fabric = self.fabric
 

@@ -5,7 +5,8 @@ whole flat buffer, or this rank's shard and, while its unit is gathered, a regio
 buffer), its gradient buffer or reduced gradient shard, its fp32 master slice and the flat
 buffers its element-wise optimizer state lives in (``moments``: one per state name, over the
 update slice; the optimizer's per-fragment state tensors are views of them), the staging buffer
-it fills during backward, and the hooks on its parameters. How it behaves is its
+it fills during backward, and what each gradient arriving does (``accept_grad``: the reducer's
+hooks on the parameters hand each one over and learn when the group is ready). How it behaves is its
 ``GroupPolicy`` (``core/group_policy.py``): data derived from the stage's plan and from whether its
 parameters are trainable. Nothing here reads a stage number. The optimizer itself is
 ``owner/step/optimizer.py``'s.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -53,12 +53,6 @@ class OptimizerSlice:
     moments: dict[str, torch.Tensor]
 
 
-class GroupListener(Protocol):
-    """Who is told when a group's gradients are all in (the reducer)."""
-
-    def group_ready(self, group: ParamGroup) -> None: ...
-
-
 class ParamGroup:
     """One group's tensors on this rank, bound to its module's parameters."""
 
@@ -84,7 +78,6 @@ class ParamGroup:
         frags = list(layout.fragments(self.bucket.index, self.update_start, self.update_end))
         self._fragments = frags
         self.pieces: list[tuple[int, int, int]] = [(f.param, f.local_start, f.local_end) for f in frags]
-        trainable = self.policy.trainable
         self._empty = empty
         self._staging_pool = staging
         self.state_files = state_files  # where the optimizer state lives (None: in memory)
@@ -95,15 +88,12 @@ class ParamGroup:
         self.grads: torch.Tensor | None = None  # ACCUMULATE: the full gradient buffer, during a step
         self.grad_shard: torch.Tensor | None = None  # PER_MICRO_BATCH: this rank's reduced slice
         self.staging: PoolBuffer | None = None
-        self.listener: GroupListener | None = None
         self.active = False  # this micro-batch's gradients are reduced as they arrive
         self.launched = False  # this micro-batch's reduction has been submitted
         self.pending = 0
         self.arrived = [False] * len(params)
         self.used = [False] * len(params)  # a gradient arrived in any micro-batch of this step
         self._fill(source, device)
-        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, k))
-                         for k, p in enumerate(params) if trainable]
 
     # -- construction ------------------------------------------------------------------------------
     def _fill(self, source: ParamSource, device: torch.device) -> None:
@@ -254,13 +244,16 @@ class ParamGroup:
         self.pending = len(self.params)
         self.arrived = [False] * len(self.params)
 
-    def _on_grad(self, k: int, param: torch.Tensor) -> None:
+    def accept_grad(self, k: int, param: torch.Tensor) -> bool:
+        """Take parameter ``k``'s gradient, just accumulated by backward (the reducer's
+        post-accumulate-grad hook calls this). Returns whether it was the last gradient of this
+        micro-batch the group waited for: its reduction may go."""
         self.used[k] = True
         accumulate = self.policy.grads is GradFlow.ACCUMULATE
         if accumulate and not self.grad_views:
             self._add_cast(k)  # every micro-batch: the flat buffer is in the reduce dtype
         if not self.active:
-            return  # accumulating (not the step's last micro-batch): autograd adds into the view
+            return False  # accumulating (not the step's last micro-batch): autograd adds into the view
         if self.launched:
             raise ModelError(f"a gradient of {self.names[k]!r} arrived after its bucket was reduced: each parameter's "
                              "gradient must accumulate once per backward")
@@ -270,7 +263,7 @@ class ParamGroup:
         else:
             grad = param.grad
             if grad is None:
-                return
+                return False
             off, stop, _ = self.views[k]
             staged = self._staging_buffer().tensor[off:stop]
             if self.arrived[k]:  # a second arrival in one backward adds to the first
@@ -279,11 +272,10 @@ class ParamGroup:
                 staged.copy_(grad.reshape(-1))
             param.grad = None
         if self.arrived[k]:
-            return
+            return False
         self.arrived[k] = True
         self.pending -= 1
-        if self.pending == 0 and self.listener is not None:
-            self.listener.group_ready(self)
+        return self.pending == 0
 
     def _add_cast(self, k: int) -> None:
         """Add a backward's ``.grad`` into the flat buffer in the reduce dtype and drop it."""

@@ -1,8 +1,9 @@
 """GradReducer: when each group's gradients are reduced, overlapped with backward.
 
-Every trainable group's parameters carry post-accumulate-grad hooks (the group's own); once a
-group's gradients are all in, the reducer submits its collective to a ``CommStream`` thread
-while the compute thread goes on with backward. Which micro-batches reduce is the group's
+The reducer puts a post-accumulate-grad hook on every trainable group's parameters: each hands
+its gradient to the group (``ParamGroup.accept_grad``), and once a group's gradients are all in
+the reducer submits its collective to the rank's ``CommStream`` thread while the compute thread
+goes on with backward. Which micro-batches reduce is the group's
 ``GradFlow``: ACCUMULATE groups reduce once per step, during the last micro-batch's backward;
 PER_MICRO_BATCH groups every micro-batch. A micro-batch ends (``end_micro_batch``) by launching
 whatever is left, parameters that got no gradient contributing zeros, and waiting for all of it.
@@ -20,10 +21,11 @@ synchronous reduction, so the results are bit-identical.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
-from zero_ray.collective.device_sync import DeviceSync
-from zero_ray.collective.group import Collective
+import torch
+
 from zero_ray.collective.stream import CommStream
 from zero_ray.core.group_policy import GradFlow, ParamResidency
 from zero_ray.errors import ModelError
@@ -34,10 +36,10 @@ from zero_ray.owner.step.param_group import ParamGroup
 class GradReducer:
     """The gradient reduction of one rank's trainable groups."""
 
-    def __init__(self, groups: Sequence[ParamGroup], collective: Collective, *, rank: int,
-                 micro_batches: int | None, staging: Sequence[BufferPool] = (), sync: DeviceSync | None = None) -> None:
+    def __init__(self, groups: Sequence[ParamGroup], stream: CommStream, *, micro_batches: int | None,
+                 staging: Sequence[BufferPool] = ()) -> None:
         self.groups = [g for g in groups if g.policy.trainable]
-        self.stream = CommStream(collective, sync=sync, name=f"zero_ray-grads-{rank}")
+        self.stream = stream  # the rank's comm thread (the model state's), where reductions are issued
         self._staging = list(staging)
         per_use = any(g.policy.params is ParamResidency.PER_USE for g in self.groups)
         whole = [g for g in self.groups if g.policy.params is ParamResidency.WHOLE]
@@ -49,8 +51,12 @@ class GradReducer:
         self._index = 0  # of the current micro-batch within the step
         self._queue: list[ParamGroup] = []
         self._ready: set[int] = set()
-        for g in self.groups:
-            g.listener = self
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, g, k))
+                       for g in self.groups for k, p in enumerate(g.params)]
+
+    def _on_grad(self, group: ParamGroup, k: int, param: torch.Tensor) -> None:
+        if group.accept_grad(k, param):
+            self.group_ready(group)
 
     # -- the micro-batch ------------------------------------------------------------------------------
     def begin_micro_batch(self) -> None:
@@ -132,11 +138,8 @@ class GradReducer:
         self._queue, self._ready = [], set()
         self._index = 0
 
-    def rebind(self, collective: Collective) -> None:
-        """Use a re-formed group from the next collective on."""
-        self.stream.rebind(collective)
-
     def close(self) -> None:
-        """Stop: no collective runs afterwards; returns promptly on an aborted group."""
+        """Stop, and the comm stream with it: no collective runs afterwards; returns promptly on
+        an aborted group."""
         self.reset()
         self.stream.close()
