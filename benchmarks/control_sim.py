@@ -24,11 +24,11 @@ from typing import Any
 from zero_ray.collective.flight_recorder import FlightRecorder
 from zero_ray.control import handlers as h
 from zero_ray.control.auth import Credentials
-from zero_ray.control.server import ControlServer, ServerConfig, serve_owner
+from zero_ray.control.server import ControlServer, ServerConfig
 from zero_ray.core.position import Position
 from zero_ray.errors import CollectiveError
 from zero_ray.owner.resilience.checkpointing import ShardSaver
-from zero_ray.owner.service.owner_control import OwnerControl
+from zero_ray.owner.service.owner_control import OwnerControl, OwnerPlace
 from zero_ray.owner.service.batch_source import PieceSource
 from zero_ray.owner.resilience.redundancy import PeerSnapshots
 
@@ -86,8 +86,9 @@ class SimEngine:
 
 
 class SimHost:
-    """The stand-in for ``PartitionOwner`` under ``OwnerHost``: the real snapshot book-keeping,
-    piece source, flight recorder and step lock; membership operations are not simulated."""
+    """The stand-in for the ``LiveRank`` an owner's ``OwnerControl`` is given (and its
+    ``DriverContact``, counting touches): the real snapshot book-keeping, piece source, flight
+    recorder and step lock; membership operations are not simulated."""
 
     def __init__(self, rank: int, settings: SimSettings) -> None:
         self.rank = rank
@@ -132,15 +133,6 @@ class SimHost:
     def release(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
-
-    def status(self) -> h.OwnerStatus:
-        return h.OwnerStatus(rank=self.rank, world_size=self.world_size, generation=self.generation,
-                             step=self._engine.position.step, samples_seen=self._engine.position.samples_seen,
-                             phase=self._engine.phase.value, busy=self.step_lock.locked(), node_id="sim",
-                             host="localhost", ip="127.0.0.1", pid=0, control_address="")
-
     def _membership(self, *_: Any, **__: Any) -> Any:
         raise NotImplementedError("membership operations are not simulated")
 
@@ -157,15 +149,22 @@ def _usage(hosts: list[SimHost]) -> dict[str, float]:
             "max_beat_gap": gap}
 
 
+def _serve(host: SimHost, credentials: Credentials) -> ControlServer:
+    """One owner's control server over ``host``, as ``PartitionOwner`` builds its own."""
+    server = ControlServer(ServerConfig(host="127.0.0.1", credentials=credentials, threads=CONTROL_THREADS))
+    server.add_owner(OwnerControl(host, contact=host, server=server,  # type: ignore[arg-type]
+                                  place=OwnerPlace(node_id="sim", host="localhost", ip="127.0.0.1", pid=0),
+                                  detached=False, fetch_timeout_s=30.0, save_timeout_s=30.0, ahead_timeout_s=30.0))
+    server.start()
+    return server
+
+
 def worker_main(conn: Any, ranks: list[int], settings: SimSettings) -> None:
     """A worker process: serve ``ranks``' owners on loopback, send their addresses, then answer
     the driver's commands until "stop"."""
     credentials = Credentials(job_id=settings.job_id, token=settings.token)
     hosts = [SimHost(r, settings) for r in ranks]
-    servers: list[ControlServer] = [
-        serve_owner(OwnerControl(host, fetch_timeout_s=30.0, save_timeout_s=30.0, ahead_timeout_s=30.0),  # type: ignore[arg-type]
-                    ServerConfig(host="127.0.0.1", credentials=credentials, threads=CONTROL_THREADS))
-        for host in hosts]
+    servers = [_serve(host, credentials) for host in hosts]
     conn.send([s.address for s in servers])
     while True:
         command = conn.recv()

@@ -100,7 +100,7 @@ class _Hooks:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-_TRANSFER_CALLERS = ("rebuild", "_reshard")  # zero_ray.owner.service.actor's callers of exchange
+_TRANSFER_CALLERS = ("rebuild", "_reshard")  # zero_ray.owner.service.live_rank's callers of exchange
 _STATE = "zero_ray_test_faults"  # a module of this name holds each process's hooks
 
 
@@ -136,7 +136,7 @@ def _wrap(owner: Any, name: str, before: Callable[..., None]) -> None:
 def _install() -> None:
     """Hook the points in this process (once)."""
     from zero_ray.owner.resilience import checkpointing, redundancy
-    from zero_ray.owner.service import actor
+    from zero_ray.owner.service import live_rank
 
     state = hooks()
     if state.installed:
@@ -164,8 +164,8 @@ def _install() -> None:
     def confirming(*args: Any, **kwargs: Any) -> None:  # every SetPeers confirms (or finds nothing to)
         state.reach("set_peers", state.rank)
 
-    _wrap(actor, "form_group", forming)
-    _wrap(actor, "exchange", transfer)
+    _wrap(live_rank, "form_group", forming)
+    _wrap(live_rank, "exchange", transfer)
     _wrap(redundancy.PeerSnapshots, "take", snapshot)
     _wrap(checkpointing, "write_shard", writing)
     _wrap(checkpointing.ShardSaver, "wait", reporting)

@@ -2,10 +2,12 @@
 control operation on a live owner (Ray only creates and kills it and carries its data).
 
 The server runs on its own thread pool, so ``abort`` and ``heartbeat`` are served while the
-actor's compute thread is blocked inside a collective. Membership operations (setup, reform,
-reshard, rebuild, snapshots) run the actor's own methods, on a server thread. A failure is
-reported with the owner's rank and step phase (``failure_context``): the server sends them in
-the call's FailureDetail beside the exception's type, message and traceback.
+actor's compute thread is blocked inside a collective. The handler is given the rank's live
+state (``LiveRank``, owner/service/live_rank.py), whose membership operations (setup, reform,
+reshard, rebuild, snapshots) it runs on a server thread, and the server serving it (its address
+for Status; Close stops it). A failure is reported with the owner's rank and step phase
+(``failure_context``): the server sends them in the call's FailureDetail beside the exception's
+type, message and traceback.
 """
 
 from __future__ import annotations
@@ -14,71 +16,40 @@ import dataclasses
 import os
 import threading
 import time
-from typing import Any, Protocol
+from dataclasses import dataclass
 
-from zero_ray.collective.flight_recorder import Event, FlightRecorder
+from zero_ray.collective.flight_recorder import Event
 from zero_ray.control import handlers as h
+from zero_ray.control.server import ControlServer
 from zero_ray.core.stall_diagnosis import IDLE
 from zero_ray.core.position import Position
-from zero_ray.core.restore_plan import (
-    ReshardPlan,
-    RestorePlan,
-    SnapshotRecord,
-    TransferDescription,
-    reshard_from_data,
-    restore_from_data,
-)
+from zero_ray.core.restore_plan import reshard_from_data, restore_from_data
 from zero_ray.errors import CollectiveError
-from zero_ray.owner.resilience.checkpointing import ShardSaver, restore, shard_record_json
-from zero_ray.owner.service.batch_source import PieceSource
+from zero_ray.owner.resilience.checkpointing import restore, shard_record_json
+from zero_ray.owner.service.live_rank import LiveRank
 from zero_ray.owner.step.engine import OwnerEngine
-from zero_ray.owner.resilience.redundancy import PeerSnapshots
 from zero_ray.owner.service.step_order import StepOrder
 
 
-class OwnerHost(Protocol):
-    """What the control handler needs of the actor that serves it (``PartitionOwner``)."""
+@dataclass(frozen=True, kw_only=True)
+class OwnerPlace:
+    """Where an owner's process runs (the actor asks Ray once, as it starts)."""
 
-    rank: int
-    world_size: int
-    generation: int
-    saver: ShardSaver
-    snapshots: PeerSnapshots
-    data: PieceSource
-    step_lock: threading.Lock
-    flight: FlightRecorder
+    node_id: str
+    host: str
+    ip: str
+    pid: int
 
-    @property
-    def engine(self) -> OwnerEngine: ...
 
-    @property
-    def engine_or_none(self) -> OwnerEngine | None: ...
+class DriverContact:
+    """When a driver was last in touch with this owner: any control call, a heartbeat served (a
+    detached owner that no driver reaches for ``orphan_timeout_s`` ends itself)."""
 
-    def abort(self, *, reason: str, generation: int) -> bool: ...
+    def __init__(self) -> None:
+        self.last = time.monotonic()
 
-    def after_step(self, step: int) -> None: ...
-
-    def touch(self) -> None: ...
-
-    def setup(self) -> None: ...
-
-    def reform(self, generation: int) -> bool: ...
-
-    def set_peers(self, backup: int, ward: int) -> None: ...
-
-    def snapshot_info(self, committed_step: int, *, layout_complete: bool) -> dict[int, SnapshotRecord]: ...
-
-    def resize_info(self) -> TransferDescription: ...
-
-    def reshard(self, *, old_world: int, new_world: int, generation: int, plan: ReshardPlan) -> int: ...
-
-    def rebuild(self, *, position: int, world_size: int, generation: int, restore: RestorePlan | None) -> int: ...
-
-    def status(self) -> h.OwnerStatus: ...
-
-    def release(self) -> None: ...
-
-    def close(self) -> None: ...
+    def touch(self) -> None:
+        self.last = time.monotonic()
 
 
 def layout_of(engine: OwnerEngine) -> h.ModelLayout:
@@ -102,9 +73,13 @@ def rss_bytes() -> int:
 class OwnerControl:
     """Implements ``zero_ray.control.handlers.OwnerHandler`` for one partition owner."""
 
-    def __init__(self, owner: OwnerHost, *, fetch_timeout_s: float, save_timeout_s: float,
-                 ahead_timeout_s: float) -> None:
-        self._owner = owner
+    def __init__(self, owner: LiveRank, *, contact: DriverContact, server: ControlServer, place: OwnerPlace,
+                 detached: bool, fetch_timeout_s: float, save_timeout_s: float, ahead_timeout_s: float) -> None:
+        self._owner = owner  # the rank's live state and membership operations
+        self._contact = contact  # touched by every call from a driver
+        self._server = server  # the one serving this handler: its address, stopped by close()
+        self._place = place
+        self._detached = detached
         self._fetch_timeout_s = fetch_timeout_s
         self._save_timeout_s = save_timeout_s
         self._ahead_timeout_s = ahead_timeout_s  # the longest a step sent ahead waits for the one before
@@ -113,7 +88,7 @@ class OwnerControl:
 
     def step(self, args: h.StepArgs) -> h.StepResult:
         owner = self._owner
-        owner.touch()
+        self._contact.touch()
         self._check_generation(args.generation, "step")
         if args.ahead:  # sent while the step before may still run: after it, and only if it completed
             self._order.wait_for_previous(rank=owner.rank, generation=args.generation, step=args.step,
@@ -190,7 +165,7 @@ class OwnerControl:
 
     def heartbeat(self) -> h.Heartbeat:
         owner = self._owner
-        owner.touch()
+        self._contact.touch()
         engine = owner.engine_or_none
         return h.Heartbeat(rank=owner.rank, step=engine.position.step if engine else 0,
                            state=engine.phase.value if engine else "starting", timestamp=time.time(),
@@ -214,34 +189,34 @@ class OwnerControl:
     # -- membership: the actor's own operations, served here ------------------------------------------
     def setup(self) -> h.SetupResult:
         owner = self._owner
-        owner.touch()
+        self._contact.touch()
         owner.setup()
         return h.SetupResult(rank=owner.rank, layout=layout_of(owner.engine))
 
     def reform(self, generation: int) -> bool:
-        self._owner.touch()
+        self._contact.touch()
         return self._owner.reform(generation)
 
     def set_peers(self, backup: int, ward: int) -> None:
-        self._owner.touch()
+        self._contact.touch()
         self._owner.set_peers(backup, ward)
 
     def snapshots(self, committed_step: int, layout_complete: bool) -> h.Plain:
-        self._owner.touch()
+        self._contact.touch()
         held = self._owner.snapshot_info(committed_step, layout_complete=layout_complete)
         return {rank: record.to_data() for rank, record in held.items()}
 
     def resize_info(self) -> h.Plain:
-        self._owner.touch()
+        self._contact.touch()
         return self._owner.resize_info().to_data()
 
     def reshard(self, *, old_world: int, new_world: int, generation: int, description: h.Plain) -> int:
-        self._owner.touch()
+        self._contact.touch()
         return self._owner.reshard(old_world=old_world, new_world=new_world, generation=generation,
                                    plan=reshard_from_data(description))
 
     def rebuild(self, *, position: int, world_size: int, generation: int, restore: h.Plain | None) -> int:
-        self._owner.touch()
+        self._contact.touch()
         return self._owner.rebuild(position=position, world_size=world_size, generation=generation,
                                    restore=restore_from_data(restore))
 
@@ -259,14 +234,29 @@ class OwnerControl:
                         recent=tuple(event(e) for e in snap.recent))
 
     def status(self) -> h.OwnerStatus:
+        """Where this owner stands, for ``ZeroTrainer.attach`` and ``zero-ray status``: ``step``
+        and ``samples_seen`` are the run's position as the driver last set it here (steps
+        completed and their samples); no layout before the owner has model state."""
         # Not a driver's contact: `zero-ray status` listing an orphaned run must not keep it alive.
-        return self._owner.status()
+        owner, place = self._owner, self._place
+        engine = owner.engine_or_none
+        position = engine.position if engine else Position()
+        return h.OwnerStatus(rank=owner.rank, world_size=owner.world_size, generation=owner.generation,
+                             step=position.step, samples_seen=position.samples_seen,
+                             phase=engine.phase.value if engine else "starting", busy=owner.step_lock.locked(),
+                             detached=self._detached, node_id=place.node_id, host=place.host, ip=place.ip,
+                             pid=place.pid, control_address=self._server.address,
+                             layout=layout_of(engine) if engine else None)
 
     def close(self) -> None:
-        owner = self._owner
-        owner.release()
+        self._owner.release()
         # Stopping the server waits for the calls in flight, this one included: do it after replying.
-        threading.Thread(target=owner.close, name="zero_ray-close", daemon=True).start()
+        threading.Thread(target=self._stop, name="zero_ray-close", daemon=True).start()
+
+    def _stop(self) -> None:
+        """Stop serving and leave the collective group so the process can exit cleanly."""
+        self._server.stop(grace_s=0.5)
+        self._owner.release()
 
     def failure_context(self) -> h.FailureContext:
         owner = self._owner

@@ -22,7 +22,8 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -149,7 +150,25 @@ class OwnerEngine:
         self.guard = StepGuard(self.module, self.device)
         self.last_bytes: dict[str, int] = {}
         self.last_peers: dict[int, int] = {}  # the last step's bytes by the world rank they went to
-        self.phase = StepPhase.IDLE
+        self._phase = StepPhase.IDLE  # the engine's own: moved by its step, updating() and discard_step()
+
+    @property
+    def phase(self) -> StepPhase:
+        """Where this rank is in its step (read by heartbeats, aborts and failure reports)."""
+        return self._phase
+
+    def _move(self, to: StepPhase, *, expected: StepPhase) -> None:
+        assert self._phase is expected, f"rank {self.rank}: {to.value} from {self._phase.value}, not {expected.value}"
+        self._phase = to
+
+    @contextmanager
+    def updating(self) -> Iterator[None]:
+        """Around a change of the model state outside a step (a peer snapshot, a new layout's
+        copy). It counts as updating until it is done: if it raises, the phase stays UPDATING, so
+        ``discard_step`` reports the state inconsistent and it is restored, never retried on top."""
+        self._move(StepPhase.UPDATING, expected=StepPhase.IDLE)
+        yield
+        self._move(StepPhase.IDLE, expected=StepPhase.UPDATING)
 
     # -- the step -------------------------------------------------------------------------------
     def _micro_batches(self, piece: Batch) -> tuple[int, list[int]]:
@@ -178,7 +197,7 @@ class OwnerEngine:
         samples, sizes = self._micro_batches(piece)
         scale = self.scaler.scale
         kept = self.guard.keep()
-        self.phase = StepPhase.COMPUTING
+        self._phase = StepPhase.COMPUTING  # from IDLE, or a step that raised and was not discarded
         self.state.optimizer.read_ahead()  # offloaded: the update's first group comes in while this computes
         tally = _Tally()
         compute = 0.0
@@ -203,7 +222,7 @@ class OwnerEngine:
                                               global_samples=global_samples,
                                               loss_finite=math.isfinite(tally.loss_sum))
             self.state.end_step()
-        self.phase = StepPhase.IDLE
+        self._phase = StepPhase.IDLE  # COMPUTING, or UPDATING once the update began
         flight.phase(IDLE)
         self.last_bytes = self.group.counters.snapshot()
         self.last_peers = self.group.counters.by_peer()
@@ -284,7 +303,7 @@ class OwnerEngine:
             coef = min(1.0, spec.max_grad_norm / (norm + 1e-6))
             for g in grads:
                 g.mul_(coef)
-        self.phase = StepPhase.UPDATING
+        self._move(StepPhase.UPDATING, expected=StepPhase.COMPUTING)
         self.state.apply_update(grads, used=used)
         return norm, False, None
 
@@ -292,9 +311,9 @@ class OwnerEngine:
     def discard_step(self) -> bool:
         """Forget an interrupted step. Returns whether the model state is still consistent
         (the step never reached its update), i.e. whether training may simply continue."""
-        consistent = self.phase is not StepPhase.UPDATING
+        consistent = self._phase is not StepPhase.UPDATING
         self.state.discard()
-        self.phase = StepPhase.IDLE
+        self._phase = StepPhase.IDLE
         self.flight.phase(IDLE)
         return consistent
 
