@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from zero_ray.cli.subcommand_groups import SubParsers, subcommand_group
 from zero_ray.control.auth import read_token_file
 from zero_ray.control.client import ClientConfig, CoordinatorClient
-from zero_ray.control.handlers import JobStatus
+from zero_ray.control.handlers import JobStatus, OwnerStatus
 from zero_ray.errors import AuthError, ZeroRayError
 
 _DEFAULT_TIMEOUT_S = 10.0
@@ -143,16 +143,16 @@ def _status(args: argparse.Namespace) -> int:
     return _run(args, lambda client: format_status(client.status(flight=args.flight)))
 
 
-def format_detached(runs: Mapping[str, list[dict[str, object]]]) -> str:
+def format_detached(runs: Mapping[str, list[OwnerStatus]]) -> str:
     """The text ``zero-ray status`` prints for the detached runs (``driver.attach.detached_runs``)."""
     if not runs:
         return "no detached runs"
     rows = [("run id", "owners", "steps done", "generation", "state", "nodes")]
     for run, owners in sorted(runs.items()):
-        steps = sorted({int(o["step"]) for o in owners})  # type: ignore[call-overload]
-        phases = sorted({str(o["phase"]) for o in owners})
-        rows.append((run, str(len(owners)), "/".join(map(str, steps)), str(max(int(o["generation"]) for o in owners)),  # type: ignore[call-overload]
-                     ",".join(phases), ",".join(sorted({str(o["ip"]) for o in owners}))))
+        steps = sorted({o.step for o in owners})
+        phases = sorted({o.phase for o in owners})
+        rows.append((run, str(len(owners)), "/".join(map(str, steps)), str(max(o.generation for o in owners)),
+                     ",".join(phases), ",".join(sorted({o.ip for o in owners}))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["detached runs (attach with ZeroTrainer.attach(run_id, model_fn, loss_fn))", ""]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -19,9 +19,9 @@ from typing import Any
 import ray
 
 from zero_ray.control.client import ClientConfig, OwnerClient
-from zero_ray.control.handlers import OwnerStatus
+from zero_ray.control.handlers import ModelLayout, OwnerStatus
 from zero_ray.core.position import Position
-from zero_ray.driver.pool import NAMESPACE
+from zero_ray.driver.pool import NAMESPACE, ModelView
 from zero_ray.driver.pool_spec import client_tls
 from zero_ray.errors import ConfigError, ControlError, ModelError, OwnerLostError
 from zero_ray.owner.step.spec import RunSpec
@@ -40,19 +40,8 @@ def _owner_names() -> dict[str, list[str]]:
     return runs
 
 
-def _status_dict(status: OwnerStatus, run: RunSpec | None) -> dict[str, Any]:
-    """An owner's Status as the plain record the trainer and ``zero-ray status`` read."""
-    layout = status.layout
-    return {"rank": status.rank, "node_id": status.node_id, "host": status.host, "ip": status.ip, "pid": status.pid,
-            "control_address": status.control_address, "world_size": status.world_size,
-            "generation": status.generation, "step": status.step, "samples_seen": status.samples_seen,
-            "phase": status.phase, "busy": status.busy, "detached": status.detached, "run": run,
-            "numel": layout.numel if layout else 0,
-            "shapes": {p.name: list(p.shape) for p in layout.params} if layout else {},
-            "trainable": {p.name: p.trainable for p in layout.params} if layout else {}}
-
-
-def _statuses(names: list[str], *, timeout_s: float) -> list[tuple[Any, dict[str, Any]]]:
+def _statuses(names: list[str], *, timeout_s: float) -> tuple[list[tuple[Any, OwnerStatus]], RunSpec | None]:
+    """Each named owner's actor handle and Status, and the run spec they hold (read from one)."""
     try:
         handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
         nodes = ray.get([h.node.remote() for h in handles], timeout=timeout_s)
@@ -74,56 +63,61 @@ def _statuses(names: list[str], *, timeout_s: float) -> list[tuple[Any, dict[str
             statuses = list(pool.map(status, nodes))
     except ControlError as err:
         raise OwnerLostError(f"an owner of {names} did not answer its Status call: {err}", rank=None) from err
-    return [(h, _status_dict(s, run)) for h, s in zip(handles, statuses)]
+    return list(zip(handles, statuses)), run
 
 
-def detached_runs(*, timeout_s: float = 10.0) -> dict[str, list[dict[str, Any]]]:
+def detached_runs(*, timeout_s: float = 10.0) -> dict[str, list[OwnerStatus]]:
     """Every run whose owners are alive and detached, by run id: each owner's status (rank,
     node, generation, position (``step``, ``samples_seen``), phase), in rank order. Needs
     ``ray.init()``."""
-    out: dict[str, list[dict[str, Any]]] = {}
+    out: dict[str, list[OwnerStatus]] = {}
     for run, names in _owner_names().items():
         try:
-            statuses = [s for _, s in _statuses(names, timeout_s=timeout_s)]
+            statuses = [s for _, s in _statuses(names, timeout_s=timeout_s)[0]]
         except OwnerLostError:
             continue  # a run whose owners are ending: not attachable
-        if any(s["detached"] for s in statuses):
-            out[run] = sorted(statuses, key=lambda s: s["rank"])
+        if any(s.detached for s in statuses):
+            out[run] = sorted(statuses, key=lambda s: s.rank)
     return out
 
 
 @dataclass(frozen=True, kw_only=True)
 class FoundRun:
-    """A detached run's owners in rank order, and what they report."""
+    """A detached run's owners in rank order, what they report, and the run spec they hold."""
 
     run_id: str
     actors: list[Any]
-    statuses: list[dict[str, Any]]
+    statuses: list[OwnerStatus]
+    spec: RunSpec | None
 
     @property
     def run(self) -> RunSpec:
-        run: RunSpec | None = self.statuses[0]["run"]
-        if run is None:  # find_run refuses a run that is not detached, and every detached one has a spec
+        if self.spec is None:  # find_run refuses a run that is not detached, and every detached one has a spec
             raise ConfigError(f"the owners of run {self.run_id!r} hold no run spec; the run cannot be attached")
-        return run
+        return self.spec
+
+    @property
+    def layout(self) -> ModelLayout | None:
+        """The model as the owners laid it out (the same on every owner)."""
+        return self.statuses[0].layout
 
     @property
     def generation(self) -> int:
-        return max(s["generation"] for s in self.statuses)
+        return max(s.generation for s in self.statuses)
 
     @property
     def position(self) -> Position:
         """The run's position: that of the owner with the fewest steps completed (one caught in
         the middle of a step has not completed it; settling the pool brings the others back)."""
-        least = min(self.statuses, key=lambda s: s["step"])
-        return Position(step=least["step"], samples_seen=least["samples_seen"])
+        least = min(self.statuses, key=lambda s: s.step)
+        return Position(step=least.step, samples_seen=least.samples_seen)
 
     @property
     def settled(self) -> bool:
         """Every owner idle at the same step, in the same generation: nothing to re-form."""
-        return (len({s["step"] for s in self.statuses}) == 1
-                and len({s["generation"] for s in self.statuses}) == 1
-                and all(s["phase"] == "idle" and not s["busy"] for s in self.statuses))
+        return (len({s.step for s in self.statuses}) == 1
+                and len({s.generation for s in self.statuses}) == 1
+                and all(s.phase == "idle" and not s.busy for s in self.statuses))
 
 
 def find_run(run_id: str, *, timeout_s: float) -> FoundRun:
@@ -134,16 +128,17 @@ def find_run(run_id: str, *, timeout_s: float) -> FoundRun:
         raise ConfigError(f"no owners of run {run_id!r} are alive in namespace {NAMESPACE!r} (runs with live owners: "
                           f"{known}); a run's owners outlive its driver only with ElasticConfig(detached=True), for "
                           "orphan_timeout_s")
-    found = sorted(_statuses(names, timeout_s=timeout_s), key=lambda hs: hs[1]["rank"])
+    owners, spec = _statuses(names, timeout_s=timeout_s)
+    found = sorted(owners, key=lambda hs: hs[1].rank)
     statuses = [s for _, s in found]
-    sizes = {s["world_size"] for s in statuses}
-    ranks = [s["rank"] for s in statuses]
+    sizes = {s.world_size for s in statuses}
+    ranks = [s.rank for s in statuses]
     if len(sizes) != 1 or ranks != list(range(len(statuses))) or sizes != {len(statuses)}:
         raise ConfigError(f"the owners of run {run_id!r} do not form one pool: ranks {ranks}, world sizes "
                           f"{sorted(sizes)}; the run cannot be attached (restore it from a checkpoint)")
-    if not statuses[0]["detached"]:
+    if not statuses[0].detached:
         raise ConfigError(f"run {run_id!r} is not detached; only ElasticConfig(detached=True) runs can be attached")
-    return FoundRun(run_id=run_id, actors=[h for h, _ in found], statuses=statuses)
+    return FoundRun(run_id=run_id, actors=[h for h, _ in found], statuses=statuses, spec=spec)
 
 
 def check_layout(found: FoundRun, model_fn: Any, *, seed: int) -> None:
@@ -155,10 +150,10 @@ def check_layout(found: FoundRun, model_fn: Any, *, seed: int) -> None:
         module, _ = build_recorded(model_fn, seed=seed, record=False)
     except ModelError:  # buffers computed from parameters need a real build
         module = build_module(model_fn, seed)
-    mine = {name: list(shape) for name, shape, _ in param_specs(module)}
-    theirs = found.statuses[0]["shapes"]
+    mine = {name: tuple(shape) for name, shape, _ in param_specs(module)}
+    theirs = dict(ModelView.of(found.layout).shapes)
     if mine != theirs:
         only = sorted(set(mine) ^ set(theirs))[:10]
-        shapes = [(n, mine[n], theirs[n]) for n in mine if n in theirs and mine[n] != theirs[n]][:10]
+        shapes = [(n, list(mine[n]), list(theirs[n])) for n in mine if n in theirs and mine[n] != theirs[n]][:10]
         raise ConfigError(f"model_fn does not build the model run {found.run_id!r} holds: names on one side only "
                           f"{only}, shapes (name, model_fn, owners) {shapes}")

@@ -11,10 +11,11 @@ observing training never stops it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from zero_ray.driver.lifecycle import RunState
+from zero_ray.driver.reports import StepMetrics
 from zero_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,9 @@ class Callback:
     def on_state(self, old: RunState, new: RunState) -> None:
         """The run moved from ``old`` to ``new`` (``new.cause`` says why)."""
 
-    def on_step(self, metrics: Mapping[str, Any], results: Sequence[Any]) -> None:
-        """A step completed: ``trainer.step()``'s metrics and every owner's ``StepResult``."""
+    def on_step(self, metrics: StepMetrics, results: Sequence[Any]) -> None:
+        """A step completed: ``trainer.step()``'s metrics (read as a mapping too) and every
+        owner's ``StepResult``."""
 
     def on_checkpoint(self, path: str, step: int) -> None:
         """A checkpoint of step ``step`` was committed at ``path``."""
@@ -67,7 +69,7 @@ class Callbacks:
     def on_state(self, old: RunState, new: RunState) -> None:
         self._each("on_state", old, new)
 
-    def on_step(self, metrics: Mapping[str, Any], results: Sequence[Any]) -> None:
+    def on_step(self, metrics: StepMetrics, results: Sequence[Any]) -> None:
         self._each("on_step", metrics, results)
 
     def on_checkpoint(self, path: str, step: int) -> None:

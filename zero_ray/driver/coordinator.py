@@ -9,9 +9,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 from zero_ray.control import handlers as h
+from zero_ray.driver.reports import ResizeReport
 
 
 class RunView(Protocol):
@@ -23,7 +24,7 @@ class RunView(Protocol):
 
     def checkpoint_now(self, path: str | None) -> tuple[str, int]: ...
 
-    def resize(self, world_size: int) -> dict[str, Any]: ...
+    def resize(self, world_size: int) -> ResizeReport: ...
 
 
 class Coordinator:
@@ -55,7 +56,7 @@ class Coordinator:
 
     def resize(self, world_size: int) -> h.ResizeResult:
         report = self._run.resize(world_size)
-        return h.ResizeResult(previous_world_size=report["previous_world_size"], world_size=report["world_size"])
+        return h.ResizeResult(previous_world_size=report.previous_world_size, world_size=report.world_size)
 
     def metrics(self, cancelled: threading.Event) -> Iterator[h.MetricsEvent]:
         q: queue.Queue[h.MetricsEvent] = queue.Queue(maxsize=1024)

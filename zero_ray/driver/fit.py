@@ -25,6 +25,7 @@ from zero_ray.config import ZeroConfig
 from zero_ray.core.epochs import BlockOrder, EpochOrder, evaluation_chunks
 from zero_ray.data import as_source, opener
 from zero_ray.driver.batch_staging import GlobalBatch, IndexedBatch
+from zero_ray.driver.reports import StepMetrics
 from zero_ray.errors import ConfigError
 
 
@@ -142,7 +143,7 @@ def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 def fit(trainer: Trainer, dataset: Any, *, global_batch_size: int, steps: int, seed: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None, eval_dataset: Any = None,
         eval_every: int | None = None, checkpoint_every: int | None = None, progress: bool = True,
-        callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        callback: Callable[[StepMetrics], None] | None = None) -> dict[str, Any]:
     """See ``ZeroTrainer.fit``."""
     if callback is not None and not callable(callback):
         raise ConfigError(f"callback={callback!r} must be callable: metrics dict -> None")
@@ -186,8 +187,8 @@ def fit(trainer: Trainer, dataset: Any, *, global_batch_size: int, steps: int, s
             result.update(step=done, loss=metrics["loss"], epoch=order.position(done - 1)[0],
                           items_per_second=items / max(time.perf_counter() - start, 1e-9))
             if plan.eval_every is not None and (done % plan.eval_every == 0 or done == plan.steps):
-                result["eval_loss"] = metrics["eval_loss"] = evaluate_dataset(trainer, eval_length,
-                                                                             plan.global_batch_size)["loss"]
+                result["eval_loss"] = evaluate_dataset(trainer, eval_length, plan.global_batch_size)["loss"]
+                metrics = metrics.with_eval_loss(result["eval_loss"])
             if plan.checkpoint_every is not None and done % plan.checkpoint_every == 0:
                 result["checkpoint"] = trainer.save_checkpoint()  # the configured dir and filesystem
             if callback is not None:

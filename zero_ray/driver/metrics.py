@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import ray
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from zero_ray.control.handlers import StepResult
+from zero_ray.driver.reports import StepMetrics
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +79,17 @@ class RunMetrics:
                                   description="Model-state bytes a rank holds, by category (measured from tensors).",
                                   tag_keys=("run_id", "rank", "category")).set_default_tags(tags)
 
-    def record_step(self, metrics: Mapping[str, Any], results: Sequence[StepResult]) -> None:
+    def record_step(self, metrics: StepMetrics, results: Sequence[StepResult]) -> None:
         """Record one finished step: ``metrics`` as ``ZeroTrainer.step`` returns them, ``results``
         the owners' replies (for the per-rank traffic)."""
         try:
-            seconds = float(metrics["step_seconds"])
+            seconds = float(metrics.step_seconds)
             self._steps.inc(1)
             self._step_seconds.observe(seconds)
-            self._loss.set(float(metrics["loss"]))
+            self._loss.set(float(metrics.loss))
             if seconds > 0:
-                self._samples_per_second.set(float(metrics["samples"]) / seconds)
-                self._items_per_second.set(float(metrics.get("items", metrics["samples"])) / seconds)
+                self._samples_per_second.set(float(metrics.samples) / seconds)
+                self._items_per_second.set(float(metrics.item_count) / seconds)
             for r in results:
                 self._bytes_sent.set(float(sum(r.bytes_sent.values())), tags={"rank": str(r.rank)})
         except Exception:

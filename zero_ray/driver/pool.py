@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +31,11 @@ from zero_ray.control.handlers import (
     EvaluateResult,
     Flight,
     LoadResult,
+    ModelLayout,
     OwnerStats,
     RankStatus,
     SavePhase,
     SaveResult,
-    SetupResult,
     StepArgs,
     StepResult,
 )
@@ -52,6 +53,7 @@ from zero_ray.driver.fanout import FanOut, InFlight
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.driver.pool_spec import PoolSpec, await_room, check_resources, cluster_is_local
 from zero_ray.driver.replacements import Replacements
+from zero_ray.driver.reports import ResizeReport
 from zero_ray.driver.terminate import end_process
 from zero_ray.errors import ConfigError, OwnerLostError, ResourceError
 from zero_ray.owner.service.actor import OwnerOptions, RemotePartitionOwner
@@ -83,12 +85,27 @@ def actor_alive(name: str | None) -> bool:
     return True
 
 
-def layout_info(result: SetupResult) -> dict[str, Any]:
-    """What the trainer reads of an owner's setup: its model layout as plain data."""
-    layout = result.layout
-    return {"rank": result.rank, "numel": layout.numel, "padded_numel": layout.padded_numel,
-            "buckets": layout.buckets, "shapes": {p.name: list(p.shape) for p in layout.params},
-            "trainable": {p.name: p.trainable for p in layout.params}}
+@dataclass(frozen=True, kw_only=True)
+class ModelView:
+    """The driver's view of the model the owners laid out (``ModelLayout``, the owners' one
+    description of it, converted here once): every parameter's shape by name, in layout order,
+    and which are trained."""
+
+    numel: int
+    shapes: Mapping[str, tuple[int, ...]]
+    trainable: frozenset[str]
+
+    @classmethod
+    def of(cls, layout: ModelLayout | None) -> ModelView:
+        """The view of ``layout``; empty for an owner without model state (None)."""
+        if layout is None:
+            return cls(numel=0, shapes={}, trainable=frozenset())
+        return cls(numel=layout.numel, shapes={p.name: tuple(p.shape) for p in layout.params},
+                   trainable=frozenset(p.name for p in layout.params if p.trainable))
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(math.prod(shape) for name, shape in self.shapes.items() if name in self.trainable)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +114,7 @@ class Adopted:
 
     actors: list[Any]
     generation: int
-    info: dict[str, Any]
+    layout: ModelLayout | None
 
 
 class OwnerPool:
@@ -135,11 +152,11 @@ class OwnerPool:
         try:
             if adopt is not None:
                 self._connect(adopt.actors)
-                self.info = [adopt.info]
+                self.model = ModelView.of(adopt.layout)
             else:
                 self._start_owners(range(spec.world_size), world_size=spec.world_size, wait_for_room=True)
                 setups = self.fan.grpc(self.clients, "setup", lambda c, r: c.setup(timeout_s=spec.init_timeout_s))
-                self.info = [layout_info(r) for r in setups]
+                self.model = ModelView.of(setups[0].layout)  # the same on every owner
             if spec.snapshot_every:
                 self.assign_peers()
         except BaseException:
@@ -424,7 +441,7 @@ class OwnerPool:
         self._layout_unconfirmed = False  # left set when a loss cut SetPeers short
         return list(backup)
 
-    def resize(self, world_size: int) -> dict[str, Any]:
+    def resize(self, world_size: int) -> ResizeReport:
         """Continue with ``world_size`` owners: start the extra ones (growing), move every
         partition range whose owner changes directly between actors, stop the surplus ones
         (shrinking: their slots go back to the cluster). Returns what moved and how long it
@@ -472,8 +489,8 @@ class OwnerPool:
             self.assign_peers(world_size, after_transfer=True)
         if world_size < old:
             self.remove(range(world_size, old), close=True)
-        return {"previous_world_size": old, "world_size": world_size, "bytes_sent": sum(sent),
-                "seconds": time.perf_counter() - start}
+        return ResizeReport(previous_world_size=old, world_size=world_size, bytes_sent=sum(sent),
+                            seconds=time.perf_counter() - start)
 
     def remove(self, ranks: range, *, close: bool = False) -> None:
         """End the owners of ``ranks`` (the last ones) and forget them."""

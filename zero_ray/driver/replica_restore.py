@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence, Set
-from typing import Any
 
 from zero_ray.core.replica import keep_whole_groups, replica_plan, surviving_group
 from zero_ray.core.restore_plan import ReplicaRestore, TransferDescription
 from zero_ray.core.topology import Mesh, Topology, plan_mesh
 from zero_ray.driver.pool import OwnerPool
 from zero_ray.driver.pool_spec import check_resources
+from zero_ray.driver.reports import ResizeReport
 from zero_ray.errors import CheckpointError, ConfigError, OwnerLostError
 
 
@@ -59,7 +59,7 @@ def restore_from_replica(pool: OwnerPool, topology: Topology, *, lost: Set[int],
     return step
 
 
-def resize_groups(pool: OwnerPool, topology: Topology, world_size: int, *, timeout_s: float) -> dict[str, Any]:
+def resize_groups(pool: OwnerPool, topology: Topology, world_size: int, *, timeout_s: float) -> ResizeReport:
     """Resize a run with shard groups by whole groups: a grow gives each new group the first
     group's live state (as a replica restore does), a shrink lets the last groups go and the
     kept ones re-form. ``world_size`` must be a multiple of the group size
@@ -87,8 +87,8 @@ def resize_groups(pool: OwnerPool, topology: Topology, world_size: int, *, timeo
         else:
             pool.kill(surplus)
     sent = _rebuild_from(pool, topology, old, source=source, kept=kept, target=world_size, timeout_s=timeout_s)
-    return {"previous_world_size": before, "world_size": world_size, "bytes_sent": sent,
-            "seconds": time.perf_counter() - started}
+    return ResizeReport(previous_world_size=before, world_size=world_size, bytes_sent=sent,
+                        seconds=time.perf_counter() - started)
 
 
 def _finished_step(pool: OwnerPool, group: Sequence[int], *, timeout_s: float) -> int:

@@ -52,6 +52,7 @@ from zero_ray.driver.pool import Adopted, OwnerPool
 from zero_ray.driver.pool_spec import PoolSpec, cluster_is_local
 from zero_ray.driver.recovery import RecoveryController, RecoveryReport, Replay
 from zero_ray.driver.replica_restore import resize_groups
+from zero_ray.driver.reports import ResizeReport, StepMetrics
 from zero_ray.driver.resume import ResumeAPI
 from zero_ray.errors import (
     ConfigError,
@@ -149,7 +150,7 @@ class ZeroTrainer(ResumeAPI):
         self._callbacks = Callbacks([self._event_log, *observers])
         self._life.subscribe(self._callbacks.on_state)
         self._evaluations = 0  # staging keys of evaluate() calls
-        self.last_metrics: dict[str, Any] = {}
+        self.last_metrics: StepMetrics | None = None  # of the last step completed
         # What checkpoints record beside the state (fit()'s data order), and what the checkpoint
         # this run resumed from recorded (checked by the next fit, then dropped).
         self.run_extra: dict[str, Any] = {}
@@ -157,7 +158,7 @@ class ZeroTrainer(ResumeAPI):
         adopt = None
         if _found is not None:
             check_layout(_found, model_fn, seed=cfg.seed)
-            adopt = Adopted(actors=_found.actors, generation=_found.generation, info=_found.statuses[0])
+            adopt = Adopted(actors=_found.actors, generation=_found.generation, layout=_found.layout)
         self._pool = OwnerPool(pool, self._engine, credentials=self._credentials, adopt=adopt)
         self._checkpoints = CheckpointAPI(self._pool, cfg.checkpoint)
         self._recovery = RecoveryController(
@@ -180,9 +181,8 @@ class ZeroTrainer(ResumeAPI):
         token_dir = cfg.control_token_dir or tempfile.mkdtemp(prefix="zero_ray-")
         self.control_token_file: str = str(write_token_file(os.path.join(token_dir, f"{self._credentials.job_id}.token"),
                                                             self._credentials))
-        info = self._pool.info[0]
-        self.num_params: int = info["numel"]
-        self.num_trainable_params: int = sum(math.prod(info["shapes"][n]) for n, t in info["trainable"].items() if t)
+        self.num_params: int = self._pool.model.numel
+        self.num_trainable_params: int = self._pool.model.trainable_numel
         if _found is not None:
             self._take_over(_found)
         log.info("zero_ray: stage %d, %d owners on %s/%s, %d parameters", cfg.stage, self.world_size, self.device,
@@ -260,14 +260,16 @@ class ZeroTrainer(ResumeAPI):
             diagnosis = diagnose(flights, unreachable=unreachable)
             lines = (diagnosis.text().splitlines()[0], *diagnosis.lines)
         return JobStatus(flight=lines, world_size=self.world_size, stage=self.config.stage, step=self.step_count,
-                         last_loss=float(self.last_metrics.get("loss", float("nan"))), state=self._life.state.value,
+                         last_loss=self.last_metrics.loss if self.last_metrics else float("nan"),
+                         state=self._life.state.value,
                          ranks=tuple(self._pool.rank_statuses()), events=tuple(self.events[-20:]))
 
     # -- training ---------------------------------------------------------------------------------
-    def step(self, batch: Batch) -> dict[str, Any]:
+    def step(self, batch: Batch) -> StepMetrics:
         """One optimizer step on the global ``batch`` (split along dim 0 across the owners).
 
-        Returns metrics: ``loss`` (mean over the global batch before the update: over items when
+        Returns metrics (a ``StepMetrics``, read as a mapping too: ``metrics["loss"]``):
+        ``loss`` (mean over the global batch before the update: over items when
         ``loss_fn`` returns ``(loss_sum, count)``, else over samples), ``grad_norm`` (before
         clipping), ``lr``, ``skipped`` (fp16 overflow, or a non-finite step under
         ``on_nonfinite="skip"``, which adds ``nonfinite_loss_ranks`` and ``nonfinite_grad_ranks``),
@@ -280,7 +282,7 @@ class ZeroTrainer(ResumeAPI):
         with self._step_mutex:
             return self._step(StagedBatch(batch))
 
-    def _step(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> dict[str, Any]:
+    def _step(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> StepMetrics:
         self._life.require_ready()
         cfg = self.config
         n = work.samples
@@ -291,28 +293,9 @@ class ZeroTrainer(ResumeAPI):
         start = time.perf_counter()
         results = self._controller.step(work, ahead=ahead)
         seconds = time.perf_counter() - start
-        totals = combine([r.totals for r in results])
-        metrics = {
-            "step": self.step_count,
-            "loss": totals["loss"],
-            "grad_norm": results[0].grad_norm,
-            "lr": results[0].lr,
-            "skipped": results[0].skipped,
-            "loss_scale": results[0].loss_scale,
-            "samples": n,
-            "items": totals["items"],
-            "items_per_second": totals["items"] / seconds if seconds > 0 else 0.0,
-            "step_seconds": seconds,
-            "owner_compute_seconds": max(r.compute_seconds for r in results),
-            "data_wait_seconds": max(r.data_seconds for r in results),  # the slowest owner's wait for its piece
-            "bytes_sent": sum(sum(r.bytes_sent.values()) for r in results),
-            "sent_ahead": self._controller.last_sent_ahead,
-        }
-        if "count" in totals:
-            metrics["count"] = totals["count"]
-        if results[0].nonfinite_loss_ranks or results[0].nonfinite_grad_ranks:  # on_nonfinite="skip"
-            metrics["nonfinite_loss_ranks"] = list(results[0].nonfinite_loss_ranks)
-            metrics["nonfinite_grad_ranks"] = list(results[0].nonfinite_grad_ranks)
+        metrics = StepMetrics.of(results, step=self.step_count, samples=n, seconds=seconds,
+                                 sent_ahead=self._controller.last_sent_ahead)
+        if metrics.nonfinite_loss_ranks is not None:  # on_nonfinite="skip"
             text = NonFiniteError.describe(self.step_count, results[0].nonfinite_loss_ranks,
                                            results[0].nonfinite_grad_ranks) + "; skipped"
             log.warning(text)
@@ -320,10 +303,10 @@ class ZeroTrainer(ResumeAPI):
         self.last_metrics = metrics
         self._run_metrics.record_step(metrics, results)
         self._callbacks.on_step(metrics, results)
-        self._coordinator.publish(MetricsEvent(step=self.step_count, loss=metrics["loss"], step_seconds=seconds,
-                                               tokens_per_second=metrics["items_per_second"],
-                                               values={"grad_norm": metrics["grad_norm"], "lr": metrics["lr"],
-                                                       "items": metrics["items"]}))
+        self._coordinator.publish(MetricsEvent(step=self.step_count, loss=metrics.loss, step_seconds=seconds,
+                                               tokens_per_second=metrics.items_per_second,
+                                               values={"grad_norm": metrics.grad_norm, "lr": metrics.lr,
+                                                       "items": metrics.item_count}))
         self._controller.grow(lambda target: self._resize(target, desired=self._recovery.desired))
         return metrics
 
@@ -359,7 +342,7 @@ class ZeroTrainer(ResumeAPI):
     def fit(self, dataset: Any, *, global_batch_size: int, steps: int, seed: int = 0,
             collate_fn: Callable[[list[Any]], Any] | None = None, eval_dataset: Any = None,
             eval_every: int | None = None, checkpoint_every: int | None = None,
-            progress: bool = True, callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+            progress: bool = True, callback: Callable[[StepMetrics], None] | None = None) -> dict[str, Any]:
         """Train until ``step_count`` reaches ``steps`` on a map-style ``dataset`` (``__len__`` and
         ``__getitem__``: a ``torch.utils.data.Dataset``, a Hugging Face ``datasets.Dataset``) or a
         zero-argument factory building one, which goes to every owner once, or on a source each
@@ -407,9 +390,8 @@ class ZeroTrainer(ResumeAPI):
         ``model_fn().named_parameters()``. This is the explicit consolidation: the whole model
         passes through the driver. ``trainable_only``: just the parameters with
         ``requires_grad=True`` (a PEFT adapter's weights, without the frozen base model)."""
-        info = self._pool.info[0]
-        shapes: dict[str, list[int]] = {n: s for n, s in info["shapes"].items()
-                                        if info["trainable"][n] or not trainable_only}
+        model = self._pool.model
+        shapes = {n: s for n, s in model.shapes.items() if n in model.trainable or not trainable_only}
         out = {name: torch.empty(math.prod(shape), dtype=torch.float32) for name, shape in shapes.items()}
         # Stage 0 owners each hold all of a parameter; sharded owners a range of it.
         gathered = self._controller.run(Call(name="full_state_dict", needs_ready=False, attempt=lambda: (
@@ -421,15 +403,16 @@ class ZeroTrainer(ResumeAPI):
         return {name: out[name].view(shape) for name, shape in shapes.items()}
 
     # -- elasticity -------------------------------------------------------------------------------------
-    def resize(self, world_size: int) -> dict[str, Any]:
+    def resize(self, world_size: int) -> ResizeReport:
         """Continue with ``world_size`` partition owners, live: new owners start (or surplus ones
         stop, their slots going back to the cluster) and every partition range whose owner
         changes moves directly between actors through collectives; nothing goes through
         storage or the driver. The global batch stays as it is (each rank's share changes), so
         training continues as the uninterrupted run. ``world_size`` becomes the run's desired
         size (what it grows back to after a loss). Returns the sizes, bytes sent and seconds
-        taken. A loss during the transfer aborts it at once: the run is recovered (peer copies
-        or a checkpoint) and ``ResizeInterrupted`` raised, or the run fails with the reason.
+        taken (a ``ResizeReport``, read as a mapping too: ``report["world_size"]``). A loss
+        during the transfer aborts it at once: the run is recovered (peer copies or a
+        checkpoint) and ``ResizeInterrupted`` raised, or the run fails with the reason.
         With shard groups or hpZ the size is a multiple of the group sizes: groups join and leave
         whole, a new group taking the first group's live state."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -438,10 +421,10 @@ class ZeroTrainer(ResumeAPI):
         self.config.topology.check_resize(self.world_size, world_size)
         return self._resize(world_size, desired=world_size)
 
-    def _resize(self, world_size: int, *, desired: int) -> dict[str, Any]:
-        def attempt() -> dict[str, Any]:
+    def _resize(self, world_size: int, *, desired: int) -> ResizeReport:
+        def attempt() -> ResizeReport:
             if world_size == self.world_size:
-                return {"previous_world_size": world_size, "world_size": world_size, "bytes_sent": 0, "seconds": 0.0}
+                return ResizeReport.unchanged(world_size)
             self._checkpoints.wait(raise_error=False)  # a save in flight reads the current owners
             with self._life.during(TrainerState.RESIZING, cause=f"{self.world_size} -> {world_size} owners",
                                    world_size=world_size):
@@ -452,10 +435,10 @@ class ZeroTrainer(ResumeAPI):
         report = self._controller.run(Call(name=f"resizing to {world_size} owners", attempt=attempt, collective=True,
                                            after_recovery=AfterRecovery.INTERRUPTED))
         self._recovery.desired = desired
-        if report["previous_world_size"] != world_size:
-            self._callbacks.on_event(f"step {self.step_count}: resized {report['previous_world_size']} -> "
-                                     f"{world_size} owners ({report['bytes_sent']} bytes moved in "
-                                     f"{report['seconds']:.2f}s)")
+        if report.previous_world_size != world_size:
+            self._callbacks.on_event(f"step {self.step_count}: resized {report.previous_world_size} -> "
+                                     f"{world_size} owners ({report.bytes_sent} bytes moved in "
+                                     f"{report.seconds:.2f}s)")
         return report
 
     # -- checkpoints -----------------------------------------------------------------------------------
