@@ -37,8 +37,6 @@ from zero_ray.core.optim import (
     check_scheduler_factory,
 )
 from zero_ray.core.policy import FailurePolicy, ScalingPolicy
-from zero_ray.core.precision import parse_dtype
-from zero_ray.core.stages import stage_plan
 from zero_ray.driver.attach import FoundRun, check_layout
 from zero_ray.driver.callbacks import Callback, Callbacks, EventLog, check_callbacks
 from zero_ray.driver.checkpoint_api import CheckpointAPI
@@ -49,17 +47,18 @@ from zero_ray.driver.fit import fit
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.metrics import RunMetrics
 from zero_ray.driver.pool import Adopted, OwnerPool
-from zero_ray.driver.pool_spec import PoolSpec, cluster_is_local
+from zero_ray.driver.pool_spec import cluster_is_local
 from zero_ray.driver.recovery import RecoveryController, RecoveryReport, Replay
 from zero_ray.driver.replica_restore import resize_groups
 from zero_ray.driver.reports import ResizeReport, StepMetrics
 from zero_ray.driver.resume import ResumeAPI
+from zero_ray.driver.run_specs import engine_spec, pool_spec
 from zero_ray.errors import (
     ConfigError,
     NonFiniteError,
     ZeroRayError,
 )
-from zero_ray.owner.step.spec import EngineSpec, LossFn, ModelFn, RunSpec
+from zero_ray.owner.step.spec import LossFn, ModelFn
 
 log = logging.getLogger(__name__)
 
@@ -119,30 +118,15 @@ class ZeroTrainer(ResumeAPI):
         observers = check_callbacks(callbacks)
         _ensure_ray()
         self.device, backend = _resolve_device(cfg)
-        self._engine = EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizers=factories,
-                                  plan=stage_plan(cfg.stage), compute_dtype=parse_dtype(cfg.dtype), device=self.device,
-                                  seed=cfg.seed, bucket_bytes=cfg.bucket_bytes, grad_accum_steps=cfg.grad_accum_steps,
-                                  max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.loss_scale, stage3=cfg.stage3,
-                                  init_state_dict=cfg.init_state_dict,
-                                  activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
-                                  offload=cfg.offload, lr_scheduler=self.lr_scheduler, optimizer_kinds=cfg.optimizer_kinds,
-                                  reduce_dtype=parse_dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None,
-                                  on_nonfinite=cfg.on_nonfinite, topology=cfg.topology)
+        self._engine = engine_spec(cfg, model_fn=model_fn, loss_fn=loss_fn, optimizers=factories,
+                                   lr_scheduler=self.lr_scheduler, device=self.device)
         if _found is not None:
             self._credentials = ray.get(_found.actors[0].credentials.remote(), timeout=cfg.init_timeout_s)
         else:
             self._credentials = Credentials(job_id=uuid.uuid4().hex[:12], token=new_token())
         elastic = cfg.elastic
-        pool = PoolSpec(world_size=cfg.world_size, use_gpu=self.device == "cuda",
-                        num_cpus_per_owner=cfg.num_cpus_per_owner, backend=backend,
-                        placement_strategy=cfg.placement_strategy, collective_timeout_s=cfg.collective_timeout_s,
-                        init_timeout_s=cfg.init_timeout_s, capacity_timeout_s=cfg.capacity_timeout_s,
-                        health_interval_s=cfg.health_interval_s,
-                        health_timeout_s=cfg.health_timeout_s, tls=cfg.control_tls,
-                        snapshot_every=elastic.snapshot_every if elastic.redundancy == "peer" else 0,
-                        detached=elastic.detached, orphan_timeout_s=elastic.orphan_timeout_s,
-                        run=RunSpec(detached=elastic.detached, config=cfg, optimizer=self.optimizer,
-                                    lr_scheduler=self.lr_scheduler))
+        pool = pool_spec(cfg, device=self.device, backend=backend, optimizer=self.optimizer,
+                         lr_scheduler=self.lr_scheduler)
         self._run_metrics = RunMetrics(run_id=self._credentials.job_id)
         self._life = Lifecycle()
         self._event_log = EventLog()
