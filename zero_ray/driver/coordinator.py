@@ -1,37 +1,32 @@
 """Coordinator: the driver's gRPC service for operators (status, checkpoint, stop, metrics).
 
-It reads the trainer's state through a small snapshot interface and never drives training
-itself: ``stop`` only raises a flag the training loop observes.
+It is handed what each call needs (the run's status snapshot, its stop request, its checkpoint
+and resize) as functions, and never drives training itself: ``stop`` only raises a flag the
+training loop observes.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator
 
 from zero_ray.control import handlers as h
 from zero_ray.driver.reports import ResizeReport
 
 
-class RunView(Protocol):
-    """What the coordinator needs to see of a run (ZeroTrainer provides it)."""
-
-    def job_status(self) -> h.JobStatus: ...
-
-    def request_stop(self, reason: str) -> str: ...
-
-    def checkpoint_now(self, path: str | None) -> tuple[str, int]: ...
-
-    def resize(self, world_size: int) -> ResizeReport: ...
-
-
 class Coordinator:
-    """Implements ``zero_ray.control.handlers.CoordinatorHandler`` over a RunView."""
+    """Implements ``zero_ray.control.handlers.CoordinatorHandler`` over the run's calls:
+    ``status(flight)`` (a snapshot, thread-safe), ``stop(reason)`` (the state afterwards),
+    ``checkpoint(path or None)`` (directory and step of a save after the step in flight) and
+    ``resize(world_size)``."""
 
-    def __init__(self, run: RunView) -> None:
-        self._run = run
+    def __init__(self, *, status: Callable[[bool], h.JobStatus], stop: Callable[[str], str],
+                 checkpoint: Callable[[str | None], tuple[str, int]], resize: Callable[[int], ResizeReport]) -> None:
+        self._status = status
+        self._stop = stop
+        self._checkpoint = checkpoint
+        self._resize = resize
         self._lock = threading.Lock()
         self._subscribers: list[queue.Queue[h.MetricsEvent]] = []
 
@@ -45,17 +40,17 @@ class Coordinator:
                     pass
 
     def status(self, flight: bool = False) -> h.JobStatus:
-        return self._run.job_status(flight=flight)
+        return self._status(flight)
 
     def checkpoint(self, path: str | None) -> h.CheckpointResult:
-        directory, step = self._run.checkpoint_now(path or None)
+        directory, step = self._checkpoint(path or None)
         return h.CheckpointResult(path=directory, step=step)
 
     def stop(self, reason: str) -> str:
-        return self._run.request_stop(reason)
+        return self._stop(reason)
 
     def resize(self, world_size: int) -> h.ResizeResult:
-        report = self._run.resize(world_size)
+        report = self._resize(world_size)
         return h.ResizeResult(previous_world_size=report.previous_world_size, world_size=report.world_size)
 
     def metrics(self, cancelled: threading.Event) -> Iterator[h.MetricsEvent]:

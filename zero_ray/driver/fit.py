@@ -13,48 +13,60 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
-import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 
-from zero_ray.config import ZeroConfig
 from zero_ray.core.epochs import BlockOrder, EpochOrder, evaluation_chunks
 from zero_ray.data import as_source, opener
-from zero_ray.driver.batch_staging import GlobalBatch, IndexedBatch
+from zero_ray.driver.batch_staging import IndexedBatch
+from zero_ray.driver.stepper import Stepper
 from zero_ray.driver.reports import StepMetrics
 from zero_ray.errors import ConfigError
 
 
-class Trainer(Protocol):
-    """What fit needs of ``ZeroTrainer``."""
-
-    config: ZeroConfig
-    step_count: int
-    run_extra: dict[str, Any]
-    resumed: dict[str, Any]
-    _step_mutex: threading.RLock
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def stop_requested(self) -> bool: ...
-
-    def _step(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> dict[str, Any]: ...
-
-    def _evaluate(self, work: GlobalBatch) -> dict[str, float]: ...
-
-    def _register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int: ...
-
-    def save_checkpoint(self, path: Any = None, *, wait: bool = False) -> str: ...
-
 log = logging.getLogger(__name__)
 
 TRAIN, EVAL = "train", "eval"
+
+
+class RunExtras:
+    """What a checkpoint of the run records beside the model state (``saved``: fit's data order,
+    under ``"fit"``), and what the checkpoint the run last loaded recorded (``resumed``), which
+    the next fit checks against its own and then drops."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, Any] = {}
+        self.resumed: dict[str, Any] = {}
+
+    def loaded(self, extra: dict[str, Any]) -> None:
+        """A checkpoint was loaded: its records replace the run's."""
+        self.saved, self.resumed = dict(extra), dict(extra)
+
+    def begin_fit(self, record: dict[str, Any]) -> None:
+        """A fit reading data in the order ``record`` describes starts: refused if the loaded
+        checkpoint's fit read other data or another order, else what checkpoints record now."""
+        saved = self.resumed.get("fit")
+        if saved is not None and saved != record:  # kept for the next fit to check: this one changes nothing
+            raise ConfigError(f"the checkpoint this run resumed from was saved by a fit over other data or in another "
+                              f"order ({'; '.join(changes(saved, record))}): it would not continue the same samples; "
+                              "pass the same data, global_batch_size and seed")
+        self.resumed.pop("fit", None)
+        self.saved["fit"] = record
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitRun:
+    """What a fit works through, all of it the trainer's."""
+
+    stepper: Stepper
+    extras: RunExtras
+    checkpoint_dir: str | os.PathLike[str] | None  # config.checkpoint.dir: where checkpoint_every saves
+    save_checkpoint: Callable[[], str]  # a checkpoint under checkpoint_dir (not waited for); its directory
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +106,7 @@ class Shipped:
     order: EpochOrder | BlockOrder | None = None
 
 
-def _ship(trainer: Trainer, name: str, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, *,
+def _ship(stepper: Stepper, name: str, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, *,
           plan: FitPlan | None = None) -> Shipped:
     """Register ``dataset`` (a ``zero_ray.data`` source, a map-style dataset, or a zero-argument
     factory) on every owner. ``plan``: training, whose order it returns."""
@@ -105,7 +117,7 @@ def _ship(trainer: Trainer, name: str, dataset: Any, collate_fn: Callable[[list[
         layout = source.scan()  # file sizes and footers only: no sample passes through the driver
         order = (BlockOrder(block_sizes=layout.block_sizes, global_batch_size=plan.global_batch_size, seed=plan.seed,
                             window=layout.window) if plan is not None else None)
-        length = trainer._register_dataset(name, opener(layout, order), factory=True, collate=collate_fn)
+        length = stepper.register_dataset(name, opener(layout, order), factory=True, collate=collate_fn)
         return Shipped(length=length, identity=layout.identity(), order=order)
     factory = callable(dataset) and not hasattr(dataset, "__getitem__")
     if not factory and not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
@@ -114,7 +126,7 @@ def _ship(trainer: Trainer, name: str, dataset: Any, collate_fn: Callable[[list[
                           "torch.utils.data.TensorDataset or datasets.Dataset) or a zero-argument factory that "
                           "builds one on each owner")
     shipped = dataset if factory else ray.put(dataset)  # the object store ships it to each owner once
-    length = trainer._register_dataset(name, shipped, factory=factory, collate=collate_fn)
+    length = stepper.register_dataset(name, shipped, factory=factory, collate=collate_fn)
     order = (EpochOrder(length=length, global_batch_size=plan.global_batch_size, seed=plan.seed)
              if plan is not None else None)
     return Shipped(length=length, order=order)
@@ -140,7 +152,7 @@ def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return out
 
 
-def fit(trainer: Trainer, dataset: Any, *, global_batch_size: int, steps: int, seed: int = 0,
+def fit(run: FitRun, dataset: Any, *, global_batch_size: int, steps: int, seed: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None, eval_dataset: Any = None,
         eval_every: int | None = None, checkpoint_every: int | None = None, progress: bool = True,
         callback: Callable[[StepMetrics], None] | None = None) -> dict[str, Any]:
@@ -151,46 +163,39 @@ def fit(trainer: Trainer, dataset: Any, *, global_batch_size: int, steps: int, s
                    checkpoint_every=checkpoint_every)
     if plan.eval_every is not None and eval_dataset is None:
         raise ConfigError(f"fit(eval_every={plan.eval_every}) needs an eval_dataset")
-    root = trainer.config.checkpoint.dir
-    if plan.checkpoint_every is not None and root is None:
+    if plan.checkpoint_every is not None and run.checkpoint_dir is None:
         raise ConfigError(f"fit(checkpoint_every={plan.checkpoint_every}) needs "
                           "ZeroConfig(checkpoint=CheckpointConfig(dir=...))")
-    train = _ship(trainer, TRAIN, dataset, collate_fn, plan=plan)
+    stepper = run.stepper
+    train = _ship(stepper, TRAIN, dataset, collate_fn, plan=plan)
     order = train.order
     assert order is not None
     record: dict[str, Any] = {"global_batch_size": order.global_batch_size, "seed": order.seed, "length": order.length}
     if train.identity is not None:
         record["source"] = train.identity
-    saved = trainer.resumed.get("fit")  # the order of the fit a loaded checkpoint came from
-    if saved is not None and saved != record:  # kept for the next fit to check: this one changes nothing
-        raise ConfigError(f"the checkpoint this run resumed from was saved by a fit over other data or in another "
-                          f"order ({'; '.join(changes(saved, record))}): it would not continue the same samples; "
-                          "pass the same data, global_batch_size and seed")
-    trainer.resumed.pop("fit", None)
-    trainer.run_extra["fit"] = record
-    eval_length = _ship(trainer, EVAL, eval_dataset, collate_fn).length if eval_dataset is not None else 0
-    bar = _progress(plan.steps, trainer.step_count) if progress else None
+    run.extras.begin_fit(record)  # checked against the order of the fit a loaded checkpoint came from
+    eval_length = _ship(stepper, EVAL, eval_dataset, collate_fn).length if eval_dataset is not None else 0
+    bar = _progress(plan.steps, stepper.step_count) if progress else None
     result: dict[str, Any] = {}
-    start, start_step, items = time.perf_counter(), trainer.step_count, 0.0
+    start, start_step, items = time.perf_counter(), stepper.step_count, 0.0
     try:
-        k = trainer.step_count
+        k = stepper.step_count
         work = IndexedBatch(TRAIN, order.indices(k))
-        while k < plan.steps and not trainer.stop_requested:
+        while k < plan.steps and not stepper.stop_requested:
             # The next step goes to the owners while this one runs, unless something happens
             # between them: an evaluation, a checkpoint, the end (the controller may decline too).
             ahead = IndexedBatch(TRAIN, order.indices(k + 1)) if plan.pipelines(k + 1) else None
-            with trainer._step_mutex:
-                metrics = trainer._step(work, ahead=ahead)
+            metrics = stepper.step(work, ahead=ahead)
             items += metrics["items"]
             done = k = k + 1  # (not step_count: a call in the callback may have counted the step sent ahead)
             work = ahead if ahead is not None else IndexedBatch(TRAIN, order.indices(k))
             result.update(step=done, loss=metrics["loss"], epoch=order.position(done - 1)[0],
                           items_per_second=items / max(time.perf_counter() - start, 1e-9))
             if plan.eval_every is not None and (done % plan.eval_every == 0 or done == plan.steps):
-                result["eval_loss"] = evaluate_dataset(trainer, eval_length, plan.global_batch_size)["loss"]
+                result["eval_loss"] = evaluate_dataset(stepper, eval_length, plan.global_batch_size)["loss"]
                 metrics = metrics.with_eval_loss(result["eval_loss"])
             if plan.checkpoint_every is not None and done % plan.checkpoint_every == 0:
-                result["checkpoint"] = trainer.save_checkpoint()  # the configured dir and filesystem
+                result["checkpoint"] = run.save_checkpoint()  # the configured dir and filesystem
             if callback is not None:
                 callback(metrics)
             if bar is not None:
@@ -201,19 +206,18 @@ def fit(trainer: Trainer, dataset: Any, *, global_batch_size: int, steps: int, s
     finally:
         if bar is not None:
             bar.close()
-    result.setdefault("step", trainer.step_count)
-    result["steps_run"] = trainer.step_count - start_step
+    result.setdefault("step", stepper.step_count)
+    result["steps_run"] = stepper.step_count - start_step
     result["order"] = {k: v for k, v in asdict(order).items() if k != "block_sizes"}
     return result
 
 
-def evaluate_dataset(trainer: Trainer, length: int, global_batch_size: int) -> dict[str, float]:
+def evaluate_dataset(stepper: Stepper, length: int, global_batch_size: int) -> dict[str, float]:
     """The loss over the whole registered evaluation dataset, forward only: every sample once,
     in index order, in chunks of ``global_batch_size``."""
     loss_sum, weight, samples, items = 0.0, 0.0, 0, 0.0
-    for chunk in evaluation_chunks(length, global_batch_size, trainer.world_size):
-        with trainer._step_mutex:
-            out = trainer._evaluate(IndexedBatch(EVAL, chunk))
+    for chunk in evaluation_chunks(length, global_batch_size, stepper.world_size):
+        out = stepper.evaluate(IndexedBatch(EVAL, chunk))
         per = out.get("count", out["samples"])  # the mean is over items when counted, else samples
         loss_sum += out["loss"] * per
         weight += per

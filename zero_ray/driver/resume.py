@@ -7,18 +7,19 @@ Every checkpoint records the run's position (core/position.py), its whole ``Zero
 and world size as saved); a passed config that would change the math is refused field by field
 unless the caller names the fields in ``override``. A detached run's owners keep its config and
 position, which ``attach`` takes back. Either way a restored setting that cannot hold here (a
-checkpoint directory this driver cannot write) is an error naming it. ``ZeroTrainer`` inherits
-these methods (``ResumeAPI``).
+checkpoint directory this driver cannot write) is an error naming it. ``ZeroTrainer``'s
+``from_checkpoint``, ``saved_config``, ``load_checkpoint`` and ``attach`` call these functions with
+what each needs of the run.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Self
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 
@@ -33,16 +34,18 @@ from zero_ray.config import (
     training_record,
 )
 from zero_ray.config_record import FILESYSTEM_FIELD, RestoredConfig, config_record, restore_config
-from zero_ray.core.optim import OptimizerFactory, SchedulerFactory, recorded_factories
+from zero_ray.core.optim import OptimizerFactory, recorded_factories
 from zero_ray.core.position import Position
 from zero_ray.core.precision import dtype_name, parse_dtype
 from zero_ray.driver.attach import FoundRun, find_run
+from zero_ray.driver.callbacks import Callbacks
 from zero_ray.driver.checkpointer import RunRecord
 from zero_ray.driver.checkpoint_api import CheckpointAPI
 from zero_ray.driver.controller import Controller
+from zero_ray.driver.fit import RunExtras
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
+from zero_ray.driver.pool import OwnerPool
 from zero_ray.errors import CollectiveError, ConfigError
-from zero_ray.owner.step.spec import LossFn, ModelFn
 
 log = logging.getLogger(__name__)
 
@@ -110,161 +113,95 @@ def resume_config(m: Manifest, config: ZeroConfig | None, *, override: Sequence[
     return config
 
 
-class ResumeAPI:
-    """The resume side of ``ZeroTrainer`` (mixed in)."""
+def run_record(config: ZeroConfig, *, position: Position, world_size: int, extras: RunExtras) -> RunRecord:
+    """What a checkpoint of the run now records besides the model state."""
+    return RunRecord(position=position, world_size=world_size, stage=config.stage, training=training_record(config),
+                     config=config_record(config, world_size=world_size), extra=dict(extras.saved))
 
-    if TYPE_CHECKING:  # what these methods use of the trainer
-        config: ZeroConfig
-        _controller: Controller
-        run_extra: dict[str, Any]
-        resumed: dict[str, Any]
-        events: list[str]
-        _step_mutex: threading.RLock
-        _life: Lifecycle
-        _checkpoints: CheckpointAPI
 
-        @property
-        def world_size(self) -> int: ...
+def saved_config(path: str | os.PathLike[str], *, filesystem: Any = None) -> ZeroConfig:
+    """See ``ZeroTrainer.saved_config``."""
+    reader = CheckpointReader(path, filesystem=filesystem)
+    restored = restored_config(reader.manifest, source=f"checkpoint {reader.path}", filesystem=filesystem)
+    if restored.unrecorded:
+        log.warning("checkpoint %s was saved with %s, which a checkpoint cannot record: saved_config() gives "
+                    "the default; set it again", reader.path, restored.describe())
+    return restored.config
 
-        def shutdown(self) -> None: ...
 
-    @property
-    def position(self) -> Position:
-        """The run's position: steps completed (skipped ones included) and the samples they read.
-        The owners hold the same, checkpoints record it and ``attach`` reads it back."""
-        return self._controller.position
+@dataclass(frozen=True, kw_only=True)
+class CheckpointStart:
+    """What ``from_checkpoint`` starts a trainer with, read from the checkpoint's manifest
+    before any owner starts."""
 
-    def _record(self) -> RunRecord:
-        """What a checkpoint of the run now records besides the model state."""
-        cfg = self.config
-        return RunRecord(position=self.position, world_size=self.world_size, stage=cfg.stage,
-                         training=training_record(cfg), config=config_record(cfg, world_size=self.world_size), extra=dict(self.run_extra))
+    path: str  # the checkpoint directory (a root's ``latest`` resolved)
+    config: ZeroConfig
+    optimizer: OptimizerFactory | list[OptimizerFactory]
+    restored: bool  # the config is the checkpoint's (none was passed)
 
-    # -- checkpoints -----------------------------------------------------------------------------------
-    @staticmethod
-    def saved_config(path: str | os.PathLike[str], *, filesystem: Any = None) -> ZeroConfig:
-        """The ZeroConfig ``from_checkpoint(path, ...)`` resumes with when given none: the run's
-        whole config, at the checkpoint's stage and world size. ``dataclasses.replace`` it to
-        change what you want to, e.g. ``world_size``; everything else stays as the run had it. A
-        setting a checkpoint cannot record (a wrap policy's function, a filesystem object other
-        than ``filesystem``) comes back at its default, with a warning naming it: set it again."""
-        reader = CheckpointReader(path, filesystem=filesystem)
-        restored = restored_config(reader.manifest, source=f"checkpoint {reader.path}", filesystem=filesystem)
-        if restored.unrecorded:
-            log.warning("checkpoint %s was saved with %s, which a checkpoint cannot record: saved_config() gives "
-                        "the default; set it again", reader.path, restored.describe())
-        return restored.config
+    def explain(self, err: BaseException) -> None:
+        """Say, on a failure to start with it, where a restored config came from."""
+        if self.restored:
+            err.add_note(f"The run's config was restored from checkpoint {self.path}: "
+                         "ZeroTrainer.saved_config(path) returns it; pass config= to change a setting.")
 
-    @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike[str], model_fn: ModelFn, loss_fn: LossFn, *,
-                        optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
-                        lr_scheduler: SchedulerFactory | None = None, config: ZeroConfig | None = None,
-                        override: Sequence[str] = (), filesystem: Any = None, callbacks: Sequence[Any] = ()) -> Self:
-        """Resume from a checkpoint (a checkpoint directory, or a root whose ``latest`` is used;
-        a path, a URL, or a path in ``filesystem``) at any stage and world size: each owner reads
-        only the ranges its new partition needs (ranged GETs on an object store).
 
-        ``config`` defaults to the run's whole config as saved (stage, world size, offload,
-        elastic, checkpoint, stage3, device, ...; ``saved_config(path)`` returns it); a recorded
-        setting that cannot hold here (a ``checkpoint.dir`` this driver cannot write) or that a
-        checkpoint cannot record (a wrap policy's function) is a ConfigError naming it. A config
-        passed that sets a setting that changes the math (``grad_accum_steps``,
-        ``max_grad_norm``, dtypes, ``seed``, ``loss_scale``, ``optimizer_kinds``,
-        ``on_nonfinite``, the ``topology``'s quantized collectives) otherwise is a ConfigError
-        naming the field and both values, unless ``override`` names it (e.g.
-        ``override=("max_grad_norm",)``); stage, world size and every other field may differ. ``optimizer`` defaults to the checkpoint's
-        (its classes and groups, rebuilt by parameter name); a different optimizer is refused,
-        naming both. The optimizers' state, group hyperparameters and the scheduler's state come
-        from the checkpoint; a run saved with a scheduler needs the same ``lr_scheduler``
-        factory again. ``step_count`` and ``samples_seen`` continue from the checkpoint: feed
-        the batches from there on to continue as the uninterrupted run.
-        """
-        reader = CheckpointReader(path, filesystem=filesystem)  # the manifest only: checked before owners start
-        m = reader.manifest
-        reader.check_files()
-        restoring = config is None
-        config = resume_config(m, config, override=override, source=f"checkpoint {reader.path}", filesystem=filesystem)
-        opt = optimizer if optimizer is not None else list(recorded_factories(m.optimizers))
+def checkpoint_start(path: str | os.PathLike[str], config: ZeroConfig | None, *, override: Sequence[str],
+                     filesystem: Any, optimizer: OptimizerFactory | list[OptimizerFactory] | None) -> CheckpointStart:
+    """The config and optimizer ``from_checkpoint`` starts with (``resume_config``; the
+    checkpoint's optimizer unless one is passed), its manifest and file sizes checked."""
+    reader = CheckpointReader(path, filesystem=filesystem)  # the manifest only: checked before owners start
+    m = reader.manifest
+    reader.check_files()
+    resumed = resume_config(m, config, override=override, source=f"checkpoint {reader.path}", filesystem=filesystem)
+    return CheckpointStart(path=reader.path, config=resumed, restored=config is None,
+                           optimizer=optimizer if optimizer is not None else list(recorded_factories(m.optimizers)))
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, override: Sequence[str], filesystem: Any, config: ZeroConfig,
+                    controller: Controller, life: Lifecycle, checkpoints: CheckpointAPI, extras: RunExtras) -> int:
+    """See ``ZeroTrainer.load_checkpoint``: the run's ``config`` is checked against the
+    checkpoint's; ``controller`` takes its position, ``extras`` its records."""
+    names = check_overrides(override)
+
+    def check(m: Manifest, where: str) -> None:
+        refuse_conflicts(recorded_training(m), config, override=names, source=f"checkpoint {where}",
+                         how="load_checkpoint")
+
+    with controller.mutex:
+        life.require_ready()
         try:
-            trainer = cls(model_fn, loss_fn, optimizer=opt, lr_scheduler=lr_scheduler,  # type: ignore[call-arg]
-                          config=config, callbacks=callbacks)
-        except Exception as err:
-            if restoring:
-                err.add_note(f"The run's config was restored from checkpoint {reader.path}: "
-                             "ZeroTrainer.saved_config(path) returns it; pass config= to change a setting.")
+            m = checkpoints.load(path, filesystem, check=check)
+        except ConfigError:  # refused before any owner read anything: the run is as it was
             raise
-        try:
-            trainer.load_checkpoint(reader.path, override=override, filesystem=filesystem)
         except BaseException:
-            trainer.shutdown()
+            life.move(TrainerState.FAILED)
             raise
-        return trainer
+        controller.settle(Position(step=m.step, samples_seen=m.samples_seen))
+        extras.loaded(m.extra)
+    return m.step
 
-    def load_checkpoint(self, path: str | os.PathLike[str], *, override: Sequence[str] = (),
-                        filesystem: Any = None) -> int:
-        """Overwrite this run's model state, optimizer state and position with a checkpoint (a
-        directory, or a root's ``latest``; a path, a URL, or a path in ``filesystem``) saved at
-        any stage and world size; returns the step it continues from. A checkpoint saved with
-        settings that change the math otherwise than this run's config is refused before
-        anything loads, naming the fields, unless ``override`` names them. The manifest and file
-        sizes are checked first, and each rank reads and verifies all its ranges before changing
-        anything; if a rank still fails (a corrupt block) others may have loaded, so the trainer
-        is then marked failed."""
-        names = check_overrides(override)
 
-        def check(m: Manifest, where: str) -> None:
-            refuse_conflicts(recorded_training(m), self.config, override=names, source=f"checkpoint {where}",
-                             how="load_checkpoint")
+def find_detached(run_id: str, *, timeout_s: float) -> FoundRun:
+    """The detached run ``attach`` takes over (Ray started if need be), its config checked to
+    hold for this driver."""
+    if not ray.is_initialized():
+        ray.init()
+    found = find_run(run_id, timeout_s=timeout_s)
+    check_holds_here(found.run.config, source=f"detached run {run_id}")
+    return found
 
-        with self._step_mutex:
-            self._life.require_ready()
-            try:
-                m = self._checkpoints.load(path, filesystem, check=check)
-            except ConfigError:  # refused before any owner read anything: the run is as it was
-                raise
-            except BaseException:
-                self._life.move(TrainerState.FAILED)
-                raise
-            self._controller.settle(Position(step=m.step, samples_seen=m.samples_seen))
-            self.run_extra, self.resumed = dict(m.extra), dict(m.extra)
-        return m.step
 
-    # -- a driver taking over a detached run ----------------------------------------------------------
-    @classmethod
-    def attach(cls, run_id: str, model_fn: ModelFn, loss_fn: LossFn, *,
-               optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
-               lr_scheduler: SchedulerFactory | None = None, timeout_s: float = 60.0,
-               callbacks: Sequence[Any] = ()) -> Self:
-        """Continue a detached run (``ElasticConfig(detached=True)``) whose driver is gone, from
-        its owners' memory (no storage is read): from a new driver process, such as a
-        resubmitted Ray job. ``model_fn`` must build the same model (checked against the owners'
-        layout); ``optimizer`` and ``lr_scheduler`` (the factories replacement owners build from)
-        default to the run's, whose state the owners keep. The run's ``ZeroConfig`` comes from the
-        owners, and so does its position: ``step_count`` and ``samples_seen`` say how far the
-        owners got: feed the batches from there on (``fit`` does so by itself). Owners caught in
-        the middle of a step are aborted and re-formed (or restored from peer copies when a rank
-        had begun its update)."""
-        if not ray.is_initialized():
-            ray.init()
-        found = find_run(run_id, timeout_s=timeout_s)
-        run = found.run
-        config = run.config
-        check_holds_here(config, source=f"detached run {run_id}")
-        return cls(model_fn, loss_fn, optimizer=optimizer if optimizer is not None else run.optimizer,  # type: ignore[call-arg]
-                   lr_scheduler=lr_scheduler if lr_scheduler is not None else run.lr_scheduler,
-                   config=config, callbacks=callbacks, _found=found)
-
-    def _take_over(self, found: FoundRun) -> None:
-        """Settle an adopted pool at the owners' position: nothing to do if every owner is idle
-        at one step; else abort and re-form (or restore) as after a failed step."""
-        at = found.position
-        self._controller.settle(at)
-        if found.settled:
-            self._callbacks.on_event(f"attached to run {found.run_id} at step {at.step} ({self.world_size} owners)")
-            return
-        err = CollectiveError(f"the previous driver left run {found.run_id} in the middle of step {at.step + 1}")
-        report = self._controller.recover(err, started=time.perf_counter(), cause="attach")
-        self._controller.raise_if_failed(err, report)
-        self._callbacks.on_event(f"attached to run {found.run_id} at step {self._controller.position.step} "
-                                 f"({self.world_size} owners)")
-
+def take_over(found: FoundRun, *, controller: Controller, pool: OwnerPool, callbacks: Callbacks) -> None:
+    """Settle an adopted pool at the owners' position: nothing to do if every owner is idle
+    at one step; else abort and re-form (or restore) as after a failed step."""
+    at = found.position
+    controller.settle(at)
+    if found.settled:
+        callbacks.on_event(f"attached to run {found.run_id} at step {at.step} ({pool.world_size} owners)")
+        return
+    err = CollectiveError(f"the previous driver left run {found.run_id} in the middle of step {at.step + 1}")
+    report = controller.recover(err, started=time.perf_counter(), cause="attach")
+    controller.raise_if_failed(err, report)
+    callbacks.on_event(f"attached to run {found.run_id} at step {controller.position.step} "
+                       f"({pool.world_size} owners)")

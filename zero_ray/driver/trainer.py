@@ -3,8 +3,11 @@
 It composes the driver's parts (Ray Train v2's split): the lifecycle state machine
 (``lifecycle.py``), the owners' membership and placement (``pool.py``, calls through
 ``fanout.py``), failure handling (``recovery.py``: policies decide, the controller acts), the
-checkpoint API (``checkpoints.py``), resuming from a checkpoint or a detached run's owners
-(``resume.py``) and the data path (``data.py``, ``fit.py``).
+checkpoint API (``checkpoint_api.py``), resuming from a checkpoint or a detached run's owners
+(``resume.py``), the calls that step and evaluate (``stepper.py``), the data path
+(``batch_staging.py``, ``fit.py``), the operators' service (``coordinator.py``) and the specs a
+config starts the owners with (``run_specs.py``). Each is handed the parts it works with, never
+the trainer.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import ray
 import torch
@@ -24,7 +27,7 @@ import torch
 from zero_ray.checkpoint.storage import Storage
 from zero_ray.config import ZeroConfig
 from zero_ray.control.auth import Credentials, new_token, write_token_file
-from zero_ray.control.handlers import EvaluateArgs, JobStatus, MetricsEvent, combine
+from zero_ray.control.handlers import JobStatus, MetricsEvent
 from zero_ray.control.server import ServerConfig, serve_coordinator
 from zero_ray.core.batching import Batch
 from zero_ray.core.devices import choose_device
@@ -37,13 +40,15 @@ from zero_ray.core.optim import (
     check_scheduler_factory,
 )
 from zero_ray.core.policy import FailurePolicy, ScalingPolicy
+from zero_ray.core.position import Position
 from zero_ray.driver.attach import FoundRun, check_layout
 from zero_ray.driver.callbacks import Callback, Callbacks, EventLog, check_callbacks
 from zero_ray.driver.checkpoint_api import CheckpointAPI
+from zero_ray.driver.checkpointer import RunRecord
 from zero_ray.driver.controller import AfterRecovery, Call, Controller
 from zero_ray.driver.coordinator import Coordinator
 from zero_ray.driver.batch_staging import GlobalBatch, StagedBatch
-from zero_ray.driver.fit import fit
+from zero_ray.driver.fit import FitRun, RunExtras, fit
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.metrics import RunMetrics
 from zero_ray.driver.pool import Adopted, OwnerPool
@@ -51,8 +56,9 @@ from zero_ray.driver.pool_spec import cluster_is_local
 from zero_ray.driver.recovery import RecoveryController, RecoveryReport, Replay
 from zero_ray.driver.replica_restore import resize_groups
 from zero_ray.driver.reports import ResizeReport, StepMetrics
-from zero_ray.driver.resume import ResumeAPI
+from zero_ray.driver import resume
 from zero_ray.driver.run_specs import engine_spec, pool_spec
+from zero_ray.driver.stepper import Stepper
 from zero_ray.errors import (
     ConfigError,
     NonFiniteError,
@@ -80,7 +86,7 @@ def _resolve_device(config: ZeroConfig) -> tuple[str, str]:
     return choice.device, choice.backend
 
 
-class ZeroTrainer(ResumeAPI):
+class ZeroTrainer:
     """Train ``model_fn()`` with ZeRO data parallelism over ``config.world_size`` Ray actors.
 
     model_fn: zero-argument callable returning a ``torch.nn.Module``; runs on every actor after
@@ -133,12 +139,8 @@ class ZeroTrainer(ResumeAPI):
         self.events = self._event_log.events  # membership changes and failure decisions, for operators
         self._callbacks = Callbacks([self._event_log, *observers])
         self._life.subscribe(self._callbacks.on_state)
-        self._evaluations = 0  # staging keys of evaluate() calls
         self.last_metrics: StepMetrics | None = None  # of the last step completed
-        # What checkpoints record beside the state (fit()'s data order), and what the checkpoint
-        # this run resumed from recorded (checked by the next fit, then dropped).
-        self.run_extra: dict[str, Any] = {}
-        self.resumed: dict[str, Any] = {}
+        self._extras = RunExtras()  # what checkpoints record beside the state: fit()'s data order
         adopt = None
         if _found is not None:
             check_layout(_found, model_fn, seed=cfg.seed)
@@ -157,8 +159,10 @@ class ZeroTrainer(ResumeAPI):
                                       events=self.events, step_timeout_s=cfg.step_timeout_s,
                                       max_replay_steps=elastic.max_replay_steps,
                                       load_checkpoint=lambda: self._checkpoints.load_latest().step)
-        self._step_mutex = self._controller.mutex  # what fit and resume hold between their calls
-        self._coordinator = Coordinator(self)
+        self._stepper = Stepper(controller=self._controller, pool=self._pool, life=self._life, config=cfg,
+                                step=lambda work, ahead: self._step(work, ahead=ahead))
+        self._coordinator = Coordinator(status=lambda flight: self.job_status(flight=flight),
+                                        stop=self._life.request_stop, checkpoint=self.checkpoint_now, resize=self.resize)
         host = "127.0.0.1" if cluster_is_local() else ray.util.get_node_ip_address()
         self._server = serve_coordinator(self._coordinator, ServerConfig(host=host, credentials=self._credentials,
                                                                                **pool.server_tls()))
@@ -168,7 +172,7 @@ class ZeroTrainer(ResumeAPI):
         self.num_params: int = self._pool.model.numel
         self.num_trainable_params: int = self._pool.model.trainable_numel
         if _found is not None:
-            self._take_over(_found)
+            resume.take_over(_found, controller=self._controller, pool=self._pool, callbacks=self._callbacks)
         log.info("zero_ray: stage %d, %d owners on %s/%s, %d parameters", cfg.stage, self.world_size, self.device,
                  backend, self.num_params)
         try:  # model-state bytes are on the metrics endpoint from the start; best effort
@@ -220,6 +224,12 @@ class ZeroTrainer(ResumeAPI):
         return self._controller.position.samples_seen
 
     @property
+    def position(self) -> Position:
+        """The run's position: steps completed (skipped ones included) and the samples they read.
+        The owners hold the same, checkpoints record it and ``attach`` reads it back."""
+        return self._controller.position
+
+    @property
     def recoveries(self) -> list[RecoveryReport]:
         """Every recovery carried out, oldest first."""
         return self._controller.recoveries
@@ -263,8 +273,7 @@ class ZeroTrainer(ResumeAPI):
         owners while the step before it ran; never here). Under ``on_nonfinite="raise"`` a
         non-finite step raises ``NonFiniteError`` having changed nothing: ``step()`` again.
         """
-        with self._step_mutex:
-            return self._step(StagedBatch(batch))
+        return self._stepper.step(StagedBatch(batch))
 
     def _step(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> StepMetrics:
         self._life.require_ready()
@@ -299,29 +308,7 @@ class ZeroTrainer(ResumeAPI):
         owner (module in eval mode, no gradients, nothing changes). Returns ``loss`` (the mean
         over items when ``loss_fn`` returns ``(loss_sum, count)``, else over samples),
         ``samples`` and ``items``, and ``count`` for the pair form."""
-        with self._step_mutex:
-            return self._evaluate(StagedBatch(batch))
-
-    def _evaluate(self, work: GlobalBatch) -> dict[str, float]:
-        self._life.require_ready()
-        if work.samples < self.world_size * self.config.grad_accum_steps:
-            raise ConfigError(f"an evaluation batch of {work.samples} samples is smaller than world_size * "
-                              f"grad_accum_steps = {self.world_size} * {self.config.grad_accum_steps}")
-        def attempt() -> dict[str, float]:
-            generation = self._pool.generation
-            self._evaluations += 1
-            pieces, held = work.send(self._pool, world_size=self.world_size, key=f"{generation}:eval{self._evaluations}")
-            results = self._pool.evaluate([EvaluateArgs(piece=p, generation=generation) for p in pieces],
-                                          timeout_s=self.config.step_timeout_s)
-            del held
-            return combine([r.totals for r in results])
-
-        return self._controller.run(Call(name="evaluate", attempt=attempt, collective=True))
-
-    def _register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int:
-        """Give every owner the dataset ``name`` (fit's data setup); its length."""
-        return self._controller.run(Call(name=f"registering the {name} dataset", attempt=lambda: (
-            self._pool.register_dataset(name, source, factory=factory, collate=collate))))
+        return self._stepper.evaluate(StagedBatch(batch))
 
     def fit(self, dataset: Any, *, global_batch_size: int, steps: int, seed: int = 0,
             collate_fn: Callable[[list[Any]], Any] | None = None, eval_dataset: Any = None,
@@ -347,7 +334,9 @@ class ZeroTrainer(ResumeAPI):
         ``progress=False``; ``callback(metrics)`` is called after every step (with ``eval_loss``
         when it evaluated). Returns the last ``loss``, ``eval_loss``, ``items_per_second``,
         ``step`` and ``epoch``."""
-        return fit(self, dataset, global_batch_size=global_batch_size, steps=steps, seed=seed, collate_fn=collate_fn,
+        run = FitRun(stepper=self._stepper, extras=self._extras, checkpoint_dir=self.config.checkpoint.dir,
+                     save_checkpoint=self.save_checkpoint)
+        return fit(run, dataset, global_batch_size=global_batch_size, steps=steps, seed=seed, collate_fn=collate_fn,
                    eval_dataset=eval_dataset, eval_every=eval_every, checkpoint_every=checkpoint_every,
                    progress=progress, callback=callback)
 
@@ -483,6 +472,92 @@ class ZeroTrainer(ResumeAPI):
         written."""
         return self._controller.run(Call(name="export_pretrained", attempt=lambda: self._checkpoints.export(
             directory, self._record(), max_shard_size=max_shard_size, dtype=dtype, filesystem=filesystem)))
+
+    def _record(self) -> RunRecord:
+        """What a checkpoint of the run now records besides the model state."""
+        return resume.run_record(self.config, position=self.position, world_size=self.world_size, extras=self._extras)
+
+    # -- resuming (resume.py) ----------------------------------------------------------------------------
+    @staticmethod
+    def saved_config(path: str | os.PathLike[str], *, filesystem: Any = None) -> ZeroConfig:
+        """The ZeroConfig ``from_checkpoint(path, ...)`` resumes with when given none: the run's
+        whole config, at the checkpoint's stage and world size. ``dataclasses.replace`` it to
+        change what you want to, e.g. ``world_size``; everything else stays as the run had it. A
+        setting a checkpoint cannot record (a wrap policy's function, a filesystem object other
+        than ``filesystem``) comes back at its default, with a warning naming it: set it again."""
+        return resume.saved_config(path, filesystem=filesystem)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike[str], model_fn: ModelFn, loss_fn: LossFn, *,
+                        optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
+                        lr_scheduler: SchedulerFactory | None = None, config: ZeroConfig | None = None,
+                        override: Sequence[str] = (), filesystem: Any = None, callbacks: Sequence[Any] = ()) -> Self:
+        """Resume from a checkpoint (a checkpoint directory, or a root whose ``latest`` is used;
+        a path, a URL, or a path in ``filesystem``) at any stage and world size: each owner reads
+        only the ranges its new partition needs (ranged GETs on an object store).
+
+        ``config`` defaults to the run's whole config as saved (stage, world size, offload,
+        elastic, checkpoint, stage3, device, ...; ``saved_config(path)`` returns it); a recorded
+        setting that cannot hold here (a ``checkpoint.dir`` this driver cannot write) or that a
+        checkpoint cannot record (a wrap policy's function) is a ConfigError naming it. A config
+        passed that sets a setting that changes the math (``grad_accum_steps``,
+        ``max_grad_norm``, dtypes, ``seed``, ``loss_scale``, ``optimizer_kinds``,
+        ``on_nonfinite``, the ``topology``'s quantized collectives) otherwise is a ConfigError
+        naming the field and both values, unless ``override`` names it (e.g.
+        ``override=("max_grad_norm",)``); stage, world size and every other field may differ. ``optimizer`` defaults to the checkpoint's
+        (its classes and groups, rebuilt by parameter name); a different optimizer is refused,
+        naming both. The optimizers' state, group hyperparameters and the scheduler's state come
+        from the checkpoint; a run saved with a scheduler needs the same ``lr_scheduler``
+        factory again. ``step_count`` and ``samples_seen`` continue from the checkpoint: feed
+        the batches from there on to continue as the uninterrupted run.
+        """
+        start = resume.checkpoint_start(path, config, override=override, filesystem=filesystem, optimizer=optimizer)
+        try:
+            trainer = cls(model_fn, loss_fn, optimizer=start.optimizer, lr_scheduler=lr_scheduler, config=start.config,
+                          callbacks=callbacks)
+        except Exception as err:
+            start.explain(err)
+            raise
+        try:
+            trainer.load_checkpoint(start.path, override=override, filesystem=filesystem)
+        except BaseException:
+            trainer.shutdown()
+            raise
+        return trainer
+
+    def load_checkpoint(self, path: str | os.PathLike[str], *, override: Sequence[str] = (),
+                        filesystem: Any = None) -> int:
+        """Overwrite this run's model state, optimizer state and position with a checkpoint (a
+        directory, or a root's ``latest``; a path, a URL, or a path in ``filesystem``) saved at
+        any stage and world size; returns the step it continues from. A checkpoint saved with
+        settings that change the math otherwise than this run's config is refused before
+        anything loads, naming the fields, unless ``override`` names them. The manifest and file
+        sizes are checked first, and each rank reads and verifies all its ranges before changing
+        anything; if a rank still fails (a corrupt block) others may have loaded, so the trainer
+        is then marked failed."""
+        return resume.load_checkpoint(path, override=override, filesystem=filesystem, config=self.config,
+                                      controller=self._controller, life=self._life, checkpoints=self._checkpoints,
+                                      extras=self._extras)
+
+    @classmethod
+    def attach(cls, run_id: str, model_fn: ModelFn, loss_fn: LossFn, *,
+               optimizer: OptimizerFactory | list[OptimizerFactory] | None = None,
+               lr_scheduler: SchedulerFactory | None = None, timeout_s: float = 60.0,
+               callbacks: Sequence[Any] = ()) -> Self:
+        """Continue a detached run (``ElasticConfig(detached=True)``) whose driver is gone, from
+        its owners' memory (no storage is read): from a new driver process, such as a
+        resubmitted Ray job. ``model_fn`` must build the same model (checked against the owners'
+        layout); ``optimizer`` and ``lr_scheduler`` (the factories replacement owners build from)
+        default to the run's, whose state the owners keep. The run's ``ZeroConfig`` comes from the
+        owners, and so does its position: ``step_count`` and ``samples_seen`` say how far the
+        owners got: feed the batches from there on (``fit`` does so by itself). Owners caught in
+        the middle of a step are aborted and re-formed (or restored from peer copies when a rank
+        had begun its update)."""
+        found = resume.find_detached(run_id, timeout_s=timeout_s)
+        run = found.run
+        return cls(model_fn, loss_fn, optimizer=optimizer if optimizer is not None else run.optimizer,
+                   lr_scheduler=lr_scheduler if lr_scheduler is not None else run.lr_scheduler,
+                   config=run.config, callbacks=callbacks, _found=found)
 
     # -- the end ---------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -1,0 +1,84 @@
+"""Stepper: the calls that move a run forward on its owners, one at a time.
+
+A step, an evaluation and a dataset given to every owner each run through the controller's
+loop; the stepper holds the controller's mutex over a step or an evaluation, so that an
+operator's checkpoint or resize (a gRPC thread) lands between two of them, never inside one.
+``ZeroTrainer`` builds it over its controller and pool and holds it; ``fit`` steps through it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from zero_ray.config import ZeroConfig
+from zero_ray.control.handlers import EvaluateArgs, combine
+from zero_ray.driver.batch_staging import GlobalBatch
+from zero_ray.driver.controller import Call, Controller
+from zero_ray.driver.lifecycle import Lifecycle
+from zero_ray.driver.pool import OwnerPool
+from zero_ray.driver.reports import StepMetrics
+from zero_ray.errors import ConfigError
+
+# One training step on the owners: (work, the step to send while it runs or None) -> metrics.
+StepCall = Callable[[GlobalBatch, GlobalBatch | None], StepMetrics]
+
+
+class Stepper:
+    """Steps, evaluations and dataset registrations on the owners, each under ``mutex``."""
+
+    def __init__(self, *, controller: Controller, pool: OwnerPool, life: Lifecycle, config: ZeroConfig,
+                 step: StepCall) -> None:
+        self.mutex: threading.RLock = controller.mutex
+        self._controller = controller
+        self._pool = pool
+        self._life = life
+        self._config = config
+        self._step = step
+        self._evaluations = 0  # names each evaluation's staging key
+
+    @property
+    def world_size(self) -> int:
+        return self._pool.world_size
+
+    @property
+    def step_count(self) -> int:
+        """Steps completed: the run's ``position.step``."""
+        return self._controller.position.step
+
+    @property
+    def stop_requested(self) -> bool:
+        """An operator asked the run to stop; a training loop should end."""
+        return self._life.stop_reason is not None
+
+    def step(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> StepMetrics:
+        """One optimizer step on ``work``; ``ahead`` goes to the owners while it runs."""
+        with self.mutex:
+            return self._step(work, ahead)
+
+    def evaluate(self, work: GlobalBatch) -> dict[str, float]:
+        """The loss on ``work`` at the current parameters, forward only (``ZeroTrainer.evaluate``)."""
+        with self.mutex:
+            self._life.require_ready()
+            cfg = self._config
+            if work.samples < self.world_size * cfg.grad_accum_steps:
+                raise ConfigError(f"an evaluation batch of {work.samples} samples is smaller than world_size * "
+                                  f"grad_accum_steps = {self.world_size} * {cfg.grad_accum_steps}")
+
+            def attempt() -> dict[str, float]:
+                generation = self._pool.generation
+                self._evaluations += 1
+                pieces, held = work.send(self._pool, world_size=self.world_size,
+                                         key=f"{generation}:eval{self._evaluations}")
+                results = self._pool.evaluate([EvaluateArgs(piece=p, generation=generation) for p in pieces],
+                                              timeout_s=cfg.step_timeout_s)
+                del held
+                return combine([r.totals for r in results])
+
+            return self._controller.run(Call(name="evaluate", attempt=attempt, collective=True))
+
+    def register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int:
+        """Give every owner the dataset ``name`` (fit's data setup); its length."""
+        return self._controller.run(Call(name=f"registering the {name} dataset", attempt=lambda: (
+            self._pool.register_dataset(name, source, factory=factory, collate=collate))))
