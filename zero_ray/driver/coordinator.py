@@ -2,20 +2,23 @@
 
 It is handed what each call needs (the run's status snapshot, its stop request, its checkpoint
 and resize) as functions, and never drives training itself: ``stop`` only raises a flag the
-training loop observes.
+training loop observes. It watches the run as a ``Callback``: each step's metrics go to every
+open Metrics stream.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from zero_ray.control import handlers as h
-from zero_ray.driver.reports import ResizeReport
+from zero_ray.driver.callbacks import Callback
+from zero_ray.driver.reports import ResizeReport, StepMetrics
 
 
-class Coordinator:
+class Coordinator(Callback):
     """Implements ``zero_ray.control.handlers.CoordinatorHandler`` over the run's calls:
     ``status(flight)`` (a snapshot, thread-safe), ``stop(reason)`` (the state afterwards),
     ``checkpoint(path or None)`` (directory and step of a save after the step in flight) and
@@ -29,6 +32,12 @@ class Coordinator:
         self._resize = resize
         self._lock = threading.Lock()
         self._subscribers: list[queue.Queue[h.MetricsEvent]] = []
+
+    def on_step(self, metrics: StepMetrics, results: Sequence[Any]) -> None:
+        self.publish(h.MetricsEvent(step=int(metrics.step), loss=metrics.loss, step_seconds=metrics.step_seconds,
+                                    tokens_per_second=metrics.items_per_second,
+                                    values={"grad_norm": metrics.grad_norm, "lr": metrics.lr,
+                                            "items": metrics.item_count}))
 
     def publish(self, event: h.MetricsEvent) -> None:
         """Fan one step's metrics out to every open Metrics stream (never blocks training)."""

@@ -20,6 +20,7 @@ import ray
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from zero_ray.control.handlers import StepResult
+from zero_ray.driver.callbacks import Callback
 from zero_ray.driver.reports import StepMetrics
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def prometheus_name(name: str, *, counter: bool = False) -> str:
     return "ray_" + name + ("_total" if counter else "")
 
 
-class RunMetrics:
+class RunMetrics(Callback):
     """The driver's metrics for one training run.
 
     Recording never raises: a metrics pipeline that is missing or misbehaving must not fail a
@@ -79,7 +80,7 @@ class RunMetrics:
                                   description="Model-state bytes a rank holds, by category (measured from tensors).",
                                   tag_keys=("run_id", "rank", "category")).set_default_tags(tags)
 
-    def record_step(self, metrics: StepMetrics, results: Sequence[StepResult]) -> None:
+    def on_step(self, metrics: StepMetrics, results: Sequence[StepResult]) -> None:
         """Record one finished step: ``metrics`` as ``ZeroTrainer.step`` returns them, ``results``
         the owners' replies (for the per-rank traffic)."""
         try:

@@ -3,39 +3,48 @@
 A step, an evaluation and a dataset given to every owner each run through the controller's
 loop; the stepper holds the controller's mutex over a step or an evaluation, so that an
 operator's checkpoint or resize (a gRPC thread) lands between two of them, never inside one.
-``ZeroTrainer`` builds it over its controller and pool and holds it; ``fit`` steps through it.
+A completed step is told to the run's callbacks (the event log, Ray metrics, the operators'
+Metrics stream, the user's), and a grow back that is due runs through ``grow``. ``ZeroTrainer``
+builds it over its controller and pool and holds it; ``fit`` steps through it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from zero_ray.config import ZeroConfig
 from zero_ray.control.handlers import EvaluateArgs, combine
 from zero_ray.driver.batch_staging import GlobalBatch
+from zero_ray.driver.callbacks import Callbacks
 from zero_ray.driver.controller import Call, Controller
 from zero_ray.driver.lifecycle import Lifecycle
 from zero_ray.driver.pool import OwnerPool
 from zero_ray.driver.reports import StepMetrics
-from zero_ray.errors import ConfigError
+from zero_ray.errors import ConfigError, NonFiniteError
 
-# One training step on the owners: (work, the step to send while it runs or None) -> metrics.
-StepCall = Callable[[GlobalBatch, GlobalBatch | None], StepMetrics]
+log = logging.getLogger(__name__)
+
+# A grow back to the run's desired size: the target world size -> whatever the resize reports.
+Grow = Callable[[int], object]
 
 
 class Stepper:
     """Steps, evaluations and dataset registrations on the owners, each under ``mutex``."""
 
     def __init__(self, *, controller: Controller, pool: OwnerPool, life: Lifecycle, config: ZeroConfig,
-                 step: StepCall) -> None:
+                 callbacks: Callbacks, grow: Grow) -> None:
         self.mutex: threading.RLock = controller.mutex
+        self.last_metrics: StepMetrics | None = None  # of the last step completed
         self._controller = controller
         self._pool = pool
         self._life = life
         self._config = config
-        self._step = step
+        self._callbacks = callbacks
+        self._grow = grow
         self._evaluations = 0  # names each evaluation's staging key
 
     @property
@@ -55,7 +64,26 @@ class Stepper:
     def step(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> StepMetrics:
         """One optimizer step on ``work``; ``ahead`` goes to the owners while it runs."""
         with self.mutex:
-            return self._step(work, ahead)
+            self._life.require_ready()
+            cfg = self._config
+            n = work.samples
+            if n < self.world_size * cfg.grad_accum_steps:
+                raise ConfigError(f"global batch of {n} samples is smaller than world_size * grad_accum_steps = "
+                                  f"{self.world_size} * {cfg.grad_accum_steps}; every rank needs at least one "
+                                  "sample per micro-batch")
+            start = time.perf_counter()
+            results = self._controller.step(work, ahead=ahead)
+            metrics = StepMetrics.of(results, step=self.step_count, samples=n, seconds=time.perf_counter() - start,
+                                     sent_ahead=self._controller.last_sent_ahead)
+            if metrics.nonfinite_loss_ranks is not None:  # on_nonfinite="skip"
+                text = NonFiniteError.describe(self.step_count, results[0].nonfinite_loss_ranks,
+                                               results[0].nonfinite_grad_ranks) + "; skipped"
+                log.warning(text)
+                self._callbacks.on_event(text)
+            self.last_metrics = metrics
+            self._callbacks.on_step(metrics, results)
+            self._controller.grow(self._grow)
+            return metrics
 
     def evaluate(self, work: GlobalBatch) -> dict[str, float]:
         """The loss on ``work`` at the current parameters, forward only (``ZeroTrainer.evaluate``)."""

@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Self
@@ -27,7 +26,7 @@ import torch
 from zero_ray.checkpoint.storage import Storage
 from zero_ray.config import ZeroConfig
 from zero_ray.control.auth import Credentials, new_token, write_token_file
-from zero_ray.control.handlers import JobStatus, MetricsEvent
+from zero_ray.control.handlers import JobStatus
 from zero_ray.control.server import ServerConfig, serve_coordinator
 from zero_ray.core.batching import Batch
 from zero_ray.core.devices import choose_device
@@ -47,7 +46,7 @@ from zero_ray.driver.checkpoint_api import CheckpointAPI
 from zero_ray.driver.checkpointer import RunRecord
 from zero_ray.driver.controller import AfterRecovery, Call, Controller
 from zero_ray.driver.coordinator import Coordinator
-from zero_ray.driver.batch_staging import GlobalBatch, StagedBatch
+from zero_ray.driver.batch_staging import StagedBatch
 from zero_ray.driver.fit import FitRun, RunExtras, fit
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.metrics import RunMetrics
@@ -59,11 +58,7 @@ from zero_ray.driver.reports import ResizeReport, StepMetrics
 from zero_ray.driver import resume
 from zero_ray.driver.run_specs import engine_spec, pool_spec
 from zero_ray.driver.stepper import Stepper
-from zero_ray.errors import (
-    ConfigError,
-    NonFiniteError,
-    ZeroRayError,
-)
+from zero_ray.errors import ConfigError, ZeroRayError
 from zero_ray.owner.step.spec import LossFn, ModelFn
 
 log = logging.getLogger(__name__)
@@ -137,9 +132,8 @@ class ZeroTrainer:
         self._life = Lifecycle()
         self._event_log = EventLog()
         self.events = self._event_log.events  # membership changes and failure decisions, for operators
-        self._callbacks = Callbacks([self._event_log, *observers])
+        self._callbacks = Callbacks([self._event_log, self._run_metrics, *observers])
         self._life.subscribe(self._callbacks.on_state)
-        self.last_metrics: StepMetrics | None = None  # of the last step completed
         self._extras = RunExtras()  # what checkpoints record beside the state: fit()'s data order
         adopt = None
         if _found is not None:
@@ -160,9 +154,11 @@ class ZeroTrainer:
                                       max_replay_steps=elastic.max_replay_steps,
                                       load_checkpoint=lambda: self._checkpoints.load_latest().step)
         self._stepper = Stepper(controller=self._controller, pool=self._pool, life=self._life, config=cfg,
-                                step=lambda work, ahead: self._step(work, ahead=ahead))
+                                callbacks=self._callbacks,
+                                grow=lambda target: self._resize(target, desired=self._recovery.desired))
         self._coordinator = Coordinator(status=lambda flight: self.job_status(flight=flight),
                                         stop=self._life.request_stop, checkpoint=self.checkpoint_now, resize=self.resize)
+        self._callbacks.add(self._coordinator)  # each step's metrics to the operators' Metrics streams
         host = "127.0.0.1" if cluster_is_local() else ray.util.get_node_ip_address()
         self._server = serve_coordinator(self._coordinator, ServerConfig(host=host, credentials=self._credentials,
                                                                                **pool.server_tls()))
@@ -241,6 +237,11 @@ class ZeroTrainer:
         return self._recovery.desired
 
     @property
+    def last_metrics(self) -> StepMetrics | None:
+        """The metrics of the last step completed (None before the first)."""
+        return self._stepper.last_metrics
+
+    @property
     def actors(self) -> list[Any]:
         """The partition owners' Ray actor handles, in rank order."""
         return list(self._pool.actors)
@@ -274,34 +275,6 @@ class ZeroTrainer:
         non-finite step raises ``NonFiniteError`` having changed nothing: ``step()`` again.
         """
         return self._stepper.step(StagedBatch(batch))
-
-    def _step(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> StepMetrics:
-        self._life.require_ready()
-        cfg = self.config
-        n = work.samples
-        if n < self.world_size * cfg.grad_accum_steps:
-            raise ConfigError(f"global batch of {n} samples is smaller than world_size * grad_accum_steps = "
-                              f"{self.world_size} * {cfg.grad_accum_steps}; every rank needs at least one sample "
-                              "per micro-batch")
-        start = time.perf_counter()
-        results = self._controller.step(work, ahead=ahead)
-        seconds = time.perf_counter() - start
-        metrics = StepMetrics.of(results, step=self.step_count, samples=n, seconds=seconds,
-                                 sent_ahead=self._controller.last_sent_ahead)
-        if metrics.nonfinite_loss_ranks is not None:  # on_nonfinite="skip"
-            text = NonFiniteError.describe(self.step_count, results[0].nonfinite_loss_ranks,
-                                           results[0].nonfinite_grad_ranks) + "; skipped"
-            log.warning(text)
-            self._callbacks.on_event(text)
-        self.last_metrics = metrics
-        self._run_metrics.record_step(metrics, results)
-        self._callbacks.on_step(metrics, results)
-        self._coordinator.publish(MetricsEvent(step=self.step_count, loss=metrics.loss, step_seconds=seconds,
-                                               tokens_per_second=metrics.items_per_second,
-                                               values={"grad_norm": metrics.grad_norm, "lr": metrics.lr,
-                                                       "items": metrics.item_count}))
-        self._controller.grow(lambda target: self._resize(target, desired=self._recovery.desired))
-        return metrics
 
     def evaluate(self, batch: Batch) -> dict[str, float]:
         """The loss on the global ``batch`` at the current parameters, forward only on every
