@@ -25,7 +25,7 @@ from zero_ray.collective.flight_recorder import FlightRecorder
 from zero_ray.control import handlers as h
 from zero_ray.control.auth import Credentials
 from zero_ray.control.server import ControlServer, ServerConfig
-from zero_ray.core.position import Position
+from zero_ray.core.run_position import Position
 from zero_ray.errors import CollectiveError
 from zero_ray.owner.resilience.checkpointing import ShardSaver
 from zero_ray.owner.service.owner_control import OwnerControl, OwnerPlace

@@ -48,7 +48,7 @@ def serve(url: str, steps: int, **source: Any) -> dict[str, Any]:
     """Rank 0's pieces of ``steps`` global batches, cold then warm: tokens/s and read counts."""
     import zero_ray as zr
     from zero_ray.core.batching import split_sizes
-    from zero_ray.core.epochs import BlockOrder
+    from zero_ray.core.data_order import BlockOrder
     from zero_ray.data import opener
 
     layout = zr.data.TokenFiles(url, seq_len=SEQ, **source).scan()

@@ -124,12 +124,12 @@ def _child(args: argparse.Namespace, nvme: bool, *, cold: bool = False) -> Offlo
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import zero_ray as zr
-    from zero_ray.collective.group import SoloGroup
-    from zero_ray.core.optim import check_optimizer_factories
+    from zero_ray.collective.collective_api import SoloGroup
+    from zero_ray.core.optimizer_plan import check_optimizer_factories
     from zero_ray.core.precision import parse_dtype
     from zero_ray.core.stages import stage_plan
     from zero_ray.owner.step.engine import OwnerEngine
-    from zero_ray.owner.step.spec import EngineSpec
+    from zero_ray.owner.step.run_spec import EngineSpec
 
     torch.set_num_threads(1)  # as a one-CPU owner
     config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.width, n_layer=args.layers,

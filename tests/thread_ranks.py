@@ -12,18 +12,18 @@ from typing import Any
 
 import torch
 
-from zero_ray.collective.group import ByteCounters, chunks
+from zero_ray.collective.collective_api import ByteCounters, chunks
 from zero_ray.config import ActivationCheckpointing, Compile, Stage3Config
 from zero_ray.control.handlers import StepResult
 from zero_ray.core.batching import batch_size, split_batch, split_sizes
-from zero_ray.core.offload import Offload
-from zero_ray.core.optim import check_optimizer_factories, declared_kinds
+from zero_ray.core.offload_options import Offload
+from zero_ray.core.optimizer_plan import check_optimizer_factories, declared_kinds
 from zero_ray.core.precision import LossScaleConfig, parse_dtype
 from zero_ray.core.stages import stage_plan
 from zero_ray.core.topology import Topology
-from zero_ray.core.units import WrapPolicy
+from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.owner.step.engine import OwnerEngine
-from zero_ray.owner.step.spec import EngineSpec
+from zero_ray.owner.step.run_spec import EngineSpec
 
 
 class ThreadWorld:

@@ -12,12 +12,12 @@ from zero_ray.config import (
     Stage3Config,
     ZeroConfig,
 )
-from zero_ray.core.offload import Offload
-from zero_ray.core.optim import SGD, AdamW
+from zero_ray.core.offload_options import Offload
+from zero_ray.core.optimizer_plan import SGD, AdamW
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.lr_schedule import WarmupCosine
 from zero_ray.core.topology import Topology
-from zero_ray.core.units import WrapPolicy
+from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.driver.callbacks import Callback
 from zero_ray.driver.lifecycle import RunState, TrainerState
 from zero_ray.driver.trainer import ZeroTrainer

@@ -10,12 +10,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from zero_ray.checkpoint.location import check_location
-from zero_ray.core.offload import Offload
-from zero_ray.core.optim import declared_kinds
+from zero_ray.core.offload_options import Offload
+from zero_ray.core.optimizer_plan import declared_kinds
 from zero_ray.core.precision import LossScaleConfig, dtype_name, parse_dtype
 from zero_ray.core.stages import stage_plan
 from zero_ray.core.topology import Topology
-from zero_ray.core.units import WrapPolicy
+from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")

@@ -30,10 +30,10 @@ from zero_ray.config import (
     Stage3Config,
     ZeroConfig,
 )
-from zero_ray.core.offload import Offload
+from zero_ray.core.offload_options import Offload
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.topology import Topology
-from zero_ray.core.units import WrapPolicy
+from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.errors import ConfigError
 
 _OPTIONS: dict[str, type] = {cls.__name__: cls for cls in (

@@ -20,7 +20,7 @@ import ray
 import torch
 
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes
-from zero_ray.core.optim import OptimizerFactory, SchedulerFactory
+from zero_ray.core.optimizer_plan import OptimizerFactory, SchedulerFactory
 
 ModelFn = Callable[[], torch.nn.Module]
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]

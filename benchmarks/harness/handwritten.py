@@ -94,7 +94,7 @@ class HandWrittenAdamW(torch.optim.Optimizer):
 
 def handwritten_adamw(lr: float, weight_decay: float) -> Any:
     """A factory with the benchmark's weight-decay groups (those ``zr.AdamW`` builds)."""
-    from zero_ray.core.optim import decay_groups
+    from zero_ray.core.optimizer_plan import decay_groups
 
     def factory(module: torch.nn.Module) -> HandWrittenAdamW:
         return HandWrittenAdamW(decay_groups(module, weight_decay, None), lr=lr, weight_decay=weight_decay)

@@ -32,7 +32,7 @@ from benchmarks.harness.probe import (
 )
 from benchmarks.harness.workloads import Workload
 from zero_ray.core.batching import Batch, batch_size
-from zero_ray.core.optim import AdamW
+from zero_ray.core.optimizer_plan import AdamW
 from zero_ray.errors import ConfigError
 
 

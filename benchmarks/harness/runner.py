@@ -40,7 +40,7 @@ from benchmarks.harness.systems import (
 from benchmarks.harness.workloads import WORKLOADS, Workload, gpt_workload, mlp_workload
 from zero_ray.core.batching import Batch
 from zero_ray.core.memory_formulas import communication_elements
-from zero_ray.core.optim import AdamW
+from zero_ray.core.optimizer_plan import AdamW
 from zero_ray.errors import ConfigError, ResourceError
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from benchmarks.harness.ranks import (
 from benchmarks.harness.handwritten import HandWrittenAdamW, handwritten_adamw
 from benchmarks.harness.workloads import Workload
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes
-from zero_ray.core.optim import AdamW
+from zero_ray.core.optimizer_plan import AdamW
 from zero_ray.errors import ConfigError, ZeroRayError
 
 

@@ -33,7 +33,7 @@ class Workload:
     fsdp_units: class names of the submodules FSDP2 shards as units (then the root).
     blocks: class names of the repeated blocks whose ``forward`` the hand-compiled systems
         ``torch.compile`` one by one: what ``ZeroConfig(compile=True)`` finds itself
-        (``core.units.repeated_blocks``), so eager and compiled systems compile the same regions.
+        (``core.stage3_units.repeated_blocks``), so eager and compiled systems compile the same regions.
     description: one line for the report.
     """
 

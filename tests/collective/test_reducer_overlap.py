@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import zero_ray as zr
-from zero_ray.collective.group import SoloGroup, chunks
-from zero_ray.core.layout import FlatLayout
+from zero_ray.collective.collective_api import SoloGroup, chunks
+from zero_ray.core.flat_layout import FlatLayout
 from zero_ray.core.stages import stage_plan
 from zero_ray.errors import CollectiveError, ModelError
 from zero_ray.models import mlp, mse_loss
@@ -29,7 +29,7 @@ from zero_ray.core.precision import LossScaleConfig
 from zero_ray.owner.step.model_state import STAGING_BUFFERS, ModelState
 from zero_ray.owner.step.param_group import ParamGroup
 from zero_ray.owner.step.reducer import GradReducer
-from zero_ray.owner.step.spec import EngineSpec
+from zero_ray.owner.step.run_spec import EngineSpec
 
 COMM_THREAD = "zero_ray-grads-0"
 

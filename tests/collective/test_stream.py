@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from zero_ray.collective.group import SoloGroup
+from zero_ray.collective.collective_api import SoloGroup
 from zero_ray.collective.stream import CommStream
 
 

@@ -12,7 +12,7 @@ from zero_ray.control import json_fields as plain
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import OwnerClient
 from zero_ray.control.handlers import SetupResult
-from zero_ray.control.status import FAILURE_TRAILER, MAX_DETAIL_BYTES
+from zero_ray.control.failure_status import FAILURE_TRAILER, MAX_DETAIL_BYTES
 from zero_ray.errors import AuthError, CheckpointError, ConfigError, OwnerError, RemoteFailure
 
 

@@ -111,7 +111,7 @@ def test_communication_on_the_comm_thread_overlaps_compute_on_one_gpu() -> None:
     # stream, where Ray runs NCCL's copies) runs its kernel while the compute thread's kernels
     # run on the side stream CudaSync makes current. A spin kernel stands in for NCCL here.
     from zero_ray.collective.device_sync import CudaSync
-    from zero_ray.collective.group import ByteCounters
+    from zero_ray.collective.collective_api import ByteCounters
     from zero_ray.collective.stream import CommStream
 
     class _TwoRanks:  # a world size above 1, so that jobs run on the stream's thread

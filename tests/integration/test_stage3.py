@@ -13,7 +13,7 @@ import torch
 import zero_ray as zr
 from zero_ray.config import Stage3Config
 from zero_ray.core.memory_formulas import model_state_bytes, optimizer_bytes_per_param
-from zero_ray.core.units import WrapPolicy
+from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.models import GPT, GPTConfig, lm_loss, mlp, mse_loss
 from zero_ray.testing import DDPRun, single_process
 

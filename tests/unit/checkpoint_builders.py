@@ -17,7 +17,7 @@ from zero_ray.config_record import config_record
 from zero_ray.checkpoint.format import BUFFER, MASTER, RNG, build_manifest, shard_file_name, state_kind
 from zero_ray.checkpoint.shardfile import Item, write_shard
 from zero_ray.checkpoint.storage import LocalStorage, Storage
-from zero_ray.core.layout import FlatLayout
+from zero_ray.core.flat_layout import FlatLayout
 
 ADAM = (state_kind("exp_avg"), state_kind("exp_avg_sq"))
 

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 import zero_ray as zr
 from thread_ranks import ThreadGroup, ThreadWorld, engine_spec, run_ranks
 from zero_ray.config import ActivationCheckpointing, ZeroConfig
-from zero_ray.core.units import WrapPolicy
+from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.owner.construction import activations
 from zero_ray.owner.step.engine import OwnerEngine
 

@@ -14,7 +14,7 @@ from benchmarks.harness.runner import DEFAULT_SYSTEMS, SYSTEM_GROUPS
 from benchmarks.harness.stats import Summary
 from benchmarks.harness.systems import COMPILED_SIDE_BY_SIDE, SYSTEMS, make_system
 from benchmarks.harness.workloads import compiled_model, gpt_workload, mlp_workload
-from zero_ray.core.units import WrapPolicy, innermost_units, plan_units, repeated_blocks
+from zero_ray.core.stage3_units import WrapPolicy, innermost_units, plan_units, repeated_blocks
 from zero_ray.errors import ConfigError
 from zero_ray.owner.construction.sources import describe_modules
 

@@ -14,7 +14,7 @@ import torch
 from checkpoint_builders import ADAM, save
 from zero_ray.checkpoint.format import MASTER
 from zero_ray.checkpoint.store import CheckpointReader
-from zero_ray.core.layout import FlatLayout
+from zero_ray.core.flat_layout import FlatLayout
 from zero_ray.models import mlp
 
 MODULE = mlp(8, 3)  # 6 parameters: 3 x (weight 8x8, bias 8)

@@ -17,7 +17,7 @@ from test_activation_checkpointing import gpt2
 from test_optimizers_threads import adamw_rest, muon
 from test_units_threads import _max_dev
 from thread_ranks import engine_spec, run_ranks
-from zero_ray.collective.group import SoloGroup
+from zero_ray.collective.collective_api import SoloGroup
 from zero_ray.compat.torch_private import compiled_frames
 from zero_ray.config import ActivationCheckpointing
 from zero_ray.owner.step.engine import OwnerEngine

@@ -19,7 +19,7 @@ import torch
 from fit_order import reference_block_indices, token_windows
 from s3_server import S3Server
 from tests_paths import REPO_ROOT
-from zero_ray.core.epochs import BlockOrder
+from zero_ray.core.data_order import BlockOrder
 from zero_ray.data import Parquet, TokenFiles, opener
 from zero_ray.errors import ConfigError, DataError
 
@@ -95,7 +95,7 @@ def test_resident_memory_stays_within_the_cache_on_a_corpus_40x_larger(tmp_path:
     # In a process of its own: its peak resident memory after reading 80 MB through a 2 MB cache.
     write_tokens(tmp_path, [40_000_000])
     script = f"""
-from zero_ray.core.epochs import BlockOrder
+from zero_ray.core.data_order import BlockOrder
 from zero_ray.data import TokenFiles, opener
 
 def rss_kib():

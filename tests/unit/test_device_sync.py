@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from zero_ray.collective.device_sync import HostSync, device_sync
-from zero_ray.collective.group import ByteCounters
+from zero_ray.collective.collective_api import ByteCounters
 from zero_ray.collective.stream import CommStream
 
 

@@ -1,11 +1,11 @@
-"""fit()'s sample order (core/epochs.py): pure, no Ray."""
+"""fit()'s sample order (core/data_order.py): pure, no Ray."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from zero_ray.core.epochs import EpochOrder, evaluation_chunks
+from zero_ray.core.data_order import EpochOrder, evaluation_chunks
 from zero_ray.errors import ConfigError
 
 

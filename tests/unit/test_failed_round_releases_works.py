@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from zero_ray.collective.group import ByteCounters
+from zero_ray.collective.collective_api import ByteCounters
 from zero_ray.collective.ray_group import RingGroup
 from zero_ray.errors import CollectiveError
 from zero_ray.owner.resilience import resize

@@ -22,7 +22,7 @@ from finetune_models import (
 from test_units_threads import _max_dev
 from thread_ranks import run_ranks
 from torch import nn
-from zero_ray.core.units import WrapPolicy
+from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.owner.construction.sources import check_module
 from zero_ray.testing import single_process
 

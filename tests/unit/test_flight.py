@@ -8,7 +8,7 @@ import threading
 import torch
 
 from zero_ray.collective.flight_recorder import FlightRecorder, RecordedGroup
-from zero_ray.collective.group import SoloGroup
+from zero_ray.collective.collective_api import SoloGroup
 from zero_ray.control.handlers import CollectiveEvent, Flight
 from zero_ray.core.stall_diagnosis import IDLE, diagnose
 

@@ -7,7 +7,7 @@ import pytest
 
 from zero_ray.core.group_policy import GradFlow, ParamResidency, group_policy, plan_groups, size_buckets
 from zero_ray.core.stages import GradReduction, stage_plan
-from zero_ray.core.units import UnitPlan, UnitSpec
+from zero_ray.core.stage3_units import UnitPlan, UnitSpec
 from zero_ray.core.updated_params import digits_per_value, pack_marks, unpack_marks
 from zero_ray.errors import ConfigError
 

@@ -14,9 +14,9 @@ import pytest
 from tests_paths import REPO_ROOT
 
 PACKAGE = os.path.join(REPO_ROOT, "zero_ray")
-PURE = ("core.layout", "core.reshard", "core.memory_formulas", "core.policy", "core.units", "core.stages", "core.group_policy",
-        "core.updated_params", "core.assign", "core.optim_state", "checkpoint.format", "core.topology", "core.restore_plan",
-        "core.stall_diagnosis", "core.position")
+PURE = ("core.flat_layout", "core.reshard_plan", "core.memory_formulas", "core.elastic_policy", "core.stage3_units", "core.stages", "core.group_policy",
+        "core.updated_params", "core.whole_tensor_assignees", "core.optim_state", "checkpoint.format", "core.topology", "core.restore_plan",
+        "core.stall_diagnosis", "core.run_position")
 # package -> packages it must never import (directly or lazily)
 FORBIDDEN = {
     "core": ("driver", "owner", "collective", "control", "checkpoint", "testing", "cli", "config", "compat"),

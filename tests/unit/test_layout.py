@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero_ray.core.layout import FlatLayout
+from zero_ray.core.flat_layout import FlatLayout
 from zero_ray.errors import ConfigError
 
 SPECS = [("a.weight", (3, 4), "float32"), ("a.bias", (3,), "float32"), ("b.weight", (5, 3), "float32"),

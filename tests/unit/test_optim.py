@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from zero_ray.core.optim import (
+from zero_ray.core.optimizer_plan import (
     SGD,
     AdamW,
     UpdateKind,

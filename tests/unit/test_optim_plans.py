@@ -7,13 +7,13 @@ import itertools
 
 import pytest
 
-from zero_ray.core.assign import plan_whole_tensors, whole_pieces
+from zero_ray.core.whole_tensor_assignees import plan_whole_tensors, whole_pieces
 from zero_ray.core.group_policy import plan_groups
-from zero_ray.core.layout import FlatLayout
+from zero_ray.core.flat_layout import FlatLayout
 from zero_ray.core.optim_state import bucket_kinds, merge_tables, table_by_name, table_from_names
-from zero_ray.core.reshard import plan_whole_moves
+from zero_ray.core.reshard_plan import plan_whole_moves
 from zero_ray.core.stages import stage_plan
-from zero_ray.core.units import UnitPlan, UnitSpec
+from zero_ray.core.stage3_units import UnitPlan, UnitSpec
 
 SHAPES = [(8, 4), (4,), (4, 6), (6,), (6, 3), (3,)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero_ray.core.policy import Action, FailurePolicy
+from zero_ray.core.elastic_policy import Action, FailurePolicy
 from zero_ray.errors import CollectiveError, CollectiveTimeout, ConfigError, OwnerError, OwnerLostError, ZeroRayError
 
 
@@ -27,7 +27,7 @@ def test_an_update_in_progress_means_the_state_cannot_be_trusted() -> None:
 
 
 def test_a_lost_rank_is_restored_from_the_first_source_available() -> None:
-    from zero_ray.core.policy import Source
+    from zero_ray.core.elastic_policy import Source
 
     d = FailurePolicy().after_step_failure(lost_ranks={1}, failures_so_far=1, sources=[Source.PEER, Source.CHECKPOINT])
     assert d.action is Action.RESTORE and d.source is Source.PEER
@@ -43,7 +43,7 @@ def test_backoff_grows_with_each_failure() -> None:
 
 
 def test_scaling_policy_bounds_the_size() -> None:
-    from zero_ray.core.policy import ScalingPolicy
+    from zero_ray.core.elastic_policy import ScalingPolicy
 
     p = ScalingPolicy(min_world_size=2)
     assert p.after_loss(survivors=3, free_slots=0, desired=4) == 3
@@ -54,7 +54,7 @@ def test_scaling_policy_bounds_the_size() -> None:
 
 
 def test_continuing_on_the_survivors_restores_onto_them_unless_one_would_be_left_alone() -> None:
-    from zero_ray.core.policy import ScalingPolicy
+    from zero_ray.core.elastic_policy import ScalingPolicy
 
     p = ScalingPolicy(continue_on_survivors=True)
     assert p.after_loss(survivors=2, free_slots=4, desired=3) == 2  # replacements join later (grow_to)
@@ -72,7 +72,7 @@ def test_continuing_on_the_survivors_restores_onto_them_unless_one_would_be_left
 
 
 def test_room_in_the_cluster_never_grows_a_run_beyond_its_desired_size() -> None:
-    from zero_ray.core.policy import ScalingPolicy
+    from zero_ray.core.elastic_policy import ScalingPolicy
 
     p = ScalingPolicy(max_world_size=6)
     assert p.grow_to(current=3, free_slots=3, desired=3) is None  # started at 3: stays at 3 before any loss
@@ -86,7 +86,7 @@ def test_room_in_the_cluster_never_grows_a_run_beyond_its_desired_size() -> None
 
 
 def test_a_restore_broken_by_a_loss_is_retried_with_what_is_left() -> None:
-    from zero_ray.core.policy import Source
+    from zero_ray.core.elastic_policy import Source
 
     policy = FailurePolicy(max_failures=3)
     d = policy.after_restore_failure(source=Source.PEER, lost={2}, survivors=2, attempt=1, failures_so_far=2)
@@ -101,7 +101,7 @@ def test_a_restore_broken_by_a_loss_is_retried_with_what_is_left() -> None:
 
 
 def test_an_unreadable_source_falls_back_to_the_next() -> None:
-    from zero_ray.core.policy import Source
+    from zero_ray.core.elastic_policy import Source
 
     d = FailurePolicy().after_source_failure(source=Source.PEER, sources_left=[Source.CHECKPOINT], error="gone")
     assert d.action is Action.FALLBACK and d.source is Source.CHECKPOINT
@@ -110,7 +110,7 @@ def test_an_unreadable_source_falls_back_to_the_next() -> None:
 
 
 def test_without_room_the_run_carries_on_with_the_survivors_once() -> None:
-    from zero_ray.core.policy import ScalingPolicy
+    from zero_ray.core.elastic_policy import ScalingPolicy
 
     p = ScalingPolicy(min_world_size=2)
     assert p.without_room(survivors=2, replacements=True)
@@ -155,7 +155,7 @@ def test_a_restore_fails_the_run_when_the_replay_is_no_longer_kept() -> None:
 
 
 def test_the_highest_ranks_leave_when_fewer_owners_go_on() -> None:
-    from zero_ray.core.policy import ScalingPolicy
+    from zero_ray.core.elastic_policy import ScalingPolicy
 
     s = ScalingPolicy()
     assert s.leavers(survivors=[0, 2, 3, 5], target=2) == [3, 5]

@@ -96,7 +96,7 @@ def test_no_private_ray_or_torch_api_outside_compat() -> None:
 RECEIVERS_OF_OUR_OWN = ("self", "cls")  # zero_ray's own classes: their _names are their own
 # Private names torch's objects have that a zero_ray class also defines as its own (the scan
 # cannot tell whose object ``x._to`` is, so these are not flagged; a new one is a decision).
-SHARED_WITH_TORCH = {"_to"}  # collective/group.py's bytes-sent-per-peer counter
+SHARED_WITH_TORCH = {"_to"}  # collective/collective_api.py's bytes-sent-per-peer counter
 
 
 def torch_private_attributes() -> frozenset[str]:

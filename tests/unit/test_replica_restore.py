@@ -1,10 +1,10 @@
-"""Restoring from a surviving shard group's replica: the pure planning (core/replica.py) and
-the policies' choice of source and size (core/policy.py)."""
+"""Restoring from a surviving shard group's replica: the pure planning (core/replica_plan.py) and
+the policies' choice of source and size (core/elastic_policy.py)."""
 
 import pytest
 
-from zero_ray.core.policy import FailurePolicy, ScalingPolicy, Source
-from zero_ray.core.replica import keep_whole_groups, replica_plan, surviving_group
+from zero_ray.core.elastic_policy import FailurePolicy, ScalingPolicy, Source
+from zero_ray.core.replica_plan import keep_whole_groups, replica_plan, surviving_group
 from zero_ray.core.topology import Topology, plan_mesh
 from zero_ray.errors import ConfigError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero_ray.core.reshard import bucket_range, bytes_moved, plan_moves
+from zero_ray.core.reshard_plan import bucket_range, bytes_moved, plan_moves
 from zero_ray.errors import ConfigError
 
 
@@ -40,7 +40,7 @@ def test_world_sizes_must_be_positive() -> None:
 
 
 def test_backups_are_a_bijection_on_other_nodes_when_possible() -> None:
-    from zero_ray.core.reshard import backup_peers
+    from zero_ray.core.reshard_plan import backup_peers
 
     nodes = ["a", "a", "b", "b"]
     backup = backup_peers(nodes)

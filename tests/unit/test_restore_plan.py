@@ -8,8 +8,8 @@ import json
 import pytest
 
 from zero_ray.control.json_fields import dumps, loads
-from zero_ray.core.position import Position
-from zero_ray.core.replica import ReplicaPlan, ReplicaRound
+from zero_ray.core.run_position import Position
+from zero_ray.core.replica_plan import ReplicaPlan, ReplicaRound
 from zero_ray.core.restore_plan import (
     PeerRestore,
     Peers,

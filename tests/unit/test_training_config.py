@@ -17,7 +17,7 @@ import zero_ray as zr
 from zero_ray.checkpoint.format import MANIFEST_NAME, Manifest
 from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.config import TRAINING_FIELDS, config_from_training, refuse_conflicts, training_conflicts, training_record
-from zero_ray.core.position import Position
+from zero_ray.core.run_position import Position
 from zero_ray.driver.resume import recorded_training, resume_config
 from zero_ray.errors import ConfigError
 from zero_ray.models import mlp

@@ -1,12 +1,12 @@
-"""Unit planning (zero_ray.core.units): pure, from module descriptions, in milliseconds."""
+"""Unit planning (zero_ray.core.stage3_units): pure, from module descriptions, in milliseconds."""
 
 from __future__ import annotations
 
 import pytest
 
 from zero_ray.config import Stage3Config, ZeroConfig
-from zero_ray.core.layout import FlatLayout
-from zero_ray.core.units import ModuleInfo, WrapPolicy, innermost_units, outermost_units, plan_units, repeated_blocks
+from zero_ray.core.flat_layout import FlatLayout
+from zero_ray.core.stage3_units import ModuleInfo, WrapPolicy, innermost_units, outermost_units, plan_units, repeated_blocks
 from zero_ray.errors import ConfigError
 
 MOD = "torch.nn.modules.module.Module"

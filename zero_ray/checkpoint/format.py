@@ -133,7 +133,7 @@ class Manifest:
     """Everything about a checkpoint except the tensors."""
 
     format_version: int
-    # The run's position (core/position.py): steps completed (skipped ones included) and their
+    # The run's position (core/run_position.py): steps completed (skipped ones included) and their
     # samples; a resume continues from it.
     step: int
     samples_seen: int

@@ -39,7 +39,7 @@ from zero_ray.checkpoint.location import open_location
 from zero_ray.checkpoint.shardfile import Item, safetensors_header, tensor_bytes, write_shard
 from zero_ray.checkpoint.storage import LocalStorage, Storage
 from zero_ray.checkpoint.store import CheckpointReader
-from zero_ray.core.layout import FlatLayout
+from zero_ray.core.flat_layout import FlatLayout
 from zero_ray.errors import CheckpointError
 
 # Elements consolidate copies at a time: its memory bound besides the reader's verified blocks.

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from zero_ray.collective.group import ByteCounters, Collective
+from zero_ray.collective.collective_api import ByteCounters, Collective
 from zero_ray.core.stall_diagnosis import IDLE
 
 RING = 64  # collectives kept per rank: enough to see the last step's pattern, a few KB

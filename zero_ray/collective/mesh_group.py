@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from zero_ray.collective.codecs import Codec
-from zero_ray.collective.group import ByteCounters, Collective, chunks
+from zero_ray.collective.collective_api import ByteCounters, Collective, chunks
 from zero_ray.collective.subgroup import SubGroup
 from zero_ray.core.topology import Mesh
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from zero_ray.collective.group import ByteCounters, Collective, SoloGroup, chunks, ring_all_gather, ring_reduce_scatter
+from zero_ray.collective.collective_api import ByteCounters, Collective, SoloGroup, chunks, ring_all_gather, ring_reduce_scatter
 from zero_ray.collective.rendezvous import RendezvousAborted, form_default_group
 from zero_ray.compat.torch_private import default_pg_timeout, reset_group_count
 from zero_ray.errors import CollectiveError, CollectiveTimeout, ConfigError

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from zero_ray.collective.device_sync import DeviceSync, HostSync
-from zero_ray.collective.group import Collective
+from zero_ray.collective.collective_api import Collective
 
 T = TypeVar("T")
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from zero_ray.collective.codecs import Codec
-from zero_ray.collective.group import ByteCounters, Collective, chunks, ring_all_gather, ring_reduce_scatter
+from zero_ray.collective.collective_api import ByteCounters, Collective, chunks, ring_all_gather, ring_reduce_scatter
 from zero_ray.errors import ConfigError
 
 

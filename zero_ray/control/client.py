@@ -2,7 +2,7 @@
 operator's client of the driver.
 
 Every call carries the job's bearer token and ``RequestHeader`` and has a deadline (the
-method's ``timeout_s`` or the client's default); see :mod:`zero_ray.control.channel` for how a
+method's ``timeout_s`` or the client's default); see :mod:`zero_ray.control.client_channel` for how a
 failure surfaces (a handler's as :class:`~zero_ray.errors.RemoteFailure` with its structured
 ``detail``).
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from zero_ray.control import json_fields as plain
 from zero_ray.control._generated import coordinator_pb2, coordinator_pb2_grpc, owner_pb2, owner_pb2_grpc
-from zero_ray.control.channel import BaseClient, ClientConfig, Pending, Stream, check_timeout
+from zero_ray.control.client_channel import BaseClient, ClientConfig, Pending, Stream, check_timeout
 from zero_ray.control.handlers import (
     CheckpointResult,
     EvaluateArgs,

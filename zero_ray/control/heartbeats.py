@@ -26,7 +26,7 @@ import grpc
 
 from zero_ray.control._generated import owner_pb2, owner_pb2_grpc
 from zero_ray.control.auth import bearer_metadata
-from zero_ray.control.channel import ClientConfig, channel_settings, check_timeout, convert_error, header_of
+from zero_ray.control.client_channel import ClientConfig, channel_settings, check_timeout, convert_error, header_of
 from zero_ray.control.handlers import Heartbeat
 from zero_ray.control.conversion import to_record
 

@@ -37,7 +37,7 @@ from zero_ray.control.auth import (
 )
 from zero_ray.control.handlers import CoordinatorHandler, OwnerHandler
 from zero_ray.control.servicers import CoordinatorServicer, OwnerServicer
-from zero_ray.control.streams import Streams
+from zero_ray.control.stream_admission import Streams
 from zero_ray.errors import ConfigError, ControlError
 
 _log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """protobuf <-> plain translation on the server side: the servicers a :class:`ControlServer`
 registers for an :class:`OwnerHandler` and a :class:`CoordinatorHandler`.
 
-Every method runs its handler through :func:`zero_ray.control.status.serve`, so that a failure
+Every method runs its handler through :func:`zero_ray.control.failure_status.serve`, so that a failure
 ends the call with a status and a FailureDetail; ``*_json`` fields are read and written with
 :mod:`zero_ray.control.json_fields`; records are converted by :mod:`zero_ray.control.conversion`, by field name.
 """
@@ -24,8 +24,8 @@ from zero_ray.control.handlers import (
     StepArgs,
 )
 from zero_ray.control.conversion import to_message, to_record
-from zero_ray.control.status import serve
-from zero_ray.control.streams import Streams
+from zero_ray.control.failure_status import serve
+from zero_ray.control.stream_admission import Streams
 
 T = TypeVar("T")
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from zero_ray.core.stages import GradReduction, Residency, StagePlan
-from zero_ray.core.units import UnitPlan
+from zero_ray.core.stage3_units import UnitPlan
 from zero_ray.errors import ConfigError
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from zero_ray.core.layout import FlatLayout
+from zero_ray.core.flat_layout import FlatLayout
 
 #: entry keys: "scalars" {name: encoded value}, "elementwise" [names], "whole" {name: {"shape", "dtype"}}
 StateEntry = Mapping[str, Any]

@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from zero_ray.core.optim_state import StateEntry, merge_tables
-from zero_ray.core.position import Position
-from zero_ray.core.replica import ReplicaPlan, ReplicaRound
+from zero_ray.core.run_position import Position
+from zero_ray.core.replica_plan import ReplicaPlan, ReplicaRound
 from zero_ray.errors import ConfigError
 
 _PEERS = "peers"
@@ -151,7 +151,7 @@ class PeerRestore:
 
 @dataclass(frozen=True, kw_only=True)
 class ReplicaRestore:
-    """A restore from a surviving shard group's live state (``core/replica.py``)."""
+    """A restore from a surviving shard group's live state (``core/replica_plan.py``)."""
 
     plan: ReplicaPlan
     description: TransferDescription

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from zero_ray.core.epochs import BlockOrder
+from zero_ray.core.data_order import BlockOrder
 from zero_ray.data.parquet import Parquet, ParquetLayout
 from zero_ray.data.raydata import RayDataset, RayDatasetLayout
 from zero_ray.data.reader import BlockReader

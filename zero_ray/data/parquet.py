@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from zero_ray.data.files import DataFile, FileReader, resolve
-from zero_ray.data.options import FromSource, check_read_options
+from zero_ray.data.read_options import FromSource, check_read_options
 from zero_ray.errors import ConfigError, DataError
 
 
@@ -27,7 +27,7 @@ class Parquet:
 
     columns: the columns a sample holds (default: every column of the first file). Every file
         must have them, with the same types.
-    window: row groups whose rows are shuffled together (``core/epochs.BlockOrder``).
+    window: row groups whose rows are shuffled together (``core/data_order.BlockOrder``).
     cache_bytes: an owner's row-group cache (default: three windows of the largest row group).
     prefetch_steps: global batches whose row groups are read ahead in the background.
     filesystem: a ``pyarrow.fs`` or fsspec filesystem the paths are in (shipped to the owners).

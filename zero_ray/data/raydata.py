@@ -28,7 +28,7 @@ from typing import Any
 import ray
 
 from zero_ray.data.files import DataFile, FileReader
-from zero_ray.data.options import FromSource, check_read_options
+from zero_ray.data.read_options import FromSource, check_read_options
 from zero_ray.data.parquet import ParquetBlock, column_data
 from zero_ray.errors import ConfigError, DataError
 

@@ -4,7 +4,7 @@ Samples live in blocks (``Layout``: a token file's byte range, a Parquet row gro
 keeps the blocks it read in a cache bounded by ``cache_bytes`` (least recently used first out,
 never a block the current step or the prefetched ones need), and after each step it starts
 reading, on background threads, the blocks the next ``prefetch_steps`` global batches hold
-(``core/epochs.BlockOrder`` gives them from the step number alone), as far as the cache has room.
+(``core/data_order.BlockOrder`` gives them from the step number alone), as far as the cache has room.
 So a step reads from memory once the first one has, and an owner's memory holds the cache plus
 the step's own samples, whatever the size of the data.
 
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
-from zero_ray.core.epochs import BlockOrder
+from zero_ray.core.data_order import BlockOrder
 from zero_ray.data.files import DataFile, FileReader
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from zero_ray.data.files import DataFile, FileReader, resolve
-from zero_ray.data.options import FromSource, check_read_options
+from zero_ray.data.read_options import FromSource, check_read_options
 from zero_ray.errors import ConfigError, DataError
 
 DTYPES = {"uint16": "<u2", "uint32": "<u4"}
@@ -34,7 +34,7 @@ class TokenFiles:
     seq_len: tokens a sample predicts (a sample holds ``seq_len + 1``).
     dtype: ``"uint16"`` (vocabularies up to 65,536) or ``"uint32"``, little-endian.
     block_tokens: tokens per block: one ranged read, and the unit ``BlockOrder`` permutes.
-    window: blocks whose samples are shuffled together (``core/epochs.BlockOrder``).
+    window: blocks whose samples are shuffled together (``core/data_order.BlockOrder``).
     cache_bytes: an owner's block cache (default: three windows of blocks).
     prefetch_steps: global batches whose blocks are read ahead in the background.
     filesystem: a ``pyarrow.fs`` or fsspec filesystem the paths are in (shipped to the owners).

@@ -20,11 +20,11 @@ import ray
 
 from zero_ray.control.client import ClientConfig, OwnerClient
 from zero_ray.control.handlers import ModelLayout, OwnerStatus
-from zero_ray.core.position import Position
+from zero_ray.core.run_position import Position
 from zero_ray.driver.pool import NAMESPACE, ModelView
 from zero_ray.driver.pool_spec import client_tls
 from zero_ray.errors import ConfigError, ControlError, ModelError, OwnerLostError
-from zero_ray.owner.step.spec import RunSpec
+from zero_ray.owner.step.run_spec import RunSpec
 
 _NAME = re.compile(r"^zero_ray-(?P<run>[0-9a-f]+)-rank(?P<rank>\d+)-g(?P<gen>\d+)(-s\d+)?$")
 

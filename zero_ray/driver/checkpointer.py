@@ -23,7 +23,7 @@ from zero_ray.checkpoint import store
 from zero_ray.checkpoint.format import build_manifest, shard_file_from_data
 from zero_ray.checkpoint.storage import Storage
 from zero_ray.control.handlers import SavePhase
-from zero_ray.core.position import Position
+from zero_ray.core.run_position import Position
 from zero_ray.driver.pool import OwnerPool
 from zero_ray.errors import CheckpointError, OwnerLostError, ZeroRayError
 

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from zero_ray.control.handlers import Piece, StepArgs, StepResult
-from zero_ray.core.policy import Action
-from zero_ray.core.position import Position
+from zero_ray.core.elastic_policy import Action
+from zero_ray.core.run_position import Position
 from zero_ray.driver.callbacks import Callbacks
 from zero_ray.driver.batch_staging import GlobalBatch, IndexedBatch
 from zero_ray.driver.fanout import InFlight

@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 
 import ray
 
-from zero_ray.control.channel import Pending
+from zero_ray.control.client_channel import Pending
 from zero_ray.control.client import OwnerClient
 from zero_ray.errors import (
     CallTimeout,

@@ -2,7 +2,7 @@
 
 A map-style dataset (or a factory for it) goes to every owner once; a ``zero_ray.data`` source
 is scanned here (metadata only) and every owner opens it itself. Each step sends each owner its
-indices only (``core/epochs.EpochOrder``, or ``BlockOrder`` for a source, fixes which) and the
+indices only (``core/data_order.EpochOrder``, or ``BlockOrder`` for a source, fixes which) and the
 owner builds its piece. The driver holds indices, never samples, so a replay after a lost owner,
 a resize or a resume from a checkpoint reads exactly the same samples. A checkpoint records the
 order's parameters and the source's identity so that ``fit`` after ``from_checkpoint``
@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from zero_ray.core.epochs import BlockOrder, EpochOrder, evaluation_chunks
+from zero_ray.core.data_order import BlockOrder, EpochOrder, evaluation_chunks
 from zero_ray.data import as_source, opener
 from zero_ray.driver.batch_staging import IndexedBatch
 from zero_ray.driver.stepper import Stepper

@@ -40,7 +40,7 @@ from zero_ray.control.handlers import (
     StepResult,
 )
 from zero_ray.core.placement import NodeRoom, Target, place
-from zero_ray.core.reshard import backup_peers
+from zero_ray.core.reshard_plan import backup_peers
 from zero_ray.core.restore_plan import (
     Peers,
     ReshardPlan,
@@ -57,7 +57,7 @@ from zero_ray.driver.reports import ResizeReport
 from zero_ray.driver.terminate import end_process
 from zero_ray.errors import ConfigError, OwnerLostError, ResourceError
 from zero_ray.owner.service.actor import OwnerOptions, RemotePartitionOwner
-from zero_ray.owner.step.spec import EngineSpec
+from zero_ray.owner.step.run_spec import EngineSpec
 
 log = logging.getLogger(__name__)
 

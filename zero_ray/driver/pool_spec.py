@@ -13,7 +13,7 @@ import ray
 from zero_ray.config import ControlTLS
 from zero_ray.core.capacity import CapacityWait, Room, Verdict, room
 from zero_ray.errors import ResourceError
-from zero_ray.owner.step.spec import RunSpec
+from zero_ray.owner.step.run_spec import RunSpec
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
 """Recovery: carrying out the failure policy's decision after a failed step or operation.
 
-The FailurePolicy and ScalingPolicy (``core/policy.py``) decide; this controller acts: it ends
+The FailurePolicy and ScalingPolicy (``core/elastic_policy.py``) decide; this controller acts: it ends
 lost owners (their slots go back to the cluster), aborts the survivors' collectives, and then
 either re-forms the group (nothing lost, nothing updated), or rebuilds the pool at the size the
 scaling policy allows (the survivors alone, replacements starting meanwhile to join once up; or
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from zero_ray.checkpoint import store
 from zero_ray.checkpoint.location import open_location
 from zero_ray.core.stall_diagnosis import diagnose, where
-from zero_ray.core.policy import Action, Decision, FailurePolicy, ScalingPolicy, Source
+from zero_ray.core.elastic_policy import Action, Decision, FailurePolicy, ScalingPolicy, Source
 from zero_ray.core.restore_plan import PeerRestore
 from zero_ray.core.topology import Topology
 from zero_ray.driver.batch_staging import GlobalBatch

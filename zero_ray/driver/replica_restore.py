@@ -1,4 +1,4 @@
-"""The driver's part of a replica restore (``core/replica.py``): with shard groups, lost owners
+"""The driver's part of a replica restore (``core/replica_plan.py``): with shard groups, lost owners
 are restored from a surviving group's live state, at a size that keeps the groups whole.
 
 ``replica_mesh`` says whether the source applies (the topology has replicas and a whole group
@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence, Set
 
-from zero_ray.core.replica import keep_whole_groups, replica_plan, surviving_group
+from zero_ray.core.replica_plan import keep_whole_groups, replica_plan, surviving_group
 from zero_ray.core.restore_plan import ReplicaRestore, TransferDescription
 from zero_ray.core.topology import Mesh, Topology, plan_mesh
 from zero_ray.driver.pool import OwnerPool

@@ -1,7 +1,7 @@
 """How a run continues where another left off: from a checkpoint (``from_checkpoint``,
 ``load_checkpoint``) or from a detached run's owners (``attach``), with its position and config.
 
-Every checkpoint records the run's position (core/position.py), its whole ``ZeroConfig``
+Every checkpoint records the run's position (core/run_position.py), its whole ``ZeroConfig``
 (``zero_ray.config_record``) and, apart, the settings that change its math
 (``zero_ray.config.TRAINING_FIELDS``). A resume without a config restores the whole config (stage
 and world size as saved); a passed config that would change the math is refused field by field
@@ -34,8 +34,8 @@ from zero_ray.config import (
     training_record,
 )
 from zero_ray.config_record import FILESYSTEM_FIELD, RestoredConfig, config_record, restore_config
-from zero_ray.core.optim import OptimizerFactory, recorded_factories
-from zero_ray.core.position import Position
+from zero_ray.core.optimizer_plan import OptimizerFactory, recorded_factories
+from zero_ray.core.run_position import Position
 from zero_ray.core.precision import dtype_name, parse_dtype
 from zero_ray.driver.attach import FoundRun, find_run
 from zero_ray.driver.callbacks import Callbacks

@@ -6,11 +6,11 @@ reads back). ``ZeroTrainer`` builds both once, at start-up."""
 from __future__ import annotations
 
 from zero_ray.config import ZeroConfig
-from zero_ray.core.optim import OptimizerFactory, SchedulerFactory
+from zero_ray.core.optimizer_plan import OptimizerFactory, SchedulerFactory
 from zero_ray.core.precision import parse_dtype
 from zero_ray.core.stages import stage_plan
 from zero_ray.driver.pool_spec import PoolSpec
-from zero_ray.owner.step.spec import EngineSpec, LossFn, ModelFn, RunSpec
+from zero_ray.owner.step.run_spec import EngineSpec, LossFn, ModelFn, RunSpec
 
 
 def engine_spec(cfg: ZeroConfig, *, model_fn: ModelFn, loss_fn: LossFn, optimizers: tuple[OptimizerFactory, ...],

@@ -31,15 +31,15 @@ from zero_ray.control.server import ServerConfig, serve_coordinator
 from zero_ray.core.batching import Batch
 from zero_ray.core.devices import choose_device
 from zero_ray.core.stall_diagnosis import diagnose
-from zero_ray.core.optim import (
+from zero_ray.core.optimizer_plan import (
     AdamW,
     OptimizerFactory,
     SchedulerFactory,
     check_optimizer_factories,
     check_scheduler_factory,
 )
-from zero_ray.core.policy import FailurePolicy, ScalingPolicy
-from zero_ray.core.position import Position
+from zero_ray.core.elastic_policy import FailurePolicy, ScalingPolicy
+from zero_ray.core.run_position import Position
 from zero_ray.driver.attach import FoundRun, check_layout
 from zero_ray.driver.callbacks import Callback, Callbacks, EventLog, check_callbacks
 from zero_ray.driver.checkpoint_api import CheckpointAPI
@@ -59,7 +59,7 @@ from zero_ray.driver import resume
 from zero_ray.driver.run_specs import engine_spec, pool_spec
 from zero_ray.driver.stepper import Stepper
 from zero_ray.errors import ConfigError, ZeroRayError
-from zero_ray.owner.step.spec import LossFn, ModelFn
+from zero_ray.owner.step.run_spec import LossFn, ModelFn
 
 log = logging.getLogger(__name__)
 

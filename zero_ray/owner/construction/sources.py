@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from zero_ray.collective.group import Collective
-from zero_ray.core.units import ModuleInfo
+from zero_ray.collective.collective_api import Collective
+from zero_ray.core.stage3_units import ModuleInfo
 from zero_ray.errors import CheckpointError, ModelError
 from zero_ray.owner.construction.compiled import refuse_user_compile
 from zero_ray.owner.construction.materialize import InitRecorder

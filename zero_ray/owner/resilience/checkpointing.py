@@ -40,7 +40,7 @@ from zero_ray.checkpoint.shardfile import Item, write_shard
 from zero_ray.checkpoint.location import open_location
 from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.core.optim_state import table_by_name, table_from_names
-from zero_ray.core.position import Position
+from zero_ray.core.run_position import Position
 from zero_ray.errors import CheckpointError
 from zero_ray.owner.step.engine import OwnerEngine
 from zero_ray.owner.tensors.host_copy import host_copies

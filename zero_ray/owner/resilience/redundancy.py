@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from zero_ray.collective.group import Collective
+from zero_ray.collective.collective_api import Collective
 from zero_ray.core.optim_state import bucket_kinds, merge_tables
 from zero_ray.core.restore_plan import SnapshotRecord, TransferDescription
 from zero_ray.owner.step.engine import OwnerEngine

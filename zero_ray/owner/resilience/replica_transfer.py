@@ -1,4 +1,4 @@
-"""An owner's part of a replica restore (``core/replica.py``): with shard groups, the rebuilt
+"""An owner's part of a replica restore (``core/replica_plan.py``): with shard groups, the rebuilt
 pool takes its state from a surviving group's *live* state, one G -> G transfer per new group.
 
 Before the rebuild drops the old engine, a survivor keeps (host copies of) its own group rank's
@@ -8,7 +8,7 @@ receiver), over the rebuilt pool's group. Nothing else is kept: no snapshot is i
 
 from __future__ import annotations
 
-from zero_ray.collective.group import Collective
+from zero_ray.collective.collective_api import Collective
 from zero_ray.core.restore_plan import ReplicaRestore
 from zero_ray.owner.step.engine import OwnerEngine
 from zero_ray.owner.tensors.host_copy import host_copies

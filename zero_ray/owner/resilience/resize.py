@@ -4,7 +4,7 @@ new one (M ranks) by point-to-point transfers over a group of every actor involv
 Only one torch.distributed group can live in a process at a time (ray.util.collective's gloo
 groups ride on the default process group, whose size is fixed), so the sequence is: leave the
 old group; join a transfer group of max(N, M) actors (actor i is old rank i and new rank i);
-send the pieces ``core.reshard.plan_moves`` assigns to this actor and receive its new ranges
+send the pieces ``core.reshard_plan.plan_moves`` assigns to this actor and receive its new ranges
 into host staging buffers; then (shrinking) leave it and join the M-rank group; build the new
 model state and copy the staged ranges in. A rank sends only ranges whose owner changes.
 
@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from zero_ray.collective.group import Collective
-from zero_ray.core.assign import plan_whole_tensors
-from zero_ray.core.layout import FlatLayout
+from zero_ray.collective.collective_api import Collective
+from zero_ray.core.whole_tensor_assignees import plan_whole_tensors
+from zero_ray.core.flat_layout import FlatLayout
 from zero_ray.core.optim_state import StateTable, bucket_kinds
-from zero_ray.core.reshard import Move, WholeMove, bucket_range, plan_moves, plan_whole_moves
+from zero_ray.core.reshard_plan import Move, WholeMove, bucket_range, plan_moves, plan_whole_moves
 from zero_ray.core.restore_plan import TransferDescription
 from zero_ray.errors import CollectiveError
 from zero_ray.owner.step.model_state import ModelState

@@ -34,7 +34,7 @@ from zero_ray.checkpoint.location import register_filesystem
 from zero_ray.owner.service.live_rank import GroupSettings, LiveRank
 from zero_ray.owner.service.owner_control import DriverContact, OwnerControl, OwnerPlace
 from zero_ray.owner.step.engine import OwnerEngine
-from zero_ray.owner.step.spec import EngineSpec, RunSpec
+from zero_ray.owner.step.run_spec import EngineSpec, RunSpec
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import ray
 
 from zero_ray.collective.flight_recorder import FlightRecorder, RecordedGroup
-from zero_ray.collective.group import Collective
+from zero_ray.collective.collective_api import Collective
 from zero_ray.collective.ray_group import destroy_group, form_group
 from zero_ray.core.restore_plan import Peers, ReplicaRestore, ReshardPlan, RestorePlan, SnapshotRecord, TransferDescription
 from zero_ray.errors import CollectiveError, OwnerError
@@ -36,7 +36,7 @@ from zero_ray.owner.service.batch_source import PieceSource
 from zero_ray.owner.service.device import setup_device
 from zero_ray.owner.step.engine import OwnerEngine
 from zero_ray.owner.step.rank_collectives import exchange_nodes
-from zero_ray.owner.step.spec import EngineSpec
+from zero_ray.owner.step.run_spec import EngineSpec
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class LiveRank:
             self._group = None
         with self._locked("rebuild", settle=True):
             self.data.drop_staged()
-            if isinstance(restore, ReplicaRestore):  # a surviving shard group's live state (core/replica.py)
+            if isinstance(restore, ReplicaRestore):  # a surviving shard group's live state (core/replica_plan.py)
                 sources = live_state(self._engine, restore)
             else:
                 sources = ({r: s.state for r, s in self.snapshots.sources().items()} if restore is not None else {})

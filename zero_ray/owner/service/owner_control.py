@@ -22,7 +22,7 @@ from zero_ray.collective.flight_recorder import Event
 from zero_ray.control import handlers as h
 from zero_ray.control.server import ControlServer
 from zero_ray.core.stall_diagnosis import IDLE
-from zero_ray.core.position import Position
+from zero_ray.core.run_position import Position
 from zero_ray.core.restore_plan import reshard_from_data, restore_from_data
 from zero_ray.errors import CollectiveError
 from zero_ray.owner.resilience.checkpointing import restore, shard_record_json

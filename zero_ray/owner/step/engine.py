@@ -29,13 +29,13 @@ from typing import Any
 import torch
 
 from zero_ray.collective.flight_recorder import FlightRecorder
-from zero_ray.collective.group import Collective
+from zero_ray.collective.collective_api import Collective
 from zero_ray.core.records import LossTotals, StepResult
 from zero_ray.core.devices import allocator_figures
 from zero_ray.core.stall_diagnosis import IDLE
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes, to_device
 from zero_ray.core.optim_state import StateTable
-from zero_ray.core.position import Position
+from zero_ray.core.run_position import Position
 from zero_ray.core.precision import LossScaler
 from zero_ray.core.restore_plan import RunCounters, TransferDescription
 from zero_ray.core.updated_params import UpdateShare
@@ -43,7 +43,7 @@ from zero_ray.errors import ConfigError, ModelError
 from zero_ray.owner.step.rank_collectives import Fabric
 from zero_ray.owner.step.model_state import ModelState
 from zero_ray.owner.step.rollback import StepGuard
-from zero_ray.owner.step.spec import EngineSpec
+from zero_ray.owner.step.run_spec import EngineSpec
 
 
 class StepPhase(enum.Enum):
@@ -144,7 +144,7 @@ class OwnerEngine:
         self.layout = self.state.layout
         self.module = self.state.module
         self.scaler = LossScaler(config=spec.loss_scale, enabled=spec.compute_dtype == torch.float16)
-        # The run's position as the driver counts it (core/position.py): set from each completed
+        # The run's position as the driver counts it (core/run_position.py): set from each completed
         # step's arguments, a loaded checkpoint or moved counters; the engine counts nothing itself.
         self.position = Position()
         self.guard = StepGuard(self.module, self.device)

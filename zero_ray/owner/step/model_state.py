@@ -5,7 +5,7 @@ when parameters are partitioned; or with meta parameters, from recorded initiali
 state dict), ``core.groups.plan_groups`` splits its parameters into groups (size buckets, or per
 stage-3 unit; trainable and frozen apart), ``FlatLayout`` lays the groups out as buckets, and
 each ``ParamGroup`` takes its values from the source and binds the module's parameters to its
-storage. The user's optimizer factories are called on the module first (``core/optim
+storage. The user's optimizer factories are called on the module first (``core/optimizer_plan
 .plan_optimizers``): which optimizer steps each parameter splits the groups, and a
 ``ShardOptimizer`` runs the user's classes over what this rank updates. A ``GradReducer``
 combines the trainable groups' gradients; where groups are gathered per use a
@@ -23,14 +23,14 @@ import torch
 from torch import nn
 
 from zero_ray.collective.device_sync import DeviceSync, device_sync
-from zero_ray.collective.group import Collective
+from zero_ray.collective.collective_api import Collective
 from zero_ray.collective.stream import CommStream
 from zero_ray.config import Compile
 from zero_ray.core.group_policy import GradFlow, GroupSpec, ParamResidency, plan_groups
-from zero_ray.core.layout import FlatLayout
-from zero_ray.core.optim import OptimizersPlan, UpdateKind, plan_optimizers, qualified_name
+from zero_ray.core.flat_layout import FlatLayout
+from zero_ray.core.optimizer_plan import OptimizersPlan, UpdateKind, plan_optimizers, qualified_name
 from zero_ray.core.stages import Residency
-from zero_ray.core.units import (
+from zero_ray.core.stage3_units import (
     ModuleInfo,
     UnitPlan,
     WrapPolicy,
@@ -63,7 +63,7 @@ from zero_ray.owner.construction.sources import (
     node_turn,
     param_specs,
 )
-from zero_ray.owner.step.spec import EngineSpec
+from zero_ray.owner.step.run_spec import EngineSpec
 
 #: staging buffers for gradients reduced per micro-batch from whole parameters (stage 2), each
 #: as large as the largest group: one being filled by backward while the other is reduced (per

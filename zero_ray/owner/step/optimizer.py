@@ -1,6 +1,6 @@
 """ShardOptimizer: the user's ``torch.optim`` optimizers, run by one owner over what it updates.
 
-Each of the run's optimizers (``core/optim.OptimizersPlan``) is built here as an instance of the
+Each of the run's optimizers (``core/optimizer_plan.OptimizersPlan``) is built here as an instance of the
 user's own class, with the user's groups and hyperparameters, over what this rank steps:
 
 - element-wise optimizers: one 1-D view of the fp32 master per parameter fragment in this
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from zero_ray.collective.stream import CommStream
-from zero_ray.core.assign import plan_whole_tensors
-from zero_ray.core.layout import FlatLayout
-from zero_ray.core.optim import OptimizersPlan, SchedulerFactory, UpdateKind, jsonable, qualified_name
+from zero_ray.core.whole_tensor_assignees import plan_whole_tensors
+from zero_ray.core.flat_layout import FlatLayout
+from zero_ray.core.optimizer_plan import OptimizersPlan, SchedulerFactory, UpdateKind, jsonable, qualified_name
 from zero_ray.core.optim_state import StateEntry, StateTable
 from zero_ray.errors import CheckpointError, ConfigError
 from zero_ray.owner.tensors.accounting import StateCounter

@@ -30,7 +30,7 @@ from torch import nn
 
 from zero_ray.collective.stream import CommStream
 from zero_ray.core.group_policy import GradFlow, GroupSpec, ParamResidency
-from zero_ray.core.layout import Bucket, FlatLayout
+from zero_ray.core.flat_layout import Bucket, FlatLayout
 from zero_ray.core.stages import GradReduction
 from zero_ray.errors import ModelError
 from zero_ray.owner.tensors.accounting import StateCounter

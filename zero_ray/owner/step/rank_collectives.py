@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from zero_ray.collective.codecs import Codec, codec
-from zero_ray.collective.group import Collective
+from zero_ray.collective.collective_api import Collective
 from zero_ray.collective.mesh_group import MeshGroup
 from zero_ray.collective.stream import CommStream
 from zero_ray.collective.subgroup import SubGroup

@@ -1,6 +1,6 @@
 """Stage-3 scheduling: gathering units' parameters for forward and backward, and freeing them.
 
-A unit (``zero_ray.core.units``) is a module whose groups (its trainable and its frozen
+A unit (``zero_ray.core.stage3_units``) is a module whose groups (its trainable and its frozen
 parameters, one ``ParamGroup`` each) are all-gathered together into one buffer of a fixed pool
 before its forward, and again before its backward:
 
@@ -42,7 +42,7 @@ from torch import nn
 from zero_ray.collective.stream import CommStream
 from zero_ray.compat.torch_private import in_backward, tree_flatten, tree_unflatten
 from zero_ray.config import Stage3Config
-from zero_ray.core.units import UnitSpec
+from zero_ray.core.stage3_units import UnitSpec
 from zero_ray.errors import ModelError
 from zero_ray.owner.tensors.buffers import BufferPool, PoolBuffer
 from zero_ray.owner.step.rank_collectives import Fabric

@@ -1,6 +1,6 @@
 """WholeTensorExchange: whole-tensor parameters updated on one owner each (stages 1-3).
 
-Each such parameter has an assignee (``core/assign.py``). Around the optimizer's step, in two
+Each such parameter has an assignee (``core/whole_tensor_assignees.py``). Around the optimizer's step, in two
 point-to-point rounds on the comm stream: the owners of its pieces send the reduced gradient
 (and, unless the assignee already holds the fp32 values whole, the master values) to the
 assignee, which steps the whole parameter with the user's optimizer; then the assignee sends
@@ -18,9 +18,9 @@ import math
 import torch
 
 from zero_ray.collective.stream import CommStream
-from zero_ray.core.assign import WholeTensorPlan
+from zero_ray.core.whole_tensor_assignees import WholeTensorPlan
 from zero_ray.core.group_policy import ParamResidency
-from zero_ray.core.layout import FlatLayout
+from zero_ray.core.flat_layout import FlatLayout
 from zero_ray.owner.step.param_group import ParamGroup
 
 Messages = list[tuple[torch.Tensor, int]]

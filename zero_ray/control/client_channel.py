@@ -4,7 +4,7 @@ streams (:class:`Stream`) and how a failed call becomes an error.
 
 gRPC failures surface as :class:`~zero_ray.errors.ControlError` carrying the status code's name:
 :class:`~zero_ray.errors.RemoteFailure` when the handler raised (its ``detail`` is the
-structured FailureDetail the server sent, see :mod:`zero_ray.control.status`),
+structured FailureDetail the server sent, see :mod:`zero_ray.control.failure_status`),
 :class:`~zero_ray.errors.AuthError` for a refused token; the ``grpc.RpcError`` stays reachable
 as ``__cause__``.
 """
@@ -23,7 +23,7 @@ import grpc
 
 from zero_ray.control._generated import common_pb2
 from zero_ray.control.auth import PROTOCOL_VERSION, Credentials, bearer_metadata, read_pem
-from zero_ray.control.status import detail_of
+from zero_ray.control.failure_status import detail_of
 from zero_ray.errors import AuthError, ConfigError, ControlError, RemoteFailure
 
 T = TypeVar("T")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zero_ray.core.layout import FlatLayout
+from zero_ray.core.flat_layout import FlatLayout
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from zero_ray.config import ActivationCheckpointing, Compile, Stage3Config, ZeroConfig
-from zero_ray.core.offload import Offload
-from zero_ray.core.optim import OptimizerFactory, SchedulerFactory
+from zero_ray.core.offload_options import Offload
+from zero_ray.core.optimizer_plan import OptimizerFactory, SchedulerFactory
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.stages import StagePlan
 from zero_ray.core.topology import Topology
