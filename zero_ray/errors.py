@@ -138,6 +138,23 @@ class NonFiniteError(ZeroRayError):
                    step=step, loss_ranks=tuple(loss_ranks), grad_ranks=tuple(grad_ranks))
 
 
+class RelayError(ZeroRayError):
+    """The relay tree cannot do what was asked: a rank it does not hold was named lost, or no
+    live rank is left for a relay to reach."""
+
+
+class ReplyMismatchError(ZeroRayError):
+    """Two ranks' replies disagree on a figure that is the same on every rank (a step's
+    learning rate, gradient norm, skip, loss scale...): the ranks did not run the same step.
+    Carries the field, both ranks and both values."""
+
+    def __init__(self, message: str, *, field: str, ranks: tuple[int, int], values: tuple[object, object]) -> None:
+        self.field = field
+        self.ranks = ranks
+        self.values = values
+        super().__init__(message)
+
+
 class StateCorruptError(ZeroRayError):
     """An owner's optimizer state on local disk (``Offload``) read back different from what was
     written: the owner's partition is not to be trusted, and it is treated as lost."""

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zero_ray.control.handlers import StepResult, combine
+from zero_ray.core.reply_combine import CombinedStep
+from zero_ray.errors import RelayError
 
 
 class FieldMapping(Mapping[str, Any]):
@@ -83,6 +85,25 @@ class StepMetrics(FieldMapping):
                    count=totals.get("count"),
                    nonfinite_loss_ranks=list(first.nonfinite_loss_ranks) if nonfinite else None,
                    nonfinite_grad_ranks=list(first.nonfinite_grad_ranks) if nonfinite else None)
+
+    @classmethod
+    def of_combined(cls, reply: CombinedStep, *, step: int, samples: int, seconds: float,
+                    sent_ahead: bool) -> StepMetrics:
+        """The metrics of a step from every owner's reply combined up a relay tree (issue 44):
+        the same figures as :meth:`of` on the replies themselves, the sums rounded once."""
+        if reply.agreed is None or reply.failure is not None:
+            raise RelayError(f"step {step}'s combined reply holds no result, or a failure ({reply.failure}): "
+                             "metrics are a completed step's; raise the failure's error instead")
+        agreed, totals = reply.agreed.value, reply.totals
+        items = totals.items.value
+        return cls(step=step, loss=totals.loss, grad_norm=agreed.grad_norm, lr=agreed.lr, skipped=agreed.skipped,
+                   loss_scale=agreed.loss_scale, samples=samples, item_count=items,
+                   items_per_second=items / seconds if seconds > 0 else 0.0, step_seconds=seconds,
+                   owner_compute_seconds=reply.compute_seconds, data_wait_seconds=reply.data_seconds,
+                   bytes_sent=reply.bytes_sent_total, sent_ahead=sent_ahead,
+                   count=totals.count.value if totals.is_counted else None,
+                   nonfinite_loss_ranks=list(reply.nonfinite_loss_ranks) if reply.nonfinite else None,
+                   nonfinite_grad_ranks=list(reply.nonfinite_grad_ranks) if reply.nonfinite else None)
 
     def with_eval_loss(self, loss: float) -> StepMetrics:
         """These metrics with the evaluation ``fit`` ran after the step."""
