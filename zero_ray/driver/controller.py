@@ -101,7 +101,7 @@ class Controller:
 
     def __init__(self, *, pool: OwnerPool, life: Lifecycle, recovery: RecoveryController, replay: Replay,
                  callbacks: Callbacks, events: list[str], step_timeout_s: float, max_replay_steps: int,
-                 load_checkpoint: Callable[[], int]) -> None:
+                 snapshot_every: int, load_checkpoint: Callable[[], int]) -> None:
         self._pool = pool
         self._life = life
         self.recovery = recovery
@@ -110,6 +110,7 @@ class Controller:
         self._events = events
         self._step_timeout_s = step_timeout_s
         self._keep = max_replay_steps
+        self._snapshot_every = snapshot_every  # peer snapshots every this many steps (0: none)
         self._load_checkpoint = load_checkpoint
         self.position = Position()
         self.target = 0  # steps the user's calls have completed (>= position.step)
@@ -171,14 +172,16 @@ class Controller:
             flight = sent.flight
         else:
             assert sent is None, f"step {sent.index + 1} was sent ahead, but step {at.step + 1} runs next"
-            pieces, held = work.send(self._pool, world_size=self._pool.world_size, key=f"{generation}:{at.step}")
-            flight = self._pool.start_step(self._args(at, work, pieces, ahead=False), timeout_s=self._step_timeout_s)
+            out = work.split(world_size=self._pool.world_size, key=f"{generation}:{at.step}")
+            held = (out, self._pool.stage(out))
+            flight = self._pool.start_step(self._args(at, work, out.pieces, ahead=False),
+                                           timeout_s=self._step_timeout_s)
         try:
             if ahead is not None and self._pipelines(at.step, ahead):
-                pieces, _ = ahead.send(self._pool, world_size=self._pool.world_size,
-                                       key=f"{generation}:{at.step + 1}")
+                following = ahead.split(world_size=self._pool.world_size, key=f"{generation}:{at.step + 1}")
                 # Its deadline counts from when this step is collected (below); gRPC's is an outer bound.
-                args = self._args(at.after(work.samples), ahead, pieces, ahead=True)
+                args = self._args(at.after(work.samples), ahead, following.pieces, ahead=True)
+                self._pool.stage(following)  # nothing for a dataset's pieces, the only ones sent ahead
                 self._ahead = Ahead(index=at.step + 1, generation=generation, work=ahead,
                                     flight=self._pool.start_step(args, timeout_s=2 * self._step_timeout_s))
             results = self._collect(flight, at.step)
@@ -194,7 +197,7 @@ class Controller:
     def _collect(self, flight: InFlight[StepResult], index: int) -> list[StepResult]:
         """Wait for step ``index``'s results on every owner (the run STEPPING meanwhile)."""
         with self._life.during(TrainerState.STEPPING, cause=f"step {index + 1}"):
-            results = self._pool.fan.collect(flight)
+            results = self._pool.collect(flight)
         if results[0].refused:  # on_nonfinite="raise": every owner refused it alike
             raise NonFiniteError.refused(index + 1, results[0].nonfinite_loss_ranks, results[0].nonfinite_grad_ranks)
         return results
@@ -206,7 +209,7 @@ class Controller:
     def _pipelines(self, index: int, ahead: GlobalBatch) -> bool:
         """Whether the step after step ``index`` may be sent while it runs: a dataset's batch
         (nothing staged), no peer snapshot after this step, no grow due."""
-        every = self._pool.spec.snapshot_every
+        every = self._snapshot_every
         return (isinstance(ahead, IndexedBatch) and not (every and (index + 1) % every == 0)
                 and not self.recovery.may_grow())
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +30,8 @@ from zero_ray.control.handlers import (
     EvaluateResult,
     Flight,
     LoadResult,
-    ModelLayout,
     OwnerStats,
+    OwnerStatus,
     RankStatus,
     SavePhase,
     SaveResult,
@@ -49,8 +48,10 @@ from zero_ray.core.restore_plan import (
     TransferDescription,
     restore_to_data,
 )
+from zero_ray.driver.batch_staging import Outgoing
 from zero_ray.driver.fanout import FanOut, InFlight
 from zero_ray.driver.health import HealthMonitor
+from zero_ray.driver.model_view import Adopted, ModelView
 from zero_ray.driver.pool_spec import PoolSpec, await_room, check_resources, cluster_is_local
 from zero_ray.driver.replacements import Replacements
 from zero_ray.driver.reports import ResizeReport
@@ -83,38 +84,6 @@ def actor_alive(name: str | None) -> bool:
     except ValueError:
         return False
     return True
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelView:
-    """The driver's view of the model the owners laid out (``ModelLayout``, the owners' one
-    description of it, converted here once): every parameter's shape by name, in layout order,
-    and which are trained."""
-
-    numel: int
-    shapes: Mapping[str, tuple[int, ...]]
-    trainable: frozenset[str]
-
-    @classmethod
-    def of(cls, layout: ModelLayout | None) -> ModelView:
-        """The view of ``layout``; empty for an owner without model state (None)."""
-        if layout is None:
-            return cls(numel=0, shapes={}, trainable=frozenset())
-        return cls(numel=layout.numel, shapes={p.name: tuple(p.shape) for p in layout.params},
-                   trainable=frozenset(p.name for p in layout.params if p.trainable))
-
-    @property
-    def trainable_numel(self) -> int:
-        return sum(math.prod(shape) for name, shape in self.shapes.items() if name in self.trainable)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Adopted:
-    """Owners already running (a detached run a new driver attaches to), in rank order."""
-
-    actors: list[Any]
-    generation: int
-    layout: ModelLayout | None
 
 
 class OwnerPool:
@@ -271,9 +240,13 @@ class OwnerPool:
     # -- calls ---------------------------------------------------------------------------------------
     def start_step(self, args: Sequence[StepArgs], *, timeout_s: float) -> InFlight[StepResult]:
         """Send a step to every owner, each call with a deadline, and return at once
-        (``fan.collect`` waits for it; a failed staging call of its pieces fails it at once)."""
+        (``collect`` waits for it; a failed staging call of its pieces fails it at once)."""
         return self.fan.start(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=timeout_s),
                               staged=self._staged(args[0].piece.batch_key if args else ""))
+
+    def collect(self, flight: InFlight[StepResult]) -> list[StepResult]:
+        """Every owner's reply to the step ``flight`` sent (``start_step``), in rank order."""
+        return self.fan.collect(flight)
 
     def evaluate(self, args: Sequence[EvaluateArgs], *, timeout_s: float) -> list[EvaluateResult]:
         """A forward-only pass on every owner over gRPC (all take part: stage 3 gathers)."""
@@ -301,13 +274,16 @@ class OwnerPool:
             self.filesystems[key] = fs
             self.fan.ray(self.actors, "use_filesystem", key, fs, timeout_s=self.spec.init_timeout_s, watch=False)
 
-    def stage(self, key: str, pieces: Sequence[ray.ObjectRef]) -> list[ray.ObjectRef]:
-        """Hand owner r its piece ``pieces[r]`` under ``key``, through a Ray call (Ray resolves
-        and reference-counts the object; the Step naming ``key`` waits for it). Returns the
-        calls' results, to hold until the step is over; a failed call fails the Step or
-        Evaluate naming ``key`` at once with its error."""
-        calls = [a.stage_batch.remote(key, piece) for a, piece in zip(self.actors, pieces)]
-        self._staging = {key: calls}  # one batch is in flight at a time (the trainer's step mutex)
+    def stage(self, out: Outgoing) -> list[ray.ObjectRef]:
+        """Hand owner r its object ``out.objects[r]`` under ``out.key``, through a Ray call (Ray
+        resolves and reference-counts the object; the Step naming the key waits for it). Returns
+        the calls' results, to hold until the step is over; a failed call fails the Step or
+        Evaluate naming the key at once with its error. Nothing to stage (a dataset's pieces):
+        no call."""
+        if not out.objects:
+            return []
+        calls = [a.stage_batch.remote(out.key, piece) for a, piece in zip(self.actors, out.objects)]
+        self._staging = {out.key: calls}  # one batch is in flight at a time (the trainer's step mutex)
         return calls
 
     def register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int:
@@ -452,10 +428,7 @@ class OwnerPool:
         if lost:  # every owner must take part in the transfer: recover first
             rank = min(lost)
             raise OwnerLostError(f"cannot resize: partition owner {self.where(rank)} is gone ({lost[rank]})", rank=rank)
-        timeout = self.spec.init_timeout_s
-        info = TransferDescription.merged(self.fan.grpc(
-            self.clients, "resize_info",
-            lambda c, r: TransferDescription.from_data(c.resize_info(timeout_s=timeout)), watch=False))
+        info = self.transfer_description(range(old), timeout_s=self.spec.init_timeout_s)
         if world_size > old:
             check_resources(world_size=world_size, use_gpu=self.spec.use_gpu,
                             num_cpus_per_owner=self.spec.num_cpus_per_owner)
@@ -491,6 +464,18 @@ class OwnerPool:
             self.remove(range(world_size, old), close=True)
         return ResizeReport(previous_world_size=old, world_size=world_size, bytes_sent=sum(sent),
                             seconds=time.perf_counter() - start)
+
+    def transfer_description(self, ranks: Sequence[int], *, timeout_s: float) -> TransferDescription:
+        """What ``ranks``' owners hold, merged: the layout and state table a transfer moves."""
+        return TransferDescription.merged(self.fan.grpc(
+            [self.clients[r] for r in ranks], "resize_info",
+            lambda c, i: TransferDescription.from_data(c.resize_info(timeout_s=timeout_s)), watch=False,
+            ranks=list(ranks)))
+
+    def statuses(self, ranks: Sequence[int], *, timeout_s: float) -> list[OwnerStatus]:
+        """Where each of ``ranks``' owners stands (its finished step, its phase), in that order."""
+        return self.fan.grpc([self.clients[r] for r in ranks], "status", lambda c, i: c.status(timeout_s=timeout_s),
+                             watch=False, ranks=list(ranks))
 
     def remove(self, ranks: range, *, close: bool = False) -> None:
         """End the owners of ``ranks`` (the last ones) and forget them."""
