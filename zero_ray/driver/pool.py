@@ -49,7 +49,7 @@ from zero_ray.core.restore_plan import (
     restore_to_data,
 )
 from zero_ray.driver.batch_staging import Outgoing
-from zero_ray.driver.fanout import FanOut, InFlight
+from zero_ray.driver.fanout import FanOut, InFlight, Members
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.driver.model_view import Adopted, ModelView
 from zero_ray.driver.pool_spec import PoolSpec, await_room, check_resources, cluster_is_local
@@ -94,16 +94,14 @@ class OwnerPool:
         self.spec = spec
         self.run_id = credentials.job_id
         self.credentials = credentials
-        self.generation = adopt.generation if adopt is not None else 0
+        # clients, nodes, health and generation: the fan-out reads them there (fanout.Members)
+        self.members = Members(generation=adopt.generation if adopt is not None else 0)
         self.actors: list[Any] = []
-        self.nodes: list[dict[str, Any]] = []
-        self.clients: list[OwnerClient] = []
-        self.health: HealthMonitor | None = None
         # fit()'s datasets (name -> source, factory?, collate), registered on owners started later too
         self.datasets: dict[str, tuple[Any, bool, Any]] = {}
         # Checkpoint filesystem objects (key -> filesystem), handed to owners started later too
         self.filesystems: dict[str, Any] = {}
-        self.fan = FanOut(world_size=spec.world_size, lost=self._lost, abort=self.abort, where=self.where)
+        self.fan = FanOut(world_size=spec.world_size, members=self.members)
         self._staging: dict[str, list[ray.ObjectRef]] = {}  # the staging calls of the batch in flight, by key
         # Every rank's transfer of a resize or restore ended but SetPeers has not confirmed the new
         # layout's peer copies on every owner yet: a recovery then counts them (owner/resilience/redundancy.py).
@@ -203,8 +201,8 @@ class OwnerPool:
         if nodes is None:
             nodes = self.fan.ray(actors, "node", timeout_s=spec.init_timeout_s, watch=False)
         self.actors += actors
-        self.nodes += nodes
-        self.clients += [OwnerClient(ClientConfig(address=n["control_address"], credentials=self.credentials,
+        self.members.nodes += nodes
+        self.members.clients += [OwnerClient(ClientConfig(address=n["control_address"], credentials=self.credentials,
                                                   timeout_s=spec.init_timeout_s, **spec.client_tls()))
                          for n in nodes]
         self.fan.fit(len(self.actors))
@@ -217,19 +215,37 @@ class OwnerPool:
     def _restart_health(self) -> None:
         if self.health is not None:
             self.health.close()
-        self.health = HealthMonitor(self.clients, interval_s=self.spec.health_interval_s,
+        self.members.health = HealthMonitor(self.clients, interval_s=self.spec.health_interval_s,
                                     timeout_s=self.spec.health_timeout_s)
 
     def _lost(self) -> dict[int, str]:
-        return self.health.lost() if self.health is not None else {}
+        return self.members.lost()
+
+    @property
+    def clients(self) -> list[OwnerClient]:
+        """Each owner's control client, in rank order."""
+        return self.members.clients
+
+    @property
+    def nodes(self) -> list[dict[str, Any]]:
+        """Each owner's node record (``node`` at start-up), in rank order."""
+        return self.members.nodes
+
+    @property
+    def health(self) -> HealthMonitor | None:
+        return self.members.health
+
+    @property
+    def generation(self) -> int:
+        """The collective group's generation (one more on every re-forming, resize and rebuild)."""
+        return self.members.generation
 
     @property
     def world_size(self) -> int:
         return len(self.actors)
 
     def where(self, rank: int) -> str:
-        node = self.nodes[rank] if rank < len(self.nodes) else {}
-        return f"rank {rank}" + (f" on node {node.get('ip')} (pid {node.get('pid')})" if node else "")
+        return self.members.where(rank)
 
     def free_slots(self) -> int:
         """How many more owners the cluster could host right now, counting the slots of the
@@ -355,13 +371,7 @@ class OwnerPool:
     # -- failures -------------------------------------------------------------------------------------
     def abort(self, reason: str) -> None:
         """Abort the current generation's collectives on every owner that still answers."""
-        lost = self._lost()
-        generation = self.generation
-        got = self.fan.urgent({r: c for r, c in enumerate(self.clients) if r not in lost},
-                              lambda c: c.abort(reason, generation, timeout_s=5.0), timeout_s=10.0)
-        for rank, result in got.items():
-            if isinstance(result, Exception):  # an owner that cannot take the abort is found lost next
-                log.debug("abort did not reach rank %d: %s", rank, result)
+        self.fan.abort(reason)
 
     def find_lost(self, *, timeout_s: float) -> dict[int, str]:
         """Ranks that are gone: those the health monitor lost, and those that do not answer a
@@ -390,7 +400,7 @@ class OwnerPool:
     def reform(self) -> bool:
         """Re-form the collective group as the next generation; returns whether every rank's
         model state is intact (no rank had begun its update)."""
-        self.generation += 1
+        self.members.generation += 1
         generation, timeout = self.generation, self.spec.init_timeout_s
         consistent = self.fan.grpc(self.clients, "reform", lambda c, r: c.reform(generation, timeout_s=timeout))
         return all(consistent)
@@ -441,13 +451,13 @@ class OwnerPool:
             self._start_owners(range(old, world_size), world_size=world_size)
         else:
             self.replacements.discard()
-        self.generation += 1
+        self.members.generation += 1
         generation, timeout = self.generation, self.spec.init_timeout_s + self.spec.collective_timeout_s
         if world_size < old:
             # The survivors form a group of their own after the transfer (generation + 1): an
             # abort names that one, so it reaches an owner forming it as well as one still in the
             # transfer's group (an owner aborts its group for any generation at or past it).
-            self.generation += 1
+            self.members.generation += 1
         peers = self.peers(world_size)  # the new layout's copies are made inside the transfer
         description = ReshardPlan(description=info, peers=peers).to_data()
         try:
@@ -514,9 +524,9 @@ class OwnerPool:
             if r not in keep:
                 client.close()
         self.actors = [self.actors[r] for r in survivors]
-        self.nodes = [self.nodes[r] for r in survivors]
-        self.clients = [self.clients[r] for r in survivors]
-        self.generation += 1
+        self.members.nodes = [self.nodes[r] for r in survivors]
+        self.members.clients = [self.clients[r] for r in survivors]
+        self.members.generation += 1
         if added:
             self._start_owners(added, world_size=world_size)
         else:
@@ -555,5 +565,5 @@ class OwnerPool:
         self.actors = []
         for client in self.clients:
             client.close()
-        self.clients = []
+        self.members.clients = []
         self.fan.close()
