@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from zero_ray.control.handlers import Piece, StepArgs, StepResult
-from zero_ray.core.elastic_policy import Action
 from zero_ray.core.run_position import Position
 from zero_ray.driver.callbacks import Callbacks
 from zero_ray.driver.batch_staging import GlobalBatch, IndexedBatch
@@ -268,20 +267,13 @@ class Controller:
         self._life.move(TrainerState.RECOVERING, cause=f"{cause}: {type(err).__name__}", error=err)
         report = self.recovery.recover(err, failed_step=failed_step,
                                        step_started=time.time() - (time.perf_counter() - started),
-                                       load_checkpoint=self._load_checkpoint, call=cause)
-        if report.outcome is Outcome.RESTORED:
+                                       load_checkpoint=self._load_checkpoint, call=cause, replay=self.replay,
+                                       until=until, keep=self._keep)
+        if report.outcome is Outcome.RESTORED:  # the kept batches cover the replay (the policies checked)
             assert report.resume_step is not None
-            decision = self.recovery.failure.after_restore(
-                resume_step=report.resume_step, missing=self.replay.missing(report.resume_step, until),
-                keep=self._keep)
-            if decision.action is Action.FAIL:
-                report.outcome, report.decision, report.reason = Outcome.FAILED, decision.action.value, decision.reason
-            else:
-                samples = self.replay.samples(report.resume_step, self.position.step)
-                self.position = Position(step=report.resume_step, samples_seen=self.position.samples_seen - samples)
-                report.replayed_steps = until - report.resume_step
-                report.replay_s = -1.0  # measured when the replay is done
-                self._restored_at = time.perf_counter()
+            samples = self.replay.samples(report.resume_step, self.position.step)
+            self.position = Position(step=report.resume_step, samples_seen=self.position.samples_seen - samples)
+            self._restored_at = time.perf_counter()
         self.recoveries.append(report)
         self._callbacks.on_event(report.summary())
         log.warning("recovery: %s (%s)", report.summary(), report.reason)
