@@ -24,6 +24,32 @@ its results for that ``step`` call. A recovery drops it: the step before it fail
 it cannot complete anywhere. It is not sent when the step before takes a peer snapshot (its
 commit would wait a step longer) or a grow may be due (``RecoveryController.may_grow``).
 
+Paths that reach the owners outside ``run`` (each one a deliberate exception; the pool's own
+fan-out aborts the survivors of a loss on all of them alike):
+
+- ``ZeroTrainer.job_status`` -> ``OwnerPool.flights`` / ``rank_statuses``: an operator's status
+  is read while a step holds the mutex (seeing a stalled step is its point), on the fan-out's
+  urgent threads, and never fails: an owner that does not answer is reported, not recovered.
+  ``RecoveryController`` reads the flights the same way inside a recovery.
+- ``resume.load_checkpoint`` -> ``CheckpointAPI.load`` -> ``OwnerPool.load``: under the mutex, not
+  in ``run``. A failure after the owners began reading leaves partitions from two states; a
+  recovery would bring back the state before the load (peer copies, or the last committed save,
+  which is not the one asked for) and load again, so the failure marks the run FAILED and raises
+  instead, with no policy consulted. (Running it as a ``Call`` whose recovery reloads is the fix
+  left for later: it changes what a failed ``load_checkpoint`` leaves behind.) A load the
+  controller asks for while restoring (``load_latest``) is inside ``recover``.
+- ``resume.take_over`` -> ``Controller.recover``: attaching has no call to attempt; owners left
+  mid-step by the previous driver are recovered as after a failed step, then the first call runs.
+- ``CheckpointAPI.open`` -> ``OwnerPool.use_filesystem``: a filesystem object is shipped (a Ray
+  call: it is pickled) before a save or load names it, once per filesystem, outside ``run``
+  for ``save_checkpoint``. It changes no training state; a failure raises to the caller with
+  the run as it was, and an owner lost meanwhile is found by the next call.
+- ``Checkpointer``'s commit thread -> ``OwnerPool.save(SavePhase.AWAIT)``: after the snapshot
+  (inside the save's call, under the mutex) the owners write in the background while training
+  goes on; the commit waits for them outside the loop and the mutex, or every step would wait
+  for the write. It changes no training state: a failure abandons that checkpoint (reported by
+  ``wait_for_checkpoint`` / the callbacks), and a loss is found by the next call.
+
 Step numbering: ``position.step`` counts completed steps. The step at index ``k`` (0-based: the
 ``k``-th batch of ``fit``'s order, ``StepArgs.step``, ``RecoveryReport.failed_step``) takes the
 position from ``k`` to ``k + 1`` and is called step ``k + 1`` in messages and metrics
