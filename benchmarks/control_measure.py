@@ -25,7 +25,7 @@ from zero_ray.control._generated import owner_pb2
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient
 from zero_ray.control.handlers import Piece, StepArgs
-from zero_ray.driver.fanout import FanOut
+from zero_ray.driver.fanout import FanOut, Members
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.errors import OwnerLostError, ZeroRayError
 
@@ -210,17 +210,19 @@ class Driver:
         self.owners = len(cluster.addresses)
         self.clients = [OwnerClient(ClientConfig(address=a, credentials=cluster.credentials, timeout_s=STEP_TIMEOUT_S))
                         for a in cluster.addresses]
-        self.monitor: HealthMonitor | None = None
-        self.fan = FanOut(world_size=self.owners, lost=self._lost, abort=self.abort, where=lambda r: f"rank {r}")
+        self.members = Members()  # what OwnerPool hands its FanOut: the clients, the monitor, the generation
+        self.members.clients = self.clients
+        self.fan = FanOut(world_size=self.owners, members=self.members)
         self.threads_seen = 0
 
-    def _lost(self) -> dict[int, str]:
-        return self.monitor.lost() if self.monitor is not None else {}
+    @property
+    def monitor(self) -> HealthMonitor | None:
+        return self.members.health
 
     def start_monitor(self) -> None:
         s = self.settings
-        self.monitor = HealthMonitor(self.clients, interval_s=s.health_interval_s, timeout_s=s.health_timeout_s)
-        monitor = self.monitor
+        monitor = HealthMonitor(self.clients, interval_s=s.health_interval_s, timeout_s=s.health_timeout_s)
+        self.members.health = monitor
         _wait_until(lambda: all(r.last_beat > 0 for r in monitor.snapshot()), START_TIMEOUT_S, 0.05,
                     "every heartbeat stream's first beat")
 
@@ -238,9 +240,7 @@ class Driver:
 
     def abort(self, reason: str) -> None:
         """As ``OwnerPool.abort``: Abort on every owner the monitor has not lost, on the urgent pool."""
-        lost = self._lost()
-        self.fan.urgent({r: c for r, c in enumerate(self.clients) if r not in lost},
-                        lambda c: c.abort(reason, 0, timeout_s=5.0), timeout_s=10.0)
+        self.fan.abort(reason)
 
     def step(self, step: int) -> tuple[float, float, list[Any]]:
         """One step on every owner: (wall s, driver CPU s, results)."""

@@ -1,5 +1,6 @@
 """FanOut without Ray: its thread pools grow with the pool, aborts never queue behind blocked
-steps, and failed calls become domain errors from their fields."""
+steps, a loss seen while waiting aborts the survivors of the pool's Members at once, and failed
+calls become domain errors from their fields."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from zero_ray.driver.fanout import FanOut, control_error
+from zero_ray.driver.fanout import FanOut, Members, control_error
 from zero_ray.errors import (
     CallTimeout,
     CheckpointError,
@@ -25,7 +26,7 @@ ENTER_S = WAIT_S / 4  # shorter than a blocked step's wait: a step that cannot s
 
 
 def _fan(world_size: int) -> FanOut:
-    return FanOut(world_size=world_size, lost=dict, abort=lambda reason: None, where=lambda rank: f"rank {rank}")
+    return FanOut(world_size=world_size, members=Members())
 
 
 @pytest.mark.parametrize("grown_to", [2, 24])
@@ -107,4 +108,47 @@ def test_ray_carries_only_the_bootstrap_and_the_data_path() -> None:
     fan = _fan(1)
     with pytest.raises(ConfigError, match="'reshard' is a control operation: call it over gRPC"):
         fan.ray([object()], "reshard", timeout_s=1.0)
+    fan.close()
+
+
+class _Health:
+    """A health monitor that has lost the ranks it is given."""
+
+    def __init__(self, lost: dict[int, str]) -> None:
+        self._lost = lost
+
+    def lost(self) -> dict[int, str]:
+        return dict(self._lost)
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.aborts: list[tuple[str, int]] = []
+
+    def abort(self, reason: str, generation: int, *, timeout_s: float) -> bool:
+        self.aborts.append((reason, generation))
+        return True
+
+
+def test_a_loss_seen_while_waiting_aborts_the_survivors_of_the_members_generation_and_names_the_node() -> None:
+    members = Members(generation=4)
+    members.clients = [_Client() for _ in range(3)]
+    members.nodes = [{"ip": f"10.0.0.{r}", "pid": 100 + r} for r in range(3)]
+    fan = FanOut(world_size=3, members=members)
+    release = threading.Event()
+
+    def step(client: Any, rank: int) -> int:
+        release.wait(WAIT_S)  # blocked as a step whose peer died is
+        return rank
+
+    members.health = _Health({1: "stream closed"})  # type: ignore[assignment]
+    try:
+        with pytest.raises(OwnerLostError, match=r"rank 1 on node 10.0.0.1 \(pid 101\) stopped answering during "
+                                                 r"step: stream closed") as info:
+            fan.grpc(members.clients, "step", step)
+    finally:
+        release.set()
+    assert info.value.rank == 1
+    reasons = [c.aborts for c in members.clients]  # type: ignore[attr-defined]
+    assert reasons[1] == [] and reasons[0] == reasons[2] == [(str(info.value), 4)]
     fan.close()

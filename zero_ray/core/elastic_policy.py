@@ -25,7 +25,9 @@ from zero_ray.errors import (
 _REFUSALS = (NonFiniteError, ResourceError, ConfigError, StopRequested)
 
 
-class Action(enum.Enum):
+# StrEnums: a RecoveryReport's decision and source print, compare and serialise as their values
+# ("restore", "peer"), as the strings they replaced did.
+class Action(enum.StrEnum):
     REFORM = "reform"  # abort the survivors' collectives, re-form the group, continue
     RESTORE = "restore"  # rebuild the pool, restore the partitions from a source, replay
     RETRY = "retry"  # restore again from the same source, with what is left (no new owners)
@@ -33,7 +35,7 @@ class Action(enum.Enum):
     FAIL = "fail"  # stop: the run cannot continue consistently
 
 
-class Source(enum.Enum):
+class Source(enum.StrEnum):
     """Where lost (or untrustworthy) partitions come back from."""
 
     REPLICA = "replica"  # shard groups: a surviving group's live state (every group holds a full copy)

@@ -13,18 +13,29 @@ indices and the owner builds its piece. The driver keeps no batches, only indice
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import ray
 
 from zero_ray.control.handlers import Piece
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes
+from zero_ray.errors import ConfigError
 
 
-class Stager(Protocol):
-    """What sending pieces needs of the pool."""
+@dataclass(frozen=True, kw_only=True)
+class Outgoing:
+    """A global batch cut for the owners: each owner's ``Piece`` (what its request names), and
+    the objects to stage under ``key`` first, one per owner (none for a dataset's pieces). The
+    pool stages them (``OwnerPool.stage``); the caller holds this until the owners are done, so
+    that the object store keeps the pieces that long."""
 
-    def stage(self, key: str, pieces: list[ray.ObjectRef]) -> list[ray.ObjectRef]: ...
+    key: str
+    pieces: list[Piece]
+    objects: list[ray.ObjectRef]
+
+    def __post_init__(self) -> None:
+        if self.objects and len(self.objects) != len(self.pieces):
+            raise ConfigError(f"{len(self.objects)} objects to stage for {len(self.pieces)} pieces under {self.key!r}: "
+                              "a batch stages one object per owner, or none")
 
 
 @dataclass(frozen=True)
@@ -37,12 +48,10 @@ class StagedBatch:
     def samples(self) -> int:
         return batch_size(self.batch)
 
-    def send(self, pool: Stager, *, world_size: int, key: str) -> tuple[list[Piece], Any]:
-        """Stage every owner's piece under ``key``; the pieces to name, and what to hold until
-        the owners are done (the object references and the staging calls)."""
+    def split(self, *, world_size: int, key: str) -> Outgoing:
+        """Every owner's piece put in the object store, to be staged under ``key``."""
         refs = [ray.put(p) for p in split_batch(self.batch, split_sizes(self.samples, world_size))]
-        calls = pool.stage(key, refs)
-        return [Piece(batch_key=key)] * world_size, (refs, calls)
+        return Outgoing(key=key, pieces=[Piece(batch_key=key)] * world_size, objects=refs)
 
 
 @dataclass(frozen=True)
@@ -56,12 +65,13 @@ class IndexedBatch:
     def samples(self) -> int:
         return len(self.indices)
 
-    def send(self, pool: Stager, *, world_size: int, key: str) -> tuple[list[Piece], Any]:
+    def split(self, *, world_size: int, key: str) -> Outgoing:
+        """Every owner's indices; nothing to stage (each owner holds the dataset)."""
         pieces, start = [], 0
         for n in split_sizes(self.samples, world_size):
             pieces.append(Piece(dataset=self.dataset, indices=self.indices[start:start + n]))
             start += n
-        return pieces, None
+        return Outgoing(key=key, pieces=pieces, objects=[])
 
 
 GlobalBatch = StagedBatch | IndexedBatch

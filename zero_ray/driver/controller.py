@@ -24,6 +24,32 @@ its results for that ``step`` call. A recovery drops it: the step before it fail
 it cannot complete anywhere. It is not sent when the step before takes a peer snapshot (its
 commit would wait a step longer) or a grow may be due (``RecoveryController.may_grow``).
 
+Paths that reach the owners outside ``run`` (each one a deliberate exception; the pool's own
+fan-out aborts the survivors of a loss on all of them alike):
+
+- ``ZeroTrainer.job_status`` -> ``OwnerPool.flights`` / ``rank_statuses``: an operator's status
+  is read while a step holds the mutex (seeing a stalled step is its point), on the fan-out's
+  urgent threads, and never fails: an owner that does not answer is reported, not recovered.
+  ``RecoveryController`` reads the flights the same way inside a recovery.
+- ``resume.load_checkpoint`` -> ``CheckpointAPI.load`` -> ``OwnerPool.load``: under the mutex, not
+  in ``run``. A failure after the owners began reading leaves partitions from two states; a
+  recovery would bring back the state before the load (peer copies, or the last committed save,
+  which is not the one asked for) and load again, so the failure marks the run FAILED and raises
+  instead, with no policy consulted. (Running it as a ``Call`` whose recovery reloads is the fix
+  left for later: it changes what a failed ``load_checkpoint`` leaves behind.) A load the
+  controller asks for while restoring (``load_latest``) is inside ``recover``.
+- ``resume.take_over`` -> ``Controller.recover``: attaching has no call to attempt; owners left
+  mid-step by the previous driver are recovered as after a failed step, then the first call runs.
+- ``CheckpointAPI.open`` -> ``OwnerPool.use_filesystem``: a filesystem object is shipped (a Ray
+  call: it is pickled) before a save or load names it, once per filesystem, outside ``run``
+  for ``save_checkpoint``. It changes no training state; a failure raises to the caller with
+  the run as it was, and an owner lost meanwhile is found by the next call.
+- ``Checkpointer``'s commit thread -> ``OwnerPool.save(SavePhase.AWAIT)``: after the snapshot
+  (inside the save's call, under the mutex) the owners write in the background while training
+  goes on; the commit waits for them outside the loop and the mutex, or every step would wait
+  for the write. It changes no training state: a failure abandons that checkpoint (reported by
+  ``wait_for_checkpoint`` / the callbacks), and a loss is found by the next call.
+
 Step numbering: ``position.step`` counts completed steps. The step at index ``k`` (0-based: the
 ``k``-th batch of ``fit``'s order, ``StepArgs.step``, ``RecoveryReport.failed_step``) takes the
 position from ``k`` to ``k + 1`` and is called step ``k + 1`` in messages and metrics
@@ -41,7 +67,6 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from zero_ray.control.handlers import Piece, StepArgs, StepResult
-from zero_ray.core.elastic_policy import Action
 from zero_ray.core.run_position import Position
 from zero_ray.driver.callbacks import Callbacks
 from zero_ray.driver.batch_staging import GlobalBatch, IndexedBatch
@@ -101,7 +126,7 @@ class Controller:
 
     def __init__(self, *, pool: OwnerPool, life: Lifecycle, recovery: RecoveryController, replay: Replay,
                  callbacks: Callbacks, events: list[str], step_timeout_s: float, max_replay_steps: int,
-                 load_checkpoint: Callable[[], int]) -> None:
+                 snapshot_every: int, load_checkpoint: Callable[[], int]) -> None:
         self._pool = pool
         self._life = life
         self.recovery = recovery
@@ -110,6 +135,7 @@ class Controller:
         self._events = events
         self._step_timeout_s = step_timeout_s
         self._keep = max_replay_steps
+        self._snapshot_every = snapshot_every  # peer snapshots every this many steps (0: none)
         self._load_checkpoint = load_checkpoint
         self.position = Position()
         self.target = 0  # steps the user's calls have completed (>= position.step)
@@ -171,14 +197,16 @@ class Controller:
             flight = sent.flight
         else:
             assert sent is None, f"step {sent.index + 1} was sent ahead, but step {at.step + 1} runs next"
-            pieces, held = work.send(self._pool, world_size=self._pool.world_size, key=f"{generation}:{at.step}")
-            flight = self._pool.start_step(self._args(at, work, pieces, ahead=False), timeout_s=self._step_timeout_s)
+            out = work.split(world_size=self._pool.world_size, key=f"{generation}:{at.step}")
+            held = (out, self._pool.stage(out))
+            flight = self._pool.start_step(self._args(at, work, out.pieces, ahead=False),
+                                           timeout_s=self._step_timeout_s)
         try:
             if ahead is not None and self._pipelines(at.step, ahead):
-                pieces, _ = ahead.send(self._pool, world_size=self._pool.world_size,
-                                       key=f"{generation}:{at.step + 1}")
+                following = ahead.split(world_size=self._pool.world_size, key=f"{generation}:{at.step + 1}")
                 # Its deadline counts from when this step is collected (below); gRPC's is an outer bound.
-                args = self._args(at.after(work.samples), ahead, pieces, ahead=True)
+                args = self._args(at.after(work.samples), ahead, following.pieces, ahead=True)
+                self._pool.stage(following)  # nothing for a dataset's pieces, the only ones sent ahead
                 self._ahead = Ahead(index=at.step + 1, generation=generation, work=ahead,
                                     flight=self._pool.start_step(args, timeout_s=2 * self._step_timeout_s))
             results = self._collect(flight, at.step)
@@ -194,7 +222,7 @@ class Controller:
     def _collect(self, flight: InFlight[StepResult], index: int) -> list[StepResult]:
         """Wait for step ``index``'s results on every owner (the run STEPPING meanwhile)."""
         with self._life.during(TrainerState.STEPPING, cause=f"step {index + 1}"):
-            results = self._pool.fan.collect(flight)
+            results = self._pool.collect(flight)
         if results[0].refused:  # on_nonfinite="raise": every owner refused it alike
             raise NonFiniteError.refused(index + 1, results[0].nonfinite_loss_ranks, results[0].nonfinite_grad_ranks)
         return results
@@ -206,7 +234,7 @@ class Controller:
     def _pipelines(self, index: int, ahead: GlobalBatch) -> bool:
         """Whether the step after step ``index`` may be sent while it runs: a dataset's batch
         (nothing staged), no peer snapshot after this step, no grow due."""
-        every = self._pool.spec.snapshot_every
+        every = self._snapshot_every
         return (isinstance(ahead, IndexedBatch) and not (every and (index + 1) % every == 0)
                 and not self.recovery.may_grow())
 
@@ -265,20 +293,13 @@ class Controller:
         self._life.move(TrainerState.RECOVERING, cause=f"{cause}: {type(err).__name__}", error=err)
         report = self.recovery.recover(err, failed_step=failed_step,
                                        step_started=time.time() - (time.perf_counter() - started),
-                                       load_checkpoint=self._load_checkpoint, call=cause)
-        if report.outcome is Outcome.RESTORED:
+                                       load_checkpoint=self._load_checkpoint, call=cause, replay=self.replay,
+                                       until=until, keep=self._keep)
+        if report.outcome is Outcome.RESTORED:  # the kept batches cover the replay (the policies checked)
             assert report.resume_step is not None
-            decision = self.recovery.failure.after_restore(
-                resume_step=report.resume_step, missing=self.replay.missing(report.resume_step, until),
-                keep=self._keep)
-            if decision.action is Action.FAIL:
-                report.outcome, report.decision, report.reason = Outcome.FAILED, decision.action.value, decision.reason
-            else:
-                samples = self.replay.samples(report.resume_step, self.position.step)
-                self.position = Position(step=report.resume_step, samples_seen=self.position.samples_seen - samples)
-                report.replayed_steps = until - report.resume_step
-                report.replay_s = -1.0  # measured when the replay is done
-                self._restored_at = time.perf_counter()
+            samples = self.replay.samples(report.resume_step, self.position.step)
+            self.position = Position(step=report.resume_step, samples_seen=self.position.samples_seen - samples)
+            self._restored_at = time.perf_counter()
         self.recoveries.append(report)
         self._callbacks.on_event(report.summary())
         log.warning("recovery: %s (%s)", report.summary(), report.reason)

@@ -15,6 +15,10 @@ carried (its own type when zero_ray.errors has it, else OwnerError; rank, phase 
 traceback included), a Ray task error as the cause's own type, an unreachable owner or a dead
 actor as OwnerLostError naming its rank and node. No text is parsed.
 
+FanOut reads the pool's membership from the ``Members`` the pool owns and hands it (the
+clients, where each owner is, the health monitor, the generation): it calls nothing back in
+the pool. Aborting the survivors is itself a call on every owner, so it is FanOut's.
+
 Threads: gRPC calls run on two pools sized from the pool's world size and grown with it
 (:meth:`FanOut.fit`, called on every membership change): long calls (a step holds a thread per
 owner for its deadline; a checkpoint's commit thread may wait on every owner meanwhile) on one,
@@ -23,6 +27,7 @@ aborts, stats and liveness probes on the other, so they never queue behind block
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -36,6 +41,7 @@ import ray
 
 from zero_ray.control.client_channel import Pending
 from zero_ray.control.client import OwnerClient
+from zero_ray.driver.health import HealthMonitor
 from zero_ray.errors import (
     CallTimeout,
     ConfigError,
@@ -46,6 +52,8 @@ from zero_ray.errors import (
     ZeroRayError,
     domain_error,
 )
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 POLL_S = 0.2  # how often a wait looks at the health monitor and the staging calls
@@ -110,14 +118,36 @@ class InFlight(Generic[T]):
             call.cancel()
 
 
-class FanOut:
-    """Bounded calls on every owner of a pool."""
+class Members:
+    """The owners of a pool as a fan-out reaches them, in rank order: each one's control client
+    and node record (``node`` at start-up: ip, pid, name, node id, control address), the health
+    monitor over them (None before the first owner is connected) and the collective group's
+    generation. ``OwnerPool`` owns the one instance and changes it on every membership change;
+    its ``FanOut`` reads it, so a fan-out sees the membership of the moment it looks."""
 
-    def __init__(self, *, world_size: int, lost: Callable[[], dict[int, str]], abort: Callable[[str], None],
-                 where: Callable[[int], str]) -> None:
-        self._lost = lost
-        self._abort = abort
-        self._where = where
+    def __init__(self, *, generation: int = 0) -> None:
+        self.clients: list[OwnerClient] = []
+        self.nodes: list[dict[str, Any]] = []
+        self.health: HealthMonitor | None = None
+        self.generation = generation
+
+    def lost(self) -> dict[int, str]:
+        """The ranks the health monitor has lost, with why."""
+        return self.health.lost() if self.health is not None else {}
+
+    def where(self, rank: int) -> str:
+        """``rank`` and where it runs, for messages."""
+        node = self.nodes[rank] if rank < len(self.nodes) else {}
+        return f"rank {rank}" + (f" on node {node.get('ip')} (pid {node.get('pid')})" if node else "")
+
+
+class FanOut:
+    """Bounded calls on every owner of a pool; ``members``: the pool's membership, read at each
+    look (the clients of a call are passed with the call: some reach only some owners)."""
+
+    def __init__(self, *, world_size: int, members: Members) -> None:
+        self._members = members
+        self._where = members.where
         self._lock = threading.Lock()
         self._size = 0
         self._calls = self._urgent = ThreadPoolExecutor(max_workers=1)  # replaced by fit()
@@ -156,12 +186,24 @@ class FanOut:
     # -- waiting -----------------------------------------------------------------------------------------
     def check(self, what: str) -> None:
         """Raise (after aborting the survivors) when the health monitor has lost an owner."""
-        lost = self._lost()
+        lost = self._members.lost()
         if lost:
             rank = min(lost)
             reason = f"partition owner {self._where(rank)} stopped answering during {what}: {lost[rank]}"
-            self._abort(reason)
+            self.abort(reason)
             raise OwnerLostError(reason, rank=rank)
+
+    def abort(self, reason: str) -> None:
+        """Abort the current generation's collectives on every owner that still answers (those
+        the health monitor has not lost), on the pool no step occupies. Never raises."""
+        members = self._members
+        lost = members.lost()
+        generation = members.generation
+        got = self.urgent({r: c for r, c in enumerate(members.clients) if r not in lost},
+                          lambda c: c.abort(reason, generation, timeout_s=5.0), timeout_s=10.0)
+        for rank, result in got.items():
+            if isinstance(result, Exception):  # an owner that cannot take the abort is found lost next
+                log.debug("abort did not reach rank %d: %s", rank, result)
 
     def _check_staged(self, staged: dict[int, Any]) -> None:
         """Raise the error of a staging call that failed; forget those that succeeded."""

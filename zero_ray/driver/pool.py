@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +30,8 @@ from zero_ray.control.handlers import (
     EvaluateResult,
     Flight,
     LoadResult,
-    ModelLayout,
     OwnerStats,
+    OwnerStatus,
     RankStatus,
     SavePhase,
     SaveResult,
@@ -49,8 +48,10 @@ from zero_ray.core.restore_plan import (
     TransferDescription,
     restore_to_data,
 )
-from zero_ray.driver.fanout import FanOut, InFlight
+from zero_ray.driver.batch_staging import Outgoing
+from zero_ray.driver.fanout import FanOut, InFlight, Members
 from zero_ray.driver.health import HealthMonitor
+from zero_ray.driver.model_view import Adopted, ModelView
 from zero_ray.driver.pool_spec import PoolSpec, await_room, check_resources, cluster_is_local
 from zero_ray.driver.replacements import Replacements
 from zero_ray.driver.reports import ResizeReport
@@ -85,38 +86,6 @@ def actor_alive(name: str | None) -> bool:
     return True
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelView:
-    """The driver's view of the model the owners laid out (``ModelLayout``, the owners' one
-    description of it, converted here once): every parameter's shape by name, in layout order,
-    and which are trained."""
-
-    numel: int
-    shapes: Mapping[str, tuple[int, ...]]
-    trainable: frozenset[str]
-
-    @classmethod
-    def of(cls, layout: ModelLayout | None) -> ModelView:
-        """The view of ``layout``; empty for an owner without model state (None)."""
-        if layout is None:
-            return cls(numel=0, shapes={}, trainable=frozenset())
-        return cls(numel=layout.numel, shapes={p.name: tuple(p.shape) for p in layout.params},
-                   trainable=frozenset(p.name for p in layout.params if p.trainable))
-
-    @property
-    def trainable_numel(self) -> int:
-        return sum(math.prod(shape) for name, shape in self.shapes.items() if name in self.trainable)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Adopted:
-    """Owners already running (a detached run a new driver attaches to), in rank order."""
-
-    actors: list[Any]
-    generation: int
-    layout: ModelLayout | None
-
-
 class OwnerPool:
     """The owners in rank order, their placement, control clients and health."""
 
@@ -125,16 +94,14 @@ class OwnerPool:
         self.spec = spec
         self.run_id = credentials.job_id
         self.credentials = credentials
-        self.generation = adopt.generation if adopt is not None else 0
+        # clients, nodes, health and generation: the fan-out reads them there (fanout.Members)
+        self.members = Members(generation=adopt.generation if adopt is not None else 0)
         self.actors: list[Any] = []
-        self.nodes: list[dict[str, Any]] = []
-        self.clients: list[OwnerClient] = []
-        self.health: HealthMonitor | None = None
         # fit()'s datasets (name -> source, factory?, collate), registered on owners started later too
         self.datasets: dict[str, tuple[Any, bool, Any]] = {}
         # Checkpoint filesystem objects (key -> filesystem), handed to owners started later too
         self.filesystems: dict[str, Any] = {}
-        self.fan = FanOut(world_size=spec.world_size, lost=self._lost, abort=self.abort, where=self.where)
+        self.fan = FanOut(world_size=spec.world_size, members=self.members)
         self._staging: dict[str, list[ray.ObjectRef]] = {}  # the staging calls of the batch in flight, by key
         # Every rank's transfer of a resize or restore ended but SetPeers has not confirmed the new
         # layout's peer copies on every owner yet: a recovery then counts them (owner/resilience/redundancy.py).
@@ -234,8 +201,8 @@ class OwnerPool:
         if nodes is None:
             nodes = self.fan.ray(actors, "node", timeout_s=spec.init_timeout_s, watch=False)
         self.actors += actors
-        self.nodes += nodes
-        self.clients += [OwnerClient(ClientConfig(address=n["control_address"], credentials=self.credentials,
+        self.members.nodes += nodes
+        self.members.clients += [OwnerClient(ClientConfig(address=n["control_address"], credentials=self.credentials,
                                                   timeout_s=spec.init_timeout_s, **spec.client_tls()))
                          for n in nodes]
         self.fan.fit(len(self.actors))
@@ -248,19 +215,37 @@ class OwnerPool:
     def _restart_health(self) -> None:
         if self.health is not None:
             self.health.close()
-        self.health = HealthMonitor(self.clients, interval_s=self.spec.health_interval_s,
+        self.members.health = HealthMonitor(self.clients, interval_s=self.spec.health_interval_s,
                                     timeout_s=self.spec.health_timeout_s)
 
     def _lost(self) -> dict[int, str]:
-        return self.health.lost() if self.health is not None else {}
+        return self.members.lost()
+
+    @property
+    def clients(self) -> list[OwnerClient]:
+        """Each owner's control client, in rank order."""
+        return self.members.clients
+
+    @property
+    def nodes(self) -> list[dict[str, Any]]:
+        """Each owner's node record (``node`` at start-up), in rank order."""
+        return self.members.nodes
+
+    @property
+    def health(self) -> HealthMonitor | None:
+        return self.members.health
+
+    @property
+    def generation(self) -> int:
+        """The collective group's generation (one more on every re-forming, resize and rebuild)."""
+        return self.members.generation
 
     @property
     def world_size(self) -> int:
         return len(self.actors)
 
     def where(self, rank: int) -> str:
-        node = self.nodes[rank] if rank < len(self.nodes) else {}
-        return f"rank {rank}" + (f" on node {node.get('ip')} (pid {node.get('pid')})" if node else "")
+        return self.members.where(rank)
 
     def free_slots(self) -> int:
         """How many more owners the cluster could host right now, counting the slots of the
@@ -271,9 +256,13 @@ class OwnerPool:
     # -- calls ---------------------------------------------------------------------------------------
     def start_step(self, args: Sequence[StepArgs], *, timeout_s: float) -> InFlight[StepResult]:
         """Send a step to every owner, each call with a deadline, and return at once
-        (``fan.collect`` waits for it; a failed staging call of its pieces fails it at once)."""
+        (``collect`` waits for it; a failed staging call of its pieces fails it at once)."""
         return self.fan.start(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=timeout_s),
                               staged=self._staged(args[0].piece.batch_key if args else ""))
+
+    def collect(self, flight: InFlight[StepResult]) -> list[StepResult]:
+        """Every owner's reply to the step ``flight`` sent (``start_step``), in rank order."""
+        return self.fan.collect(flight)
 
     def evaluate(self, args: Sequence[EvaluateArgs], *, timeout_s: float) -> list[EvaluateResult]:
         """A forward-only pass on every owner over gRPC (all take part: stage 3 gathers)."""
@@ -301,13 +290,16 @@ class OwnerPool:
             self.filesystems[key] = fs
             self.fan.ray(self.actors, "use_filesystem", key, fs, timeout_s=self.spec.init_timeout_s, watch=False)
 
-    def stage(self, key: str, pieces: Sequence[ray.ObjectRef]) -> list[ray.ObjectRef]:
-        """Hand owner r its piece ``pieces[r]`` under ``key``, through a Ray call (Ray resolves
-        and reference-counts the object; the Step naming ``key`` waits for it). Returns the
-        calls' results, to hold until the step is over; a failed call fails the Step or
-        Evaluate naming ``key`` at once with its error."""
-        calls = [a.stage_batch.remote(key, piece) for a, piece in zip(self.actors, pieces)]
-        self._staging = {key: calls}  # one batch is in flight at a time (the trainer's step mutex)
+    def stage(self, out: Outgoing) -> list[ray.ObjectRef]:
+        """Hand owner r its object ``out.objects[r]`` under ``out.key``, through a Ray call (Ray
+        resolves and reference-counts the object; the Step naming the key waits for it). Returns
+        the calls' results, to hold until the step is over; a failed call fails the Step or
+        Evaluate naming the key at once with its error. Nothing to stage (a dataset's pieces):
+        no call."""
+        if not out.objects:
+            return []
+        calls = [a.stage_batch.remote(out.key, piece) for a, piece in zip(self.actors, out.objects)]
+        self._staging = {out.key: calls}  # one batch is in flight at a time (the trainer's step mutex)
         return calls
 
     def register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int:
@@ -379,13 +371,7 @@ class OwnerPool:
     # -- failures -------------------------------------------------------------------------------------
     def abort(self, reason: str) -> None:
         """Abort the current generation's collectives on every owner that still answers."""
-        lost = self._lost()
-        generation = self.generation
-        got = self.fan.urgent({r: c for r, c in enumerate(self.clients) if r not in lost},
-                              lambda c: c.abort(reason, generation, timeout_s=5.0), timeout_s=10.0)
-        for rank, result in got.items():
-            if isinstance(result, Exception):  # an owner that cannot take the abort is found lost next
-                log.debug("abort did not reach rank %d: %s", rank, result)
+        self.fan.abort(reason)
 
     def find_lost(self, *, timeout_s: float) -> dict[int, str]:
         """Ranks that are gone: those the health monitor lost, and those that do not answer a
@@ -414,7 +400,7 @@ class OwnerPool:
     def reform(self) -> bool:
         """Re-form the collective group as the next generation; returns whether every rank's
         model state is intact (no rank had begun its update)."""
-        self.generation += 1
+        self.members.generation += 1
         generation, timeout = self.generation, self.spec.init_timeout_s
         consistent = self.fan.grpc(self.clients, "reform", lambda c, r: c.reform(generation, timeout_s=timeout))
         return all(consistent)
@@ -452,10 +438,7 @@ class OwnerPool:
         if lost:  # every owner must take part in the transfer: recover first
             rank = min(lost)
             raise OwnerLostError(f"cannot resize: partition owner {self.where(rank)} is gone ({lost[rank]})", rank=rank)
-        timeout = self.spec.init_timeout_s
-        info = TransferDescription.merged(self.fan.grpc(
-            self.clients, "resize_info",
-            lambda c, r: TransferDescription.from_data(c.resize_info(timeout_s=timeout)), watch=False))
+        info = self.transfer_description(range(old), timeout_s=self.spec.init_timeout_s)
         if world_size > old:
             check_resources(world_size=world_size, use_gpu=self.spec.use_gpu,
                             num_cpus_per_owner=self.spec.num_cpus_per_owner)
@@ -468,13 +451,13 @@ class OwnerPool:
             self._start_owners(range(old, world_size), world_size=world_size)
         else:
             self.replacements.discard()
-        self.generation += 1
+        self.members.generation += 1
         generation, timeout = self.generation, self.spec.init_timeout_s + self.spec.collective_timeout_s
         if world_size < old:
             # The survivors form a group of their own after the transfer (generation + 1): an
             # abort names that one, so it reaches an owner forming it as well as one still in the
             # transfer's group (an owner aborts its group for any generation at or past it).
-            self.generation += 1
+            self.members.generation += 1
         peers = self.peers(world_size)  # the new layout's copies are made inside the transfer
         description = ReshardPlan(description=info, peers=peers).to_data()
         try:
@@ -491,6 +474,18 @@ class OwnerPool:
             self.remove(range(world_size, old), close=True)
         return ResizeReport(previous_world_size=old, world_size=world_size, bytes_sent=sum(sent),
                             seconds=time.perf_counter() - start)
+
+    def transfer_description(self, ranks: Sequence[int], *, timeout_s: float) -> TransferDescription:
+        """What ``ranks``' owners hold, merged: the layout and state table a transfer moves."""
+        return TransferDescription.merged(self.fan.grpc(
+            [self.clients[r] for r in ranks], "resize_info",
+            lambda c, i: TransferDescription.from_data(c.resize_info(timeout_s=timeout_s)), watch=False,
+            ranks=list(ranks)))
+
+    def statuses(self, ranks: Sequence[int], *, timeout_s: float) -> list[OwnerStatus]:
+        """Where each of ``ranks``' owners stands (its finished step, its phase), in that order."""
+        return self.fan.grpc([self.clients[r] for r in ranks], "status", lambda c, i: c.status(timeout_s=timeout_s),
+                             watch=False, ranks=list(ranks))
 
     def remove(self, ranks: range, *, close: bool = False) -> None:
         """End the owners of ``ranks`` (the last ones) and forget them."""
@@ -529,9 +524,9 @@ class OwnerPool:
             if r not in keep:
                 client.close()
         self.actors = [self.actors[r] for r in survivors]
-        self.nodes = [self.nodes[r] for r in survivors]
-        self.clients = [self.clients[r] for r in survivors]
-        self.generation += 1
+        self.members.nodes = [self.nodes[r] for r in survivors]
+        self.members.clients = [self.clients[r] for r in survivors]
+        self.members.generation += 1
         if added:
             self._start_owners(added, world_size=world_size)
         else:
@@ -570,5 +565,5 @@ class OwnerPool:
         self.actors = []
         for client in self.clients:
             client.close()
-        self.clients = []
+        self.members.clients = []
         self.fan.close()

@@ -35,6 +35,7 @@ from zero_ray.errors import (
     CheckpointError,
     CollectiveError,
     CollectiveTimeout,
+    ConfigError,
     OwnerError,
     ResourceError,
     ZeroRayError,
@@ -48,18 +49,51 @@ class Outcome(enum.Enum):
     RESTORED = "restored"  # the state is at ``RecoveryReport.resume_step``: replay from there
     FAILED = "failed"
 
+    @property
+    def decision(self) -> Action:
+        """The policies' final decision that led here."""
+        return {Outcome.REFORMED: Action.REFORM, Outcome.RESTORED: Action.RESTORE, Outcome.FAILED: Action.FAIL}[self]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restored:
+    """A restore that succeeded: from which source, the steps completed in the restored state,
+    the pool's size after it and how long it took."""
+
+    source: Source
+    resume_step: int
+    world_size: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if self.resume_step < 0 or self.world_size < 1:
+            raise ConfigError(f"a restore to step {self.resume_step} at {self.world_size} owners: the step must be "
+                              ">= 0 and the pool must keep an owner")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NotRestored:
+    """No source could restore the run; ``reason``: the policies' last word (None: the
+    decision's own reason stands)."""
+
+    reason: str | None = None
+
 
 @dataclass(kw_only=True)
 class RecoveryReport:
-    """What happened: who was lost, what was decided, how long each part took."""
+    """What happened: who was lost, what was decided, how long each part took. ``decision``
+    (REFORM, RESTORE or FAIL: the outcome's) and ``source`` (where the state came back from,
+    None when nothing was restored) are set once, when the recovery is over; they print and
+    compare as their values ("restore", "peer"). Only ``replay_s`` changes later: it is measured
+    once the replay the restore asked for is done."""
 
     failed_step: int  # 0-based index of the step that failed, or at which the failed call ran
     call: str = ""  # the call that found the failure ("step 3", "save_checkpoint", ...)
     error: str
     lost: dict[int, str]
-    decision: str
+    decision: Action
     reason: str
-    source: str | None = None
+    source: Source | None = None
     world_size_before: int = 0
     world_size_after: int = 0
     resume_step: int | None = None  # steps completed in the restored state
@@ -176,8 +210,11 @@ class RecoveryController:
         self._pool.abort(reason)
 
     def recover(self, err: ZeroRayError, *, failed_step: int, step_started: float,
-                load_checkpoint: Callable[[], int], call: str = "") -> RecoveryReport:
-        """Decide and act after step ``failed_step`` (or ``call``, between steps) raised ``err``."""
+                load_checkpoint: Callable[[], int], replay: Replay, until: int, keep: int,
+                call: str = "") -> RecoveryReport:
+        """Decide and act after step ``failed_step`` (or ``call``, between steps) raised ``err``.
+        A restore must leave ``replay``'s kept batches covering the steps up to index ``until``
+        (at most ``keep`` of them: ``FailurePolicy.after_restore``), else the run fails."""
         t0 = time.time()
         self.failures += 1
         pool = self._pool
@@ -190,47 +227,60 @@ class RecoveryController:
         sources = self._sources(set(lost))
         decision = self.failure.after_step_failure(lost_ranks=set(lost), failures_so_far=self.failures,
                                                     sources=sources)
-        report = RecoveryReport(failed_step=failed_step, call=call, error=str(err).splitlines()[0], lost=dict(lost),
-                                decision=decision.action.value, reason=decision.reason,
-                                world_size_before=pool.world_size, detect_s=max(0.0, t0 - since))
-        if stall is not None:
-            report.stall = self.last_stall
-        log.warning("%s failed (%s); %s: %s", call or f"step {failed_step + 1}", report.error,
+        reported_lost, world_size_before, error = dict(lost), pool.world_size, str(err).splitlines()[0]
+        log.warning("%s failed (%s); %s: %s", call or f"step {failed_step + 1}", error,
                     decision.action.value, decision.reason)
         if decision.backoff_s:
             time.sleep(decision.backoff_s)  # policy back-off, not synchronisation
         self._end(lost, f"step {failed_step + 1} failed: {err}")
-        report.abort_s = time.time() - t0
+        abort_s = time.time() - t0
+        notes: list[str] = []
+        outcome, reason, retry, restored = Outcome.FAILED, decision.reason, False, None
         if decision.action is Action.REFORM:
             try:
                 consistent = pool.reform()
             except ZeroRayError as reform_err:
                 log.error("re-forming the group failed: %s", reform_err)
-                report.notes.append(f"re-forming failed: {reform_err}")
+                notes.append(f"re-forming failed: {reform_err}")
                 consistent = False
                 lost = pool.find_lost(timeout_s=self._probe_timeout_s)  # a rank may have died meanwhile
                 if lost:
-                    report.lost = dict(lost)
+                    reported_lost = dict(lost)
                     self._end(lost, f"re-forming failed: {reform_err}")
             decision = self.failure.after_reform(consistent=consistent, sources=sources)
-            report.decision, report.reason = decision.action.value, decision.reason
+            reason = decision.reason
             if decision.action is Action.REFORM:
-                report.outcome, report.world_size_after = Outcome.REFORMED, pool.world_size
-                report.retry = self.failure.retry_reformed(err)
-                self._last_grow_check = time.monotonic()
-                return report
+                outcome, retry = Outcome.REFORMED, self.failure.retry_reformed(err)
         if decision.action is Action.RESTORE:
-            self._restore(decision, report, lost=set(lost), committed_step=failed_step - 1,
-                          sources=sources, load_checkpoint=load_checkpoint)
-        if report.outcome is not Outcome.RESTORED:
-            report.decision = Action.FAIL.value
+            got = self._restore(decision, lost=set(lost), committed_step=failed_step - 1, sources=sources,
+                                load_checkpoint=load_checkpoint, notes=notes)
+            if isinstance(got, Restored):
+                restored = got
+                after = self.failure.after_restore(resume_step=got.resume_step,
+                                                   missing=replay.missing(got.resume_step, until), keep=keep)
+                if after.action is Action.FAIL:
+                    reason = after.reason
+                else:
+                    outcome = Outcome.RESTORED
+            elif got.reason is not None:
+                reason = got.reason
         self._last_grow_check = time.monotonic()  # room is asked grow_check_s later, not on top of the replay
-        return report
+        resumed = outcome is Outcome.RESTORED
+        return RecoveryReport(
+            failed_step=failed_step, call=call, error=error, lost=reported_lost, decision=outcome.decision,
+            reason=reason, source=restored.source if restored else None, world_size_before=world_size_before,
+            world_size_after=restored.world_size if restored else pool.world_size if outcome is Outcome.REFORMED else 0,
+            resume_step=restored.resume_step if restored else None,
+            replayed_steps=until - restored.resume_step if resumed and restored else 0,
+            detect_s=max(0.0, t0 - since), abort_s=abort_s, restore_s=restored.seconds if restored else 0.0,
+            replay_s=-1.0 if resumed else 0.0,  # measured when the replay is done
+            outcome=outcome, retry=retry, stall=self.last_stall if stall is not None else "", notes=notes)
 
-    def _restore(self, decision: Decision, report: RecoveryReport, *, lost: set[int], committed_step: int,
-                 sources: list[Source], load_checkpoint: Callable[[], int]) -> None:
+    def _restore(self, decision: Decision, *, lost: set[int], committed_step: int, sources: list[Source],
+                 load_checkpoint: Callable[[], int], notes: list[str]) -> Restored | NotRestored:
         """Restore from ``decision.source``; after each try the policies say what next (retry
-        with what is left, carry on without replacements, fall back to the next source, give up)."""
+        with what is left, carry on without replacements, fall back to the next source, give up).
+        What went wrong on the way is added to ``notes``."""
         pool = self._pool
         t0 = time.time()
         survivors = [r for r in range(pool.world_size) if r not in lost]
@@ -246,17 +296,15 @@ class RecoveryController:
             target = self.scaling.after_loss(survivors=len(survivors), desired=self.desired,
                                               free_slots=pool.free_slots() if replacements else 0, multiple=multiple)
             if target is None:
-                report.reason = (f"only {len(survivors)} owners survive, below min_world_size="
-                                 f"{self.scaling.min_world_size}")
-                return
+                return NotRestored(reason=f"only {len(survivors)} owners survive, below min_world_size="
+                                          f"{self.scaling.min_world_size}")
             generation = pool.generation
             try:
                 if source is Source.REPLICA and pool.generation != first:
                     raise CheckpointError("the pool was rebuilt since the loss: the replicas' live state is gone")
-                report.resume_step = self._restore_from(source, survivors, target, committed_step, load_checkpoint,
-                                                        lost=lost)
+                resume_step = self._restore_from(source, survivors, target, committed_step, load_checkpoint, lost=lost)
             except ResourceError as err:  # no room for the replacements after all
-                report.notes.append(f"no replacements ({err})")
+                notes.append(f"no replacements ({err})")
                 if self.scaling.without_room(survivors=len(survivors), replacements=replacements):
                     replacements = False
                     continue
@@ -269,8 +317,8 @@ class RecoveryController:
                 again = pool.find_lost(timeout_s=self._probe_timeout_s)
                 if isinstance(err, OwnerError) and err.rank is not None and err.rank < pool.world_size:
                     again.setdefault(err.rank, str(err).splitlines()[0])
-                report.notes.append(f"restoring from {source.value} failed (lost {sorted(again)}): "
-                                    f"{str(err).splitlines()[0]}")
+                notes.append(f"restoring from {source.value} failed (lost {sorted(again)}): "
+                             f"{str(err).splitlines()[0]}")
                 log.error("restoring from %s failed: %s", source.value, err)
                 survivors = [r for r in survivors if r not in again]
                 decision = self.failure.after_restore_failure(source=source, lost=set(again),
@@ -280,23 +328,22 @@ class RecoveryController:
                     self._end(again, f"restoring failed: {err}")
                     replacements = False
             except (ZeroRayError, CheckpointError) as err:  # the source itself cannot restore the run
-                report.notes.append(f"restoring from {source.value} failed: {err}")
+                notes.append(f"restoring from {source.value} failed: {err}")
                 log.error("restoring from %s failed: %s", source.value, err)
                 if pool.generation != generation:
                     survivors = list(range(pool.world_size))
                 decision = self.failure.after_source_failure(source=source, sources_left=left,
                                                               error=str(err).splitlines()[0])
             else:
-                report.source, report.outcome = source.value, Outcome.RESTORED
-                report.world_size_after = pool.world_size
-                report.restore_s = time.time() - t0
-                self._start_replacements(report)
-                return
-            report.notes.append(f"{decision.action.value}: {decision.reason}")
+                restored = Restored(source=source, resume_step=resume_step, world_size=pool.world_size,
+                                    seconds=time.time() - t0)
+                self._start_replacements(notes)
+                return restored
+            notes.append(f"{decision.action.value}: {decision.reason}")
             if decision.action is Action.FAIL:
-                report.reason = decision.reason
-                return
+                return NotRestored(reason=decision.reason)
             source = decision.source
+        return NotRestored()
 
     def _restore_from(self, source: Source, survivors: list[int], target: int, committed_step: int,
                       load_checkpoint: Callable[[], int], *, lost: set[int]) -> int:
@@ -335,7 +382,7 @@ class RecoveryController:
         pool.rebuild(survivors, target, restore=lambda position: plan)
         return step + 1
 
-    def _start_replacements(self, report: RecoveryReport) -> None:
+    def _start_replacements(self, notes: list[str]) -> None:
         """Continuing on the survivors: start the owners that bring the run back towards its
         desired size (as many as there is room for), to join once they answer (``grow_now``)."""
         pool = self._pool
@@ -343,7 +390,7 @@ class RecoveryController:
         if target is not None:
             pool.start_replacements(target)
             if pool.replacements.started is not None:
-                report.notes.append(f"{target - pool.world_size} replacements starting, to join once up")
+                notes.append(f"{target - pool.world_size} replacements starting, to join once up")
 
     def may_grow(self) -> bool:
         """Whether a grow back may be due at a coming step boundary (no side effects)."""

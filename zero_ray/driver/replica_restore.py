@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence, Set
 
 from zero_ray.core.replica_plan import keep_whole_groups, replica_plan, surviving_group
-from zero_ray.core.restore_plan import ReplicaRestore, TransferDescription
+from zero_ray.core.restore_plan import ReplicaRestore
 from zero_ray.core.topology import Mesh, Topology, plan_mesh
 from zero_ray.driver.pool import OwnerPool
 from zero_ray.driver.pool_spec import check_resources
@@ -94,8 +94,7 @@ def resize_groups(pool: OwnerPool, topology: Topology, world_size: int, *, timeo
 def _finished_step(pool: OwnerPool, group: Sequence[int], *, timeout_s: float) -> int:
     """The step ``group``'s owners have all finished (and none is updating), else CheckpointError:
     its state may be half a step."""
-    statuses = pool.fan.grpc([pool.clients[r] for r in group], "status",
-                             lambda c, i: c.status(timeout_s=timeout_s), watch=False, ranks=list(group))
+    statuses = pool.statuses(group, timeout_s=timeout_s)
     steps = {s.step for s in statuses}
     phases = {s.phase for s in statuses}
     if len(steps) != 1 or "updating" in phases or "starting" in phases:
@@ -108,10 +107,7 @@ def _rebuild_from(pool: OwnerPool, topology: Topology, old: Mesh, *, source: Seq
                   target: int, timeout_s: float) -> int:
     """Rebuild the pool from ``kept`` (old ranks, in order) to ``target`` owners, every new
     shard group receiving ``source``'s live shards; returns bytes sent."""
-    info = TransferDescription.merged(pool.fan.grpc(
-        [pool.clients[r] for r in source], "resize_info",
-        lambda c, i: TransferDescription.from_data(c.resize_info(timeout_s=timeout_s)), watch=False,
-                                            ranks=list(source)))
+    info = pool.transfer_description(source, timeout_s=timeout_s)
     gone = set(range(old.world_size)) - set(kept)
 
     def plan(position: dict[int, int]) -> ReplicaRestore:

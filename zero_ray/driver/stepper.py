@@ -97,9 +97,9 @@ class Stepper:
             def attempt() -> dict[str, float]:
                 generation = self._pool.generation
                 self._evaluations += 1
-                pieces, held = work.send(self._pool, world_size=self.world_size,
-                                         key=f"{generation}:eval{self._evaluations}")
-                results = self._pool.evaluate([EvaluateArgs(piece=p, generation=generation) for p in pieces],
+                out = work.split(world_size=self.world_size, key=f"{generation}:eval{self._evaluations}")
+                held = (out, self._pool.stage(out))
+                results = self._pool.evaluate([EvaluateArgs(piece=p, generation=generation) for p in out.pieces],
                                               timeout_s=cfg.step_timeout_s)
                 del held
                 return combine([r.totals for r in results])

@@ -151,7 +151,7 @@ class ZeroTrainer:
         self._controller = Controller(pool=self._pool, life=self._life, recovery=self._recovery,
                                       replay=Replay(elastic.max_replay_steps), callbacks=self._callbacks,
                                       events=self.events, step_timeout_s=cfg.step_timeout_s,
-                                      max_replay_steps=elastic.max_replay_steps,
+                                      max_replay_steps=elastic.max_replay_steps, snapshot_every=pool.snapshot_every,
                                       load_checkpoint=lambda: self._checkpoints.load_latest().step)
         self._stepper = Stepper(controller=self._controller, pool=self._pool, life=self._life, config=cfg,
                                 callbacks=self._callbacks,
