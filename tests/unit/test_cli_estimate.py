@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -231,3 +232,18 @@ def test_world_size_and_tensor_parallel_give_one_block_each(capsys: pytest.Captu
     block = out[out.index("Offload at Nd = 64 x Nm = 2"):]
     stage3 = next(line for line in block.splitlines() if line.startswith("3 "))
     assert stage3.split()[2:] == ["31.25", "93.75", "0.00"]
+
+
+@pytest.mark.parametrize("argv", [
+    ("--params", "1e12", "--data-parallel", "64", "--tensor-parallel", "1", "2", "4", "8", "16",
+     "--device-memory-gb", "32"),
+    ("--params", "1e12", "--world-size", "1024", "--tensor-parallel", "16"),
+])
+def test_docs_paste_what_the_command_prints(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]) -> None:
+    # docs/multinode.md pastes these outputs' last table; keep it current.
+    with open(os.path.join(REPO_ROOT, "docs", "multinode.md"), encoding="utf-8") as f:
+        blocks = f.read().split("```")[1::2]
+    status, out, _ = _run(capsys, *argv)
+    assert status == 0
+    tail = out.rstrip("\n").split("\n\n")[-1]
+    assert any(block.strip("\n") == tail for block in blocks), tail
