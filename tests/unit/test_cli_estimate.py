@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -125,6 +126,12 @@ def test_help_lists_every_optimizer(capsys: pytest.CaptureFixture[str]) -> None:
     (["--params", "1e9", "--world-size", "4", "--device-memory-gb", "-3"], "'-3'"),
     (["--params", "1e9", "--world-size", "4", "--no-momentum"], "'adamw'"),
     (["--world-size", "4"], "--params"),
+    (["--params", "1e12", "--world-size", "100", "--tensor-parallel", "16"], "--world-size 100 is not divisible by "
+                                                                             "--tensor-parallel 16"),
+    (["--params", "1e12", "--world-size", "64", "128", "--tensor-parallel", "1", "3"], "--tensor-parallel 3"),
+    (["--params", "1e12", "--world-size", "64", "--tensor-parallel", "0"], "'0'"),
+    (["--params", "1e12", "--world-size", "64", "--data-parallel", "64"], "not allowed with"),
+    (["--params", "1e12", "--world-size", "64", "--tensor-parallel", "2", "--shard-group", "8"], "--shard-group"),
 ])
 def test_bad_input_exits_2_with_message(capsys: pytest.CaptureFixture[str], argv: list[str],
                                         needle: str) -> None:
@@ -162,3 +169,81 @@ def test_offload_puts_each_category_on_its_tier(capsys: pytest.CaptureFixture[st
     assert [line.split()[2:] for line in block.splitlines() if re.match(r"[0-3] ", line)] == [
         ["0.00", "0.00", "1.88"]]  # stage 3 only; the gradient partition goes with the parameters
     assert "stage 3 only" in block
+
+
+# What `--data-parallel 64 --tensor-parallel 1 2 4 8 16 --device-memory-gb 32` prints per N_m (N_d x N_m owners),
+# and the paper's Table 2 cells (baseline, P_os, P_os+g, P_os+g+p), in billions of parameters.
+_TABLE2_PRINTED = {
+    1: (["2.00B", "7.64B", "14.42B", "128.00B"], [2, 7.6, 14.4, 128]),
+    2: (["4.00B", "15.28B", "28.85B", "256.00B"], [4, 15.2, 28.8, 256]),
+    4: (["8.00B", "30.57B", "57.69B", "512.00B"], [8, 30.4, 57.6, 500]),
+    8: (["16.00B", "61.13B", "115.38B", "1.02T"], [16, 60.8, 115.2, 1000]),
+    16: (["32.00B", "122.27B", "230.76B", "2.05T"], [32, 121.6, 230.4, 2000]),
+}
+
+
+def test_tensor_parallel_reproduces_table2_mp_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = _run(capsys, "--params", "1e12", "--data-parallel", "64", "--tensor-parallel", "1", "2", "4",
+                            "8", "16", "--device-memory-gb", "32")
+    assert status == 0 and err == ""
+    table = out[out.index("Largest model whose model states fit 32 GB"):].splitlines()[3:]
+    rows = {int(line.split()[0]): line.split() for line in table if line.strip()}
+    assert sorted(rows) == [1, 2, 4, 8, 16]
+    for nm, (printed, paper) in _TABLE2_PRINTED.items():
+        assert rows[nm][:3] == [str(nm), str(64 * nm), "64"]
+        assert rows[nm][3:] == printed, nm
+        # Within the paper's rounding (it prints 7.6B x N_m; 0.5T, 1T, 2T to one digit).
+        ours = [float(c[:-1]) * (1000 if c.endswith("T") else 1) for c in printed]
+        assert ours == pytest.approx(paper, rel=0.05)
+    # Each N_m block's "max Psi" column is that row too.
+    block16 = out[out.index("Nd = 64 x Nm = 16"):out.index("Largest model")]
+    assert [r[-1] for r in _stage_rows(block16).values()] == _TABLE2_PRINTED[16][0]
+
+
+def test_1t_on_1024_devices_mp16_by_dp64(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = _run(capsys, "--params", "1e12", "--world-size", "1024", "--tensor-parallel", "16")
+    assert status == 0 and err == ""
+    assert "Nd = 64 x Nm = 16 (1024 owners: each model-parallel rank holds 1/16 of Psi, 62.50B" in out
+    rows = _stage_rows(out)
+    assert [rows[s][3] for s in range(4)] == ["1000.00", "261.72", "138.67", "15.62"]  # the paper's 16 GB
+    # ZeRO-DP's volume over the slice, ring over N_d = 64; MP's own traffic is said to be left out.
+    assert rows[0][-5:-3] == ["2", "Psi/Nm"] and "(0.123 Psi)" in " ".join(rows[0])
+    assert rows[3][-5:-3] == ["3", "Psi/Nm"] and "(0.185 Psi)" in " ".join(rows[3])
+    assert "no closed form" in out
+    assert "Largest model" not in out  # only with --device-memory-gb
+
+
+def test_tensor_parallel_one_changes_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("--params", "7.5e9", "--world-size", "64", "4", "--offload-optimizer", "cpu")
+    _, plain, _ = _run(capsys, *argv)
+    status, with_one, _ = _run(capsys, *argv, "--tensor-parallel", "1")
+    assert status == 0 and with_one == plain
+    _, data_parallel, _ = _run(capsys, "--params", "7.5e9", "--data-parallel", "64", "4", "--offload-optimizer", "cpu")
+    assert data_parallel == plain
+
+
+def test_world_size_and_tensor_parallel_give_one_block_each(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _run(capsys, "--params", "1e12", "--world-size", "64", "128", "--tensor-parallel", "1", "2",
+                          "--offload-optimizer", "cpu")
+    assert status == 0
+    headers = [line.split(", ", 1)[1].split(" (")[0] for line in out.splitlines() if line.startswith("Psi = ")]
+    assert headers == ["Nd = 64", "Nd = 32 x Nm = 2", "Nd = 128", "Nd = 64 x Nm = 2"]
+    # The offload table of 1T at Nd = 64 x Nm = 2: the optimizer state (12 B of the 1/2 slice, / 64) on the host.
+    block = out[out.index("Offload at Nd = 64 x Nm = 2"):]
+    stage3 = next(line for line in block.splitlines() if line.startswith("3 "))
+    assert stage3.split()[2:] == ["31.25", "93.75", "0.00"]
+
+
+@pytest.mark.parametrize("argv", [
+    ("--params", "1e12", "--data-parallel", "64", "--tensor-parallel", "1", "2", "4", "8", "16",
+     "--device-memory-gb", "32"),
+    ("--params", "1e12", "--world-size", "1024", "--tensor-parallel", "16"),
+])
+def test_docs_paste_what_the_command_prints(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]) -> None:
+    # docs/multinode.md pastes these outputs' last table; keep it current.
+    with open(os.path.join(REPO_ROOT, "docs", "multinode.md"), encoding="utf-8") as f:
+        blocks = f.read().split("```")[1::2]
+    status, out, _ = _run(capsys, *argv)
+    assert status == 0
+    tail = out.rstrip("\n").split("\n\n")[-1]
+    assert any(block.strip("\n") == tail for block in blocks), tail

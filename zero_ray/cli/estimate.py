@@ -1,4 +1,5 @@
-"""`zero-ray estimate`: the paper's per-device model-state memory and communication, per stage.
+"""`zero-ray estimate`: the paper's per-device model-state memory and communication, per stage,
+with data parallelism alone or across model-parallel (tensor-parallel) groups.
 
 Pure arithmetic from `zero_ray.core.memory_formulas`; it starts no Ray and touches no device.
 """
@@ -15,6 +16,7 @@ from zero_ray.core.memory_formulas import (
     OFFLOAD_TIERS,
     OPTIMIZERS,
     STAGES,
+    ParallelLayout,
     communication_elements,
     communication_volume_multiple,
     largest_trainable_params,
@@ -100,8 +102,18 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--params", type=_param_count, required=True, metavar="PSI",
                         help="number of model parameters, e.g. 7.5e9")
-    parser.add_argument("--world-size", type=positive_int, nargs="+", required=True, metavar="N",
-                        help="data-parallel degree(s); one block is printed per value")
+    sizes = parser.add_mutually_exclusive_group(required=True)
+    sizes.add_argument("--world-size", type=positive_int, nargs="+", metavar="N",
+                       help="owners (devices); one block is printed per value. With --tensor-parallel N_m they "
+                            "form N / N_m data-parallel ranks of N_m model-parallel owners (without it, N_d = N)")
+    sizes.add_argument("--data-parallel", type=positive_int, nargs="+", metavar="N_d",
+                       help="instead of --world-size: data-parallel degree(s), each block then has N_d x N_m "
+                            "owners (the paper's Table 2 keeps N_d = 64 and grows N_m)")
+    parser.add_argument("--tensor-parallel", type=positive_int, nargs="+", default=None, metavar="N_m",
+                        help="model-parallel (tensor-parallel) degree(s): each rank holds 1/N_m of the parameters, "
+                             "partitioned by ZeRO across its N_d data-parallel peers; one block per world size and "
+                             "N_m, and with --device-memory-gb a table of the largest model per N_m (Table 2); "
+                             "default: 1")
     parser.add_argument("--precision", choices=sorted(_PRECISION_BYTES), default="mixed",
                         help="mixed: fp16 params/grads + fp32 optimizer; fp32: everything fp32 "
                              "(default: %(default)s)")
@@ -143,21 +155,22 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _print_offload(out: TextIO, args: argparse.Namespace, *, world_size: int, acct: _Accounting,
+def _print_offload(out: TextIO, args: argparse.Namespace, *, layout: ParallelLayout, acct: _Accounting,
                    fraction: float) -> None:
     """Model state per device by tier, per stage (parameters offloaded at stage 3 only)."""
     trainable = min(args.params, max(0, round(fraction * args.params)))
     stages = [3] if args.offload_params else list(STAGES)
-    print(f"Offload at Nd = {world_size}: optimizer state on {args.offload_optimizer or 'the device'}, parameters on "
+    print(f"Offload at {_degrees(layout)}: optimizer state on {args.offload_optimizer or 'the device'}, parameters on "
           f"{args.offload_params or 'the device'}"
           + (" (stage 3 only: below it every device holds every parameter)" if args.offload_params else "")
           + ("; gradients go with the parameters" if args.offload_params else "; gradients stay on the device")
           + ". GB per device", file=out)
     rows = [["stage", "device GB", "host GB", "NVMe GB"]]
     for stage in stages:
-        state = model_state_bytes(stage=stage, num_params=args.params, world_size=world_size,
+        state = model_state_bytes(stage=stage, num_params=args.params, world_size=layout.data_parallel,
                                   param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes,
-                                  optimizer_bytes=acct.optimizer_bytes, trainable_params=trainable)
+                                  optimizer_bytes=acct.optimizer_bytes, trainable_params=trainable,
+                                  model_parallel=layout.model_parallel)
         tiers = tier_bytes(state, stage=stage, optimizer=args.offload_optimizer, params=args.offload_params)
         rows.append([f"{stage} {STAGES[stage].name}", f"{tiers.device / _GB:.2f}", f"{tiers.host / _GB:.2f}",
                      f"{tiers.nvme / _GB:.2f}"])
@@ -239,20 +252,35 @@ def _human_count(value: float) -> str:
     return f"{value:.0f}"
 
 
-def _volume(stage: int, partitions_params: bool, *, frozen: bool) -> str:
+def _volume(stage: int, partitions_params: bool, *, frozen: bool, model_parallel: int = 1) -> str:
     """The per-step volume in units of Psi; with frozen parameters only the trainable ones
-    (Psi_t) are reduced and updated."""
+    (Psi_t) are reduced and updated; with model parallelism ZeRO-DP moves one slice's (/Nm)."""
     multiple = communication_volume_multiple(stage)
     if not frozen:
-        return f"{multiple} Psi"
-    return f"{multiple - 1} Psi + Psi_t" if partitions_params else f"{multiple} Psi_t"
+        volume = f"{multiple} Psi"
+    else:
+        volume = f"{multiple - 1} Psi + Psi_t" if partitions_params else f"{multiple} Psi_t"
+    if model_parallel == 1:
+        return volume
+    return f"{volume}/Nm" if not frozen or not partitions_params else f"({volume})/Nm"
 
 
-def _print_block(out: TextIO, *, num_params: int, world_size: int, acct: _Accounting,
+def _degrees(layout: ParallelLayout) -> str:
+    """The degrees a block names: "Nd = 64", or with model parallelism "Nd = 64 x Nm = 16"."""
+    text = f"Nd = {layout.data_parallel}"
+    return text if layout.model_parallel == 1 else f"{text} x Nm = {layout.model_parallel}"
+
+
+def _print_block(out: TextIO, *, num_params: int, layout: ParallelLayout, acct: _Accounting,
                  device_gb: float | None, fraction: float = 1.0) -> None:
     trainable = min(num_params, max(0, round(fraction * num_params)))
     share = f", {trainable} trainable ({fraction:g})" if fraction < 1 else ""
-    print(f"Psi = {num_params} parameters ({_human_count(num_params)}){share}, Nd = {world_size}", file=out)
+    world_size, nm = layout.data_parallel, layout.model_parallel
+    mp = ""
+    if nm > 1:
+        mp = (f" ({layout.world_size} owners: each model-parallel rank holds 1/{nm} of Psi, "
+              f"{_human_count(-(-num_params // nm))}, partitioned across its {world_size} data-parallel peers)")
+    print(f"Psi = {num_params} parameters ({_human_count(num_params)}){share}, {_degrees(layout)}{mp}", file=out)
     headers = ["stage", "partitioned", "GB/device", "GiB/device", "vs stage 0",
                "comm volume", "sent/device/step"]
     if device_gb is not None:
@@ -260,14 +288,16 @@ def _print_block(out: TextIO, *, num_params: int, world_size: int, acct: _Accoun
 
     baseline = model_state_bytes(stage=0, num_params=num_params, world_size=world_size,
                                  param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes,
-                                 optimizer_bytes=acct.optimizer_bytes, trainable_params=trainable).total
+                                 optimizer_bytes=acct.optimizer_bytes, trainable_params=trainable,
+                                 model_parallel=nm).total
     rows: list[list[str]] = []
     for stage, spec in STAGES.items():
         total = model_state_bytes(stage=stage, num_params=num_params, world_size=world_size,
                                   param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes,
-                                  optimizer_bytes=acct.optimizer_bytes, trainable_params=trainable).total
+                                  optimizer_bytes=acct.optimizer_bytes, trainable_params=trainable,
+                                  model_parallel=nm).total
         sent = communication_elements(stage=stage, num_params=num_params, world_size=world_size,
-                                      trainable_params=trainable)
+                                      trainable_params=trainable, model_parallel=nm)
         row = [
             f"{stage} {spec.name}",
             "+".join(spec.partitioned) or "nothing",
@@ -275,14 +305,14 @@ def _print_block(out: TextIO, *, num_params: int, world_size: int, acct: _Accoun
             f"{total / _GIB:.2f}",
             # total > 0: --params >= 1 and every accounting has at least 2 B of parameters.
             f"{baseline / total:.2f}x",
-            _volume(stage, spec.partitions_params, frozen=fraction < 1),
+            _volume(stage, spec.partitions_params, frozen=fraction < 1, model_parallel=nm),
             f"{sent:.4g} ({sent / num_params:.3f} Psi)",
         ]
         if device_gb is not None:
             largest = largest_trainable_params(
                 stage=stage, world_size=world_size, device_bytes=device_gb * _GB,
                 param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes,
-                optimizer_bytes=acct.optimizer_bytes, trainable_fraction=fraction)
+                optimizer_bytes=acct.optimizer_bytes, trainable_fraction=fraction, model_parallel=nm)
             row.append(_human_count(largest))
         rows.append(row)
 
@@ -300,6 +330,45 @@ def _print_block(out: TextIO, *, num_params: int, world_size: int, acct: _Accoun
         print(fmt(row), file=out)
 
 
+def _print_largest(out: TextIO, layouts: list[ParallelLayout], *, acct: _Accounting, device_gb: float,
+                   fraction: float) -> None:
+    """The paper's Table 2: the largest model whose model states fit, per layout and stage."""
+    print(f"Largest model whose model states fit {device_gb:g} GB per device, by model-parallel degree "
+          "(the paper's Table 2: N_d x N_m owners, N_m times the data-parallel figure)", file=out)
+    headers = ["Nm", "owners", "Nd", *(f"{n} {spec.name}" for n, spec in STAGES.items())]
+    rows = [[str(layout.model_parallel), str(layout.world_size), str(layout.data_parallel),
+             *(_human_count(largest_trainable_params(
+                 stage=stage, world_size=layout.data_parallel, device_bytes=device_gb * _GB,
+                 param_bytes=acct.param_bytes, grad_bytes=acct.grad_bytes, optimizer_bytes=acct.optimizer_bytes,
+                 trainable_fraction=fraction, model_parallel=layout.model_parallel)) for stage in STAGES)]
+            for layout in layouts]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    for k, row in enumerate([headers, *rows]):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)), file=out)
+        if k == 0:
+            print("  ".join("-" * w for w in widths), file=out)
+
+
+def _layouts(args: argparse.Namespace) -> list[ParallelLayout]:
+    """One layout per world size (or data-parallel degree) and model-parallel degree, in that
+    order; a world size that is not a multiple of N_m raises ConfigError naming both flags."""
+    layouts = []
+    for size in args.world_size or args.data_parallel:
+        for nm in args.tensor_parallel or [1]:
+            if args.data_parallel:
+                layouts.append(ParallelLayout(data_parallel=size, model_parallel=nm))
+            elif size % nm:
+                raise ConfigError(f"--world-size {size} is not divisible by --tensor-parallel {nm}: the owners form "
+                                  f"data-parallel ranks of {nm} model-parallel owners each; give a world size that "
+                                  f"is a multiple of {nm}, or --data-parallel N_d for N_d x {nm} owners")
+            else:
+                layouts.append(ParallelLayout.of_world_size(size, nm))
+    if _topology_given(args) and any(layout.model_parallel > 1 for layout in layouts):
+        raise ConfigError("--tensor-parallel above 1 with the multi-node topology flags (--node-size, --shard-group, "
+                          "--secondary, --weight-comm, --grad-comm) is not modelled: drop one or the other")
+    return layouts
+
+
 def run(args: argparse.Namespace) -> int:
     """Print one table per world size; returns the exit status (2 for an invalid combination)."""
     if not args.momentum and optimizer_state(args.optimizer).momentum_state is None:
@@ -312,21 +381,32 @@ def run(args: argparse.Namespace) -> int:
     try:
         acct = _accounting(optimizer=args.optimizer, precision=args.precision,
                            momentum=args.momentum)
+        layouts = _layouts(args)  # before anything is printed: a bad layout prints nothing but the error
         out = sys.stdout
         print(f"Model states per device (GB = 1e9 bytes, GiB = 2**30 bytes); "
               f"{acct.description}.", file=out)
         print("Communication: elements each device sends per step with ring collectives, "
               "(Nd-1)/Nd of the volume.", file=out)
-        for world_size in args.world_size:
+        if any(layout.model_parallel > 1 for layout in layouts):
+            print("Model parallelism: each of Nm ranks holds 1/Nm of Psi and ZeRO partitions it across Nd; the "
+                  "communication is ZeRO-DP's alone, over that slice (2 Psi/Nm, 3 Psi/Nm). Model parallelism's own "
+                  "all-reduces of activations are not counted: the paper gives no closed form for them (they grow "
+                  "with batch x sequence x hidden, not with Psi).", file=out)
+        for layout in layouts:
             print(file=out)
-            _print_block(out, num_params=args.params, world_size=world_size, acct=acct,
+            _print_block(out, num_params=args.params, layout=layout, acct=acct,
                          device_gb=args.device_memory_gb, fraction=args.trainable_fraction)
             if _topology_given(args):
                 print(file=out)
-                _print_topology(out, args, world_size=world_size, acct=acct, fraction=args.trainable_fraction)
+                _print_topology(out, args, world_size=layout.world_size, acct=acct,
+                                fraction=args.trainable_fraction)
             if args.offload_optimizer or args.offload_params:
                 print(file=out)
-                _print_offload(out, args, world_size=world_size, acct=acct, fraction=args.trainable_fraction)
+                _print_offload(out, args, layout=layout, acct=acct, fraction=args.trainable_fraction)
+        if args.tensor_parallel is not None and args.device_memory_gb is not None:
+            print(file=out)
+            _print_largest(out, layouts, acct=acct, device_gb=args.device_memory_gb,
+                           fraction=args.trainable_fraction)
     except ConfigError as exc:
         print(f"zero-ray estimate: error: {exc}", file=sys.stderr)
         return 2

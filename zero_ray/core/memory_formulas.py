@@ -10,6 +10,12 @@ either replicates a category on every device or partitions it so that each of th
 devices holds one shard of `ceil(num_params / world_size)` elements, which is what a padded flat
 buffer holds. Activations, temporary buffers and fragmentation (ZeRO-R) are not model states and
 are not counted here.
+
+Model parallelism (the paper's section 5 and Table 2): with N_m model-parallel (tensor-parallel)
+ranks each holding 1/N_m of the parameters, ZeRO partitions that slice across the N_d data-parallel
+ranks holding it, so `model_parallel=N_m` counts `ceil(num_params / N_m)` parameters over
+`world_size = N_d`: model state shrinks by N_d x N_m at stage 3. The slice is the paper's even
+1/N_m; a real plan that replicates norms and biases on every rank holds slightly more.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ __all__ = [
     "OPTIMIZERS",
     "STAGES",
     "OptimizerState",
+    "ParallelLayout",
     "StageSpec",
     "StateBytes",
     "TopologyComm",
@@ -218,6 +225,44 @@ def factored_state_bytes(shapes: Sequence[Sequence[int]]) -> int:
     return _FP32 * total
 
 
+def _mp_slice(count: int, model_parallel: int) -> int:
+    """Elements of ``count`` one of ``model_parallel`` ranks holds: an even split, rounded up."""
+    _check_int("model_parallel", model_parallel, minimum=1)
+    return -(-count // model_parallel)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """``world_size`` owners as ``data_parallel`` (N_d) ranks of ``model_parallel`` (N_m) owners
+    each, the paper's ZeRO-DP x MP (its 1T example: 1,024 = 64 x 16)."""
+
+    data_parallel: int
+    model_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        _check_int("data_parallel", self.data_parallel, minimum=1)
+        _check_int("model_parallel", self.model_parallel, minimum=1)
+
+    @property
+    def world_size(self) -> int:
+        """Every owner: N_d x N_m."""
+        return self.data_parallel * self.model_parallel
+
+    @classmethod
+    def of_world_size(cls, world_size: int, model_parallel: int) -> ParallelLayout:
+        """The layout of ``world_size`` owners in groups of ``model_parallel``; a world size that
+        is not a multiple of it raises ``ConfigError`` naming both."""
+        _check_int("world_size", world_size, minimum=1)
+        _check_int("model_parallel", model_parallel, minimum=1)
+        if world_size % model_parallel:
+            low = world_size // model_parallel * model_parallel
+            near = " or ".join(str(n) for n in (low, low + model_parallel) if n)
+            raise ConfigError(f"{world_size=} is not divisible by {model_parallel=}: the owners form data-parallel "
+                              f"ranks of {model_parallel} model-parallel owners each; use a world size that is a "
+                              f"multiple of {model_parallel} (e.g. {near})")
+        return cls(data_parallel=world_size // model_parallel, model_parallel=model_parallel)
+
+
 def _trainable(num_params: int, trainable_params: int | None) -> int:
     if trainable_params is None:
         return num_params
@@ -229,7 +274,7 @@ def _trainable(num_params: int, trainable_params: int | None) -> int:
 
 def model_state_bytes(*, stage: int, num_params: int, world_size: int, param_bytes: int = 2,
                       grad_bytes: int = 2, optimizer_bytes: int = 12,
-                      trainable_params: int | None = None) -> StateBytes:
+                      trainable_params: int | None = None, model_parallel: int = 1) -> StateBytes:
     """Model-state bytes on ONE of `world_size` data-parallel devices at ZeRO `stage`.
 
     A replicated category holds all its elements; a partitioned one holds `ceil(elements /
@@ -238,6 +283,11 @@ def model_state_bytes(*, stage: int, num_params: int, world_size: int, param_byt
     mixed-precision Adam (2 + 2 + 12 bytes per parameter). With `trainable_params` below
     `num_params` (frozen parameters, e.g. a LoRA fine-tune), every parameter costs
     `param_bytes` and only the trainable ones have gradients and optimizer state.
+
+    With `model_parallel = N_m` > 1 the device is one of N_m model-parallel ranks and
+    `world_size` is N_d, the data-parallel ranks holding its slice: it counts
+    `ceil(num_params / N_m)` parameters (and `ceil(trainable_params / N_m)` trainable ones), the
+    paper's (2 + 2 + K) Psi / (N_d N_m) at stage 3. N_m = 1 is the data-parallel formula.
     """
     spec = stage_spec(stage)
     _check_int("num_params", num_params, minimum=0)
@@ -245,7 +295,8 @@ def model_state_bytes(*, stage: int, num_params: int, world_size: int, param_byt
     _check_int("param_bytes", param_bytes, minimum=0)
     _check_int("grad_bytes", grad_bytes, minimum=0)
     _check_int("optimizer_bytes", optimizer_bytes, minimum=0)
-    trainable = _trainable(num_params, trainable_params)
+    trainable = _mp_slice(_trainable(num_params, trainable_params), model_parallel)
+    num_params = _mp_slice(num_params, model_parallel)
 
     def elements(count: int, partitioned: bool) -> int:
         return -(-count // world_size) if partitioned else count  # integer ceil: exact above 2**53
@@ -297,7 +348,7 @@ def communication_volume_multiple(stage: int) -> int:
 
 
 def communication_elements(*, stage: int, num_params: int, world_size: int,
-                           trainable_params: int | None = None) -> float:
+                           trainable_params: int | None = None, model_parallel: int = 1) -> float:
     """Elements each device sends per training step with ring collectives.
 
     Stages 0-2 move 2Ψ (reduce-scatter of gradients + all-gather of parameters, which is what an
@@ -306,30 +357,39 @@ def communication_elements(*, stage: int, num_params: int, world_size: int,
     Frozen parameters are neither reduced nor updated: stages 0-2 move 2 Ψ_trainable; stage 3
     gathers every parameter twice and reduces the trainable ones (at most 2Ψ + Ψ_trainable: a
     frozen unit that backward never passes through is not gathered again).
+
+    With `model_parallel = N_m` > 1 this is ZeRO-DP's traffic only, among the `world_size` = N_d
+    ranks holding one model-parallel slice: 2 Psi / N_m or 3 Psi / N_m. Model parallelism's own
+    traffic (Megatron's all-reduces of activations in every layer, in proportion to batch x
+    sequence x hidden, not to Psi) is not counted: the paper gives no closed form for it.
     """
     multiple = communication_volume_multiple(stage)
     _check_int("num_params", num_params, minimum=0)
     _check_int("world_size", world_size, minimum=1)
-    trainable = _trainable(num_params, trainable_params)
+    trainable = _mp_slice(_trainable(num_params, trainable_params), model_parallel)
+    num_params = _mp_slice(num_params, model_parallel)
     volume = (multiple - 1) * num_params + trainable if stage_spec(stage).partitions_params else 2 * trainable
     return (world_size - 1) / world_size * volume
 
 
 def largest_trainable_params(*, stage: int, world_size: int, device_bytes: float, param_bytes: int = 2,
                              grad_bytes: int = 2, optimizer_bytes: int = 12,
-                             trainable_fraction: float = 1.0) -> float:
+                             trainable_fraction: float = 1.0, model_parallel: int = 1) -> float:
     """The Ψ whose model states exactly fill `device_bytes` per device at `stage`.
 
     Uses the continuous formula (no shard padding), as the paper's Table 2 does: with 32 GB and
     64 devices it gives 2B, 7.6B, 14.4B and 128B for stages 0-3. Memory for activations and
     buffers is not subtracted; pass a smaller `device_bytes` to leave room for them. With
     `trainable_fraction` below 1, only that fraction of Ψ has gradients and optimizer state.
+    With `model_parallel = N_m` (`world_size` = N_d) each device holds Ψ / N_m of it, so the
+    result is N_m times larger: Table 2's rows, e.g. 2T at stage 3 with N_m = 16.
     """
     if isinstance(trainable_fraction, bool) or not isinstance(trainable_fraction, (int, float)) \
             or not 0 < trainable_fraction <= 1:
         raise ConfigError(f"{trainable_fraction=} must be a number in (0, 1]")
     spec = stage_spec(stage)
     _check_int("world_size", world_size, minimum=1)
+    _check_int("model_parallel", model_parallel, minimum=1)
     _check_int("param_bytes", param_bytes, minimum=0)
     _check_int("grad_bytes", grad_bytes, minimum=0)
     _check_int("optimizer_bytes", optimizer_bytes, minimum=0)
@@ -346,7 +406,7 @@ def largest_trainable_params(*, stage: int, world_size: int, device_bytes: float
     if bytes_per_param == 0:
         raise ConfigError("param_bytes, grad_bytes and optimizer_bytes are all 0: "
                           "a parameter that costs nothing has no largest model")
-    return device_bytes / bytes_per_param
+    return device_bytes / bytes_per_param * model_parallel
 
 
 def topology_state_bytes(*, stage: int, num_params: int, world_size: int, shard_group_size: int | None = None,
