@@ -50,15 +50,19 @@ class SimSettings:
     job_id: str
     token: str
     compute_s: float
+    # The compute window in loss_sum and grad_norm (control_scale splits a step's time with it);
+    # False: a grad norm every rank agrees on, as a relay's combining checks (benchmarks.relay_hop).
+    timestamps: bool = True
 
 
 class SimEngine:
     """The stand-in for ``OwnerEngine``: a step waits ``compute_s`` (or, while held, until
     aborted: a step blocked in a collective on a dead peer) and answers."""
 
-    def __init__(self, rank: int, compute_s: float) -> None:
+    def __init__(self, rank: int, compute_s: float, *, timestamps: bool = True) -> None:
         self.rank = rank
         self.compute_s = compute_s
+        self.timestamps = timestamps
         self.phase = _Phase.IDLE
         self.position = Position(step=0, samples_seen=0)
         self.hold = False
@@ -81,7 +85,9 @@ class SimEngine:
         ended = time.monotonic()
         self.steps += 1
         self.position = Position(step=position.step + 1, samples_seen=position.samples_seen + global_samples)
-        return h.StepResult(totals=h.LossTotals(loss_sum=started, samples=1, items=1.0), grad_norm=ended,
+        # The compute window, or a loss of its own and the norm every rank shares.
+        loss_sum, norm = (started, ended) if self.timestamps else (float(self.rank), 1.0)
+        return h.StepResult(totals=h.LossTotals(loss_sum=loss_sum, samples=1, items=1.0), grad_norm=norm,
                             skipped=False, loss_scale=1.0, compute_seconds=ended - started, rank=self.rank)
 
 
@@ -103,7 +109,7 @@ class SimHost:
         self.touches = 0  # every control call and heartbeat served
         self.last_beat = 0.0  # when a heartbeat (or Stats) last read engine_or_none
         self.max_beat_gap = 0.0  # the longest time between two, since the driver last asked
-        self._engine = SimEngine(rank, settings.compute_s)
+        self._engine = SimEngine(rank, settings.compute_s, timestamps=settings.timestamps)
 
     @property
     def engine(self) -> SimEngine:  # type: ignore[override]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from zero_ray.control import codegen, handlers, record_gen
-from zero_ray.control._generated import common_pb2, coordinator_pb2, owner_pb2
+from zero_ray.control._generated import common_pb2, coordinator_pb2, owner_pb2, relay_pb2
 from zero_ray.core import records as generated
 from zero_ray.control.conversion import record_fields, to_message, to_record
 from zero_ray.errors import ConfigError
@@ -21,7 +21,8 @@ NAMES = sorted(generated.MESSAGES)
 
 def _message_type(record_name: str) -> type:
     short = generated.MESSAGES[record_name].rsplit(".", 1)[1]
-    return getattr(owner_pb2, short, None) or getattr(coordinator_pb2, short)
+    return next(getattr(module, short) for module in (owner_pb2, coordinator_pb2, relay_pb2, common_pb2)
+                if hasattr(module, short))
 
 
 def _scalar(f: Any, salt: int) -> Any:

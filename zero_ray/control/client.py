@@ -17,7 +17,14 @@ Example::
 from __future__ import annotations
 
 from zero_ray.control import json_fields as plain
-from zero_ray.control._generated import coordinator_pb2, coordinator_pb2_grpc, owner_pb2, owner_pb2_grpc
+from zero_ray.control._generated import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    owner_pb2,
+    owner_pb2_grpc,
+    relay_pb2,
+    relay_pb2_grpc,
+)
 from zero_ray.control.client_channel import BaseClient, ClientConfig, Pending, Stream, check_timeout
 from zero_ray.control.handlers import (
     CheckpointResult,
@@ -31,17 +38,21 @@ from zero_ray.control.handlers import (
     OwnerStats,
     OwnerStatus,
     Plain,
+    RelayStepArgs,
     ResizeResult,
     SavePhase,
     SaveResult,
     SetupResult,
     StepArgs,
     StepResult,
+    SubtreeStep,
 )
 from zero_ray.control.conversion import to_message, to_record
+from zero_ray.control.relay_wire import from_wire
+from zero_ray.core.reply_combine import CombinedStep
 from zero_ray.errors import ConfigError
 
-__all__ = ["ClientConfig", "CoordinatorClient", "OwnerClient", "Stream"]
+__all__ = ["ClientConfig", "CoordinatorClient", "OwnerClient", "RelayClient", "Stream"]
 
 
 class OwnerClient(BaseClient):
@@ -225,3 +236,30 @@ class CoordinatorClient(BaseClient):
 
         return self._stream("Metrics", self._stub.Metrics, coordinator_pb2.MetricsRequest(header=self._header()),
                             convert, stall_s=stall_s, timeout_s=timeout_s, end_is_error=False)
+
+
+class RelayClient(BaseClient):
+    """A client of one relay of the control tree (``zero_ray.v1.Relay``): the driver's of a top
+    relay, or a relay's of a relay below it."""
+
+    _SERVICE = "Relay"
+
+    def __init__(self, config: ClientConfig) -> None:
+        super().__init__(config)
+        self._stub = relay_pb2_grpc.RelayStub(self._channel)
+
+    def __enter__(self) -> RelayClient:
+        return self
+
+    def relay_step(self, args: RelayStepArgs, *, timeout_s: float | None = None) -> CombinedStep:
+        """Run one step on every rank of the relay's subtree; their replies combined (a rank's
+        failure is the reply's ``failure``). ``timeout_s`` bounds the call: at least
+        ``args.timeout_s`` and the time the reply takes to come back."""
+        request = to_message(args, relay_pb2.RelayStepRequest, header=self._header())
+        return from_wire(to_record(self._unary("RelayStep", self._stub.RelayStep, request, timeout_s), SubtreeStep))
+
+    def relay_step_async(self, args: RelayStepArgs, *, timeout_s: float | None = None) -> Pending[CombinedStep]:
+        """``relay_step`` without a thread waiting for it: the reply arrives as a ``Pending``."""
+        request = to_message(args, relay_pb2.RelayStepRequest, header=self._header())
+        return self._unary_future("RelayStep", self._stub.RelayStep, request, timeout_s,
+                                  lambda r: from_wire(to_record(r, SubtreeStep)))

@@ -262,6 +262,10 @@ class Pending(Generic[T]):
         """Call ``fn(self)`` once the call ends (on gRPC's thread: keep it short)."""
         self._future.add_done_callback(lambda _: fn(self))
 
+    def done(self) -> bool:
+        """Whether the call has ended (replied, failed or been cancelled)."""
+        return self._future.done()
+
     def result(self) -> T:
         """The reply (blocking until it ends), or ControlError as a blocking call raises it."""
         try:

@@ -44,7 +44,7 @@ from zero_ray.errors import ConfigError, ZeroRayError
 
 # The Python package the stubs live in, as a path; also the virtual -I root.
 GENERATED_PACKAGE = "zero_ray/control/_generated"
-PROTO_FILES: tuple[str, ...] = ("common.proto", "owner.proto", "coordinator.proto")
+PROTO_FILES: tuple[str, ...] = ("common.proto", "owner.proto", "coordinator.proto", "relay.proto")
 # What protoc writes per proto file; anything else in the package is hand-written.
 _GENERATED_SUFFIXES: tuple[str, ...] = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 

@@ -38,6 +38,7 @@ anything else                           ``INTERNAL`` (and logged with its traceb
 from __future__ import annotations
 
 import enum
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ from zero_ray.core.records import (
     CheckpointResult,
     CollectiveEvent,
     EvaluateResult,
+    ExactSumValue,
+    FailedRank,
+    FailureDetailRecord,
     Flight,
     Heartbeat,
     JobStatus,
@@ -59,20 +63,26 @@ from zero_ray.core.records import (
     OwnerStats,
     OwnerStatus,
     ParamInfo,
+    RankSpan,
     RankStatus,
+    RankStep,
     ResizeResult,
     SaveResult,
     SetupResult,
+    StepAgreed,
     StepResult,
+    SubtreeStep,
+    SubtreeTotals,
 )
 from zero_ray.errors import ConfigError
 
 __all__ = [
-    "CheckpointResult", "CollectiveEvent", "CoordinatorHandler", "EvaluateArgs", "EvaluateResult", "FailureContext",
-    "Flight", "Heartbeat",
+    "CheckpointResult", "CollectiveEvent", "CoordinatorHandler", "EvaluateArgs", "EvaluateResult", "ExactSumValue",
+    "FailedRank", "FailureContext", "FailureDetailRecord", "Flight", "Heartbeat",
     "JobStatus", "LoadResult", "LossTotals", "MetricsEvent", "ModelLayout", "OwnerHandler", "OwnerStats",
-    "OwnerStatus", "ParamInfo", "Piece", "Plain", "RankStatus", "ResizeResult", "SavePhase", "SaveResult",
-    "SetupResult", "StepArgs", "StepResult", "combine",
+    "OwnerStatus", "ParamInfo", "Piece", "Plain", "RankSpan", "RankStatus", "RankStep", "RelayStepArgs",
+    "ResizeResult", "SavePhase", "SaveResult", "SetupResult", "StepAgreed", "StepArgs", "StepResult", "SubtreeStep",
+    "SubtreeTotals", "combine",
 ]
 
 # Plain data: what a JSON document holds (dicts keyed by str or int, lists, numbers, str, None).
@@ -131,6 +141,21 @@ class EvaluateArgs(_records.EvaluateArgs):
 
     def __post_init__(self) -> None:
         _non_negative(generation=self.generation)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayStepArgs(_records.RelayStepArgs):
+    """A step on every rank of a relay's subtree (relay.proto's RelayStepRequest): each rank's
+    ``StepArgs`` once, and the seconds the subtree has."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError(f"RelayStepArgs(timeout_s={self.timeout_s}) must be a finite number of seconds > 0: "
+                              "the time the subtree has to answer")
+        ranks = [s.rank for s in self.steps]
+        if not ranks or len(set(ranks)) != len(ranks):
+            raise ConfigError(f"RelayStepArgs names ranks {sorted(ranks)}: a relayed step holds each rank of the "
+                              "subtree once, and at least one")
 
 
 class SavePhase(enum.Enum):

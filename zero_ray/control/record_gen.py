@@ -46,6 +46,15 @@ RECORDS: tuple[tuple[str, str], ...] = (
     ("MetricsEvent", "zero_ray.v1.MetricsEvent"),
     ("CollectiveEvent", "zero_ray.v1.CollectiveEvent"),
     ("Flight", "zero_ray.v1.FlightReply"),
+    ("FailureDetailRecord", "zero_ray.v1.FailureDetail"),
+    ("RankStep", "zero_ray.v1.RankStep"),
+    ("RelayStepArgs", "zero_ray.v1.RelayStepRequest"),
+    ("ExactSumValue", "zero_ray.v1.ExactSumValue"),
+    ("SubtreeTotals", "zero_ray.v1.SubtreeTotals"),
+    ("StepAgreed", "zero_ray.v1.StepAgreed"),
+    ("RankSpan", "zero_ray.v1.RankSpan"),
+    ("FailedRank", "zero_ray.v1.FailedRank"),
+    ("SubtreeStep", "zero_ray.v1.RelayStepReply"),
 )
 
 _F = descriptor_pb2.FieldDescriptorProto

@@ -1,4 +1,4 @@
-"""gRPC servers for the control plane: a partition owner's and the driver's.
+"""gRPC servers for the control plane: a partition owner's, a relay's and the driver's.
 
 A :class:`ControlServer` serves handlers (see :mod:`zero_ray.control.handlers`, translated by
 :mod:`zero_ray.control.servicers`) on its own thread pool, so that a call such as ``Abort`` is served while another
@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from zero_ray.control._generated import coordinator_pb2_grpc, owner_pb2_grpc
+from zero_ray.control._generated import coordinator_pb2_grpc, owner_pb2_grpc, relay_pb2_grpc
 from zero_ray.control.auth import (
     SUPPORTED_PROTOCOL_VERSIONS,
     Credentials,
@@ -36,7 +36,8 @@ from zero_ray.control.auth import (
     read_pem,
 )
 from zero_ray.control.handlers import CoordinatorHandler, OwnerHandler
-from zero_ray.control.servicers import CoordinatorServicer, OwnerServicer
+from zero_ray.control.relay_hop import RelayHop
+from zero_ray.control.servicers import CoordinatorServicer, OwnerServicer, RelayServicer
 from zero_ray.control.stream_admission import Streams
 from zero_ray.errors import ConfigError, ControlError
 
@@ -121,7 +122,8 @@ class ServerConfig:
 
 
 def _missing_methods(handler: object, protocol: type) -> list[str]:
-    names = [name for name in dir(protocol) if not name.startswith("_")]
+    # Methods only: a concrete handler class (RelayHop) also has properties, which are not served.
+    names = [name for name in dir(protocol) if not name.startswith("_") and callable(getattr(protocol, name))]
     return [name for name in names if not callable(getattr(handler, name, None))]
 
 
@@ -162,6 +164,11 @@ class ControlServer:
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(handler, self._streams),
                                                                self._server)
 
+    def add_relay(self, hop: RelayHop) -> None:
+        """Serve ``zero_ray.v1.Relay`` with ``hop`` (beside an owner's service, or alone)."""
+        self._add("Relay", hop, RelayHop)
+        relay_pb2_grpc.add_RelayServicer_to_server(RelayServicer(hop, self._streams), self._server)
+
     def _add(self, service: str, handler: Any, protocol: type) -> None:
         if self._address is not None:
             raise ControlError(f"cannot add {service} to the server at {self._address}: it has started")
@@ -177,7 +184,7 @@ class ControlServer:
         if self._address is not None:
             return self._address
         if not self._services:
-            raise ConfigError("the server has no handler; call add_owner() or add_coordinator() first")
+            raise ConfigError("the server has no handler; call add_owner(), add_relay() or add_coordinator() first")
         config = self._config
         target = format_address(config.bind_host, config.port)
         try:

@@ -1,5 +1,6 @@
 """protobuf <-> plain translation on the server side: the servicers a :class:`ControlServer`
-registers for an :class:`OwnerHandler` and a :class:`CoordinatorHandler`.
+registers for an :class:`OwnerHandler`, a :class:`CoordinatorHandler` and a relay's
+:class:`~zero_ray.control.relay_hop.RelayHop`.
 
 Every method runs its handler through :func:`zero_ray.control.failure_status.serve`, so that a failure
 ends the call with a status and a FailureDetail; ``*_json`` fields are read and written with
@@ -14,17 +15,27 @@ from typing import Any, TypeVar
 import grpc
 
 from zero_ray.control import json_fields as plain
-from zero_ray.control._generated import coordinator_pb2, coordinator_pb2_grpc, owner_pb2, owner_pb2_grpc
+from zero_ray.control._generated import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    owner_pb2,
+    owner_pb2_grpc,
+    relay_pb2,
+    relay_pb2_grpc,
+)
 from zero_ray.control.handlers import (
     CoordinatorHandler,
     EvaluateArgs,
     FailureContext,
     OwnerHandler,
+    RelayStepArgs,
     SavePhase,
     StepArgs,
 )
 from zero_ray.control.conversion import to_message, to_record
 from zero_ray.control.failure_status import serve
+from zero_ray.control.relay_hop import RelayHop
+from zero_ray.control.relay_wire import to_wire
 from zero_ray.control.stream_admission import Streams
 
 T = TypeVar("T")
@@ -200,3 +211,19 @@ class CoordinatorServicer(_Serving, coordinator_pb2_grpc.CoordinatorServicer):
                 close = getattr(events, "close", None)
                 if close is not None:  # run the handler generator's cleanup now, not at garbage collection
                     close()
+
+
+class RelayServicer(_Serving, relay_pb2_grpc.RelayServicer):
+    """protobuf <-> plain translation for a relay's :class:`RelayHop`: the combined reply is
+    converted to its wire record here (:mod:`zero_ray.control.relay_wire`)."""
+
+    _SERVICE = "Relay"
+    _handler: RelayHop
+
+    def _failure_context(self) -> FailureContext:
+        return self._handler.failure_context()
+
+    def RelayStep(self, request: relay_pb2.RelayStepRequest, context: grpc.ServicerContext) -> relay_pb2.RelayStepReply:
+        args = self._serve(context, "RelayStep", lambda: to_record(request, RelayStepArgs), _same)
+        return self._serve(context, "RelayStep", lambda: self._handler.relay_step(args),
+                           lambda r: to_message(to_wire(r), relay_pb2.RelayStepReply))

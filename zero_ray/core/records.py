@@ -350,6 +350,157 @@ class Flight:
     recent: tuple[CollectiveEvent, ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class FailureDetailRecord:
+    """Why a call failed in its handler. It travels beside the status (code and a
+    human-readable message) as the binary trailing-metadata entry
+    "zero-ray-failure-bin", holding this message serialized, so that a client
+    rebuilds the error from fields rather than from the status text. Refusals
+    before any handler runs (token, header) carry none.
+
+    The record of ``zero_ray.v1.FailureDetail``.
+    """
+
+    # The exception's class name, e.g. "ConfigError"; zero_ray.errors names the domain types.
+    type: str = ""
+    # The rank of the owner that failed; unset for the driver's own service.
+    rank: int | None = None
+    # Where the owner was in its step when it failed ("idle", "computing", "updating";
+    # "starting" before it has model state); empty for the driver's service.
+    phase: str = ""
+    # The exception's message (cut at the end when long).
+    message: str = ""
+    # The exception it was raised from ("Type: message"), if any.
+    cause: str = ""
+    # The handler's traceback (its last lines when long).
+    remote_traceback: str = ""
+    # The method that failed, e.g. "PartitionOwner.Step".
+    operation: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankStep:
+    """One rank's step, as its owner is to be asked.
+
+    The record of ``zero_ray.v1.RankStep``.
+    """
+
+    rank: int = 0
+    args: StepArgs
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayStepArgs:
+    """A step on every rank of a subtree.
+
+    The record of ``zero_ray.v1.RelayStepRequest``.
+    """
+
+    # Every rank of the subtree, once each.
+    steps: tuple[RankStep, ...] = ()
+    # Seconds the subtree has, from when the relay receives the call: the relay answers within
+    # them, counting a child that has not answered by then as failed; a relay below gets them
+    # less the hop's margin, so that its answer arrives in time.
+    timeout_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExactSumValue:
+    """A sum of floats held exactly: the finite terms' sum in units of 2**-1074 (every finite
+    double is a whole number of them) as a signed big-endian integer, empty for 0; and whether
+    an infinite or NaN term was among them.
+
+    The record of ``zero_ray.v1.ExactSumValue``.
+    """
+
+    units: bytes = b""
+    pos_inf: bool = False
+    neg_inf: bool = False
+    nan: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubtreeTotals:
+    """Several ranks' LossTotals, combined.
+
+    The record of ``zero_ray.v1.SubtreeTotals``.
+    """
+
+    loss_sum: ExactSumValue
+    samples: int = 0
+    count: ExactSumValue
+    items: ExactSumValue
+    # Whether loss_fn counted its items, as every rank with samples reported it; unset while no
+    # such rank is in. counted_rank: the lowest of those ranks.
+    counted: bool | None = None
+    counted_rank: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepAgreed:
+    """What every rank reports alike about a step, and the lowest rank that reported it.
+
+    The record of ``zero_ray.v1.StepAgreed``.
+    """
+
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    skipped: bool = False
+    loss_scale: float = 0.0
+    refused: bool = False
+    rank: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSpan:
+    """Ranks start to stop - 1.
+
+    The record of ``zero_ray.v1.RankSpan``.
+    """
+
+    start: int = 0
+    stop: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailedRank:
+    """A rank's failed call, as the relay that called it saw it: `at` is that relay's Unix time.
+    For a relay that failed, the rank whose process runs it.
+
+    The record of ``zero_ray.v1.FailedRank``.
+    """
+
+    rank: int = 0
+    node: str = ""
+    detail: FailureDetailRecord
+    at: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubtreeStep:
+    """A subtree's replies to one step, combined.
+
+    The record of ``zero_ray.v1.RelayStepReply``.
+    """
+
+    # The ranks whose replies (results or failures) this holds.
+    ranks: tuple[RankSpan, ...] = ()
+    totals: SubtreeTotals
+    # Unset while no rank's result is in.
+    agreed: StepAgreed | None = None
+    # The slowest rank's.
+    compute_seconds: float = 0.0
+    # The longest wait for a piece of the batch, and the waits' sum.
+    data_seconds: float = 0.0
+    data_seconds_sum: ExactSumValue
+    # Bytes sent per collective kind, summed.
+    bytes_sent: Mapping[str, int] = field(default_factory=dict)
+    nonfinite_loss_ranks: tuple[int, ...] = ()
+    nonfinite_grad_ranks: tuple[int, ...] = ()
+    # The earliest failure (the lower rank on a tie); unset when every rank completed.
+    failure: FailedRank | None = None
+
+
 # The message each record is converted to and from (zero_ray.control.conversion).
 MESSAGES: dict[str, str] = {
     "Piece": "zero_ray.v1.Piece",
@@ -373,6 +524,15 @@ MESSAGES: dict[str, str] = {
     "MetricsEvent": "zero_ray.v1.MetricsEvent",
     "CollectiveEvent": "zero_ray.v1.CollectiveEvent",
     "Flight": "zero_ray.v1.FlightReply",
+    "FailureDetailRecord": "zero_ray.v1.FailureDetail",
+    "RankStep": "zero_ray.v1.RankStep",
+    "RelayStepArgs": "zero_ray.v1.RelayStepRequest",
+    "ExactSumValue": "zero_ray.v1.ExactSumValue",
+    "SubtreeTotals": "zero_ray.v1.SubtreeTotals",
+    "StepAgreed": "zero_ray.v1.StepAgreed",
+    "RankSpan": "zero_ray.v1.RankSpan",
+    "FailedRank": "zero_ray.v1.FailedRank",
+    "SubtreeStep": "zero_ray.v1.RelayStepReply",
 }
 # Request fields of this type are the clients' envelope, not record fields.
 ENVELOPE = "zero_ray.v1.RequestHeader"

@@ -1,0 +1,134 @@
+"""Stand-in owners and a served relay tree for the relay-hop tests (in-process gRPC, no Ray).
+
+Each owner is a real ``ControlServer`` over a :class:`StandInOwner`, whose step is a tiny
+deterministic computation on its piece's indices; each relay of a ``plan_relays`` tree is a
+``RelayHop`` served on a ``ControlServer`` of its own, its children's clients carrying the
+run's credentials; the driver's hop over the top relays is called in process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from control_fakes import WAIT_S, FakeOwner, server_config
+
+from zero_ray.control.auth import Credentials
+from zero_ray.control.client import ClientConfig, OwnerClient, RelayClient
+from zero_ray.control.handlers import FailureContext, LossTotals, Piece, RankStep, RelayStepArgs, StepArgs, StepResult
+from zero_ray.control.relay_hop import RelayHop, hop_children
+from zero_ray.control.server import ControlServer
+from zero_ray.core.relay_tree import RelayConfig, RelayTree, plan_relays
+
+MARGIN_S = 0.2  # each hop gives the relays below it this much less time than it has
+PER_RANK = 4  # indices in each rank's piece
+
+
+class StandInOwner(FakeOwner):
+    """An owner whose step computes its reply from its piece: losses that are multiples of
+    1/8 (``dyadic``: every sum exact in floats, so today's float sums equal the exact ones) or
+    of 0.1 (sums that round differently in another order)."""
+
+    def __init__(self, rank: int, *, dyadic: bool = True) -> None:
+        super().__init__()
+        self.rank = rank
+        self.dyadic = dyadic
+
+    def step(self, args: StepArgs) -> StepResult:
+        self.steps.append(args)
+        if self.fail_with is not None:
+            raise self.fail_with
+        if self.block_steps:
+            self.step_entered.set()
+            if not self.release_step.wait(WAIT_S):
+                raise TimeoutError("the test never released the step")
+        indices = args.piece.indices
+        unit = 0.125 if self.dyadic else 0.1
+        loss_sum = sum(unit * (i % 7 + 1) for i in indices)
+        items = float(3 * len(indices) + self.rank)
+        r = self.rank
+        return StepResult(totals=LossTotals(loss_sum=loss_sum, samples=len(indices), count=items, counted=True,
+                                            items=items),
+                          grad_norm=0.5 + args.step, lr=1 / 1024, skipped=False, loss_scale=65536.0,
+                          compute_seconds=(r + 1) / 64, data_seconds=r / 128 if self.dyadic else r / 10, rank=r,
+                          bytes_sent={"reduce_scatter": 1000 * (r + 1), "all_gather": 7 * r})
+
+    def failure_context(self) -> FailureContext:
+        return FailureContext(rank=self.rank, phase="computing")
+
+
+def step_args(step: int, rank: int, world: int) -> StepArgs:
+    """Rank ``rank``'s part of step ``step``: its own indices of the step's batch."""
+    first = step * world * PER_RANK + rank * PER_RANK
+    return StepArgs(step=step, piece=Piece(dataset="train", indices=tuple(range(first, first + PER_RANK))),
+                    global_samples=world * PER_RANK, generation=1, samples_seen=step * world * PER_RANK)
+
+
+def relay_args(step: int, world: int, timeout_s: float = WAIT_S) -> RelayStepArgs:
+    return RelayStepArgs(steps=tuple(RankStep(rank=r, args=step_args(step, r, world)) for r in range(world)),
+                         timeout_s=timeout_s)
+
+
+@dataclass(kw_only=True)
+class ServedTree:
+    """A relay tree served over loopback: the owners, every relay, the driver's hop."""
+
+    tree: RelayTree
+    credentials: Credentials
+    owners: list[StandInOwner]
+    owner_clients: dict[int, OwnerClient]
+    relay_servers: dict[int, ControlServer]
+    relay_clients: dict[int, RelayClient]
+    driver: RelayHop
+    servers: list[ControlServer] = field(default_factory=list)
+
+    def client_config(self, server: ControlServer, credentials: Credentials | None = None) -> ClientConfig:
+        return ClientConfig(address=server.address, credentials=credentials or self.credentials, timeout_s=WAIT_S)
+
+    def reset(self) -> None:
+        for owner in self.owners:
+            owner.release_step.set()  # a step left blocked ends
+            owner.fail_with, owner.block_steps = None, False
+            owner.steps.clear()
+            owner.step_entered.clear()
+            owner.release_step = threading.Event()
+
+    def close(self) -> None:
+        for owner in self.owners:
+            owner.release_step.set()
+        for client in [*self.owner_clients.values(), *self.relay_clients.values()]:
+            client.close()
+        for server in self.servers:
+            server.stop()
+
+
+def serve_tree(credentials: Credentials, nodes: Sequence[str], fan_out: int, *, dyadic: bool = True) -> ServedTree:
+    """Owners on ``nodes`` (rank r on ``nodes[r]``) under the relays of ``plan_relays``."""
+    tree = plan_relays(nodes, RelayConfig(fan_out=fan_out))
+    owners = [StandInOwner(r, dyadic=dyadic) for r in range(len(nodes))]
+    servers: list[ControlServer] = []
+    owner_clients: dict[int, OwnerClient] = {}
+    for owner in owners:
+        server = ControlServer(server_config(credentials))
+        server.add_owner(owner)
+        server.start()
+        servers.append(server)
+        owner_clients[owner.rank] = OwnerClient(ClientConfig(address=server.address, credentials=credentials,
+                                                             timeout_s=WAIT_S))
+    relay_servers: dict[int, ControlServer] = {}
+    relay_clients: dict[int, RelayClient] = {}
+    for relay in sorted(tree.relays, key=lambda r: r.level):  # the lower relays first: the upper ones dial them
+        hop = RelayHop(host=relay.host, children=hop_children(tree, relay.id, owners=owner_clients,
+                                                              relays=relay_clients), margin_s=MARGIN_S)
+        server = ControlServer(server_config(credentials))
+        server.add_relay(hop)
+        server.start()
+        servers.append(server)
+        relay_servers[relay.id] = server
+        relay_clients[relay.id] = RelayClient(ClientConfig(address=server.address, credentials=credentials,
+                                                           timeout_s=WAIT_S))
+    driver = RelayHop(host=None, children=hop_children(tree, None, owners=owner_clients, relays=relay_clients),
+                      margin_s=MARGIN_S)
+    return ServedTree(tree=tree, credentials=credentials, owners=owners, owner_clients=owner_clients,
+                      relay_servers=relay_servers, relay_clients=relay_clients, driver=driver, servers=servers)

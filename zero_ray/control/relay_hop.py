@@ -1,0 +1,281 @@
+"""One hop of the relay tree (issue 44): the handler of the ``Relay`` service (relay.proto).
+
+A :class:`RelayHop` is built with its children: the owners it calls (:class:`OwnerChild`, a
+typed ``OwnerClient`` each) or the relays below it (:class:`RelayChild`, a ``RelayClient``
+each), all carrying the run's credentials, so every hop passes the same token and TLS checks as
+a call from the driver. For a step it sends each child its ranks' ``StepArgs`` at once (gRPC
+futures: no thread per child), waits at most the seconds the request carries, and combines the
+replies with :mod:`zero_ray.core.reply_combine`. A child that fails, is unreachable or is still
+silent when the time is up becomes the combined reply's failure for its ranks, named by its
+rank (a relay's: the rank whose process runs it) and node; the other children's results are
+kept. The hop itself raises only when the request is not its subtree's (RelayError) or the
+children's replies contradict each other (ReplyMismatchError).
+
+Deadlines go down the tree shrinking by ``margin_s`` a hop: a relay below gets the time left
+less the margin, so that its reply (with its own late children named) arrives before this hop
+gives up on it. An owner gets the time left.
+
+The hop holds no model state, and owns neither its clients (whoever built them closes them) nor
+the tree: after a loss a new hop is built from the re-parented ``RelayTree``
+(:func:`hop_children`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+from zero_ray.control.client import OwnerClient, RelayClient
+from zero_ray.control.client_channel import Pending
+from zero_ray.control.handlers import FailureContext, RankStep, RelayStepArgs, StepArgs, StepResult
+from zero_ray.core.relay_tree import Relay, RelayTree
+from zero_ray.core.reply_combine import CombinedStep, RankFailure, RankSpans, combine_steps
+from zero_ray.errors import (
+    CallTimeout,
+    ConfigError,
+    ControlError,
+    FailureDetail,
+    OwnerLostError,
+    RelayError,
+    RemoteFailure,
+    ZeroRayError,
+)
+
+__all__ = ["DEFAULT_MARGIN_S", "HopChild", "OwnerChild", "RelayChild", "RelayHop", "hop_children"]
+
+# What a relay below is given less than this hop has: its reply's way back, and its own combining.
+# A hop's work is milliseconds (benchmarks/relay_hop.py); half a second leaves room for a loaded
+# node without eating into a step_timeout_s of minutes.
+DEFAULT_MARGIN_S = 0.5
+
+
+def _spans(ranks: Sequence[int]) -> RankSpans:
+    out = RankSpans()
+    for rank in ranks:
+        out = out + RankSpans.of(rank)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnerChild:
+    """An owner a hop calls: its rank, its node, and a client of its ``PartitionOwner`` service."""
+
+    OPERATION: ClassVar[str] = "PartitionOwner.Step"
+
+    rank: int
+    node: str
+    client: OwnerClient
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or not self.node:
+            raise ConfigError(f"OwnerChild(rank={self.rank}, node={self.node!r}) needs a rank >= 0 and its node id")
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return (self.rank,)
+
+    @property
+    def host(self) -> int:
+        """The rank named when the call fails: the owner's own."""
+        return self.rank
+
+    @cached_property
+    def spans(self) -> RankSpans:
+        return RankSpans.of(self.rank)
+
+    def start(self, steps: Mapping[int, StepArgs], time_left_s: float, margin_s: float) -> Pending[Any]:
+        """The owner's step, begun; its deadline is the time the hop has left."""
+        return self.client.step_async(steps[self.rank], timeout_s=time_left_s)
+
+    def reply(self, result: StepResult) -> CombinedStep:
+        """The owner's reply as a combined one, once it is checked to be this rank's."""
+        if result.rank != self.rank:
+            raise RelayError(f"the owner at {self.client.address} answered rank {self.rank}'s step as rank "
+                             f"{result.rank}: the hop was built with another pool's addresses; rebuild it from "
+                             "the pool's current ranks")
+        return CombinedStep.of(result)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayChild:
+    """A relay a hop calls: the ranks under it, the rank whose process runs it (``host``, named
+    when it fails), that rank's node, and a client of its ``Relay`` service."""
+
+    OPERATION: ClassVar[str] = "Relay.RelayStep"
+
+    ranks: tuple[int, ...]
+    host: int
+    node: str
+    client: RelayClient
+
+    def __post_init__(self) -> None:
+        if not self.ranks or list(self.ranks) != sorted(set(self.ranks)) or self.ranks[0] < 0:
+            raise ConfigError(f"RelayChild(ranks={self.ranks}) needs the ranks under the relay, ascending, once each")
+        if self.host not in self.ranks or not self.node:
+            raise ConfigError(f"RelayChild(host={self.host}, node={self.node!r}): the host is one of the ranks "
+                              f"under the relay ({self.ranks[0]}-{self.ranks[-1]}), on that node")
+
+    @cached_property
+    def spans(self) -> RankSpans:
+        return _spans(self.ranks)
+
+    def start(self, steps: Mapping[int, StepArgs], time_left_s: float, margin_s: float) -> Pending[Any]:
+        """The relay's RelayStep for its ranks, begun: it has the time left less ``margin_s``
+        to answer in, and the call the time left."""
+        below = time_left_s - margin_s
+        if below <= 0:
+            raise ControlError(f"{self.OPERATION} to {self.client.address} was not sent: {time_left_s:.3f}s were "
+                               f"left, no more than the hop's margin of {margin_s:g}s; give the step more time",
+                               code="DEADLINE_EXCEEDED")
+        args = RelayStepArgs(steps=tuple(RankStep(rank=r, args=steps[r]) for r in self.ranks), timeout_s=below)
+        return self.client.relay_step_async(args, timeout_s=time_left_s)
+
+    def reply(self, result: CombinedStep) -> CombinedStep:
+        """The relay's reply, once it is checked to cover exactly its ranks."""
+        if result.ranks != self.spans:
+            raise RelayError(f"the relay at {self.client.address} answered for ranks {result.ranks.spans}, not the "
+                             f"ranks under it {self.spans.spans}: it was built from another tree; rebuild both from "
+                             "the same RelayTree")
+        return result
+
+
+HopChild = OwnerChild | RelayChild
+
+
+def _detail(err: ZeroRayError, child: HopChild) -> FailureDetail:
+    """Why ``child``'s call failed, as its failure carries it. A handler's failure keeps its
+    own detail; a transport failure is named as the driver's fan-out names it (CallTimeout past
+    the deadline, OwnerLostError when unreachable)."""
+    if isinstance(err, RemoteFailure):
+        d = err.detail
+        return d if d.rank is not None else dataclasses.replace(d, rank=child.host)
+    code = err.code if isinstance(err, ControlError) else ""
+    kind = (CallTimeout.__name__ if code == "DEADLINE_EXCEEDED" else OwnerLostError.__name__ if code == "UNAVAILABLE"
+            else type(err).__name__)
+    return FailureDetail(type=kind, message=str(err), rank=child.host, operation=child.OPERATION)
+
+
+def _failed(child: HopChild, detail: FailureDetail) -> CombinedStep:
+    failure = RankFailure(rank=child.host, node=child.node, detail=detail, at=time.time())
+    return CombinedStep(ranks=child.spans, failure=failure)
+
+
+class _Arrivals:
+    """Counts the children's calls that ended (on gRPC's threads) and wakes the hop at the last."""
+
+    def __init__(self, expected: int) -> None:
+        self._lock = threading.Lock()
+        self._left = expected
+        self._all = threading.Event()
+        if expected == 0:
+            self._all.set()
+
+    def arrived(self, _: object = None) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self._all.set()
+
+    def wait(self, timeout_s: float) -> None:
+        self._all.wait(max(0.0, timeout_s))
+
+
+class RelayHop:
+    """One relay's handler: a step sent on to its children in parallel, their replies combined.
+    ``host``: the rank whose process serves it (its failures' rank; None for the driver's own
+    hop over the top relays, which is called in process, not served)."""
+
+    _host: int | None
+    _children: tuple[HopChild, ...]
+    _ranks: tuple[int, ...]
+    _margin_s: float
+
+    def __init__(self, *, host: int | None, children: Sequence[HopChild], margin_s: float = DEFAULT_MARGIN_S) -> None:
+        if not children:
+            raise ConfigError("a relay hop needs at least one child; build its children with hop_children")
+        ranks = sorted(r for c in children for r in c.ranks)
+        if len(set(ranks)) != len(ranks):
+            raise ConfigError(f"the hop's children share ranks ({ranks}): each rank is under exactly one child")
+        if not (math.isfinite(margin_s) and margin_s >= 0):
+            raise ConfigError(f"margin_s={margin_s} must be a finite number of seconds >= 0")
+        self._host = host
+        self._children = tuple(children)
+        self._ranks = tuple(ranks)
+        self._margin_s = margin_s
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank under this hop, ascending."""
+        return self._ranks
+
+    def relay_step(self, args: RelayStepArgs) -> CombinedStep:
+        """Every child's step, begun at once; their replies combined within ``args.timeout_s``."""
+        began = time.monotonic()
+        steps = {s.rank: s.args for s in args.steps}
+        if tuple(sorted(steps)) != self._ranks:
+            raise RelayError(f"the step names ranks {_spans(sorted(steps)).spans} but this hop's subtree is ranks "
+                             f"{_spans(self._ranks).spans}: the caller's tree is not this hop's; rebuild both from "
+                             "the same RelayTree")
+        arrivals = _Arrivals(len(self._children))
+        calls: list[Pending[Any] | ZeroRayError] = []
+        for child in self._children:
+            try:
+                pending = child.start(steps, args.timeout_s - (time.monotonic() - began), self._margin_s)
+            except ZeroRayError as err:  # not sent: its failure, the others go on
+                calls.append(err)
+                arrivals.arrived()
+                continue
+            calls.append(pending)
+            pending.add_done_callback(arrivals.arrived)
+        arrivals.wait(args.timeout_s - (time.monotonic() - began))
+        return combine_steps(self._reply(child, call, args.timeout_s) for child, call in zip(self._children, calls))
+
+    @staticmethod
+    def _reply(child: HopChild, call: Pending[Any] | ZeroRayError, timeout_s: float) -> CombinedStep:
+        if isinstance(call, ZeroRayError):
+            return _failed(child, _detail(call, child))
+        if not call.done():  # still silent when the hop's time is up
+            call.cancel()
+            return _failed(child, FailureDetail(
+                type=CallTimeout.__name__, rank=child.host, operation=child.OPERATION,
+                message=f"{child.OPERATION} to {child.client.address} (rank {child.host}) did not answer within "
+                        f"the {timeout_s:g}s the hop had"))
+        try:
+            return child.reply(call.result())
+        except ZeroRayError as err:
+            return _failed(child, _detail(err, child))
+
+    def failure_context(self) -> FailureContext:
+        """What a failed RelayStep's FailureDetail says: the rank that serves this hop."""
+        return FailureContext(rank=self._host, phase="relaying")
+
+
+def _ranks_under(tree: RelayTree, relay: Relay) -> tuple[int, ...]:
+    return tuple(sorted(relay.ranks + tuple(r for c in tree.children(relay.id) for r in _ranks_under(tree, c))))
+
+
+def hop_children(tree: RelayTree, relay_id: int | None, *, owners: Mapping[int, OwnerClient],
+                 relays: Mapping[int, RelayClient]) -> tuple[HopChild, ...]:
+    """The children of relay ``relay_id`` of ``tree`` (None: the driver's, the top relays), with
+    the clients handed in: ``owners`` by rank, ``relays`` by relay id (only those it calls are
+    read)."""
+    relay = None if relay_id is None else tree.relay(relay_id)
+    if relay is not None and relay.ranks:
+        missing = [r for r in relay.ranks if r not in owners]
+        if missing:
+            raise ConfigError(f"relay {relay_id} calls ranks {list(relay.ranks)} but no owner client was handed in "
+                              f"for {missing}: pass a client for every rank it calls")
+        return tuple(OwnerChild(rank=r, node=tree.nodes[r], client=owners[r]) for r in relay.ranks)
+    below = tree.driver_children if relay is None else tree.children(relay.id)
+    missing = [c.id for c in below if c.id not in relays]
+    if missing:
+        raise ConfigError(f"{'the driver' if relay is None else f'relay {relay_id}'} calls relays "
+                          f"{[c.id for c in below]} but no relay client was handed in for {missing}")
+    return tuple(RelayChild(ranks=_ranks_under(tree, c), host=c.host, node=tree.nodes[c.host], client=relays[c.id])
+                 for c in below)

@@ -1,0 +1,117 @@
+"""A relay's combined step reply (:class:`zero_ray.core.reply_combine.CombinedStep`) as its wire
+record (``SubtreeStep``, relay.proto's ``RelayStepReply``) and back, exactly: converted at the
+door, by the Relay servicer on the way out and the Relay client on the way in, so that a relay
+and the driver only ever hold ``CombinedStep``.
+
+An ``ExactSum``'s units (an integer of up to about 2,100 bits) travel as signed big-endian
+bytes rather than a decimal string: a third of the size, and no parsing. A record that
+arrives malformed (overlapping rank spans, a failure at a non-finite time) is refused here
+with the domain error ``reply_combine`` raises for it.
+"""
+
+from __future__ import annotations
+
+from zero_ray.control.handlers import (
+    ExactSumValue,
+    FailedRank,
+    FailureDetailRecord,
+    RankSpan,
+    StepAgreed,
+    SubtreeStep,
+    SubtreeTotals,
+)
+from zero_ray.core.reply_combine import (
+    Agreed,
+    CombinedStep,
+    CombinedTotals,
+    ExactSum,
+    RankFailure,
+    RankSpans,
+    StepAgreement,
+)
+from zero_ray.errors import FailureDetail, RelayError
+
+__all__ = ["from_wire", "to_wire", "units_from_bytes", "units_to_bytes"]
+
+
+def units_to_bytes(units: int) -> bytes:
+    """``units`` as the fewest signed big-endian bytes (none for 0)."""
+    return units.to_bytes((units.bit_length() + 8) // 8, "big", signed=True) if units else b""
+
+
+def units_from_bytes(data: bytes) -> int:
+    """The integer :func:`units_to_bytes` wrote."""
+    return int.from_bytes(data, "big", signed=True)
+
+
+def _sum_out(s: ExactSum) -> ExactSumValue:
+    return ExactSumValue(units=units_to_bytes(s.units), pos_inf=s.pos_inf, neg_inf=s.neg_inf, nan=s.nan)
+
+
+def _sum_in(v: ExactSumValue) -> ExactSum:
+    return ExactSum(units=units_from_bytes(v.units), pos_inf=v.pos_inf, neg_inf=v.neg_inf, nan=v.nan)
+
+
+def _totals_out(t: CombinedTotals) -> SubtreeTotals:
+    return SubtreeTotals(loss_sum=_sum_out(t.loss_sum), samples=t.samples, count=_sum_out(t.count),
+                         items=_sum_out(t.items), counted=None if t.counted is None else t.counted.value,
+                         counted_rank=0 if t.counted is None else t.counted.rank)
+
+
+def _totals_in(t: SubtreeTotals) -> CombinedTotals:
+    return CombinedTotals(loss_sum=_sum_in(t.loss_sum), samples=t.samples, count=_sum_in(t.count),
+                          items=_sum_in(t.items),
+                          counted=None if t.counted is None else Agreed(value=t.counted, rank=t.counted_rank))
+
+
+def _failure_out(f: RankFailure) -> FailedRank:
+    d = f.detail
+    return FailedRank(rank=f.rank, node=f.node, at=f.at,
+                      detail=FailureDetailRecord(type=d.type, rank=d.rank, phase=d.phase, message=d.message,
+                                                 cause=d.cause, remote_traceback=d.remote_traceback,
+                                                 operation=d.operation))
+
+
+def _failure_in(f: FailedRank) -> RankFailure:
+    d = f.detail
+    return RankFailure(rank=f.rank, node=f.node, at=f.at,
+                       detail=FailureDetail(type=d.type, message=d.message, rank=d.rank, phase=d.phase, cause=d.cause,
+                                            remote_traceback=d.remote_traceback, operation=d.operation))
+
+
+def _spans_in(spans: tuple[RankSpan, ...]) -> RankSpans:
+    out = RankSpans()
+    for s in spans:
+        if s.start >= s.stop:
+            raise RelayError(f"a relay's reply holds the rank span [{s.start}, {s.stop}), which is empty: a span is "
+                             "its ranks start to stop - 1; the relay that sent it is not speaking this protocol")
+        out = out + RankSpans(spans=((s.start, s.stop),))  # refuses overlapping spans
+    return out
+
+
+def to_wire(step: CombinedStep) -> SubtreeStep:
+    """``step`` as the record the wire carries."""
+    a = step.agreed
+    agreed = None if a is None else StepAgreed(grad_norm=a.value.grad_norm, lr=a.value.lr, skipped=a.value.skipped,
+                                               loss_scale=a.value.loss_scale, refused=a.value.refused, rank=a.rank)
+    return SubtreeStep(ranks=tuple(RankSpan(start=start, stop=stop) for start, stop in step.ranks.spans),
+                       totals=_totals_out(step.totals), agreed=agreed, compute_seconds=step.compute_seconds,
+                       data_seconds=step.data_seconds, data_seconds_sum=_sum_out(step.data_seconds_sum),
+                       bytes_sent=dict(step.bytes_sent), nonfinite_loss_ranks=step.nonfinite_loss_ranks,
+                       nonfinite_grad_ranks=step.nonfinite_grad_ranks,
+                       failure=None if step.failure is None else _failure_out(step.failure))
+
+
+def from_wire(record: SubtreeStep) -> CombinedStep:
+    """The ``CombinedStep`` that :func:`to_wire` wrote."""
+    a = record.agreed
+    agreed = None if a is None else Agreed(
+        value=StepAgreement(grad_norm=a.grad_norm, lr=a.lr, skipped=a.skipped, loss_scale=a.loss_scale,
+                            refused=a.refused), rank=a.rank)
+    return CombinedStep(ranks=_spans_in(record.ranks), totals=_totals_in(record.totals), agreed=agreed,
+                        compute_seconds=record.compute_seconds, data_seconds=record.data_seconds,
+                        data_seconds_sum=_sum_in(record.data_seconds_sum),
+                        bytes_sent=tuple(sorted(record.bytes_sent.items())),
+                        nonfinite_loss_ranks=tuple(sorted(set(record.nonfinite_loss_ranks))),
+                        nonfinite_grad_ranks=tuple(sorted(set(record.nonfinite_grad_ranks))),
+                        failure=None if record.failure is None else _failure_in(record.failure))
