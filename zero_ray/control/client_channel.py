@@ -119,9 +119,11 @@ def _channel(config: ClientConfig) -> grpc.Channel:
 
 def convert_error(where: str, err: grpc.RpcError, timeout_s: float | None) -> ControlError:
     """A failed call as a ControlError carrying its status code's name: RemoteFailure (with the
-    handler's FailureDetail) when the handler raised, AuthError for a refused token."""
-    code = err.code() if isinstance(err, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (err.details() if isinstance(err, grpc.Call) else str(err)) or "no details"
+    handler's FailureDetail) when the handler raised, AuthError for a refused token. A
+    ``grpc.aio`` call's error carries its status too, though it is no ``grpc.Call``."""
+    status = isinstance(err, (grpc.Call, grpc.aio.AioRpcError))
+    code = err.code() if status else grpc.StatusCode.UNKNOWN
+    details = (err.details() if status else str(err)) or "no details"
     detail = detail_of(err)
     if detail is not None:
         return RemoteFailure(f"{where} failed with {code.name}: {detail.type}: {detail.message}", code=code.name,

@@ -157,7 +157,8 @@ def _context(failure: Callable[[], FailureContext]) -> FailureContext:
 def detail_of(err: grpc.RpcError) -> FailureDetail | None:
     """The FailureDetail a failed call carried, or None (a refusal before any handler ran, a
     transport failure, or a server that sends none)."""
-    trailers = err.trailing_metadata() if isinstance(err, grpc.Call) else None
+    # A grpc.aio call's error (no grpc.Call) carries its trailers too.
+    trailers = err.trailing_metadata() if isinstance(err, (grpc.Call, grpc.aio.AioRpcError)) else None
     for key, value in trailers or ():
         if key == FAILURE_TRAILER and isinstance(value, bytes):
             try:

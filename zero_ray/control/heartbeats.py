@@ -17,7 +17,6 @@ to whichever loop polls next, which prints ``RuntimeError: Event loop is closed`
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,16 +24,11 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from zero_ray.control._generated import owner_pb2, owner_pb2_grpc
+from zero_ray.control.aio_loop import drain, open_channel
 from zero_ray.control.auth import bearer_metadata
-from zero_ray.control.client_channel import ClientConfig, channel_settings, check_timeout, convert_error, header_of
+from zero_ray.control.client_channel import ClientConfig, check_timeout, convert_error, header_of
 from zero_ray.control.handlers import Heartbeat
 from zero_ray.control.conversion import to_record
-
-log = logging.getLogger(__name__)
-
-# How long closing waits for gRPC's own tasks of cancelled calls. They end within milliseconds, even
-# with the server hung mid-beat (7 ms measured): the cancellation completes on this side.
-_DRAIN_S = 5.0
 
 OnBeat = Callable[[int, Heartbeat], None]
 OnLost = Callable[[int, str], None]
@@ -70,7 +64,7 @@ class HeartbeatReader:
             self._loop.run_until_complete(self._main())
         finally:
             try:  # the loop closes only once nothing can still be handed to it
-                self._loop.run_until_complete(_drain())
+                self._loop.run_until_complete(drain("heartbeat"))
                 self._loop.run_until_complete(self._loop.shutdown_asyncgens())
                 self._loop.run_until_complete(self._loop.shutdown_default_executor())
             finally:
@@ -78,7 +72,7 @@ class HeartbeatReader:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
-        channels = [self._open(c) for c in self._configs]
+        channels = [open_channel(c) for c in self._configs]
         self._tasks = [asyncio.create_task(self._watch(r, ch)) for r, ch in enumerate(channels)]
         watchdog = asyncio.create_task(self._stalls())
         self._ready.set()
@@ -88,13 +82,6 @@ class HeartbeatReader:
             task.cancel()
         await asyncio.gather(*self._tasks, watchdog, return_exceptions=True)
         await asyncio.gather(*(ch.close() for ch in channels), return_exceptions=True)
-
-    @staticmethod
-    def _open(config: ClientConfig) -> grpc.aio.Channel:
-        credentials, options = channel_settings(config)
-        if credentials is None:
-            return grpc.aio.insecure_channel(config.address, options=options)
-        return grpc.aio.secure_channel(config.address, credentials, options=options)
 
     async def _watch(self, rank: int, channel: grpc.aio.Channel) -> None:
         config = self._configs[rank]
@@ -140,17 +127,3 @@ class HeartbeatReader:
                 pass
         self._thread.join(timeout=10.0)
 
-
-async def _drain() -> None:
-    """Wait (bounded) for every other task on this loop: grpc.aio ends a cancelled call in a task
-    of its own (``_handle_status_once_received``) that waits for gRPC core's last event for it.
-    Closed before that event arrives, the loop is gone when gRPC's poller hands the event to it,
-    and whichever other loop of the process polls next prints ``RuntimeError: Event loop is
-    closed`` (another trainer's heartbeat loop, in a notebook that trains twice)."""
-    others = asyncio.all_tasks() - {asyncio.current_task()}
-    if not others:
-        return
-    _, pending = await asyncio.wait(others, timeout=_DRAIN_S)
-    if pending:  # a call gRPC never finished: closing anyway beats hanging the caller's shutdown
-        log.warning("closing the heartbeat loop with %d gRPC task(s) still pending after %gs: %s", len(pending),
-                    _DRAIN_S, ", ".join(sorted(t.get_name() for t in pending)))
