@@ -66,6 +66,7 @@ def relay_main(conn: Any, addresses: list[str], job_id: str, token: str) -> None
             conn.send(ru.ru_utime + ru.ru_stime)
         elif command == "stop":
             server.stop(0.0)
+            hop.close()
             for c in clients:
                 c.close()
             conn.send(True)

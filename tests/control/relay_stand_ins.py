@@ -82,6 +82,7 @@ class ServedTree:
     relay_clients: dict[int, RelayClient]
     driver: RelayHop
     servers: list[ControlServer] = field(default_factory=list)
+    hops: list[RelayHop] = field(default_factory=list)  # every relay's and the driver's: close() ends their threads
 
     def client_config(self, server: ControlServer, credentials: Credentials | None = None) -> ClientConfig:
         return ClientConfig(address=server.address, credentials=credentials or self.credentials, timeout_s=WAIT_S)
@@ -97,6 +98,8 @@ class ServedTree:
     def close(self) -> None:
         for owner in self.owners:
             owner.release_step.set()
+        for hop in self.hops:
+            hop.close()
         for client in [*self.owner_clients.values(), *self.relay_clients.values()]:
             client.close()
         for server in self.servers:
@@ -118,9 +121,11 @@ def serve_tree(credentials: Credentials, nodes: Sequence[str], fan_out: int, *, 
                                                              timeout_s=WAIT_S))
     relay_servers: dict[int, ControlServer] = {}
     relay_clients: dict[int, RelayClient] = {}
+    hops: list[RelayHop] = []
     for relay in sorted(tree.relays, key=lambda r: r.level):  # the lower relays first: the upper ones dial them
         hop = RelayHop(host=relay.host, children=hop_children(tree, relay.id, owners=owner_clients,
                                                               relays=relay_clients), margin_s=MARGIN_S)
+        hops.append(hop)
         server = ControlServer(server_config(credentials))
         server.add_relay(hop)
         server.start()
@@ -131,4 +136,5 @@ def serve_tree(credentials: Credentials, nodes: Sequence[str], fan_out: int, *, 
     driver = RelayHop(host=None, children=hop_children(tree, None, owners=owner_clients, relays=relay_clients),
                       margin_s=MARGIN_S)
     return ServedTree(tree=tree, credentials=credentials, owners=owners, owner_clients=owner_clients,
-                      relay_servers=relay_servers, relay_clients=relay_clients, driver=driver, servers=servers)
+                      relay_servers=relay_servers, relay_clients=relay_clients, driver=driver, servers=servers,
+                      hops=[*hops, driver])

@@ -3,9 +3,12 @@
 A :class:`RelayHop` is built with its children: the owners it calls (:class:`OwnerChild`, a
 typed ``OwnerClient`` each) or the relays below it (:class:`RelayChild`, a ``RelayClient``
 each), all carrying the run's credentials, so every hop passes the same token and TLS checks as
-a call from the driver. For a step it sends each child its ranks' ``StepArgs`` at once (gRPC
-futures: no thread per child), waits at most the seconds the request carries, and combines the
-replies with :mod:`zero_ray.core.reply_combine`. A child that fails, is unreachable or is still
+a call from the driver. For a step it sends each child its ranks' ``StepArgs`` at once, waits at
+most the seconds the request carries, and combines the replies with
+:mod:`zero_ray.core.reply_combine`. The calls go out on one asyncio loop thread the hop owns
+(:mod:`zero_ray.control.hop_calls`: a ``grpc.aio`` channel per child, opened with its client's
+configuration): gRPC's blocking futures started a thread per child per step, 0.6 ms of CPU a
+child (``python -m benchmarks.relay_hop``). A child that fails, is unreachable or is still
 silent when the time is up becomes the combined reply's failure for its ranks, named by its
 rank (a relay's: the rank whose process runs it) and node; the other children's results are
 kept. The hop itself raises only when the request is not its subtree's (RelayError) or the
@@ -15,25 +18,33 @@ Deadlines go down the tree shrinking by ``margin_s`` a hop: a relay below gets t
 less the margin, so that its reply (with its own late children named) arrives before this hop
 gives up on it. An owner gets the time left.
 
-The hop holds no model state, and owns neither its clients (whoever built them closes them) nor
-the tree: after a loss a new hop is built from the re-parented ``RelayTree``
-(:func:`hop_children`).
+The hop holds no model state, and owns neither its clients (whoever built them closes them; the
+hop reads their configuration only) nor the tree: after a loss a new hop is built from the
+re-parented ``RelayTree`` (:func:`hop_children`) and the old one closed. :meth:`RelayHop.close`
+cancels its calls in flight and ends its thread; a hop dropped unclosed is closed when it is
+collected, or at the interpreter's exit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
+import grpc
+
+from zero_ray.control._generated import owner_pb2, owner_pb2_grpc, relay_pb2, relay_pb2_grpc
 from zero_ray.control.client import OwnerClient, RelayClient
-from zero_ray.control.client_channel import Pending
-from zero_ray.control.handlers import FailureContext, RankStep, RelayStepArgs, StepArgs, StepResult
+from zero_ray.control.client_channel import convert_error, header_of
+from zero_ray.control.conversion import to_message, to_record
+from zero_ray.control.handlers import FailureContext, RankStep, RelayStepArgs, StepArgs, StepResult, SubtreeStep
+from zero_ray.control.hop_calls import CallOutcome, CallTarget, HopCalls, UnaryRequest
+from zero_ray.control.relay_wire import from_wire
 from zero_ray.core.relay_tree import Relay, RelayTree
 from zero_ray.core.reply_combine import CombinedStep, RankFailure, RankSpans, combine_steps
 from zero_ray.errors import (
@@ -89,12 +100,19 @@ class OwnerChild:
     def spans(self) -> RankSpans:
         return RankSpans.of(self.rank)
 
-    def start(self, steps: Mapping[int, StepArgs], time_left_s: float, margin_s: float) -> Pending[Any]:
-        """The owner's step, begun; its deadline is the time the hop has left."""
-        return self.client.step_async(steps[self.rank], timeout_s=time_left_s)
+    def target(self) -> CallTarget:
+        """Where and how the hop calls the owner: its client's configuration, its Step method."""
+        return CallTarget(config=self.client.config,
+                          rpc=lambda channel: owner_pb2_grpc.PartitionOwnerStub(channel).Step)
 
-    def reply(self, result: StepResult) -> CombinedStep:
+    def request(self, steps: Mapping[int, StepArgs], time_left_s: float, margin_s: float) -> UnaryRequest:
+        """The owner's step request; its deadline is the time the hop has left."""
+        message = to_message(steps[self.rank], owner_pb2.StepRequest, header=header_of(self.client.config))
+        return UnaryRequest(message=message, timeout_s=time_left_s)
+
+    def reply(self, message: Any) -> CombinedStep:
         """The owner's reply as a combined one, once it is checked to be this rank's."""
+        result = to_record(message, StepResult)
         if result.rank != self.rank:
             raise RelayError(f"the owner at {self.client.address} answered rank {self.rank}'s step as rank "
                              f"{result.rank}: the hop was built with another pool's addresses; rebuild it from "
@@ -125,8 +143,12 @@ class RelayChild:
     def spans(self) -> RankSpans:
         return _spans(self.ranks)
 
-    def start(self, steps: Mapping[int, StepArgs], time_left_s: float, margin_s: float) -> Pending[Any]:
-        """The relay's RelayStep for its ranks, begun: it has the time left less ``margin_s``
+    def target(self) -> CallTarget:
+        """Where and how the hop calls the relay: its client's configuration, its RelayStep method."""
+        return CallTarget(config=self.client.config, rpc=lambda channel: relay_pb2_grpc.RelayStub(channel).RelayStep)
+
+    def request(self, steps: Mapping[int, StepArgs], time_left_s: float, margin_s: float) -> UnaryRequest:
+        """The relay's RelayStep request for its ranks: it has the time left less ``margin_s``
         to answer in, and the call the time left."""
         below = time_left_s - margin_s
         if below <= 0:
@@ -134,10 +156,12 @@ class RelayChild:
                                f"left, no more than the hop's margin of {margin_s:g}s; give the step more time",
                                code="DEADLINE_EXCEEDED")
         args = RelayStepArgs(steps=tuple(RankStep(rank=r, args=steps[r]) for r in self.ranks), timeout_s=below)
-        return self.client.relay_step_async(args, timeout_s=time_left_s)
+        message = to_message(args, relay_pb2.RelayStepRequest, header=header_of(self.client.config))
+        return UnaryRequest(message=message, timeout_s=time_left_s)
 
-    def reply(self, result: CombinedStep) -> CombinedStep:
+    def reply(self, message: Any) -> CombinedStep:
         """The relay's reply, once it is checked to cover exactly its ranks."""
+        result = from_wire(to_record(message, SubtreeStep))
         if result.ranks != self.spans:
             raise RelayError(f"the relay at {self.client.address} answered for ranks {result.ranks.spans}, not the "
                              f"ranks under it {self.spans.spans}: it was built from another tree; rebuild both from "
@@ -166,35 +190,18 @@ def _failed(child: HopChild, detail: FailureDetail) -> CombinedStep:
     return CombinedStep(ranks=child.spans, failure=failure)
 
 
-class _Arrivals:
-    """Counts the children's calls that ended (on gRPC's threads) and wakes the hop at the last."""
-
-    def __init__(self, expected: int) -> None:
-        self._lock = threading.Lock()
-        self._left = expected
-        self._all = threading.Event()
-        if expected == 0:
-            self._all.set()
-
-    def arrived(self, _: object = None) -> None:
-        with self._lock:
-            self._left -= 1
-            if self._left == 0:
-                self._all.set()
-
-    def wait(self, timeout_s: float) -> None:
-        self._all.wait(max(0.0, timeout_s))
-
-
 class RelayHop:
     """One relay's handler: a step sent on to its children in parallel, their replies combined.
     ``host``: the rank whose process serves it (its failures' rank; None for the driver's own
-    hop over the top relays, which is called in process, not served)."""
+    hop over the top relays, which is called in process, not served). :meth:`close` ends its
+    calls' thread (started by the first step)."""
 
     _host: int | None
     _children: tuple[HopChild, ...]
     _ranks: tuple[int, ...]
     _margin_s: float
+    _calls: HopCalls
+    _finalizer: weakref.finalize
 
     def __init__(self, *, host: int | None, children: Sequence[HopChild], margin_s: float = DEFAULT_MARGIN_S) -> None:
         if not children:
@@ -208,6 +215,9 @@ class RelayHop:
         self._children = tuple(children)
         self._ranks = tuple(ranks)
         self._margin_s = margin_s
+        self._calls = HopCalls([c.target() for c in self._children])
+        # Bound to the calls, not the hop: a hop dropped unclosed is still collected, and closed then.
+        self._finalizer = weakref.finalize(self, self._calls.close)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -222,34 +232,43 @@ class RelayHop:
             raise RelayError(f"the step names ranks {_spans(sorted(steps)).spans} but this hop's subtree is ranks "
                              f"{_spans(self._ranks).spans}: the caller's tree is not this hop's; rebuild both from "
                              "the same RelayTree")
-        arrivals = _Arrivals(len(self._children))
-        calls: list[Pending[Any] | ZeroRayError] = []
-        for child in self._children:
+        requests: list[UnaryRequest | None] = []
+        unsent: dict[int, ZeroRayError] = {}
+        for i, child in enumerate(self._children):
             try:
-                pending = child.start(steps, args.timeout_s - (time.monotonic() - began), self._margin_s)
+                requests.append(child.request(steps, args.timeout_s - (time.monotonic() - began), self._margin_s))
             except ZeroRayError as err:  # not sent: its failure, the others go on
-                calls.append(err)
-                arrivals.arrived()
-                continue
-            calls.append(pending)
-            pending.add_done_callback(arrivals.arrived)
-        arrivals.wait(args.timeout_s - (time.monotonic() - began))
-        return combine_steps(self._reply(child, call, args.timeout_s) for child, call in zip(self._children, calls))
+                requests.append(None)
+                unsent[i] = err
+        outcomes = self._calls.call(requests, args.timeout_s - (time.monotonic() - began))
+        return combine_steps(self._reply(child, unsent.get(i), outcome, requests[i], args.timeout_s)
+                             for i, (child, outcome) in enumerate(zip(self._children, outcomes)))
 
     @staticmethod
-    def _reply(child: HopChild, call: Pending[Any] | ZeroRayError, timeout_s: float) -> CombinedStep:
-        if isinstance(call, ZeroRayError):
-            return _failed(child, _detail(call, child))
-        if not call.done():  # still silent when the hop's time is up
-            call.cancel()
+    def _reply(child: HopChild, unsent: ZeroRayError | None, outcome: CallOutcome, request: UnaryRequest | None,
+               timeout_s: float) -> CombinedStep:
+        if unsent is not None:
+            return _failed(child, _detail(unsent, child))
+        err = outcome.error
+        if isinstance(err, grpc.RpcError):
+            where = f"{child.OPERATION} to {child.client.address}"
+            err = convert_error(where, err, request.timeout_s if request is not None else None)
+        if isinstance(err, ZeroRayError):
+            return _failed(child, _detail(err, child))
+        if outcome.reply is None:  # still silent when the hop's time was up: the call was cancelled
             return _failed(child, FailureDetail(
                 type=CallTimeout.__name__, rank=child.host, operation=child.OPERATION,
                 message=f"{child.OPERATION} to {child.client.address} (rank {child.host}) did not answer within "
                         f"the {timeout_s:g}s the hop had"))
         try:
-            return child.reply(call.result())
+            return child.reply(outcome.reply)
         except ZeroRayError as err:
             return _failed(child, _detail(err, child))
+
+    def close(self) -> None:
+        """Cancel the calls in flight (their steps come back failed) and end the hop's thread;
+        a step after this raises RelayError. Idempotent."""
+        self._finalizer()
 
     def failure_context(self) -> FailureContext:
         """What a failed RelayStep's FailureDetail says: the rank that serves this hop."""
