@@ -1,11 +1,14 @@
 """What the control plane's asyncio loops share (control/heartbeats.py's reader, a relay hop's
 child calls in control/hop_calls.py): a ``grpc.aio`` channel opened with a client's settings,
-and the bounded wait for gRPC's own tasks before such a loop closes."""
+the loop's thread body (run, then the bounded wait for gRPC's own tasks before the loop closes),
+and the stop asked of it from another thread."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 import grpc
 
@@ -40,3 +43,29 @@ async def drain(loop_name: str) -> None:
     if pending:  # a call gRPC never finished: closing anyway beats hanging the caller's shutdown
         log.warning("closing the %s loop with %d gRPC task(s) still pending after %gs: %s", loop_name, len(pending),
                     DRAIN_S, ", ".join(sorted(t.get_name() for t in pending)))
+
+
+def run_then_close(loop: asyncio.AbstractEventLoop, main: Coroutine[Any, Any, Any], loop_name: str) -> None:
+    """A loop thread's body: run ``main`` on ``loop`` here, then close the loop once nothing can
+    still be handed to it (gRPC's tasks drained, async generators and the default executor shut)."""
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(main)
+    finally:
+        try:
+            loop.run_until_complete(drain(loop_name))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()
+
+
+def stop_from_outside(loop: asyncio.AbstractEventLoop, stop: asyncio.Event | None) -> None:
+    """Set ``stop`` (the event ``main`` waits on) from another thread; nothing when the loop has
+    not made it yet or has closed."""
+    if stop is None or loop.is_closed():
+        return
+    try:
+        loop.call_soon_threadsafe(stop.set)
+    except RuntimeError:  # the loop closed meanwhile
+        pass

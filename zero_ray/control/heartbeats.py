@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from zero_ray.control._generated import owner_pb2, owner_pb2_grpc
-from zero_ray.control.aio_loop import drain, open_channel
+from zero_ray.control.aio_loop import open_channel, run_then_close, stop_from_outside
 from zero_ray.control.auth import bearer_metadata
 from zero_ray.control.client_channel import ClientConfig, check_timeout, convert_error, header_of
 from zero_ray.control.handlers import Heartbeat
@@ -59,16 +59,7 @@ class HeartbeatReader:
         self._ready.wait(10.0)
 
     def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._main())
-        finally:
-            try:  # the loop closes only once nothing can still be handed to it
-                self._loop.run_until_complete(drain("heartbeat"))
-                self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-                self._loop.run_until_complete(self._loop.shutdown_default_executor())
-            finally:
-                self._loop.close()
+        run_then_close(self._loop, self._main(), "heartbeat")
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
@@ -119,11 +110,6 @@ class HeartbeatReader:
 
     def close(self) -> None:
         """End every stream (no losses are reported after this) and the reader's thread."""
-        stop = self._stop
-        if stop is not None and not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(stop.set)
-            except RuntimeError:  # the loop closed meanwhile
-                pass
+        stop_from_outside(self._loop, self._stop)
         self._thread.join(timeout=10.0)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from zero_ray.control.aio_loop import drain, open_channel
+from zero_ray.control.aio_loop import open_channel, run_then_close, stop_from_outside
 from zero_ray.control.auth import bearer_metadata
 from zero_ray.control.client_channel import ClientConfig, check_timeout
 from zero_ray.errors import ConfigError, ControlError, RelayError, ZeroRayError
@@ -155,16 +155,7 @@ class HopCalls:
         return loop
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self._main())
-        finally:
-            try:  # the loop closes only once nothing can still be handed to it
-                loop.run_until_complete(drain("relay hop"))
-                loop.run_until_complete(loop.shutdown_asyncgens())
-                loop.run_until_complete(loop.shutdown_default_executor())
-            finally:
-                loop.close()
+        run_then_close(loop, self._main(), "relay hop")
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
@@ -240,12 +231,7 @@ class HopCalls:
         if loop is None or thread is None:
             return
         self._ready.wait(_START_S)  # the stop event exists once the loop is ready
-        stop = self._stop
-        if stop is not None:
-            try:
-                loop.call_soon_threadsafe(stop.set)
-            except RuntimeError:  # the loop closed meanwhile
-                pass
+        stop_from_outside(loop, self._stop)
         if thread is not threading.current_thread():  # a finalizer may run on the loop's own thread
             thread.join(timeout=_JOIN_S)
 
