@@ -225,3 +225,13 @@ def test_depth_grows_with_the_log_of_nodes() -> None:
     for nodes in (1, 8, 64, 512):
         tree = plan_relays(_nodes(8 * nodes))
         assert tree.depth == max(1, math.ceil(math.log(nodes, 8) - 1e-9))
+
+
+def test_ranks_under_a_relay_are_its_subtree_s() -> None:
+    tree = plan_relays([f"n{r // 8}" for r in range(64)], RelayConfig(fan_out=2))
+    tops = [tree.ranks_under(r.id) for r in tree.driver_children]
+    assert sorted(r for under in tops for r in under) == list(range(64))
+    for relay in tree.relays:
+        below = relay.ranks + tuple(r for c in tree.children(relay.id) for r in tree.ranks_under(c.id))
+        assert tree.ranks_under(relay.id) == tuple(sorted(below)) and relay.host == min(below)
+

@@ -199,6 +199,9 @@ def test_a_rank_combined_twice_is_refused_and_spans_merge() -> None:
         one + one
     spans = RankSpans.of(0) + RankSpans.of(2) + RankSpans.of(1) + RankSpans.of(5)
     assert spans.spans == ((0, 3), (5, 6)) and len(spans) == 4 and not spans.covers(6)
+    assert RankSpans.of_ranks([5, 0, 2, 1]) == spans
+    with pytest.raises(RelayError, match="rank 2's reply is combined twice"):
+        RankSpans.of_ranks([2, 3, 2])
 
 
 def test_metrics_of_a_failed_or_empty_reply_are_refused() -> None:

@@ -45,7 +45,7 @@ from zero_ray.control.conversion import to_message, to_record
 from zero_ray.control.handlers import FailureContext, RankStep, RelayStepArgs, StepArgs, StepResult, SubtreeStep
 from zero_ray.control.hop_calls import CallOutcome, CallTarget, HopCalls, UnaryRequest
 from zero_ray.control.relay_wire import from_wire
-from zero_ray.core.relay_tree import Relay, RelayTree
+from zero_ray.core.relay_tree import RelayTree
 from zero_ray.core.reply_combine import CombinedStep, RankFailure, RankSpans, combine_steps
 from zero_ray.errors import (
     CallTimeout,
@@ -64,13 +64,6 @@ __all__ = ["DEFAULT_MARGIN_S", "HopChild", "OwnerChild", "RelayChild", "RelayHop
 # A hop's work is milliseconds (benchmarks/relay_hop.py); half a second leaves room for a loaded
 # node without eating into a step_timeout_s of minutes.
 DEFAULT_MARGIN_S = 0.5
-
-
-def _spans(ranks: Sequence[int]) -> RankSpans:
-    out = RankSpans()
-    for rank in ranks:
-        out = out + RankSpans.of(rank)
-    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +134,7 @@ class RelayChild:
 
     @cached_property
     def spans(self) -> RankSpans:
-        return _spans(self.ranks)
+        return RankSpans.of_ranks(self.ranks)
 
     def target(self) -> CallTarget:
         """Where and how the hop calls the relay: its client's configuration, its RelayStep method."""
@@ -229,8 +222,8 @@ class RelayHop:
         began = time.monotonic()
         steps = {s.rank: s.args for s in args.steps}
         if tuple(sorted(steps)) != self._ranks:
-            raise RelayError(f"the step names ranks {_spans(sorted(steps)).spans} but this hop's subtree is ranks "
-                             f"{_spans(self._ranks).spans}: the caller's tree is not this hop's; rebuild both from "
+            raise RelayError(f"the step names ranks {RankSpans.of_ranks(sorted(steps)).spans} but this hop's "
+                             f"subtree is ranks {RankSpans.of_ranks(self._ranks).spans}: the caller's tree is not this hop's; rebuild both from "
                              "the same RelayTree")
         requests: list[UnaryRequest | None] = []
         unsent: dict[int, ZeroRayError] = {}
@@ -275,10 +268,6 @@ class RelayHop:
         return FailureContext(rank=self._host, phase="relaying")
 
 
-def _ranks_under(tree: RelayTree, relay: Relay) -> tuple[int, ...]:
-    return tuple(sorted(relay.ranks + tuple(r for c in tree.children(relay.id) for r in _ranks_under(tree, c))))
-
-
 def hop_children(tree: RelayTree, relay_id: int | None, *, owners: Mapping[int, OwnerClient],
                  relays: Mapping[int, RelayClient]) -> tuple[HopChild, ...]:
     """The children of relay ``relay_id`` of ``tree`` (None: the driver's, the top relays), with
@@ -296,5 +285,5 @@ def hop_children(tree: RelayTree, relay_id: int | None, *, owners: Mapping[int, 
     if missing:
         raise ConfigError(f"{'the driver' if relay is None else f'relay {relay_id}'} calls relays "
                           f"{[c.id for c in below]} but no relay client was handed in for {missing}")
-    return tuple(RelayChild(ranks=_ranks_under(tree, c), host=c.host, node=tree.nodes[c.host], client=relays[c.id])
+    return tuple(RelayChild(ranks=tree.ranks_under(c.id), host=c.host, node=tree.nodes[c.host], client=relays[c.id])
                  for c in below)

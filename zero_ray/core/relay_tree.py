@@ -125,6 +125,11 @@ class RelayTree:
         up = self._parent[relay_id]
         return None if up is None else self._by_id[up]
 
+    def ranks_under(self, relay_id: int) -> tuple[int, ...]:
+        """Every rank ``relay_id``'s subtree reaches, ascending (what a call to it covers)."""
+        relay = self.relay(relay_id)
+        return tuple(sorted(relay.ranks + tuple(r for c in relay.relays for r in self.ranks_under(c))))
+
     @property
     def live_ranks(self) -> tuple[int, ...]:
         """Every rank the tree reaches, ascending."""

@@ -185,6 +185,14 @@ class RankSpans:
     def of(cls, rank: int) -> RankSpans:
         return cls(spans=((rank, rank + 1),))
 
+    @classmethod
+    def of_ranks(cls, ranks: Iterable[int]) -> RankSpans:
+        """These ranks (RelayError for one named twice, as combining its replies twice would be)."""
+        out = cls()
+        for rank in ranks:
+            out = out + cls.of(rank)
+        return out
+
     def __add__(self, other: RankSpans) -> RankSpans:
         merged: list[tuple[int, int]] = []
         for start, stop in sorted(self.spans + other.spans):
