@@ -42,7 +42,8 @@ from typing import Any
 from benchmarks.control_sim import DATASET, SimSettings, worker_main
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient, RelayClient
-from zero_ray.control.handlers import Piece, RankStep, RelayStepArgs, StepArgs
+from zero_ray.control.handlers import Piece, RelayStepArgs, StepArgs
+from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.relay_hop import OwnerChild, RelayHop
 from zero_ray.control.server import ControlServer, ServerConfig
 
@@ -65,7 +66,7 @@ def relay_main(conn: Any, addresses: list[str], job_id: str, token: str) -> None
                for a in addresses]
     hop = RelayHop(host=0, children=[OwnerChild(rank=r, node="sim", client=c) for r, c in enumerate(clients)])
     server = ControlServer(ServerConfig(host="127.0.0.1", credentials=credentials, threads=16))
-    server.add_relay(hop)
+    server.add_relay(RelayHost.serving({0: hop}, rank=0, template=clients[0].config))
     conn.send(server.start())
     while True:
         command = conn.recv()
@@ -117,8 +118,10 @@ def measure(owners: int = 8, calls: int = 200) -> dict[str, float]:
 
     def relayed() -> float:
         nonlocal step
-        args = RelayStepArgs(steps=tuple(RankStep(rank=r, args=a) for r, a in enumerate(_args(step, owners))),
-                             timeout_s=CALL_TIMEOUT_S)
+        common = StepArgs(step=step, piece=Piece(dataset=DATASET), global_samples=owners, generation=0,
+                          samples_seen=step * owners)
+        args = RelayStepArgs.of(common, ranks=range(owners), counts=[1] * owners, indices=range(owners),
+                                timeout_s=CALL_TIMEOUT_S)
         began = time.perf_counter()
         reply = relay.relay_step(args, timeout_s=CALL_TIMEOUT_S + 5)
         took = time.perf_counter() - began

@@ -8,6 +8,7 @@ run's credentials; the driver's hop over the top relays is called in process.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,8 +17,9 @@ from control_fakes import WAIT_S, FakeOwner, server_config
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient, RelayClient
-from zero_ray.control.handlers import FailureContext, LossTotals, Piece, RankStep, RelayStepArgs, StepArgs, StepResult
+from zero_ray.control.handlers import FailureContext, LossTotals, Piece, RelayStepArgs, StepArgs, StepResult
 from zero_ray.control.relay_hop import RelayHop, hop_children
+from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.server import ControlServer
 from zero_ray.core.relay_tree import RelayConfig, RelayTree, plan_relays
 
@@ -58,9 +60,14 @@ def step_args(step: int, rank: int, world: int) -> StepArgs:
                     global_samples=world * PER_RANK, generation=1, samples_seen=step * world * PER_RANK)
 
 
-def relay_args(step: int, world: int, timeout_s: float = WAIT_S) -> RelayStepArgs:
-    return RelayStepArgs(steps=tuple(RankStep(rank=r, args=step_args(step, r, world)) for r in range(world)),
-                         timeout_s=timeout_s)
+def relay_args(step: int, world: int, timeout_s: float = WAIT_S, *, ranks: Sequence[int] | None = None,
+               relay: int = 0) -> RelayStepArgs:
+    """Step ``step`` for ``ranks`` (default: all ``world``), each rank's indices as ``step_args`` gives them."""
+    ranks = range(world) if ranks is None else ranks
+    per_rank = [step_args(step, r, world) for r in ranks]
+    common = dataclasses.replace(per_rank[0], piece=Piece(dataset="train"))
+    return RelayStepArgs.of(common, ranks=ranks, counts=[len(a.piece.indices) for a in per_rank],
+                            indices=[i for a in per_rank for i in a.piece.indices], timeout_s=timeout_s, relay=relay)
 
 
 @dataclass(kw_only=True)
@@ -120,7 +127,8 @@ def serve_tree(credentials: Credentials, nodes: Sequence[str], fan_out: int, *, 
                                                               relays=relay_clients), margin_s=MARGIN_S)
         hops.append(hop)
         server = ControlServer(server_config(credentials))
-        server.add_relay(hop)
+        server.add_relay(RelayHost.serving({relay.id: hop}, rank=relay.host, template=ClientConfig(
+            address="127.0.0.1:1", credentials=credentials, timeout_s=WAIT_S)))
         server.start()
         servers.append(server)
         relay_servers[relay.id] = server

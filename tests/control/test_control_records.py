@@ -42,6 +42,19 @@ def _scalar(f: Any, salt: int) -> Any:
 PIECE_FORMS = ({"batch_key": ""}, {"dataset": "", "indices": ()})
 
 
+def _relay_step_fields(values: dict[str, Any], salt: int) -> dict[str, Any]:
+    """A relayed step's fields must agree (spans ascending, a count per rank, the indices they
+    count, none in the common piece): non-default values that do."""
+    step = values["step"]
+    return {"step": dataclasses.replace(step, piece=handlers.Piece(dataset=f"dataset-{salt}")),
+            "ranks": (handlers.RankSpan(start=3 + salt, stop=5 + salt), handlers.RankSpan(start=9 + salt, stop=10 + salt)),
+            "counts": (2, 0, 1), "indices": (11 + salt, 12, 13)}
+
+
+# Records whose fields check each other: the values that agree, given the generic ones.
+AGREEING = {"RelayStepArgs": _relay_step_fields}
+
+
 def _sample(record_name: str, salt: int = 0, without: dict[str, Any] | None = None) -> Any:
     """A record with a non-default value in every field (but those ``without`` names)."""
     descriptor = _message_type(record_name).DESCRIPTOR
@@ -58,6 +71,8 @@ def _sample(record_name: str, salt: int = 0, without: dict[str, Any] | None = No
             values[f.name] = made if f.is_repeated else made[0]
         else:
             values[f.name] = (_scalar(f, salt), _scalar(f, salt + 3)) if f.is_repeated else _scalar(f, salt)
+    if record_name in AGREEING:
+        values.update(AGREEING[record_name](values, salt))
     values.update(without or {})
     return getattr(handlers, record_name)(**values)
 

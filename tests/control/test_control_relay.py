@@ -16,7 +16,6 @@ from relay_stand_ins import MARGIN_S, ServedTree, relay_args, serve_tree, step_a
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient, RelayClient
-from zero_ray.control.handlers import RankStep, RelayStepArgs
 from zero_ray.control.relay_hop import OwnerChild, RelayHop, hop_children
 from zero_ray.core.reply_combine import CombinedStep, combine_steps
 from zero_ray.driver.reports import StepMetrics
@@ -67,7 +66,7 @@ def test_a_step_through_the_tree_is_every_owners_reply_combined(dyadic: bool) ->
                                           "reduce_scatter": 1000 * sum(range(1, WORLD + 1))}
         if dyadic:
             kw = dict(step=4, samples=WORLD * 4, seconds=0.5, sent_ahead=False)
-            assert StepMetrics.of_combined(reply, **kw) == StepMetrics.of(direct, **kw)
+            assert StepMetrics.of(reply, **kw) == StepMetrics.of(combine_steps(CombinedStep.of(r) for r in direct), **kw)
     finally:
         served.close()
 
@@ -113,8 +112,7 @@ def test_a_wrong_token_is_refused_at_every_hop(tree: ServedTree) -> None:
                                   timeout_s=WAIT_S)) as stranger:
         hop = RelayHop(host=0, children=(OwnerChild(rank=0, node="node-a", client=tree.owner_clients[0]),
                                          OwnerChild(rank=1, node="node-a", client=stranger)))
-        reply = hop.relay_step(RelayStepArgs(steps=tuple(RankStep(rank=r, args=step_args(0, r, WORLD))
-                                                         for r in node_a.ranks), timeout_s=WAIT_S))
+        reply = hop.relay_step(relay_args(0, WORLD, ranks=node_a.ranks))
     assert reply.failure is not None and (reply.failure.rank, reply.failure.detail.type) == (1, "AuthError")
     assert reply.agreed is not None and reply.agreed.rank == 0 and reply.totals.samples == 4
     assert tree.owners[1].steps == []
@@ -140,7 +138,7 @@ def test_a_step_for_another_subtree_is_refused_by_the_hop(tree: ServedTree) -> N
     node_b = tree.tree.node_relay("node-b")
     with RelayClient(tree.client_config(tree.relay_servers[node_b.id])) as client, \
             pytest.raises(RemoteFailure, match="RelayError") as caught:
-        client.relay_step(RelayStepArgs(steps=(RankStep(rank=0, args=step_args(0, 0, WORLD)),), timeout_s=WAIT_S))
+        client.relay_step(relay_args(0, WORLD, ranks=[0], relay=node_b.id))
     assert caught.value.detail.rank == node_b.host and caught.value.detail.type == "RelayError"
     assert all(owner.steps == [] for owner in tree.owners)
 
@@ -154,4 +152,4 @@ def test_children_come_from_the_tree_and_every_client_must_be_handed_in(tree: Se
     with pytest.raises(ConfigError, match="each rank is under exactly one child"):
         RelayHop(host=0, children=[*children, dataclasses.replace(children[0])])
     with pytest.raises(ConfigError, match="timeout_s"):
-        RelayStepArgs(steps=(RankStep(rank=0, args=step_args(0, 0, WORLD)),), timeout_s=0.0)
+        relay_args(0, WORLD, ranks=[0], timeout_s=0.0)

@@ -38,6 +38,8 @@ from zero_ray.control.handlers import (
     OwnerStats,
     OwnerStatus,
     Plain,
+    HostRelaysArgs,
+    HostRelaysResult,
     RelayStepArgs,
     ResizeResult,
     SavePhase,
@@ -263,3 +265,8 @@ class RelayClient(BaseClient):
         request = to_message(args, relay_pb2.RelayStepRequest, header=self._header())
         return self._unary_future("RelayStep", self._stub.RelayStep, request, timeout_s,
                                   lambda r: from_wire(to_record(r, SubtreeStep)))
+
+    def host_relays(self, args: HostRelaysArgs, *, timeout_s: float | None = None) -> HostRelaysResult:
+        """Have the process serve ``args.relays`` from now on (in place of those before)."""
+        request = to_message(args, relay_pb2.HostRelaysRequest, header=self._header())
+        return to_record(self._unary("HostRelays", self._stub.HostRelays, request, timeout_s), HostRelaysResult)

@@ -37,7 +37,11 @@ anything else                           ``INTERNAL`` (and logged with its traceb
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import enum
+import functools
+import itertools
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -55,6 +59,8 @@ from zero_ray.core.records import (
     FailureDetailRecord,
     Flight,
     Heartbeat,
+    HostedRelay,
+    HostRelaysResult,
     JobStatus,
     LoadResult,
     LossTotals,
@@ -65,7 +71,7 @@ from zero_ray.core.records import (
     ParamInfo,
     RankSpan,
     RankStatus,
-    RankStep,
+    RelayChildSeat,
     ResizeResult,
     SaveResult,
     SetupResult,
@@ -78,9 +84,10 @@ from zero_ray.errors import ConfigError
 
 __all__ = [
     "CheckpointResult", "CollectiveEvent", "CoordinatorHandler", "EvaluateArgs", "EvaluateResult", "ExactSumValue",
-    "FailedRank", "FailureContext", "FailureDetailRecord", "Flight", "Heartbeat",
+    "FailedRank", "FailureContext", "FailureDetailRecord", "Flight", "Heartbeat", "HostedRelay", "HostRelaysArgs",
+    "HostRelaysResult", "RelayChildSeat",
     "JobStatus", "LoadResult", "LossTotals", "MetricsEvent", "ModelLayout", "OwnerHandler", "OwnerStats",
-    "OwnerStatus", "ParamInfo", "Piece", "Plain", "RankSpan", "RankStatus", "RankStep", "RelayStepArgs",
+    "OwnerStatus", "ParamInfo", "Piece", "Plain", "RankSpan", "RankStatus", "RelayStepArgs",
     "ResizeResult", "SavePhase", "SaveResult", "SetupResult", "StepAgreed", "StepArgs", "StepResult", "SubtreeStep",
     "SubtreeTotals", "combine",
 ]
@@ -145,17 +152,113 @@ class EvaluateArgs(_records.EvaluateArgs):
 
 @dataclass(frozen=True, kw_only=True)
 class RelayStepArgs(_records.RelayStepArgs):
-    """A step on every rank of a relay's subtree (relay.proto's RelayStepRequest): each rank's
-    ``StepArgs`` once, and the seconds the subtree has."""
+    """A step on every rank of a relay's subtree (relay.proto's RelayStepRequest): what every
+    rank runs (``step``, its piece's indices empty), the subtree's ranks as spans, and a
+    dataset's indices packed (``counts`` per rank in rank order, ``indices`` concatenated).
+    :meth:`rank_step` is one rank's ``StepArgs``; :meth:`for_ranks` a child's request."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ConfigError(f"RelayStepArgs(timeout_s={self.timeout_s}) must be a finite number of seconds > 0: "
                               "the time the subtree has to answer")
-        ranks = [s.rank for s in self.steps]
-        if not ranks or len(set(ranks)) != len(ranks):
-            raise ConfigError(f"RelayStepArgs names ranks {sorted(ranks)}: a relayed step holds each rank of the "
-                              "subtree once, and at least one")
+        spans = [(s.start, s.stop) for s in self.ranks]
+        if not spans or any(a >= b for a, b in spans) or any(b > c for (_, b), (c, _) in zip(spans, spans[1:])):
+            raise ConfigError(f"RelayStepArgs names the rank spans {spans}: a relayed step holds the subtree's ranks "
+                              "as ascending, non-empty, non-overlapping spans, at least one")
+        piece = self.step.piece
+        if piece.indices:
+            raise ConfigError("RelayStepArgs.step's piece carries indices: a relayed step packs them in counts and "
+                              "indices, one count per rank")
+        ranks = sum(b - a for a, b in spans)
+        if self.counts and (len(self.counts) != ranks or piece.batch_key):
+            raise ConfigError(f"RelayStepArgs has {len(self.counts)} counts for {ranks} ranks of "
+                              f"{'a staged batch' if piece.batch_key else 'a dataset'}: a dataset's step has one "
+                              "per rank, a staged batch's none")
+        if sum(self.counts) != len(self.indices):
+            raise ConfigError(f"RelayStepArgs counts {sum(self.counts)} indices but carries {len(self.indices)}")
+
+    @classmethod
+    def of(cls, step: StepArgs, *, ranks: Sequence[int], counts: Sequence[int] = (), indices: Sequence[int] = (),
+           timeout_s: float, relay: int = 0) -> RelayStepArgs:
+        """The request for ``ranks`` (ascending) running ``step``, each rank reading its
+        ``counts`` of ``indices`` in rank order."""
+        return cls(step=step, ranks=_spans_of(ranks), counts=tuple(counts), indices=tuple(indices),
+                   timeout_s=timeout_s, relay=relay)
+
+    @functools.cached_property
+    def rank_list(self) -> tuple[int, ...]:
+        """The subtree's ranks, ascending."""
+        return tuple(r for s in self.ranks for r in range(s.start, s.stop))
+
+    @functools.cached_property
+    def _starts(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        # each span's first rank, that rank's position in rank order, and each position's first index
+        firsts = tuple(s.start for s in self.ranks)
+        positions = tuple(itertools.accumulate((s.stop - s.start for s in self.ranks[:-1]), initial=0))
+        return firsts, positions, tuple(itertools.accumulate(self.counts, initial=0))
+
+    def _position(self, rank: int) -> int:
+        firsts, positions, _ = self._starts
+        i = bisect.bisect_right(firsts, rank) - 1
+        if i < 0 or rank >= self.ranks[i].stop:
+            raise ConfigError(f"rank {rank} is not among this step's ranks {[(s.start, s.stop) for s in self.ranks]}")
+        return positions[i] + rank - firsts[i]
+
+    def rank_step(self, rank: int) -> StepArgs:
+        """Rank ``rank``'s own step, as its owner is asked."""
+        if not self.counts:
+            self._position(rank)  # checks the rank
+            return self.step
+        at = self._position(rank)
+        offsets = self._starts[2]
+        piece = dataclasses.replace(self.step.piece, indices=self.indices[offsets[at]:offsets[at + 1]])
+        return dataclasses.replace(self.step, piece=piece)
+
+    def for_ranks(self, ranks: Sequence[int], *, timeout_s: float, relay: int) -> RelayStepArgs:
+        """The request for ``ranks`` (ascending, all of them this request's) of a child relay."""
+        spans = _spans_of(ranks)
+        counts: list[int] = []
+        indices: list[int] = []
+        if self.counts:
+            offsets = self._starts[2]
+            for span in spans:  # a span at a time: a node's ranks are mostly contiguous
+                a = self._position(span.start)
+                b = a + span.stop - span.start
+                counts += self.counts[a:b]
+                indices += self.indices[offsets[a]:offsets[b]]
+        else:
+            for span in spans:
+                self._position(span.start)
+        return RelayStepArgs(step=self.step, ranks=spans, counts=tuple(counts), indices=tuple(indices),
+                             timeout_s=timeout_s, relay=relay)
+
+
+def _spans_of(ranks: Sequence[int]) -> tuple[RankSpan, ...]:
+    """Ascending ``ranks`` as the fewest spans."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1]:
+            spans[-1][1] = r + 1
+        elif spans and r < spans[-1][1]:
+            raise ConfigError(f"ranks {list(ranks)} must be ascending, each once")
+        else:
+            spans.append([r, r + 1])
+    return tuple(RankSpan(start=a, stop=b) for a, b in spans)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostRelaysArgs(_records.HostRelaysArgs):
+    """The relays a process is to serve (relay.proto's HostRelaysRequest), each once."""
+
+    def __post_init__(self) -> None:
+        ids = [r.relay for r in self.relays]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"HostRelaysArgs names relays {sorted(ids)}: each relay once")
+        if not (math.isfinite(self.margin_s) and self.margin_s >= 0):
+            raise ConfigError(f"HostRelaysArgs(margin_s={self.margin_s}) must be a finite number of seconds >= 0")
+        for hosted in self.relays:
+            if not hosted.children:
+                raise ConfigError(f"relay {hosted.relay} has no children: a relay calls at least one")
 
 
 class SavePhase(enum.Enum):

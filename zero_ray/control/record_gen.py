@@ -47,7 +47,6 @@ RECORDS: tuple[tuple[str, str], ...] = (
     ("CollectiveEvent", "zero_ray.v1.CollectiveEvent"),
     ("Flight", "zero_ray.v1.FlightReply"),
     ("FailureDetailRecord", "zero_ray.v1.FailureDetail"),
-    ("RankStep", "zero_ray.v1.RankStep"),
     ("RelayStepArgs", "zero_ray.v1.RelayStepRequest"),
     ("ExactSumValue", "zero_ray.v1.ExactSumValue"),
     ("SubtreeTotals", "zero_ray.v1.SubtreeTotals"),
@@ -55,6 +54,10 @@ RECORDS: tuple[tuple[str, str], ...] = (
     ("RankSpan", "zero_ray.v1.RankSpan"),
     ("FailedRank", "zero_ray.v1.FailedRank"),
     ("SubtreeStep", "zero_ray.v1.RelayStepReply"),
+    ("RelayChildSeat", "zero_ray.v1.RelayChildSeat"),
+    ("HostedRelay", "zero_ray.v1.HostedRelay"),
+    ("HostRelaysArgs", "zero_ray.v1.HostRelaysRequest"),
+    ("HostRelaysResult", "zero_ray.v1.HostRelaysReply"),
 )
 
 _F = descriptor_pb2.FieldDescriptorProto

@@ -42,7 +42,7 @@ from zero_ray.control._generated import owner_pb2, owner_pb2_grpc, relay_pb2, re
 from zero_ray.control.client import OwnerClient, RelayClient
 from zero_ray.control.client_channel import convert_error, header_of
 from zero_ray.control.conversion import to_message, to_record
-from zero_ray.control.handlers import FailureContext, RankStep, RelayStepArgs, StepArgs, StepResult, SubtreeStep
+from zero_ray.control.handlers import FailureContext, RelayStepArgs, StepResult, SubtreeStep
 from zero_ray.control.hop_calls import CallOutcome, CallTarget, HopCalls, UnaryRequest
 from zero_ray.control.relay_wire import from_wire
 from zero_ray.core.relay_tree import RelayTree
@@ -98,9 +98,9 @@ class OwnerChild:
         return CallTarget(config=self.client.config,
                           rpc=lambda channel: owner_pb2_grpc.PartitionOwnerStub(channel).Step)
 
-    def request(self, steps: Mapping[int, StepArgs], time_left_s: float, margin_s: float) -> UnaryRequest:
+    def request(self, args: RelayStepArgs, time_left_s: float, margin_s: float) -> UnaryRequest:
         """The owner's step request; its deadline is the time the hop has left."""
-        message = to_message(steps[self.rank], owner_pb2.StepRequest, header=header_of(self.client.config))
+        message = to_message(args.rank_step(self.rank), owner_pb2.StepRequest, header=header_of(self.client.config))
         return UnaryRequest(message=message, timeout_s=time_left_s)
 
     def reply(self, message: Any) -> CombinedStep:
@@ -115,11 +115,13 @@ class OwnerChild:
 
 @dataclass(frozen=True, kw_only=True)
 class RelayChild:
-    """A relay a hop calls: the ranks under it, the rank whose process runs it (``host``, named
-    when it fails), that rank's node, and a client of its ``Relay`` service."""
+    """A relay a hop calls: its id in the tree (``relay``: which of the relays its process
+    serves), the ranks under it, the rank whose process runs it (``host``, named when it
+    fails), that rank's node, and a client of its ``Relay`` service."""
 
     OPERATION: ClassVar[str] = "Relay.RelayStep"
 
+    relay: int
     ranks: tuple[int, ...]
     host: int
     node: str
@@ -140,7 +142,7 @@ class RelayChild:
         """Where and how the hop calls the relay: its client's configuration, its RelayStep method."""
         return CallTarget(config=self.client.config, rpc=lambda channel: relay_pb2_grpc.RelayStub(channel).RelayStep)
 
-    def request(self, steps: Mapping[int, StepArgs], time_left_s: float, margin_s: float) -> UnaryRequest:
+    def request(self, args: RelayStepArgs, time_left_s: float, margin_s: float) -> UnaryRequest:
         """The relay's RelayStep request for its ranks: it has the time left less ``margin_s``
         to answer in, and the call the time left."""
         below = time_left_s - margin_s
@@ -148,8 +150,8 @@ class RelayChild:
             raise ControlError(f"{self.OPERATION} to {self.client.address} was not sent: {time_left_s:.3f}s were "
                                f"left, no more than the hop's margin of {margin_s:g}s; give the step more time",
                                code="DEADLINE_EXCEEDED")
-        args = RelayStepArgs(steps=tuple(RankStep(rank=r, args=steps[r]) for r in self.ranks), timeout_s=below)
-        message = to_message(args, relay_pb2.RelayStepRequest, header=header_of(self.client.config))
+        message = to_message(args.for_ranks(self.ranks, timeout_s=below, relay=self.relay), relay_pb2.RelayStepRequest,
+                             header=header_of(self.client.config))
         return UnaryRequest(message=message, timeout_s=time_left_s)
 
     def reply(self, message: Any) -> CombinedStep:
@@ -192,6 +194,7 @@ class RelayHop:
     _host: int | None
     _children: tuple[HopChild, ...]
     _ranks: tuple[int, ...]
+    _spans: RankSpans
     _margin_s: float
     _calls: HopCalls
     _finalizer: weakref.finalize
@@ -207,6 +210,7 @@ class RelayHop:
         self._host = host
         self._children = tuple(children)
         self._ranks = tuple(ranks)
+        self._spans = RankSpans.of_ranks(ranks)
         self._margin_s = margin_s
         self._calls = HopCalls([c.target() for c in self._children])
         # Bound to the calls, not the hop: a hop dropped unclosed is still collected, and closed then.
@@ -220,16 +224,15 @@ class RelayHop:
     def relay_step(self, args: RelayStepArgs) -> CombinedStep:
         """Every child's step, begun at once; their replies combined within ``args.timeout_s``."""
         began = time.monotonic()
-        steps = {s.rank: s.args for s in args.steps}
-        if tuple(sorted(steps)) != self._ranks:
-            raise RelayError(f"the step names ranks {RankSpans.of_ranks(sorted(steps)).spans} but this hop's "
-                             f"subtree is ranks {RankSpans.of_ranks(self._ranks).spans}: the caller's tree is not this hop's; rebuild both from "
-                             "the same RelayTree")
+        named = tuple((s.start, s.stop) for s in args.ranks)
+        if named != self._spans.spans:
+            raise RelayError(f"the step names ranks {named} but this hop's subtree is ranks {self._spans.spans}: the "
+                             "caller's tree is not this hop's; rebuild both from the same RelayTree")
         requests: list[UnaryRequest | None] = []
         unsent: dict[int, ZeroRayError] = {}
         for i, child in enumerate(self._children):
             try:
-                requests.append(child.request(steps, args.timeout_s - (time.monotonic() - began), self._margin_s))
+                requests.append(child.request(args, args.timeout_s - (time.monotonic() - began), self._margin_s))
             except ZeroRayError as err:  # not sent: its failure, the others go on
                 requests.append(None)
                 unsent[i] = err
@@ -285,5 +288,5 @@ def hop_children(tree: RelayTree, relay_id: int | None, *, owners: Mapping[int, 
     if missing:
         raise ConfigError(f"{'the driver' if relay is None else f'relay {relay_id}'} calls relays "
                           f"{[c.id for c in below]} but no relay client was handed in for {missing}")
-    return tuple(RelayChild(ranks=tree.ranks_under(c.id), host=c.host, node=tree.nodes[c.host], client=relays[c.id])
-                 for c in below)
+    return tuple(RelayChild(relay=c.id, ranks=tree.ranks_under(c.id), host=c.host, node=tree.nodes[c.host],
+                            client=relays[c.id]) for c in below)

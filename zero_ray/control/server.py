@@ -36,7 +36,7 @@ from zero_ray.control.auth import (
     read_pem,
 )
 from zero_ray.control.handlers import CoordinatorHandler, OwnerHandler
-from zero_ray.control.relay_hop import RelayHop
+from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.servicers import CoordinatorServicer, OwnerServicer, RelayServicer
 from zero_ray.control.stream_admission import Streams
 from zero_ray.errors import ConfigError, ControlError
@@ -122,7 +122,7 @@ class ServerConfig:
 
 
 def _missing_methods(handler: object, protocol: type) -> list[str]:
-    # Methods only: a concrete handler class (RelayHop) also has properties, which are not served.
+    # Methods only: a concrete handler class (RelayHost) also has properties, which are not served.
     names = [name for name in dir(protocol) if not name.startswith("_") and callable(getattr(protocol, name))]
     return [name for name in names if not callable(getattr(handler, name, None))]
 
@@ -164,10 +164,11 @@ class ControlServer:
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(handler, self._streams),
                                                                self._server)
 
-    def add_relay(self, hop: RelayHop) -> None:
-        """Serve ``zero_ray.v1.Relay`` with ``hop`` (beside an owner's service, or alone)."""
-        self._add("Relay", hop, RelayHop)
-        relay_pb2_grpc.add_RelayServicer_to_server(RelayServicer(hop, self._streams), self._server)
+    def add_relay(self, host: RelayHost) -> None:
+        """Serve ``zero_ray.v1.Relay`` with ``host``: the relays this process serves (beside an
+        owner's service, or alone)."""
+        self._add("Relay", host, RelayHost)
+        relay_pb2_grpc.add_RelayServicer_to_server(RelayServicer(host, self._streams), self._server)
 
     def _add(self, service: str, handler: Any, protocol: type) -> None:
         if self._address is not None:

@@ -1,6 +1,6 @@
 """protobuf <-> plain translation on the server side: the servicers a :class:`ControlServer`
 registers for an :class:`OwnerHandler`, a :class:`CoordinatorHandler` and a relay's
-:class:`~zero_ray.control.relay_hop.RelayHop`.
+:class:`~zero_ray.control.relay_host.RelayHost`.
 
 Every method runs its handler through :func:`zero_ray.control.failure_status.serve`, so that a failure
 ends the call with a status and a FailureDetail; ``*_json`` fields are read and written with
@@ -28,13 +28,14 @@ from zero_ray.control.handlers import (
     EvaluateArgs,
     FailureContext,
     OwnerHandler,
+    HostRelaysArgs,
     RelayStepArgs,
     SavePhase,
     StepArgs,
 )
 from zero_ray.control.conversion import to_message, to_record
 from zero_ray.control.failure_status import serve
-from zero_ray.control.relay_hop import RelayHop
+from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.relay_wire import to_wire
 from zero_ray.control.stream_admission import Streams
 
@@ -214,11 +215,11 @@ class CoordinatorServicer(_Serving, coordinator_pb2_grpc.CoordinatorServicer):
 
 
 class RelayServicer(_Serving, relay_pb2_grpc.RelayServicer):
-    """protobuf <-> plain translation for a relay's :class:`RelayHop`: the combined reply is
-    converted to its wire record here (:mod:`zero_ray.control.relay_wire`)."""
+    """protobuf <-> plain translation for the relays a process serves (:class:`RelayHost`):
+    the combined reply is converted to its wire record here (:mod:`zero_ray.control.relay_wire`)."""
 
     _SERVICE = "Relay"
-    _handler: RelayHop
+    _handler: RelayHost
 
     def _failure_context(self) -> FailureContext:
         return self._handler.failure_context()
@@ -227,3 +228,9 @@ class RelayServicer(_Serving, relay_pb2_grpc.RelayServicer):
         args = self._serve(context, "RelayStep", lambda: to_record(request, RelayStepArgs), _same)
         return self._serve(context, "RelayStep", lambda: self._handler.relay_step(args),
                            lambda r: to_message(to_wire(r), relay_pb2.RelayStepReply))
+
+    def HostRelays(self, request: relay_pb2.HostRelaysRequest,
+                   context: grpc.ServicerContext) -> relay_pb2.HostRelaysReply:
+        args = self._serve(context, "HostRelays", lambda: to_record(request, HostRelaysArgs), _same)
+        return self._serve(context, "HostRelays", lambda: self._handler.host_relays(args),
+                           lambda r: to_message(r, relay_pb2.HostRelaysReply))

@@ -379,29 +379,29 @@ class FailureDetailRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RankStep:
-    """One rank's step, as its owner is to be asked.
-
-    The record of ``zero_ray.v1.RankStep``.
-    """
-
-    rank: int = 0
-    args: StepArgs
-
-
-@dataclass(frozen=True, kw_only=True)
 class RelayStepArgs:
-    """A step on every rank of a subtree.
+    """A step on every rank of a subtree: what they all run, and each rank's indices packed, so
+    that a request to 1,024 ranks is a few repeated scalar fields, not 1,024 messages
+    (zero_ray/driver/relay_plane.py says what that costs).
 
     The record of ``zero_ray.v1.RelayStepRequest``.
     """
 
-    # Every rank of the subtree, once each.
-    steps: tuple[RankStep, ...] = ()
     # Seconds the subtree has, from when the relay receives the call: the relay answers within
     # them, counting a child that has not answered by then as failed; a relay below gets them
     # less the hop's margin, so that its answer arrives in time.
     timeout_s: float = 0.0
+    # Which of the relays the called process serves (HostRelays) is to run it.
+    relay: int = 0
+    # What every rank runs; its piece names the staged batch's key or the dataset, its indices
+    # left empty (they are below).
+    step: StepArgs
+    # The subtree's ranks.
+    ranks: tuple[RankSpan, ...] = ()
+    # A dataset's pieces: how many indices each rank reads, in rank order, and all of them in
+    # that order. Empty for a staged batch.
+    counts: tuple[int, ...] = ()
+    indices: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -501,6 +501,54 @@ class SubtreeStep:
     failure: FailedRank | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class RelayChildSeat:
+    """One child of a hosted relay: an owner (one rank) or a relay below.
+
+    The record of ``zero_ray.v1.RelayChildSeat``.
+    """
+
+    # The ranks under the child, ascending; an owner's: its own.
+    ranks: tuple[int, ...] = ()
+    # The rank whose process serves it (an owner: its own rank), named when it fails.
+    host: int = 0
+    node: str = ""
+    # Its control server, HOST:PORT.
+    address: str = ""
+    # A relay child: its relay id (RelayStepRequest.relay). Unset for an owner.
+    relay: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostedRelay:
+    """A relay to serve: its id in the tree and its children.
+
+    The record of ``zero_ray.v1.HostedRelay``.
+    """
+
+    relay: int = 0
+    children: tuple[RelayChildSeat, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostRelaysArgs:
+    """The record of ``zero_ray.v1.HostRelaysRequest``.
+    """
+
+    relays: tuple[HostedRelay, ...] = ()
+    # What a relay below is given less than its caller (relay_hop.DEFAULT_MARGIN_S).
+    margin_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostRelaysResult:
+    """The record of ``zero_ray.v1.HostRelaysReply``.
+    """
+
+    # The ids of the relays served now.
+    relays: tuple[int, ...] = ()
+
+
 # The message each record is converted to and from (zero_ray.control.conversion).
 MESSAGES: dict[str, str] = {
     "Piece": "zero_ray.v1.Piece",
@@ -525,7 +573,6 @@ MESSAGES: dict[str, str] = {
     "CollectiveEvent": "zero_ray.v1.CollectiveEvent",
     "Flight": "zero_ray.v1.FlightReply",
     "FailureDetailRecord": "zero_ray.v1.FailureDetail",
-    "RankStep": "zero_ray.v1.RankStep",
     "RelayStepArgs": "zero_ray.v1.RelayStepRequest",
     "ExactSumValue": "zero_ray.v1.ExactSumValue",
     "SubtreeTotals": "zero_ray.v1.SubtreeTotals",
@@ -533,6 +580,10 @@ MESSAGES: dict[str, str] = {
     "RankSpan": "zero_ray.v1.RankSpan",
     "FailedRank": "zero_ray.v1.FailedRank",
     "SubtreeStep": "zero_ray.v1.RelayStepReply",
+    "RelayChildSeat": "zero_ray.v1.RelayChildSeat",
+    "HostedRelay": "zero_ray.v1.HostedRelay",
+    "HostRelaysArgs": "zero_ray.v1.HostRelaysRequest",
+    "HostRelaysResult": "zero_ray.v1.HostRelaysReply",
 }
 # Request fields of this type are the clients' envelope, not record fields.
 ENVELOPE = "zero_ray.v1.RequestHeader"

@@ -8,23 +8,61 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class RankStep(_message.Message):
-    __slots__ = ("rank", "args")
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    ARGS_FIELD_NUMBER: _ClassVar[int]
-    rank: int
-    args: _owner_pb2.StepRequest
-    def __init__(self, rank: _Optional[int] = ..., args: _Optional[_Union[_owner_pb2.StepRequest, _Mapping]] = ...) -> None: ...
+class RelayChildSeat(_message.Message):
+    __slots__ = ("ranks", "host", "node", "address", "relay")
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    host: int
+    node: str
+    address: str
+    relay: int
+    def __init__(self, ranks: _Optional[_Iterable[int]] = ..., host: _Optional[int] = ..., node: _Optional[str] = ..., address: _Optional[str] = ..., relay: _Optional[int] = ...) -> None: ...
+
+class HostedRelay(_message.Message):
+    __slots__ = ("relay", "children")
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    relay: int
+    children: _containers.RepeatedCompositeFieldContainer[RelayChildSeat]
+    def __init__(self, relay: _Optional[int] = ..., children: _Optional[_Iterable[_Union[RelayChildSeat, _Mapping]]] = ...) -> None: ...
+
+class HostRelaysRequest(_message.Message):
+    __slots__ = ("header", "relays", "margin_s")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
+    MARGIN_S_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    relays: _containers.RepeatedCompositeFieldContainer[HostedRelay]
+    margin_s: float
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., relays: _Optional[_Iterable[_Union[HostedRelay, _Mapping]]] = ..., margin_s: _Optional[float] = ...) -> None: ...
+
+class HostRelaysReply(_message.Message):
+    __slots__ = ("relays",)
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
+    relays: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, relays: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RelayStepRequest(_message.Message):
-    __slots__ = ("header", "steps", "timeout_s")
+    __slots__ = ("header", "timeout_s", "relay", "step", "ranks", "counts", "indices")
     HEADER_FIELD_NUMBER: _ClassVar[int]
-    STEPS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
-    steps: _containers.RepeatedCompositeFieldContainer[RankStep]
     timeout_s: float
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    relay: int
+    step: _owner_pb2.StepRequest
+    ranks: _containers.RepeatedCompositeFieldContainer[RankSpan]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., timeout_s: _Optional[float] = ..., relay: _Optional[int] = ..., step: _Optional[_Union[_owner_pb2.StepRequest, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankSpan, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExactSumValue(_message.Message):
     __slots__ = ("units", "pos_inf", "neg_inf", "nan")
