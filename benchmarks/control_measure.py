@@ -24,9 +24,12 @@ from benchmarks.control_sim import DATASET, SimSettings, worker_main
 from zero_ray.control._generated import owner_pb2
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient
-from zero_ray.control.handlers import Piece, StepArgs
+from zero_ray.control.handlers import StepArgs
+from zero_ray.core.relay_tree import RelayConfig
+from zero_ray.driver.batch_staging import IndexedBatch, StepCommand
 from zero_ray.driver.fanout import FanOut, Members
 from zero_ray.driver.health import HealthMonitor
+from zero_ray.driver.relay_plane import RelayPlane
 from zero_ray.errors import OwnerLostError, ZeroRayError
 
 START_TIMEOUT_S = 300.0  # workers import torch (OwnerControl's module does): slow on a busy machine
@@ -45,6 +48,8 @@ class ScaleSettings:
     health_interval_s: float
     health_timeout_s: float
     probe_calls: int
+    relay_fan_out: int = 0  # steps down a relay tree of this fan-out (0: to every owner directly)
+    owners_per_node: int = 8  # the simulated nodes the tree is planned over
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +86,10 @@ class ScaleRow:
     # fit's path: each step sent while the one before runs; wall per step less the compute time
     pipelined_added_ms_per_step: float = float("nan")
     pipelined_cpu_cores: float = float("nan")
+    # the relay tree (0: steps went to every owner directly; dispatch / compute / collect are then NaN)
+    relay_fan_out: int = 0
+    relay_depth: int = 0
+    owners_per_node: int = 0
 
     def as_json(self) -> dict[str, Any]:
         """The row as JSON-ready numbers."""
@@ -103,8 +112,9 @@ class SimCluster:
 
     def __init__(self, owners: int, settings: ScaleSettings) -> None:
         self.credentials = Credentials(job_id=f"control-scale-{owners}", token=secrets.token_urlsafe(32))
+        # A relay checks that every rank reports the same grad norm: no compute window in it then.
         sim = SimSettings(world_size=owners, job_id=self.credentials.job_id, token=self.credentials.token,
-                          compute_s=settings.compute_s)
+                          compute_s=settings.compute_s, timestamps=not settings.relay_fan_out)
         survivors = list(range(owners - 1))
         chunks = [survivors[i:i + settings.per_process] for i in range(0, len(survivors), settings.per_process)]
         chunks.append([owners - 1])  # the victim, alone
@@ -196,9 +206,11 @@ def _cpu_us_per(count: int, fn: Callable[[], Any]) -> float:
     return (time.process_time() - c0) / count * 1e6
 
 
-def _step_args(step: int, owners: int, *, ahead: bool = False) -> list[StepArgs]:
-    return [StepArgs(step=step, piece=Piece(dataset=DATASET, indices=(r,)), global_samples=owners, generation=0,
-                     samples_seen=step * owners, ahead=ahead) for r in range(owners)]
+def _step_args(step: int, owners: int, *, ahead: bool = False) -> StepCommand:
+    """Step ``step``: rank r reads sample r of the stand-ins' dataset (the controller's command)."""
+    out = IndexedBatch(dataset=DATASET, indices=tuple(range(owners))).split(world_size=owners, key=f"0:{step}")
+    return StepCommand(step=StepArgs(step=step, piece=out.piece, global_samples=owners, generation=0,
+                                     samples_seen=step * owners, ahead=ahead), out=out)
 
 
 class Driver:
@@ -212,8 +224,17 @@ class Driver:
                         for a in cluster.addresses]
         self.members = Members()  # what OwnerPool hands its FanOut: the clients, the monitor, the generation
         self.members.clients = self.clients
+        per_node = settings.owners_per_node
+        self.members.nodes = [{"node_id": f"sim-{r // per_node}", "control_address": a, "ip": "127.0.0.1", "pid": 0}
+                              for r, a in enumerate(cluster.addresses)]
         self.fan = FanOut(world_size=self.owners, members=self.members)
         self.threads_seen = 0
+        self.relays: RelayPlane | None = None
+        if settings.relay_fan_out:  # as OwnerPool does from RelayConfig.min_owners on
+            self.relays = RelayPlane(config=RelayConfig(fan_out=settings.relay_fan_out, min_owners=1),
+                                     members=self.members, fan=self.fan, credentials=cluster.credentials,
+                                     client_tls={}, timeout_s=STEP_TIMEOUT_S)
+            self.relays.replan()
 
     @property
     def monitor(self) -> HealthMonitor | None:
@@ -242,13 +263,24 @@ class Driver:
         """As ``OwnerPool.abort``: Abort on every owner the monitor has not lost, on the urgent pool."""
         self.fan.abort(reason)
 
+    def _start(self, command: StepCommand) -> Any:
+        # the paths OwnerPool.start_step takes: down the relay tree, or calls in gRPC's future
+        # form to every owner (no pool thread per owner)
+        if self.relays is not None:
+            return self.relays.start_step(command, timeout_s=STEP_TIMEOUT_S, staged={})
+        args = command.per_rank()
+        return self.fan.start(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=STEP_TIMEOUT_S))
+
+    def _collect(self, flight: Any) -> list[Any]:
+        if self.relays is not None:
+            self.relays.collect(flight)
+            return []  # combined: no owner's compute window
+        return self.fan.collect(flight)
+
     def step(self, step: int) -> tuple[float, float, list[Any]]:
-        """One step on every owner: (wall s, driver CPU s, results)."""
+        """One step on every owner: (wall s, driver CPU s, results; none through the tree)."""
         t0, c0 = time.monotonic(), time.process_time()
-        args = _step_args(step, self.owners)
-        # the path OwnerPool.step takes: calls in gRPC's future form, no pool thread per owner
-        results = self.fan.collect(
-            self.fan.start(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=STEP_TIMEOUT_S)))
+        results = self._collect(self._start(_step_args(step, self.owners)))
         wall, cpu = time.monotonic() - t0, time.process_time() - c0
         self.threads_seen = max(self.threads_seen, threading.active_count())
         return wall, cpu, [(t0, results)]
@@ -258,14 +290,10 @@ class Driver:
         before runs (``StepArgs.ahead``), then the one before collected; (wall s, driver CPU s)."""
         t0, c0 = time.monotonic(), time.process_time()
 
-        def start(step: int, ahead: bool) -> Any:
-            args = _step_args(step, self.owners, ahead=ahead)
-            return self.fan.start(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=STEP_TIMEOUT_S))
-
-        flight = start(first, False)
+        flight = self._start(_step_args(first, self.owners))
         for k in range(first, first + count):
-            following = start(k + 1, True) if k + 1 < first + count else None
-            self.fan.collect(flight)
+            following = self._start(_step_args(k + 1, self.owners, ahead=True)) if k + 1 < first + count else None
+            self._collect(flight)
             flight = following
         return time.monotonic() - t0, time.process_time() - c0
 
@@ -280,6 +308,8 @@ class Driver:
     def close(self) -> None:
         if self.monitor is not None:
             self.monitor.close()
+        if self.relays is not None:
+            self.relays.close()
         self.fan.close()
         for c in self.clients:
             c.close()
@@ -353,14 +383,15 @@ def measure(owners: int, settings: ScaleSettings, log: Callable[[str], None] = p
             if k <= settings.warmup:
                 continue
             ages.append(driver.beat_age_s())
-            t_end = t0 + wall
-            starts, ends = [r.totals.loss_sum for r in results], [r.grad_norm for r in results]
             walls.append(wall)
             cpus.append(cpu)
             added.append(wall - settings.compute_s)
-            dispatch.append(max(starts) - t0)
-            compute.append(max(ends) - min(starts))
-            collect.append(t_end - max(ends))
+            if results:  # each owner's compute window (a relayed step's reply is combined: none)
+                t_end = t0 + wall
+                starts, ends = [r.totals.loss_sum for r in results], [r.grad_norm for r in results]
+                dispatch.append(max(starts) - t0)
+                compute.append(max(ends) - min(starts))
+                collect.append(t_end - max(ends))
         step_threads = {g: round(v * 1e3 / settings.steps, 3) for g, v in cpu_by_group(th0, thread_cpu()).items()}
         log(f"  steps: median wall {_median(walls) * 1e3:.1f} ms, CPU {_median(cpus) * 1e3:.1f} ms")
         piped_wall, piped_cpu = driver.pipelined(k, settings.steps)
@@ -382,7 +413,9 @@ def measure(owners: int, settings: ScaleSettings, log: Callable[[str], None] = p
             step_cpu_by_thread=step_threads, max_beat_age_s=max(ages), owners_max_beat_gap_s=owner_gap,
             false_losses=len(false_losses), false_loss_reason=false_losses[0] if false_losses else "",
             pipelined_added_ms_per_step=(piped_wall / settings.steps - settings.compute_s) * 1e3,
-            pipelined_cpu_cores=piped_cpu / piped_wall)
+            pipelined_cpu_cores=piped_cpu / piped_wall, relay_fan_out=settings.relay_fan_out,
+            relay_depth=driver.relays.tree.depth if driver.relays is not None and driver.relays.tree else 0,
+            owners_per_node=settings.owners_per_node if settings.relay_fan_out else 0)
     finally:
         driver.close()
         cluster.stop()

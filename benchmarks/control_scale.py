@@ -41,14 +41,16 @@ GOAL_CPU_CORES = 1.0
 GOAL_HEARTBEAT_CORES_PER_100 = 0.01
 BUSY_CORES = 0.9  # a Python driver this busy is bound by its one GIL
 
-COLUMNS = ("owners", "added ms/step", "fit (pipelined): added ms/step, CPU cores", "driver CPU cores", "CPU ms/step", "µs CPU/owner", "dispatch ms",
+COLUMNS = ("owners", "path", "added ms/step", "fit (pipelined): added ms/step, CPU cores", "driver CPU cores", "CPU ms/step", "µs CPU/owner", "dispatch ms",
            "collect ms", "oldest beat s (driver / owner)", "heartbeat cores", "≤ 1%/100 owners", "beats/s",
            "loss → decision s", "monitor s")
 
 
 def _cells(r: ScaleRow) -> list[str]:
     budget = GOAL_HEARTBEAT_CORES_PER_100 * r.owners / 100
-    return [str(r.owners), f"{r.driver_added_ms_per_step:.1f}",
+    path = (f"tree: fan-out {r.relay_fan_out}, depth {r.relay_depth}, {r.owners_per_node}/node" if r.relay_fan_out
+            else "direct")
+    return [str(r.owners), path, f"{r.driver_added_ms_per_step:.1f}",
             f"{r.pipelined_added_ms_per_step:.1f}, {r.pipelined_cpu_cores:.2f}", f"{r.driver_cpu_cores:.2f}",
             f"{r.driver_cpu_ms_per_step:.1f}", f"{r.driver_cpu_us_per_owner:.0f}", f"{r.dispatch_ms:.1f}",
             f"{r.collect_ms:.1f}", f"{r.max_beat_age_s:.1f} / {r.owners_max_beat_gap_s:.1f}",
@@ -144,6 +146,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--health-timeout-s", type=float, default=defaults.health_timeout_s,
                         help="ZeroConfig's default")
     parser.add_argument("--probe-calls", type=int, default=64)
+    parser.add_argument("--relays", type=int, default=0, metavar="FAN_OUT",
+                        help="steps down the relay tree of this fan-out (RelayPlane, as OwnerPool from "
+                             "RelayConfig.min_owners on), relays hosted in the simulated owners' servers; 0: to "
+                             "every owner directly. Results go to control_scale_relays.{json,md}")
+    parser.add_argument("--owners-per-node", type=int, default=8, help="the simulated nodes the tree is planned over")
     parser.add_argument("--shared", default="yes", help="say whether other work ran on the machine meanwhile")
     parser.add_argument("--results-dir", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--json", dest="json_out", default=None, help="also write the JSON here")
@@ -155,12 +162,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             results = json.load(f)
         results["notes"] = (notes([ScaleRow.from_json(r) for r in results["rows"]])
                             + [f"{f['owners']} owners: no row: {f['error']}" for f in results.get("failed", [])])
-        _write(results, args.results_dir, args.json_out)
+        _write(results, args.results_dir, args.json_out, relays=bool(results["settings"].get("relays")))
         return results
     settings = ScaleSettings(compute_s=args.compute_ms / 1e3, steps=args.steps, warmup=args.warmup,
                              per_process=args.per_process, heartbeat_window_s=args.heartbeat_window_s,
                              health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
-                             probe_calls=args.probe_calls)
+                             probe_calls=args.probe_calls, relay_fan_out=args.relays,
+                             owners_per_node=args.owners_per_node)
     # Each false loss is counted in the row; the monitor's own error line per rank would flood the output.
     logging.getLogger("zero_ray.driver.health").setLevel(logging.CRITICAL)
     machine = machine_info()
@@ -180,22 +188,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                "settings": {"compute_ms": args.compute_ms, "steps": args.steps, "warmup": args.warmup,
                             "per_process": args.per_process, "heartbeat_window_s": args.heartbeat_window_s,
                             "health_interval_s": args.health_interval_s, "health_timeout_s": args.health_timeout_s,
-                            "shared": args.shared, "owners": args.owners},
+                            "shared": args.shared, "owners": args.owners, "relays": args.relays,
+                            "owners_per_node": args.owners_per_node},
                "rows": [r.as_json() for r in rows], "failed": failed,
                "notes": notes(rows) + [f"{f['owners']} owners: no row: {f['error']}" for f in failed]}
     print(table(rows))
     for n in results["notes"]:
         print(f"- {n}")
-    _write(results, args.results_dir, args.json_out)
+    _write(results, args.results_dir, args.json_out, relays=bool(args.relays))
     return results
 
 
-def _write(results: dict[str, Any], results_dir: str, json_out: str | None) -> None:
+def _write(results: dict[str, Any], results_dir: str, json_out: str | None, *, relays: bool) -> None:
     text = json.dumps(results, indent=2) + "\n"
     os.makedirs(results_dir, exist_ok=True)
-    with open(os.path.join(results_dir, "control_scale.json"), "w", encoding="utf-8") as f:
+    name = "control_scale_relays" if relays else "control_scale"  # both kept, to compare
+    with open(os.path.join(results_dir, f"{name}.json"), "w", encoding="utf-8") as f:
         f.write(text)
-    with open(os.path.join(results_dir, "control_scale.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(results_dir, f"{name}.md"), "w", encoding="utf-8") as f:
         f.write(render_markdown(results))
     if json_out:
         with open(json_out, "w", encoding="utf-8") as f:

@@ -24,6 +24,8 @@ from typing import Any
 from zero_ray.collective.flight_recorder import FlightRecorder
 from zero_ray.control import handlers as h
 from zero_ray.control.auth import Credentials
+from zero_ray.control.client_channel import ClientConfig
+from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.server import ControlServer, ServerConfig
 from zero_ray.core.run_position import Position
 from zero_ray.errors import CollectiveError
@@ -155,14 +157,18 @@ def _usage(hosts: list[SimHost]) -> dict[str, float]:
             "max_beat_gap": gap}
 
 
-def _serve(host: SimHost, credentials: Credentials) -> ControlServer:
-    """One owner's control server over ``host``, as ``PartitionOwner`` builds its own."""
+def _serve(host: SimHost, credentials: Credentials) -> tuple[ControlServer, RelayHost]:
+    """One owner's control server over ``host``, as ``PartitionOwner`` builds its own: its
+    owner service, and the relays the driver's tree has it host (``HostRelays``)."""
     server = ControlServer(ServerConfig(host="127.0.0.1", credentials=credentials, threads=CONTROL_THREADS))
     server.add_owner(OwnerControl(host, contact=host, server=server,  # type: ignore[arg-type]
                                   place=OwnerPlace(node_id="sim", host="localhost", ip="127.0.0.1", pid=0),
                                   detached=False, fetch_timeout_s=30.0, save_timeout_s=30.0, ahead_timeout_s=30.0))
+    relays = RelayHost(rank=host.rank, template=ClientConfig(address="127.0.0.1:1", credentials=credentials,
+                                                             timeout_s=30.0))
+    server.add_relay(relays)
     server.start()
-    return server
+    return server, relays
 
 
 def worker_main(conn: Any, ranks: list[int], settings: SimSettings) -> None:
@@ -170,7 +176,8 @@ def worker_main(conn: Any, ranks: list[int], settings: SimSettings) -> None:
     the driver's commands until "stop"."""
     credentials = Credentials(job_id=settings.job_id, token=settings.token)
     hosts = [SimHost(r, settings) for r in ranks]
-    servers = [_serve(host, credentials) for host in hosts]
+    served = [_serve(host, credentials) for host in hosts]
+    servers = [s for s, _ in served]
     conn.send([s.address for s in servers])
     while True:
         command = conn.recv()
@@ -183,7 +190,8 @@ def worker_main(conn: Any, ranks: list[int], settings: SimSettings) -> None:
         elif command == "entered":
             conn.send(sum(x.engine.entered for x in hosts))
         elif command == "stop":
-            for s in servers:
+            for s, relays in served:
                 s.stop(0.0)
+                relays.close()
             conn.send(True)
             return

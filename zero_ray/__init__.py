@@ -15,6 +15,8 @@ from zero_ray.config import (
 from zero_ray.core.offload_options import Offload
 from zero_ray.core.optimizer_plan import SGD, AdamW
 from zero_ray.core.precision import LossScaleConfig
+from zero_ray.core.relay_tree import RelayConfig
+from zero_ray.core.reply_combine import CombinedStep
 from zero_ray.core.lr_schedule import WarmupCosine
 from zero_ray.core.topology import Topology
 from zero_ray.core.stage3_units import WrapPolicy
@@ -44,6 +46,8 @@ __all__ = [
     "SGD",
     "ActivationCheckpointing",
     "Callback",
+    "CombinedStep",
+    "RelayConfig",
     "RunState",
     "TrainerState",
     "AdamW",

@@ -13,6 +13,7 @@ from zero_ray.checkpoint.location import check_location
 from zero_ray.core.offload_options import Offload
 from zero_ray.core.optimizer_plan import declared_kinds
 from zero_ray.core.precision import LossScaleConfig, dtype_name, parse_dtype
+from zero_ray.core.relay_tree import RelayConfig
 from zero_ray.core.stages import stage_plan
 from zero_ray.core.topology import Topology
 from zero_ray.core.stage3_units import WrapPolicy
@@ -350,6 +351,10 @@ class ZeroConfig:
         replay; see ``ElasticConfig``); one more fails the run.
     control_token_dir: where the control token file is written (default: a private temp dir).
     control_tls: TLS / mTLS for every control-plane connection (``ControlTLS``), or None.
+    relays: the control tree a step travels at scale (``RelayConfig(fan_out=8, min_owners=32)``):
+        a pool of at least ``min_owners`` owners sends each step to one relay per node (hosted by
+        the node's lowest rank), relays above them up to ``fan_out`` children each, and the
+        replies come back combined (docs/architecture.md); smaller pools call every owner.
     stage3: stage-3 options (units, prefetch, persistence, construction); see ``Stage3Config``.
     activation_checkpointing: recompute each unit's forward in backward instead of keeping its
         activations: True, or ``ActivationCheckpointing(offload=True)`` to also keep the units'
@@ -394,6 +399,7 @@ class ZeroConfig:
     max_failures: int = 3
     control_token_dir: str | None = None
     control_tls: ControlTLS | None = None
+    relays: RelayConfig = field(default_factory=RelayConfig)
     stage3: Stage3Config = field(default_factory=Stage3Config)
     activation_checkpointing: ActivationCheckpointing | bool | None = None
     compile: Compile | bool | None = None
@@ -447,6 +453,8 @@ class ZeroConfig:
             raise ConfigError(f"grad_accum_steps={self.grad_accum_steps!r} must be an integer >= 1")
         if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
             raise ConfigError(f"max_grad_norm={self.max_grad_norm!r} must be a positive number or None")
+        if not isinstance(self.relays, RelayConfig):
+            raise ConfigError(f"relays={self.relays!r} must be a zr.RelayConfig(fan_out=..., min_owners=...)")
         if not isinstance(self.loss_scale, LossScaleConfig):
             raise ConfigError(f"loss_scale={self.loss_scale!r} must be a zr.LossScaleConfig")
         if self.on_nonfinite not in ON_NONFINITE:

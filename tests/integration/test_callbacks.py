@@ -4,7 +4,7 @@ checkpoint and each event; one that raises does not stop the run."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,8 @@ class Recorder(zr.Callback):
     def on_state(self, old: zr.RunState, new: zr.RunState) -> None:
         self.states.append((old.value, new.value, new.cause))
 
-    def on_step(self, metrics: Mapping[str, Any], results: Sequence[Any]) -> None:
-        assert len(results) >= 1
+    def on_step(self, metrics: Mapping[str, Any], reply: zr.CombinedStep) -> None:
+        assert reply.ranks.covers(2) and reply.failure is None  # every owner's reply, combined
         self.steps.append(int(metrics["step"]))
 
     def on_checkpoint(self, path: str, step: int) -> None:
@@ -42,7 +42,7 @@ class Recorder(zr.Callback):
 
 
 class Broken(zr.Callback):
-    def on_step(self, metrics: Mapping[str, Any], results: Sequence[Any]) -> None:
+    def on_step(self, metrics: Mapping[str, Any], reply: zr.CombinedStep) -> None:
         raise RuntimeError("an observer's bug")
 
 

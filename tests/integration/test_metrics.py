@@ -114,6 +114,9 @@ def test_step_counter_loss_traffic_and_memory_reach_rays_metrics_endpoint() -> N
             assert series[(zm.prometheus_name(zm.STEP_SECONDS) + "_count", ())] == steps
             assert series[(zm.prometheus_name(zm.SAMPLES_PER_SECOND), ())] > 0
             assert series[(zm.prometheus_name(zm.ITEMS_PER_SECOND), ())] > 0
+            # the step's own record is the run's total; per rank is what comm_report() recorded
+            assert series[(zm.prometheus_name(zm.STEP_BYTES_SENT), ())] == last["bytes_sent"] == \
+                sum(c["total"] for c in comm)
             for r in (0, 1):
                 assert series[(zm.prometheus_name(zm.BYTES_SENT), (("rank", str(r)),))] == comm[r]["total"] > 0
                 for category in zm.MODEL_STATE_CATEGORIES:

@@ -46,6 +46,24 @@ def test_two_owners_three_steps_write_every_figure(tmp_path: Path) -> None:
     assert 1.0 <= row["heartbeats_per_s"] <= 4.0  # 2 owners, one beat a second each
 
 
+def test_steps_down_the_relay_tree_write_their_rows_beside_the_direct_ones(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    command = [sys.executable, "-m", "benchmarks.control_scale", "--owners", "4", "--steps", "3", "--warmup", "1",
+               "--heartbeat-window-s", "1", "--health-interval-s", "1", "--probe-calls", "4", "--relays", "2",
+               "--owners-per-node", "2", "--results-dir", str(tmp_path), "--json", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data == json.loads((tmp_path / "control_scale_relays.json").read_text())
+    assert not (tmp_path / "control_scale.json").exists()  # the direct rows are kept apart
+    [row] = data["rows"]
+    # two nodes of two owners: a node relay each, and the driver calls both
+    assert (row["relay_fan_out"], row["relay_depth"], row["owners_per_node"]) == (2, 1, 2)
+    assert row["step_wall_ms"] >= 20.0 and math.isnan(row["dispatch_ms"])
+    assert row["lost_rank_ok"] is True and row["false_losses"] == 0 and row["loss_to_decision_s"] < 10.0
+    assert "tree: fan-out 2, depth 1, 2/node" in (tmp_path / "control_scale_relays.md").read_text()
+
+
 def _row(owners: int, *, added: float, cpu: float, beats: float, piped: float = 3.0) -> ScaleRow:
     return ScaleRow(owners=owners, driver_added_ms_per_step=added, driver_cpu_cores=cpu, heartbeat_cpu_cores=beats,
                     loss_to_decision_s=0.02, step_wall_ms=20 + added, dispatch_ms=added * 0.8, compute_ms=20.5,
@@ -74,7 +92,7 @@ def test_notes_name_the_misses_at_1024_owners_and_the_heartbeat_budget() -> None
     assert any("CPU-bound (1.20 cores)" in n for n in got)
     # Below 1024 owners only the heartbeat budget is judged.
     assert notes([replace(fine, owners=64, heartbeat_cpu_cores=0.001)]) == []
-    assert "| 1024 | 400.0 | 300.0, 0.90 | 1.20 |" in table([slow])
+    assert "| 1024 | direct | 400.0 | 300.0, 0.90 | 1.20 |" in table([slow])
     lossy = notes([replace(fine, owners=64, heartbeat_cpu_cores=0.001, false_losses=2, false_loss_reason="stall")])
     assert lossy == ["64 owners: live owners were declared lost (or a call timed out) 2 time(s), the monitor "
                      "restarted each time as a membership change does: stall"]
@@ -99,4 +117,4 @@ def test_render_recomputes_the_notes_from_the_rows(tmp_path: Path) -> None:
     assert results["notes"] == notes([slow]) + ["2048 owners: no row: TimeoutError: too many"]
     assert ScaleRow.from_json(json.loads((out / "control_scale.json").read_text())["rows"][0]) == slow
     text = (out / "control_scale.md").read_text()
-    assert "| 1024 | 400.0 | 3.0, 0.90 | 1.20 |" in text and "2048 owners: no row" in text and "zero_ray-rpc 300" in text
+    assert "| 1024 | direct | 400.0 | 3.0, 0.90 | 1.20 |" in text and "2048 owners: no row" in text and "zero_ray-rpc 300" in text

@@ -9,6 +9,7 @@ import pytest
 
 from zero_ray.control.handlers import LossTotals, ModelLayout, OwnerStatus, ParamInfo, StepResult
 from zero_ray.cli.operator_commands import format_detached
+from zero_ray.core.reply_combine import CombinedStep, combine_steps
 from zero_ray.driver.pool import ModelView
 from zero_ray.driver.reports import ResizeReport, StepMetrics
 
@@ -24,8 +25,12 @@ def _results(*, counted: bool = False, nonfinite: bool = False) -> list[StepResu
                        bytes_sent={"reduce_scatter": 7}, rank=1, skipped=nonfinite)]
 
 
+def _reply(*, counted: bool = False, nonfinite: bool = False) -> CombinedStep:
+    return combine_steps(CombinedStep.of(r) for r in _results(counted=counted, nonfinite=nonfinite))
+
+
 def test_step_metrics_read_as_the_dict_they_replace() -> None:
-    m = StepMetrics.of(_results(), step=4, samples=4, seconds=0.5, sent_ahead=True)
+    m = StepMetrics.of(_reply(), step=4, samples=4, seconds=0.5, sent_ahead=True)
     expected = {"step": 4, "loss": 3.0, "grad_norm": 2.0, "lr": 0.1, "skipped": False, "loss_scale": 0.0,
                 "samples": 4, "items": 12, "items_per_second": 24.0, "step_seconds": 0.5,
                 "owner_compute_seconds": 0.4, "data_wait_seconds": 0.05, "bytes_sent": 22, "sent_ahead": True}
@@ -39,7 +44,7 @@ def test_step_metrics_read_as_the_dict_they_replace() -> None:
 
 
 def test_step_metrics_optional_fields_appear_when_set() -> None:
-    m = StepMetrics.of(_results(counted=True, nonfinite=True), step=1, samples=4, seconds=0.0, sent_ahead=False)
+    m = StepMetrics.of(_reply(counted=True, nonfinite=True), step=1, samples=4, seconds=0.0, sent_ahead=False)
     assert m["count"] == 6 and m["loss"] == 2.0  # the mean over counted items: 12 / 6
     assert m["nonfinite_loss_ranks"] == [1] and m["nonfinite_grad_ranks"] == [] and m["skipped"]
     assert m["items_per_second"] == 0.0

@@ -28,20 +28,30 @@ from zero_ray.errors import ConfigError, RelayError
 
 DEFAULT_FAN_OUT = 8  # Monarch's: its casts reach 1,024 actors on 128 hosts at 2.8 ms p50
 MAX_FAN_OUT = 1024
+# Below this many owners a step goes to every owner directly: one hop of the tree costs the
+# step about a millisecond (benchmarks/relay_hop.py), which calling a few owners directly
+# does not (docs/performance.md has the crossover measured with benchmarks/control_scale.py).
+DEFAULT_MIN_OWNERS = 32
 
 
 @dataclass(frozen=True, kw_only=True)
 class RelayConfig:
-    """How the relay tree is shaped: ``fan_out`` is the most children any relay, and the
-    driver, calls."""
+    """The control tree a step travels (``ZeroConfig(relays=...)``): ``fan_out`` is the most
+    children any relay, and the driver, calls; pools of at least ``min_owners`` owners step
+    through the tree, smaller ones call every owner directly (1 puts every pool on the tree)."""
 
     fan_out: int = DEFAULT_FAN_OUT
+    min_owners: int = DEFAULT_MIN_OWNERS
 
     def __post_init__(self) -> None:
         f = self.fan_out
         if isinstance(f, bool) or not isinstance(f, int) or not 2 <= f <= MAX_FAN_OUT:
             raise ConfigError(f"RelayConfig(fan_out={f!r}) must be an integer from 2 to {MAX_FAN_OUT}: a relay "
                               f"with one child is a chain, not a tree; the default is {DEFAULT_FAN_OUT}")
+        m = self.min_owners
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"RelayConfig(min_owners={m!r}) must be an integer >= 1: the pool size from which steps "
+                              f"take the relay tree (1: always; the default is {DEFAULT_MIN_OWNERS})")
 
 
 @dataclass(frozen=True, kw_only=True)

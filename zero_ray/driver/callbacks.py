@@ -14,6 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from zero_ray.core.reply_combine import CombinedStep
 from zero_ray.driver.lifecycle import RunState
 from zero_ray.driver.reports import StepMetrics
 from zero_ray.errors import ConfigError
@@ -27,9 +28,12 @@ class Callback:
     def on_state(self, old: RunState, new: RunState) -> None:
         """The run moved from ``old`` to ``new`` (``new.cause`` says why)."""
 
-    def on_step(self, metrics: StepMetrics, results: Sequence[Any]) -> None:
+    def on_step(self, metrics: StepMetrics, reply: CombinedStep) -> None:
         """A step completed: ``trainer.step()``'s metrics (read as a mapping too) and every
-        owner's ``StepResult``."""
+        owner's reply combined (``zr.CombinedStep``: the ranks it covers, exact loss totals,
+        bytes sent per collective kind, non-finite ranks). Per-rank figures are
+        ``trainer.comm_report()`` and ``memory_report()``: at scale a step's reply is combined
+        on its way up the relay tree, so no one holds every rank's reply."""
 
     def on_checkpoint(self, path: str, step: int) -> None:
         """A checkpoint of step ``step`` was committed at ``path``."""
@@ -69,8 +73,8 @@ class Callbacks:
     def on_state(self, old: RunState, new: RunState) -> None:
         self._each("on_state", old, new)
 
-    def on_step(self, metrics: StepMetrics, results: Sequence[Any]) -> None:
-        self._each("on_step", metrics, results)
+    def on_step(self, metrics: StepMetrics, reply: CombinedStep) -> None:
+        self._each("on_step", metrics, reply)
 
     def on_checkpoint(self, path: str, step: int) -> None:
         self._each("on_checkpoint", path, step)

@@ -20,7 +20,7 @@ collecting this one (``StepArgs.ahead``; ``owner/service/step_order.py`` runs it
 and never if this one failed), so the owners find their next command waiting and the driver's
 work for a step overlaps their compute. The step sent ahead is collected by the next ``step``
 call naming the same batch; any other call first collects it (``_land``) and counts it, keeping
-its results for that ``step`` call. A recovery drops it: the step before it failed somewhere, so
+its reply for that ``step`` call. A recovery drops it: the step before it failed somewhere, so
 it cannot complete anywhere. It is not sent when the step before takes a peer snapshot (its
 commit would wait a step longer) or a grow may be due (``RecoveryController.may_grow``).
 
@@ -66,13 +66,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from zero_ray.control.handlers import Piece, StepArgs, StepResult
+from zero_ray.control.handlers import StepArgs
+from zero_ray.core.reply_combine import CombinedStep
 from zero_ray.core.run_position import Position
 from zero_ray.driver.callbacks import Callbacks
-from zero_ray.driver.batch_staging import GlobalBatch, IndexedBatch
-from zero_ray.driver.fanout import InFlight
+from zero_ray.driver.batch_staging import GlobalBatch, IndexedBatch, Outgoing, StepCommand
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
-from zero_ray.driver.pool import OwnerPool
+from zero_ray.driver.pool import OwnerPool, StepFlight
 from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport, Replay, failed_error
 from zero_ray.errors import NonFiniteError, ResizeInterrupted, ResourceError, ZeroRayError
 
@@ -109,16 +109,16 @@ class Ahead:
     index: int
     generation: int
     work: GlobalBatch
-    flight: InFlight[StepResult]
+    flight: StepFlight
 
 
 @dataclass(frozen=True, kw_only=True)
 class Landed:
-    """A step sent ahead that another call collected first: its results, for its ``step`` call."""
+    """A step sent ahead that another call collected first: its reply, for its ``step`` call."""
 
     index: int
     work: GlobalBatch
-    results: list[StepResult]
+    reply: CombinedStep
 
 
 class Controller:
@@ -183,7 +183,7 @@ class Controller:
         self.target = position.step
 
     # -- steps -------------------------------------------------------------------------------------
-    def execute(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> list[StepResult]:
+    def execute(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> CombinedStep:
         """Run the step at index ``position.step`` on ``work`` on every owner and count it;
         ``ahead``: send the step after it before waiting for this one."""
         generation = self._pool.generation
@@ -199,17 +199,17 @@ class Controller:
             assert sent is None, f"step {sent.index + 1} was sent ahead, but step {at.step + 1} runs next"
             out = work.split(world_size=self._pool.world_size, key=f"{generation}:{at.step}")
             held = (out, self._pool.stage(out))
-            flight = self._pool.start_step(self._args(at, work, out.pieces, ahead=False),
+            flight = self._pool.start_step(self._command(at, work, out, ahead=False),
                                            timeout_s=self._step_timeout_s)
         try:
             if ahead is not None and self._pipelines(at.step, ahead):
                 following = ahead.split(world_size=self._pool.world_size, key=f"{generation}:{at.step + 1}")
                 # Its deadline counts from when this step is collected (below); gRPC's is an outer bound.
-                args = self._args(at.after(work.samples), ahead, following.pieces, ahead=True)
+                args = self._command(at.after(work.samples), ahead, following, ahead=True)
                 self._pool.stage(following)  # nothing for a dataset's pieces, the only ones sent ahead
                 self._ahead = Ahead(index=at.step + 1, generation=generation, work=ahead,
                                     flight=self._pool.start_step(args, timeout_s=2 * self._step_timeout_s))
-            results = self._collect(flight, at.step)
+            reply = self._collect(flight, at.step)
         except BaseException:
             self._drop_ahead()  # this step failed somewhere: the one sent ahead runs nowhere
             raise
@@ -217,19 +217,20 @@ class Controller:
         if self._ahead is not None:
             self._ahead.flight.expire_in(self._step_timeout_s)
         self.position = at.after(work.samples)
-        return results
+        return reply
 
-    def _collect(self, flight: InFlight[StepResult], index: int) -> list[StepResult]:
-        """Wait for step ``index``'s results on every owner (the run STEPPING meanwhile)."""
+    def _collect(self, flight: StepFlight, index: int) -> CombinedStep:
+        """Wait for step ``index``'s reply from every owner (the run STEPPING meanwhile)."""
         with self._life.during(TrainerState.STEPPING, cause=f"step {index + 1}"):
-            results = self._pool.collect(flight)
-        if results[0].refused:  # on_nonfinite="raise": every owner refused it alike
-            raise NonFiniteError.refused(index + 1, results[0].nonfinite_loss_ranks, results[0].nonfinite_grad_ranks)
-        return results
+            reply = self._pool.collect(flight)
+        if reply.agreed is not None and reply.agreed.value.refused:  # on_nonfinite="raise": every owner alike
+            raise NonFiniteError.refused(index + 1, reply.nonfinite_loss_ranks, reply.nonfinite_grad_ranks)
+        return reply
 
-    def _args(self, at: Position, work: GlobalBatch, pieces: list[Piece], *, ahead: bool) -> list[StepArgs]:
-        return [StepArgs(step=at.step, piece=piece, global_samples=work.samples, generation=self._pool.generation,
-                         samples_seen=at.samples_seen, ahead=ahead) for piece in pieces]
+    def _command(self, at: Position, work: GlobalBatch, out: Outgoing, *, ahead: bool) -> StepCommand:
+        return StepCommand(step=StepArgs(step=at.step, piece=out.piece, global_samples=work.samples,
+                                         generation=self._pool.generation, samples_seen=at.samples_seen, ahead=ahead),
+                           out=out)
 
     def _pipelines(self, index: int, ahead: GlobalBatch) -> bool:
         """Whether the step after step ``index`` may be sent while it runs: a dataset's batch
@@ -244,29 +245,29 @@ class Controller:
         if sent is None:
             return
         self.replay.add(sent.index, sent.work)
-        results = self._collect(sent.flight, sent.index)
+        reply = self._collect(sent.flight, sent.index)
         self.position = self.position.after(sent.work.samples)
         self.target = max(self.target, sent.index + 1)
-        self._landed = Landed(index=sent.index, work=sent.work, results=results)
+        self._landed = Landed(index=sent.index, work=sent.work, reply=reply)
 
     def _drop_ahead(self) -> None:
         sent, self._ahead, self._landed = self._ahead, None, None
         if sent is not None:
             sent.flight.cancel()
 
-    def step(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> list[StepResult]:
+    def step(self, work: GlobalBatch, *, ahead: GlobalBatch | None = None) -> CombinedStep:
         """The user's next step: kept for a replay, run (after any replay), counted. ``ahead``:
         the batch of the step after it, sent to the owners while this one runs (``fit``)."""
         landed, self._landed = self._landed, None
         if landed is not None and landed.work is work and landed.index == self.target - 1:
             self.last_sent_ahead = True
-            return landed.results  # sent ahead, collected and counted by another call
+            return landed.reply  # sent ahead, collected and counted by another call
         index = self.target
         self.replay.add(index, work)
-        results = self.run(Call(name=f"step {index + 1}", attempt=lambda: self.execute(work, ahead=ahead),
+        reply = self.run(Call(name=f"step {index + 1}", attempt=lambda: self.execute(work, ahead=ahead),
                                 collective=True, takes_step=True))
         self.target = index + 1
-        return results
+        return reply
 
     def _catch_up(self) -> None:
         """Replay the kept batches until the position reaches the user's (after a restore)."""

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator
 
 from zero_ray.control import handlers as h
+from zero_ray.core.reply_combine import CombinedStep
 from zero_ray.driver.callbacks import Callback
 from zero_ray.driver.reports import ResizeReport, StepMetrics
 
@@ -33,7 +33,7 @@ class Coordinator(Callback):
         self._lock = threading.Lock()
         self._subscribers: list[queue.Queue[h.MetricsEvent]] = []
 
-    def on_step(self, metrics: StepMetrics, results: Sequence[Any]) -> None:
+    def on_step(self, metrics: StepMetrics, reply: CombinedStep) -> None:
         self.publish(h.MetricsEvent(step=int(metrics.step), loss=metrics.loss, step_seconds=metrics.step_seconds,
                                     tokens_per_second=metrics.items_per_second,
                                     values={"grad_norm": metrics.grad_norm, "lr": metrics.lr,

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import ray
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from zero_ray.control.handlers import StepResult
+from zero_ray.core.reply_combine import CombinedStep
 from zero_ray.driver.callbacks import Callback
 from zero_ray.driver.reports import StepMetrics
 
@@ -42,6 +42,7 @@ LOSS = PREFIX + "loss"
 SAMPLES_PER_SECOND = PREFIX + "samples_per_second"
 ITEMS_PER_SECOND = PREFIX + "items_per_second"
 BYTES_SENT = PREFIX + "bytes_sent"
+STEP_BYTES_SENT = PREFIX + "step_bytes_sent"
 MODEL_STATE_BYTES = PREFIX + "model_state_bytes"
 
 
@@ -74,15 +75,20 @@ class RunMetrics(Callback):
                                        description="Items per second in the last step: tokens when loss_fn returns "
                                                    "(loss_sum, count) or batches are token ids, else samples.",
                                        tag_keys=("run_id",)).set_default_tags(tags)
-        self._bytes_sent = Gauge(BYTES_SENT, description="Bytes a rank sent over collectives in the last step.",
+        self._bytes_sent = Gauge(BYTES_SENT, description="Bytes a rank sent over collectives in the last step "
+                                                         "(recorded by trainer.comm_report()).",
                                  tag_keys=("run_id", "rank")).set_default_tags(tags)
+        self._step_bytes_sent = Gauge(STEP_BYTES_SENT, description="Bytes every rank together sent over "
+                                                                   "collectives in the last step.",
+                                      tag_keys=("run_id",)).set_default_tags(tags)
         self._model_state = Gauge(MODEL_STATE_BYTES,
                                   description="Model-state bytes a rank holds, by category (measured from tensors).",
                                   tag_keys=("run_id", "rank", "category")).set_default_tags(tags)
 
-    def on_step(self, metrics: StepMetrics, results: Sequence[StepResult]) -> None:
-        """Record one finished step: ``metrics`` as ``ZeroTrainer.step`` returns them, ``results``
-        the owners' replies (for the per-rank traffic)."""
+    def on_step(self, metrics: StepMetrics, reply: CombinedStep) -> None:
+        """Record one finished step: ``metrics`` as ``ZeroTrainer.step`` returns them. Nothing
+        per rank: recording a gauge per owner per step would cost the driver O(owners) a step,
+        which the relay tree exists to avoid (``record_comm`` records them on request)."""
         try:
             seconds = float(metrics.step_seconds)
             self._steps.inc(1)
@@ -91,10 +97,17 @@ class RunMetrics(Callback):
             if seconds > 0:
                 self._samples_per_second.set(float(metrics.samples) / seconds)
                 self._items_per_second.set(float(metrics.item_count) / seconds)
-            for r in results:
-                self._bytes_sent.set(float(sum(r.bytes_sent.values())), tags={"rank": str(r.rank)})
+            self._step_bytes_sent.set(float(metrics.bytes_sent))
         except Exception:
             self._warn("step")
+
+    def record_comm(self, reports: Sequence[Mapping[str, int]]) -> None:
+        """Record ``trainer.comm_report()``: per rank, the bytes it sent in the last step."""
+        try:
+            for report in reports:
+                self._bytes_sent.set(float(report["total"]), tags={"rank": str(report["rank"])})
+        except Exception:
+            self._warn("traffic")
 
     def record_memory(self, reports: Sequence[Mapping[str, int]]) -> None:
         """Record ``trainer.memory_report()``: per rank, bytes by model-state category."""

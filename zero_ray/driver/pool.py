@@ -35,10 +35,9 @@ from zero_ray.control.handlers import (
     RankStatus,
     SavePhase,
     SaveResult,
-    StepArgs,
-    StepResult,
 )
 from zero_ray.core.placement import NodeRoom, Target, place
+from zero_ray.core.reply_combine import CombinedStep, combine_steps
 from zero_ray.core.reshard_plan import backup_peers
 from zero_ray.core.restore_plan import (
     Peers,
@@ -48,10 +47,11 @@ from zero_ray.core.restore_plan import (
     TransferDescription,
     restore_to_data,
 )
-from zero_ray.driver.batch_staging import Outgoing
+from zero_ray.driver.batch_staging import Outgoing, StepCommand
 from zero_ray.driver.fanout import FanOut, InFlight, Members
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.driver.model_view import Adopted, ModelView
+from zero_ray.driver.relay_plane import RelayPlane
 from zero_ray.driver.pool_spec import PoolSpec, await_room, check_resources, cluster_is_local
 from zero_ray.driver.replacements import Replacements
 from zero_ray.driver.reports import ResizeReport
@@ -61,6 +61,22 @@ from zero_ray.owner.service.actor import OwnerOptions, RemotePartitionOwner
 from zero_ray.owner.step.run_spec import EngineSpec
 
 log = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepFlight:
+    """A step sent to every owner (``OwnerPool.start_step``): directly, or down the relay tree."""
+
+    calls: InFlight[Any]
+    relayed: bool
+
+    def expire_in(self, timeout_s: float) -> None:
+        """See ``InFlight.expire_in``."""
+        self.calls.expire_in(timeout_s)
+
+    def cancel(self) -> None:
+        self.calls.cancel()
 
 NAMESPACE = "zero_ray"  # owners are named actors here, so that a new driver can find a detached run
 
@@ -102,6 +118,9 @@ class OwnerPool:
         # Checkpoint filesystem objects (key -> filesystem), handed to owners started later too
         self.filesystems: dict[str, Any] = {}
         self.fan = FanOut(world_size=spec.world_size, members=self.members)
+        # Steps go down the relay tree from RelayConfig.min_owners owners on (re-planned on every membership change).
+        self.relays = RelayPlane(config=spec.relays, members=self.members, fan=self.fan, credentials=credentials,
+                                 client_tls=spec.client_tls(), timeout_s=spec.init_timeout_s)
         self._staging: dict[str, list[ray.ObjectRef]] = {}  # the staging calls of the batch in flight, by key
         # Every rank's transfer of a resize or restore ended but SetPeers has not confirmed the new
         # layout's peer copies on every owner yet: a recovery then counts them (owner/resilience/redundancy.py).
@@ -112,6 +131,7 @@ class OwnerPool:
                                      collective_timeout_s=spec.collective_timeout_s,
                                      threads=max(1, int(spec.num_cpus_per_owner)), credentials=credentials,
                                      control_host=None, local_cluster=cluster_is_local(), server_tls=spec.server_tls(),
+                                     client_tls=spec.client_tls(),
                                      snapshot_every=spec.snapshot_every, settle_timeout_s=spec.settle_timeout_s,
                                      detached=spec.detached, orphan_timeout_s=spec.orphan_timeout_s,
                                      run=spec.run)
@@ -206,17 +226,19 @@ class OwnerPool:
                                                   timeout_s=spec.init_timeout_s, **spec.client_tls()))
                          for n in nodes]
         self.fan.fit(len(self.actors))
-        self._restart_health()
+        self._membership_changed()
         if self.datasets:
             self._register_datasets(actors, self.datasets)
         for key, fs in self.filesystems.items():
             self.fan.ray(actors, "use_filesystem", key, fs, timeout_s=spec.init_timeout_s, watch=False)
 
-    def _restart_health(self) -> None:
+    def _membership_changed(self) -> None:
+        """Watch the members of now (a new health monitor) and re-plan the relay tree over them."""
         if self.health is not None:
             self.health.close()
         self.members.health = HealthMonitor(self.clients, interval_s=self.spec.health_interval_s,
                                     timeout_s=self.spec.health_timeout_s)
+        self.relays.replan()
 
     def _lost(self) -> dict[int, str]:
         return self.members.lost()
@@ -254,15 +276,22 @@ class OwnerPool:
         return int(min(free.get(k, 0.0) // v for k, v in self.spec.demand.items())) + self.replacements.slots
 
     # -- calls ---------------------------------------------------------------------------------------
-    def start_step(self, args: Sequence[StepArgs], *, timeout_s: float) -> InFlight[StepResult]:
-        """Send a step to every owner, each call with a deadline, and return at once
-        (``collect`` waits for it; a failed staging call of its pieces fails it at once)."""
-        return self.fan.start(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=timeout_s),
-                              staged=self._staged(args[0].piece.batch_key if args else ""))
+    def start_step(self, command: StepCommand, *, timeout_s: float) -> StepFlight:
+        """Send a step to every owner, with a deadline, and return at once (``collect`` waits for
+        it; a failed staging call of its pieces fails it at once): down the relay tree when the
+        pool has one (``driver/relay_plane.py``), else to each owner directly."""
+        staged = self._staged(command.step.piece.batch_key)
+        if self.relays.active:
+            return StepFlight(calls=self.relays.start_step(command, timeout_s=timeout_s, staged=staged), relayed=True)
+        args = command.per_rank()
+        return StepFlight(calls=self.fan.start(self.clients, "step", lambda c, r: c.step_async(
+            args[r], timeout_s=timeout_s), staged=staged), relayed=False)
 
-    def collect(self, flight: InFlight[StepResult]) -> list[StepResult]:
-        """Every owner's reply to the step ``flight`` sent (``start_step``), in rank order."""
-        return self.fan.collect(flight)
+    def collect(self, flight: StepFlight) -> CombinedStep:
+        """Every owner's reply to the step ``flight`` sent (``start_step``), combined."""
+        if flight.relayed:
+            return self.relays.collect(flight.calls)
+        return combine_steps(CombinedStep.of(r) for r in self.fan.collect(flight.calls))
 
     def evaluate(self, args: Sequence[EvaluateArgs], *, timeout_s: float) -> list[EvaluateResult]:
         """A forward-only pass on every owner over gRPC (all take part: stage 3 gathers)."""
@@ -491,7 +520,7 @@ class OwnerPool:
         """End the owners of ``ranks`` (the last ones) and forget them."""
         surplus, clients = self.actors[ranks.start:], self.clients[ranks.start:]
         del self.actors[ranks.start:], self.clients[ranks.start:], self.nodes[ranks.start:]
-        self._restart_health()  # before they stop, so their ending streams are not losses
+        self._membership_changed()  # before they stop, so their ending streams are not losses
         if close:
             self._close_owners(dict(enumerate(clients, start=ranks.start)), timeout_s=30.0)
         for actor in surplus:
@@ -531,7 +560,7 @@ class OwnerPool:
             self._start_owners(added, world_size=world_size)
         else:
             self.replacements.discard()  # started for the pool before this loss
-            self._restart_health()
+            self._membership_changed()
         plan = restore(position)
         peers = self.peers(world_size)
         if plan is not None and peers:  # the restored layout's copies are made inside the transfer
@@ -566,4 +595,5 @@ class OwnerPool:
         for client in self.clients:
             client.close()
         self.members.clients = []
+        self.relays.close()
         self.fan.close()

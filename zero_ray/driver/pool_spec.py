@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import ray
 
+from zero_ray.core.relay_tree import RelayConfig
 from zero_ray.config import ControlTLS
 from zero_ray.core.capacity import CapacityWait, Room, Verdict, room
 from zero_ray.errors import ResourceError
@@ -31,6 +32,7 @@ class PoolSpec:
     health_interval_s: float
     health_timeout_s: float
     tls: ControlTLS | None = None
+    relays: RelayConfig = RelayConfig()
     snapshot_every: int = 0  # peer snapshots every this many steps; 0: none
     detached: bool = False
     orphan_timeout_s: float = 300.0

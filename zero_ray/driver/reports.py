@@ -9,11 +9,10 @@ callback): a field left at None is absent from the mapping, as the key was from 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from zero_ray.control.handlers import StepResult, combine
 from zero_ray.core.reply_combine import CombinedStep
 from zero_ray.errors import RelayError
 
@@ -70,27 +69,9 @@ class StepMetrics(FieldMapping):
     eval_loss: float | None = None  # fit evaluated after this step
 
     @classmethod
-    def of(cls, results: Sequence[StepResult], *, step: int, samples: int, seconds: float,
-           sent_ahead: bool) -> StepMetrics:
-        """The metrics of a step from every owner's reply."""
-        totals = combine([r.totals for r in results])
-        first = results[0]
-        nonfinite = bool(first.nonfinite_loss_ranks or first.nonfinite_grad_ranks)
-        return cls(step=step, loss=totals["loss"], grad_norm=first.grad_norm, lr=first.lr, skipped=first.skipped,
-                   loss_scale=first.loss_scale, samples=samples, item_count=totals["items"],
-                   items_per_second=totals["items"] / seconds if seconds > 0 else 0.0, step_seconds=seconds,
-                   owner_compute_seconds=max(r.compute_seconds for r in results),
-                   data_wait_seconds=max(r.data_seconds for r in results),
-                   bytes_sent=sum(sum(r.bytes_sent.values()) for r in results), sent_ahead=sent_ahead,
-                   count=totals.get("count"),
-                   nonfinite_loss_ranks=list(first.nonfinite_loss_ranks) if nonfinite else None,
-                   nonfinite_grad_ranks=list(first.nonfinite_grad_ranks) if nonfinite else None)
-
-    @classmethod
-    def of_combined(cls, reply: CombinedStep, *, step: int, samples: int, seconds: float,
-                    sent_ahead: bool) -> StepMetrics:
-        """The metrics of a step from every owner's reply combined up a relay tree (issue 44):
-        the same figures as :meth:`of` on the replies themselves, the sums rounded once."""
+    def of(cls, reply: CombinedStep, *, step: int, samples: int, seconds: float, sent_ahead: bool) -> StepMetrics:
+        """The metrics of a step from every owner's reply, combined (``core/reply_combine.py``:
+        directly or up the relay tree, the same record): sums exact, rounded once."""
         if reply.agreed is None or reply.failure is not None:
             raise RelayError(f"step {step}'s combined reply holds no result, or a failure ({reply.failure}): "
                              "metrics are a completed step's; raise the failure's error instead")

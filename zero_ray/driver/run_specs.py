@@ -38,7 +38,7 @@ def pool_spec(cfg: ZeroConfig, *, device: str, backend: str, optimizer: Optimize
                     placement_strategy=cfg.placement_strategy, collective_timeout_s=cfg.collective_timeout_s,
                     init_timeout_s=cfg.init_timeout_s, capacity_timeout_s=cfg.capacity_timeout_s,
                     health_interval_s=cfg.health_interval_s,
-                    health_timeout_s=cfg.health_timeout_s, tls=cfg.control_tls,
+                    health_timeout_s=cfg.health_timeout_s, tls=cfg.control_tls, relays=cfg.relays,
                     snapshot_every=elastic.snapshot_every if elastic.redundancy == "peer" else 0,
                     detached=elastic.detached, orphan_timeout_s=elastic.orphan_timeout_s,
                     run=RunSpec(detached=elastic.detached, config=cfg, optimizer=optimizer,

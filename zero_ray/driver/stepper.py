@@ -72,16 +72,16 @@ class Stepper:
                                   f"{self.world_size} * {cfg.grad_accum_steps}; every rank needs at least one "
                                   "sample per micro-batch")
             start = time.perf_counter()
-            results = self._controller.step(work, ahead=ahead)
-            metrics = StepMetrics.of(results, step=self.step_count, samples=n, seconds=time.perf_counter() - start,
+            reply = self._controller.step(work, ahead=ahead)
+            metrics = StepMetrics.of(reply, step=self.step_count, samples=n, seconds=time.perf_counter() - start,
                                      sent_ahead=self._controller.last_sent_ahead)
             if metrics.nonfinite_loss_ranks is not None:  # on_nonfinite="skip"
-                text = NonFiniteError.describe(self.step_count, results[0].nonfinite_loss_ranks,
-                                               results[0].nonfinite_grad_ranks) + "; skipped"
+                text = NonFiniteError.describe(self.step_count, reply.nonfinite_loss_ranks,
+                                               reply.nonfinite_grad_ranks) + "; skipped"
                 log.warning(text)
                 self._callbacks.on_event(text)
             self.last_metrics = metrics
-            self._callbacks.on_step(metrics, results)
+            self._callbacks.on_step(metrics, reply)
             self._controller.grow(self._grow)
             return metrics
 

@@ -327,9 +327,12 @@ class ZeroTrainer:
         return reports
 
     def comm_report(self) -> list[dict[str, int]]:
-        """Per rank, bytes sent in the last step by collective, in all, and inside / across nodes."""
-        return self._controller.run(Call(name="comm_report", needs_ready=False, attempt=lambda: (
+        """Per rank, bytes sent in the last step by collective, in all, and inside / across nodes
+        (recorded in Ray metrics per rank too: a step's own record is the run's total only)."""
+        reports = self._controller.run(Call(name="comm_report", needs_ready=False, attempt=lambda: (
             self._pool.comm_reports(timeout_s=self.config.init_timeout_s))))
+        self._run_metrics.record_comm(reports)
+        return reports
 
     def full_state_dict(self, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """The fp32 parameters as ``{name: CPU tensor}``, names and shapes as in

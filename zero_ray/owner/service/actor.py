@@ -29,7 +29,9 @@ import ray
 import torch
 
 from zero_ray.control.auth import Credentials
-from zero_ray.control.server import ControlServer, ServerConfig
+from zero_ray.control.client_channel import ClientConfig
+from zero_ray.control.relay_host import RelayHost
+from zero_ray.control.server import ControlServer, ServerConfig, format_address
 from zero_ray.checkpoint.location import register_filesystem
 from zero_ray.owner.service.live_rank import GroupSettings, LiveRank
 from zero_ray.owner.service.owner_control import DriverContact, OwnerControl, OwnerPlace
@@ -53,6 +55,7 @@ class OwnerOptions:
     control_host: str | None  # None: this node's IP from Ray (loopback when the cluster is local)
     local_cluster: bool
     server_tls: dict[str, str | None]  # ServerConfig's tls_cert / tls_key / tls_client_ca
+    client_tls: dict[str, str | None]  # ClientConfig's tls_ca / tls_cert / tls_key: a relay's calls to its children
     save_timeout_s: float = 600.0  # how long a Save may wait for this rank's file to be durable
     snapshot_every: int = 0  # peer snapshots every this many steps; 0: no in-memory redundancy
     settle_timeout_s: float = 10.0  # after an abort: how long an operation waits for the aborted one to end
@@ -85,6 +88,11 @@ class PartitionOwner:
                                             fetch_timeout_s=options.collective_timeout_s,
                                             save_timeout_s=options.save_timeout_s,
                                             ahead_timeout_s=options.collective_timeout_s))
+        # The relays this process serves, when the driver's tree has it host some (HostRelays).
+        self._relays = RelayHost(rank=rank, template=ClientConfig(
+            address=format_address(host, 1),  # each child's address replaces it
+            credentials=options.credentials, timeout_s=options.collective_timeout_s, **options.client_tls))
+        self._server.add_relay(self._relays)
         self._server.start()
         if options.detached:
             threading.Thread(target=self._watch_for_driver, name="zero_ray-orphan", daemon=True).start()
@@ -146,6 +154,7 @@ class PartitionOwner:
     def close(self) -> None:
         """Stop serving and leave the collective group so the process can exit cleanly."""
         self._server.stop(grace_s=0.5)
+        self._relays.close()
         self._rank.release()
 
 

@@ -1,0 +1,110 @@
+"""Steps down the relay tree on Ray (issue 44): owners that host relays in their own processes
+(``RelayConfig(fan_out=2, min_owners=1)`` puts a 4-owner pool on a two-level tree: rank 0's
+node relay over sub-relays on ranks 0 and 2), against single-process torch and the same pool
+stepping its owners directly; and a relay's process SIGKILLed inside a step and SIGSTOPped
+before one, each run ending equal to the uninterrupted one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+import zero_ray as zr
+from faults import Fault, assert_fired, faulty
+from zero_ray.models import mlp, mse_loss
+from zero_ray.testing import single_process
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+WORLD, STEPS, AT = 4, 6, 2
+TREE = zr.RelayConfig(fan_out=2, min_owners=1)
+HEALTH_TIMEOUT_S = 5.0
+
+
+def _model() -> torch.nn.Module:
+    return mlp(8, 2)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)) for _ in range(STEPS)]
+
+
+def _config(relays: zr.RelayConfig, **kw: object) -> zr.ZeroConfig:
+    return zr.ZeroConfig(stage=2, world_size=WORLD, relays=relays, health_interval_s=0.2,
+                         health_timeout_s=HEALTH_TIMEOUT_S, collective_timeout_s=600, **kw)  # type: ignore[arg-type]
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in b)
+
+
+@pytest.mark.timeout(300)
+def test_steps_through_the_tree_equal_torch_and_the_direct_pool() -> None:
+    opt = zr.SGD(lr=0.1, momentum=0.9)
+    batches = _batches()
+    ref, ref_losses = single_process(_model, mse_loss, opt, batches)
+    runs = {}
+    for name, relays in (("tree", TREE), ("direct", zr.RelayConfig())):
+        with zr.ZeroTrainer(_model, mse_loss, optimizer=opt, config=_config(relays)) as trainer:
+            tree = trainer._pool.relays.tree
+            assert (tree is not None) == (name == "tree")
+            if tree is not None:  # two levels over the one node: rank 0's relay over sub-relays on 0 and 2
+                assert tree.depth == 2 and sorted(r.host for r in tree.relays) == [0, 0, 2]
+            metrics = [trainer.step(b) for b in batches]
+            runs[name] = (trainer.full_state_dict(), metrics)
+    params, metrics = runs["tree"]
+    assert _max_diff(params, ref) <= 1e-6
+    assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, rel=1e-5)
+    direct_params, direct_metrics = runs["direct"]
+    assert all(torch.equal(params[n], direct_params[n]) for n in params)  # the same computation, exactly
+    for relayed, direct in zip(metrics, direct_metrics):
+        assert {k: v for k, v in relayed.items() if "seconds" not in k and k != "items_per_second"} == \
+            {k: v for k, v in direct.items() if "seconds" not in k and k != "items_per_second"}
+
+
+@pytest.mark.timeout(300)
+def test_a_relay_sigkilled_inside_a_step_is_survived(tmp_path: Path) -> None:
+    opt = zr.SGD(lr=0.1)
+    batches = _batches()
+    ref, _ = single_process(_model, mse_loss, opt, batches)
+    # rank 2 hosts the sub-relay over ranks 2-3: killed in its own backward, while that relay waits on both
+    fault = Fault(point="backward", rank=2, after=AT, dir=str(tmp_path))
+    config = _config(TREE, elastic=zr.ElasticConfig(redundancy="peer"))
+    with zr.ZeroTrainer(faulty(_model, fault), mse_loss, optimizer=opt, config=config) as trainer:
+        assert 2 in {r.host for r in trainer._pool.relays.tree.relays}
+        for b in batches:
+            trainer.step(b)
+        params, recoveries = trainer.full_state_dict(), list(trainer.recoveries)
+        tree, world = trainer._pool.relays.tree, trainer.world_size
+    assert_fired(fault)
+    assert _max_diff(params, ref) <= 1e-6
+    assert [r.outcome.value for r in recoveries] == ["restored"] and 2 in recoveries[0].lost
+    assert tree is not None and tree.live_ranks == tuple(range(world))  # re-planned over the members of now
+
+
+@pytest.mark.timeout(300)
+def test_the_top_relay_sigstopped_is_lost_after_the_health_timeout_and_survived() -> None:
+    opt = zr.SGD(lr=0.1)
+    batches = _batches()
+    ref, _ = single_process(_model, mse_loss, opt, batches)
+    config = _config(TREE, elastic=zr.ElasticConfig(redundancy="peer"))
+    with zr.ZeroTrainer(_model, mse_loss, optimizer=opt, config=config) as trainer:
+        for k, b in enumerate(batches):
+            if k == AT:  # rank 0 hosts the driver's only top relay: every step's way down
+                pid = ray.get(trainer.actors[0].node.remote(), timeout=60)["pid"]
+                os.kill(pid, signal.SIGSTOP)
+                stopped = time.monotonic()
+            trainer.step(b)
+            if k == AT:
+                took = time.monotonic() - stopped
+        params, recoveries = trainer.full_state_dict(), list(trainer.recoveries)
+    assert _max_diff(params, ref) <= 1e-6
+    assert [r.outcome.value for r in recoveries] == ["restored"] and 0 in recoveries[0].lost
+    assert took <= HEALTH_TIMEOUT_S + 10, f"the step after the SIGSTOP took {took:.1f}s"
