@@ -8,6 +8,7 @@ run's credentials; the driver's hop over the top relays is called in process.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from control_fakes import WAIT_S, FakeOwner, server_config
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient, RelayClient
-from zero_ray.control.handlers import FailureContext, LossTotals, Piece, RankStep, RelayStepArgs, StepArgs, StepResult
+from zero_ray.control.handlers import FailureContext, Heartbeat, LossTotals, Piece, RankStep, RelayStepArgs, StepArgs, StepResult
 from zero_ray.control.relay_hop import RelayHop, hop_children
 from zero_ray.control.server import ControlServer
 from zero_ray.core.relay_tree import RelayConfig, RelayTree, plan_relays
@@ -34,6 +35,7 @@ class StandInOwner(FakeOwner):
         super().__init__()
         self.rank = rank
         self.dyadic = dyadic
+        self.beat_state = "idle"
 
     def step_result(self, args: StepArgs) -> StepResult:
         indices = args.piece.indices
@@ -49,6 +51,12 @@ class StandInOwner(FakeOwner):
 
     def failure_context(self) -> FailureContext:
         return FailureContext(rank=self.rank, phase="computing")
+
+    def heartbeat(self) -> Heartbeat:
+        """A beat of this rank's own: its ``beat_state`` and an rss of ``rank + 1`` MiB, so that
+        a watcher's view of each rank can be told apart (FakeOwner's hang_heartbeats still holds)."""
+        beat = super().heartbeat()
+        return dataclasses.replace(beat, rank=self.rank, state=self.beat_state, rss_bytes=(self.rank + 1) << 20)
 
 
 def step_args(step: int, rank: int, world: int) -> StepArgs:

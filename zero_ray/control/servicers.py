@@ -35,6 +35,7 @@ from zero_ray.control.handlers import (
 from zero_ray.control.conversion import to_message, to_record
 from zero_ray.control.failure_status import serve
 from zero_ray.control.relay_hop import RelayHop
+from zero_ray.control.relay_watch import WatchFeed
 from zero_ray.control.relay_wire import to_wire
 from zero_ray.control.stream_admission import Streams
 
@@ -48,6 +49,14 @@ def _interval_s(interval_ms: int, context: grpc.ServicerContext, method: str) ->
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                       f"{method}: interval_ms={interval_ms} must be in [{_MIN_INTERVAL_MS}, {_MAX_INTERVAL_MS}]")
     return interval_ms / 1000.0
+
+
+def _stall_s(stall_ms: int, interval_s: float, context: grpc.ServicerContext, method: str) -> float:
+    if not interval_s * 1000 < stall_ms <= 24 * 3600 * 1000:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"{method}: stall_ms={stall_ms} must be above interval_ms={round(interval_s * 1000)} "
+                      "(a child beating every interval would be counted stalled) and at most a day")
+    return stall_ms / 1000.0
 
 
 def _same(value: T) -> T:
@@ -215,7 +224,8 @@ class CoordinatorServicer(_Serving, coordinator_pb2_grpc.CoordinatorServicer):
 
 class RelayServicer(_Serving, relay_pb2_grpc.RelayServicer):
     """protobuf <-> plain translation for a relay's :class:`RelayHop`: the combined reply is
-    converted to its wire record here (:mod:`zero_ray.control.relay_wire`)."""
+    converted to its wire record here (:mod:`zero_ray.control.relay_wire`); a Watch stream is a
+    :class:`WatchFeed` over the hop's children, for as long as the caller reads it."""
 
     _SERVICE = "Relay"
     _handler: RelayHop
@@ -227,3 +237,21 @@ class RelayServicer(_Serving, relay_pb2_grpc.RelayServicer):
         args = self._serve(context, "RelayStep", lambda: to_record(request, RelayStepArgs), _same)
         return self._serve(context, "RelayStep", lambda: self._handler.relay_step(args),
                            lambda r: to_message(to_wire(r), relay_pb2.RelayStepReply))
+
+    def Watch(self, request: relay_pb2.WatchRequest,
+              context: grpc.ServicerContext) -> Iterator[relay_pb2.SubtreeBeats]:
+        method = "Relay.Watch"
+        interval = _interval_s(request.interval_ms, context, method)
+        stall = _stall_s(request.stall_ms, interval, context, method)
+        with self._streams.open(context, method) as finished:
+            feed = self._serve(context, "Watch", lambda: WatchFeed(self._handler.children, interval_s=interval,
+                                                                   stall_s=stall), _same)
+            try:
+                context.add_callback(feed.wake)  # the caller's cancel ends the wait between messages
+                while True:
+                    message = feed.next(finished)
+                    if message is None:
+                        return
+                    yield message
+            finally:
+                feed.close()
