@@ -16,8 +16,11 @@ import pytest
 from control_fakes import WAIT_S, raw_channel, header
 from relay_stand_ins import ServedTree, serve_tree
 
-from zero_ray.control._generated import relay_pb2, relay_pb2_grpc
+from zero_ray.control._generated import owner_pb2, relay_pb2, relay_pb2_grpc
 from zero_ray.control.auth import Credentials, bearer_metadata
+from zero_ray.control.conversion import to_record
+from zero_ray.control.handlers import Heartbeat
+from zero_ray.control.heartbeats import heartbeat_of
 from zero_ray.control.rank_watch import SubtreeHealthMonitor
 from zero_ray.control.relay_hop import RelayChild, hop_children
 from zero_ray.control.subtree_watch import RELAY_LOST, SubtreeReader
@@ -175,3 +178,10 @@ def test_watch_refuses_a_stall_bound_under_its_interval(served: ServedTree) -> N
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stall_ms=100" in caught.value.details()
     with pytest.raises(ConfigError, match="below stall_s"):
         SubtreeHealthMonitor(_node_relays(served), interval_s=1.0, timeout_s=1.0)
+
+
+def test_the_fast_beat_conversion_is_the_generic_one() -> None:
+    # heartbeat_of names the fields itself (for speed): a field added to the message fails here.
+    message = owner_pb2.Heartbeat(**{f.name: (1.5 if f.type == f.TYPE_DOUBLE else "s" if f.type == f.TYPE_STRING
+                                              else 7 + i) for i, f in enumerate(owner_pb2.Heartbeat.DESCRIPTOR.fields)})
+    assert heartbeat_of(message) == to_record(message, Heartbeat)

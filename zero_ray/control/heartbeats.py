@@ -32,10 +32,9 @@ from zero_ray.control.aio_loop import open_channel, run_then_close, stop_from_ou
 from zero_ray.control.auth import bearer_metadata
 from zero_ray.control.client_channel import ClientConfig, check_timeout, convert_error, header_of
 from zero_ray.control.handlers import Heartbeat
-from zero_ray.control.conversion import to_record
 from zero_ray.errors import ConfigError
 
-__all__ = ["HeartbeatReader", "OnBeat", "OnLost", "OnMessage", "StreamReader", "StreamTarget", "health_target"]
+__all__ = ["HeartbeatReader", "OnBeat", "OnLost", "OnMessage", "StreamReader", "StreamTarget", "health_target", "heartbeat_of"]
 
 OnBeat = Callable[[int, Heartbeat], None]
 OnLost = Callable[[int, str], None]
@@ -66,6 +65,14 @@ def health_target(config: ClientConfig, interval_s: float) -> StreamTarget:
     request = owner_pb2.HealthRequest(header=header_of(config), interval_ms=max(1, round(interval_s * 1000)))
     return StreamTarget(config=config, operation="PartitionOwner.Health", request=request,
                         rpc=lambda channel: owner_pb2_grpc.PartitionOwnerStub(channel).Health)
+
+
+def heartbeat_of(message: owner_pb2.Heartbeat) -> Heartbeat:
+    """A beat's record, built field by field: conversion.to_record's by-name walk costs 7.7 us a
+    beat against 2.1 us here, on the driver's thread, for every rank every interval
+    (``python -m benchmarks.relay_health``)."""
+    return Heartbeat(rank=message.rank, step=message.step, state=message.state, timestamp=message.timestamp,
+                     rss_bytes=message.rss_bytes)
 
 
 class StreamReader:
@@ -173,7 +180,7 @@ class HeartbeatReader:
                                      on_message=self._beat, on_lost=on_lost)
 
     def _beat(self, rank: int, message: owner_pb2.Heartbeat) -> None:
-        self._on_beat(rank, to_record(message, Heartbeat))
+        self._on_beat(rank, heartbeat_of(message))
 
     def close(self) -> None:
         """End every stream (no losses are reported after this) and the reader's thread."""

@@ -34,9 +34,8 @@ from typing import Any
 
 from zero_ray.control._generated import relay_pb2, relay_pb2_grpc
 from zero_ray.control.client_channel import ClientConfig, check_timeout, header_of
-from zero_ray.control.conversion import to_record
 from zero_ray.control.handlers import Heartbeat
-from zero_ray.control.heartbeats import OnBeat, OnLost, StreamReader, StreamTarget, health_target
+from zero_ray.control.heartbeats import OnBeat, OnLost, StreamReader, StreamTarget, health_target, heartbeat_of
 from zero_ray.control.relay_hop import HopChild, OwnerChild, RelayChild
 from zero_ray.errors import ConfigError
 
@@ -101,12 +100,12 @@ class SubtreeReader:
     def _message(self, index: int, message: Any) -> None:
         child = self._children[index]
         if isinstance(child, OwnerChild):  # the rank is the tree's, not what the owner's beat claims
-            self._on_beat(child.rank, to_record(message, Heartbeat))
+            self._on_beat(child.rank, heartbeat_of(message))
             return
         under, beats, done = self._under[index], self._beats[index], self._done[index]
         for beat in message.beats:
             if beat.rank in under and beat.rank not in done:
-                beats[beat.rank] = to_record(beat, Heartbeat)
+                beats[beat.rank] = heartbeat_of(beat)
         for loss in message.lost:
             if loss.rank in under and loss.rank not in done:
                 done.add(loss.rank)
