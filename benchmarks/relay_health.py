@@ -22,6 +22,11 @@ default interval (``health_timeout_s`` 10 s / 4 beats) and to 100 nodes, the iss
 at most 1 %. The relays' and owners' own CPU is theirs and not counted (on a real cluster it is
 spent on the nodes, not the driver); on this 2-core machine they compete with the caller, so the
 figures are upper bounds.
+
+Measured on this 2-core machine at load 3-5 (defaults: 16 nodes x 8 owners, fan-out 8, 0.1 s),
+caller CPU ms/s and % of a core per 100 nodes at 2.5 s, two runs: direct (128 streams)
+168-181 ms/s, 4.2-4.5 %; node relays (16) 49-52 ms/s, 1.2-1.3 %; top relays (2) 11-13 ms/s,
+0.28-0.32 %; idle 0.3-0.4 ms/s.
 """
 
 from __future__ import annotations
