@@ -17,7 +17,7 @@ from control_fakes import WAIT_S, FakeOwner, server_config
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient, RelayClient
-from zero_ray.control.handlers import FailureContext, LossTotals, Piece, RelayStepArgs, StepArgs, StepResult
+from zero_ray.control.handlers import FailureContext, Heartbeat, LossTotals, Piece, RelayStepArgs, StepArgs, StepResult
 from zero_ray.control.relay_hop import RelayHop, hop_children
 from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.server import ControlServer
@@ -36,6 +36,7 @@ class StandInOwner(FakeOwner):
         super().__init__()
         self.rank = rank
         self.dyadic = dyadic
+        self.beat_state = "idle"
 
     def step_result(self, args: StepArgs) -> StepResult:
         indices = args.piece.indices
@@ -51,6 +52,12 @@ class StandInOwner(FakeOwner):
 
     def failure_context(self) -> FailureContext:
         return FailureContext(rank=self.rank, phase="computing")
+
+    def heartbeat(self) -> Heartbeat:
+        """A beat of this rank's own: its ``beat_state`` and an rss of ``rank + 1`` MiB, so that
+        a watcher's view of each rank can be told apart (FakeOwner's hang_heartbeats still holds)."""
+        beat = super().heartbeat()
+        return dataclasses.replace(beat, rank=self.rank, state=self.beat_state, rss_bytes=(self.rank + 1) << 20)
 
 
 def step_args(step: int, rank: int, world: int) -> StepArgs:

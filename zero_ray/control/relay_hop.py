@@ -221,6 +221,11 @@ class RelayHop:
         """Every rank under this hop, ascending."""
         return self._ranks
 
+    @property
+    def children(self) -> tuple[HopChild, ...]:
+        """The children the hop calls: what a ``Relay.Watch`` of it reads (control/relay_watch.py)."""
+        return self._children
+
     def relay_step(self, args: RelayStepArgs) -> CombinedStep:
         """Every child's step, begun at once; their replies combined within ``args.timeout_s``."""
         began = time.monotonic()

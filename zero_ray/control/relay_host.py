@@ -98,15 +98,19 @@ class RelayHost:
         clients.append(relay)
         return RelayChild(relay=seat.relay, ranks=tuple(seat.ranks), host=seat.host, node=seat.node, client=relay)
 
-    def relay_step(self, args: RelayStepArgs) -> CombinedStep:
-        """Run ``args`` on the relay it names."""
+    def hop(self, relay: int) -> RelayHop:
+        """The hop of relay ``relay``; RelayError when this process does not serve it."""
         with self._lock:
-            hop = self._hops.get(args.relay)
+            hop = self._hops.get(relay)
             served = sorted(self._hops)
         if hop is None:
-            raise RelayError(f"a step was sent to relay {args.relay}, but this process (rank {self._rank}) serves "
+            raise RelayError(f"a call was sent to relay {relay}, but this process (rank {self._rank}) serves "
                              f"relays {served}: the caller's tree is not the one last hosted; re-plan the relays")
-        return hop.relay_step(args)
+        return hop
+
+    def relay_step(self, args: RelayStepArgs) -> CombinedStep:
+        """Run ``args`` on the relay it names."""
+        return self.hop(args.relay).relay_step(args)
 
     def failure_context(self) -> FailureContext:
         """What a failed relay call's FailureDetail says: the rank whose process serves it."""

@@ -36,6 +36,7 @@ from zero_ray.control.handlers import (
 from zero_ray.control.conversion import to_message, to_record
 from zero_ray.control.failure_status import serve
 from zero_ray.control.relay_host import RelayHost
+from zero_ray.control.relay_watch import WatchFeed
 from zero_ray.control.relay_wire import to_wire
 from zero_ray.control.stream_admission import Streams
 
@@ -49,6 +50,14 @@ def _interval_s(interval_ms: int, context: grpc.ServicerContext, method: str) ->
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                       f"{method}: interval_ms={interval_ms} must be in [{_MIN_INTERVAL_MS}, {_MAX_INTERVAL_MS}]")
     return interval_ms / 1000.0
+
+
+def _stall_s(stall_ms: int, interval_s: float, context: grpc.ServicerContext, method: str) -> float:
+    if not interval_s * 1000 < stall_ms <= 24 * 3600 * 1000:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"{method}: stall_ms={stall_ms} must be above interval_ms={round(interval_s * 1000)} "
+                      "(a child beating every interval would be counted stalled) and at most a day")
+    return stall_ms / 1000.0
 
 
 def _same(value: T) -> T:
@@ -216,7 +225,9 @@ class CoordinatorServicer(_Serving, coordinator_pb2_grpc.CoordinatorServicer):
 
 class RelayServicer(_Serving, relay_pb2_grpc.RelayServicer):
     """protobuf <-> plain translation for the relays a process serves (:class:`RelayHost`):
-    the combined reply is converted to its wire record here (:mod:`zero_ray.control.relay_wire`)."""
+    the combined reply is converted to its wire record here (:mod:`zero_ray.control.relay_wire`);
+    a Watch stream is a :class:`WatchFeed` over the named hop's children, for as long as the
+    caller reads it."""
 
     _SERVICE = "Relay"
     _handler: RelayHost
@@ -234,3 +245,21 @@ class RelayServicer(_Serving, relay_pb2_grpc.RelayServicer):
         args = self._serve(context, "HostRelays", lambda: to_record(request, HostRelaysArgs), _same)
         return self._serve(context, "HostRelays", lambda: self._handler.host_relays(args),
                            lambda r: to_message(r, relay_pb2.HostRelaysReply))
+
+    def Watch(self, request: relay_pb2.WatchRequest,
+              context: grpc.ServicerContext) -> Iterator[relay_pb2.SubtreeBeats]:
+        method = "Relay.Watch"
+        interval = _interval_s(request.interval_ms, context, method)
+        stall = _stall_s(request.stall_ms, interval, context, method)
+        with self._streams.open(context, method) as finished:
+            feed = self._serve(context, "Watch", lambda: WatchFeed(self._handler.hop(request.relay).children,
+                                                                   interval_s=interval, stall_s=stall), _same)
+            try:
+                context.add_callback(feed.wake)  # the caller's cancel ends the wait between messages
+                while True:
+                    message = feed.next(finished)
+                    if message is None:
+                        return
+                    yield message
+            finally:
+                feed.close()

@@ -26,7 +26,7 @@ from zero_ray.control._generated import common_pb2 as zero__ray_dot_control_dot_
 from zero_ray.control._generated import owner_pb2 as zero__ray_dot_control_dot___generated_dot_owner__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'zero_ray/control/_generated/relay.proto\x12\x0bzero_ray.v1\x1a(zero_ray/control/_generated/common.proto\x1a\'zero_ray/control/_generated/owner.proto\"j\n\x0eRelayChildSeat\x12\r\n\x05ranks\x18\x01 \x03(\r\x12\x0c\n\x04host\x18\x02 \x01(\r\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x12\n\x05relay\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_relay\"K\n\x0bHostedRelay\x12\r\n\x05relay\x18\x01 \x01(\r\x12-\n\x08\x63hildren\x18\x02 \x03(\x0b\x32\x1b.zero_ray.v1.RelayChildSeat\"{\n\x11HostRelaysRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12(\n\x06relays\x18\x02 \x03(\x0b\x32\x18.zero_ray.v1.HostedRelay\x12\x10\n\x08margin_s\x18\x03 \x01(\x01\"!\n\x0fHostRelaysReply\x12\x0e\n\x06relays\x18\x01 \x03(\r\"\xdc\x01\n\x10RelayStepRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\r\n\x05relay\x18\x04 \x01(\r\x12&\n\x04step\x18\x05 \x01(\x0b\x32\x18.zero_ray.v1.StepRequest\x12$\n\x05ranks\x18\x06 \x03(\x0b\x32\x15.zero_ray.v1.RankSpan\x12\x0e\n\x06\x63ounts\x18\x07 \x03(\r\x12\x0f\n\x07indices\x18\x08 \x03(\x04J\x04\x08\x02\x10\x03R\x05steps\"M\n\rExactSumValue\x12\r\n\x05units\x18\x01 \x01(\x0c\x12\x0f\n\x07pos_inf\x18\x02 \x01(\x08\x12\x0f\n\x07neg_inf\x18\x03 \x01(\x08\x12\x0b\n\x03nan\x18\x04 \x01(\x08\"\xdc\x01\n\rSubtreeTotals\x12,\n\x08loss_sum\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.ExactSumValue\x12\x0f\n\x07samples\x18\x02 \x01(\x04\x12)\n\x05\x63ount\x18\x03 \x01(\x0b\x32\x1a.zero_ray.v1.ExactSumValue\x12)\n\x05items\x18\x04 \x01(\x0b\x32\x1a.zero_ray.v1.ExactSumValue\x12\x14\n\x07\x63ounted\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x14\n\x0c\x63ounted_rank\x18\x06 \x01(\rB\n\n\x08_counted\"o\n\nStepAgreed\x12\x11\n\tgrad_norm\x18\x01 \x01(\x01\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x0f\n\x07skipped\x18\x03 \x01(\x08\x12\x12\n\nloss_scale\x18\x04 \x01(\x01\x12\x0f\n\x07refused\x18\x05 \x01(\x08\x12\x0c\n\x04rank\x18\x06 \x01(\r\"\'\n\x08RankSpan\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x01(\r\"`\n\nFailedRank\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04node\x18\x02 \x01(\t\x12*\n\x06\x64\x65tail\x18\x03 \x01(\x0b\x32\x1a.zero_ray.v1.FailureDetail\x12\n\n\x02\x61t\x18\x04 \x01(\x01\"\xe9\x03\n\x0eRelayStepReply\x12$\n\x05ranks\x18\x01 \x03(\x0b\x32\x15.zero_ray.v1.RankSpan\x12*\n\x06totals\x18\x02 \x01(\x0b\x32\x1a.zero_ray.v1.SubtreeTotals\x12,\n\x06\x61greed\x18\x03 \x01(\x0b\x32\x17.zero_ray.v1.StepAgreedH\x00\x88\x01\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x14\n\x0c\x64\x61ta_seconds\x18\x05 \x01(\x01\x12\x34\n\x10\x64\x61ta_seconds_sum\x18\x06 \x01(\x0b\x32\x1a.zero_ray.v1.ExactSumValue\x12>\n\nbytes_sent\x18\x07 \x03(\x0b\x32*.zero_ray.v1.RelayStepReply.BytesSentEntry\x12\x1c\n\x14nonfinite_loss_ranks\x18\x08 \x03(\r\x12\x1c\n\x14nonfinite_grad_ranks\x18\t \x03(\r\x12-\n\x07\x66\x61ilure\x18\n \x01(\x0b\x32\x17.zero_ray.v1.FailedRankH\x01\x88\x01\x01\x1a\x30\n\x0e\x42ytesSentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x42\t\n\x07_agreedB\n\n\x08_failure2\x9c\x01\n\x05Relay\x12G\n\tRelayStep\x12\x1d.zero_ray.v1.RelayStepRequest\x1a\x1b.zero_ray.v1.RelayStepReply\x12J\n\nHostRelays\x12\x1e.zero_ray.v1.HostRelaysRequest\x1a\x1c.zero_ray.v1.HostRelaysReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'zero_ray/control/_generated/relay.proto\x12\x0bzero_ray.v1\x1a(zero_ray/control/_generated/common.proto\x1a\'zero_ray/control/_generated/owner.proto\"p\n\x0cWatchRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x13\n\x0binterval_ms\x18\x02 \x01(\r\x12\x10\n\x08stall_ms\x18\x03 \x01(\r\x12\r\n\x05relay\x18\x04 \x01(\r\";\n\x08RankLoss\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tunwatched\x18\x03 \x01(\x08\"Z\n\x0cSubtreeBeats\x12%\n\x05\x62\x65\x61ts\x18\x01 \x03(\x0b\x32\x16.zero_ray.v1.Heartbeat\x12#\n\x04lost\x18\x02 \x03(\x0b\x32\x15.zero_ray.v1.RankLoss\"j\n\x0eRelayChildSeat\x12\r\n\x05ranks\x18\x01 \x03(\r\x12\x0c\n\x04host\x18\x02 \x01(\r\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x12\n\x05relay\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_relay\"K\n\x0bHostedRelay\x12\r\n\x05relay\x18\x01 \x01(\r\x12-\n\x08\x63hildren\x18\x02 \x03(\x0b\x32\x1b.zero_ray.v1.RelayChildSeat\"{\n\x11HostRelaysRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12(\n\x06relays\x18\x02 \x03(\x0b\x32\x18.zero_ray.v1.HostedRelay\x12\x10\n\x08margin_s\x18\x03 \x01(\x01\"!\n\x0fHostRelaysReply\x12\x0e\n\x06relays\x18\x01 \x03(\r\"\xdc\x01\n\x10RelayStepRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.RequestHeader\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\r\n\x05relay\x18\x04 \x01(\r\x12&\n\x04step\x18\x05 \x01(\x0b\x32\x18.zero_ray.v1.StepRequest\x12$\n\x05ranks\x18\x06 \x03(\x0b\x32\x15.zero_ray.v1.RankSpan\x12\x0e\n\x06\x63ounts\x18\x07 \x03(\r\x12\x0f\n\x07indices\x18\x08 \x03(\x04J\x04\x08\x02\x10\x03R\x05steps\"M\n\rExactSumValue\x12\r\n\x05units\x18\x01 \x01(\x0c\x12\x0f\n\x07pos_inf\x18\x02 \x01(\x08\x12\x0f\n\x07neg_inf\x18\x03 \x01(\x08\x12\x0b\n\x03nan\x18\x04 \x01(\x08\"\xdc\x01\n\rSubtreeTotals\x12,\n\x08loss_sum\x18\x01 \x01(\x0b\x32\x1a.zero_ray.v1.ExactSumValue\x12\x0f\n\x07samples\x18\x02 \x01(\x04\x12)\n\x05\x63ount\x18\x03 \x01(\x0b\x32\x1a.zero_ray.v1.ExactSumValue\x12)\n\x05items\x18\x04 \x01(\x0b\x32\x1a.zero_ray.v1.ExactSumValue\x12\x14\n\x07\x63ounted\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x14\n\x0c\x63ounted_rank\x18\x06 \x01(\rB\n\n\x08_counted\"o\n\nStepAgreed\x12\x11\n\tgrad_norm\x18\x01 \x01(\x01\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x0f\n\x07skipped\x18\x03 \x01(\x08\x12\x12\n\nloss_scale\x18\x04 \x01(\x01\x12\x0f\n\x07refused\x18\x05 \x01(\x08\x12\x0c\n\x04rank\x18\x06 \x01(\r\"\'\n\x08RankSpan\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x01(\r\"`\n\nFailedRank\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04node\x18\x02 \x01(\t\x12*\n\x06\x64\x65tail\x18\x03 \x01(\x0b\x32\x1a.zero_ray.v1.FailureDetail\x12\n\n\x02\x61t\x18\x04 \x01(\x01\"\xe9\x03\n\x0eRelayStepReply\x12$\n\x05ranks\x18\x01 \x03(\x0b\x32\x15.zero_ray.v1.RankSpan\x12*\n\x06totals\x18\x02 \x01(\x0b\x32\x1a.zero_ray.v1.SubtreeTotals\x12,\n\x06\x61greed\x18\x03 \x01(\x0b\x32\x17.zero_ray.v1.StepAgreedH\x00\x88\x01\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x14\n\x0c\x64\x61ta_seconds\x18\x05 \x01(\x01\x12\x34\n\x10\x64\x61ta_seconds_sum\x18\x06 \x01(\x0b\x32\x1a.zero_ray.v1.ExactSumValue\x12>\n\nbytes_sent\x18\x07 \x03(\x0b\x32*.zero_ray.v1.RelayStepReply.BytesSentEntry\x12\x1c\n\x14nonfinite_loss_ranks\x18\x08 \x03(\r\x12\x1c\n\x14nonfinite_grad_ranks\x18\t \x03(\r\x12-\n\x07\x66\x61ilure\x18\n \x01(\x0b\x32\x17.zero_ray.v1.FailedRankH\x01\x88\x01\x01\x1a\x30\n\x0e\x42ytesSentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x42\t\n\x07_agreedB\n\n\x08_failure2\xdd\x01\n\x05Relay\x12G\n\tRelayStep\x12\x1d.zero_ray.v1.RelayStepRequest\x1a\x1b.zero_ray.v1.RelayStepReply\x12J\n\nHostRelays\x12\x1e.zero_ray.v1.HostRelaysRequest\x1a\x1c.zero_ray.v1.HostRelaysReply\x12?\n\x05Watch\x12\x19.zero_ray.v1.WatchRequest\x1a\x19.zero_ray.v1.SubtreeBeats0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,30 +35,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RELAYSTEPREPLY_BYTESSENTENTRY']._loaded_options = None
   _globals['_RELAYSTEPREPLY_BYTESSENTENTRY']._serialized_options = b'8\001'
-  _globals['_RELAYCHILDSEAT']._serialized_start=139
-  _globals['_RELAYCHILDSEAT']._serialized_end=245
-  _globals['_HOSTEDRELAY']._serialized_start=247
-  _globals['_HOSTEDRELAY']._serialized_end=322
-  _globals['_HOSTRELAYSREQUEST']._serialized_start=324
-  _globals['_HOSTRELAYSREQUEST']._serialized_end=447
-  _globals['_HOSTRELAYSREPLY']._serialized_start=449
-  _globals['_HOSTRELAYSREPLY']._serialized_end=482
-  _globals['_RELAYSTEPREQUEST']._serialized_start=485
-  _globals['_RELAYSTEPREQUEST']._serialized_end=705
-  _globals['_EXACTSUMVALUE']._serialized_start=707
-  _globals['_EXACTSUMVALUE']._serialized_end=784
-  _globals['_SUBTREETOTALS']._serialized_start=787
-  _globals['_SUBTREETOTALS']._serialized_end=1007
-  _globals['_STEPAGREED']._serialized_start=1009
-  _globals['_STEPAGREED']._serialized_end=1120
-  _globals['_RANKSPAN']._serialized_start=1122
-  _globals['_RANKSPAN']._serialized_end=1161
-  _globals['_FAILEDRANK']._serialized_start=1163
-  _globals['_FAILEDRANK']._serialized_end=1259
-  _globals['_RELAYSTEPREPLY']._serialized_start=1262
-  _globals['_RELAYSTEPREPLY']._serialized_end=1751
-  _globals['_RELAYSTEPREPLY_BYTESSENTENTRY']._serialized_start=1680
-  _globals['_RELAYSTEPREPLY_BYTESSENTENTRY']._serialized_end=1728
-  _globals['_RELAY']._serialized_start=1754
-  _globals['_RELAY']._serialized_end=1910
+  _globals['_WATCHREQUEST']._serialized_start=139
+  _globals['_WATCHREQUEST']._serialized_end=251
+  _globals['_RANKLOSS']._serialized_start=253
+  _globals['_RANKLOSS']._serialized_end=312
+  _globals['_SUBTREEBEATS']._serialized_start=314
+  _globals['_SUBTREEBEATS']._serialized_end=404
+  _globals['_RELAYCHILDSEAT']._serialized_start=406
+  _globals['_RELAYCHILDSEAT']._serialized_end=512
+  _globals['_HOSTEDRELAY']._serialized_start=514
+  _globals['_HOSTEDRELAY']._serialized_end=589
+  _globals['_HOSTRELAYSREQUEST']._serialized_start=591
+  _globals['_HOSTRELAYSREQUEST']._serialized_end=714
+  _globals['_HOSTRELAYSREPLY']._serialized_start=716
+  _globals['_HOSTRELAYSREPLY']._serialized_end=749
+  _globals['_RELAYSTEPREQUEST']._serialized_start=752
+  _globals['_RELAYSTEPREQUEST']._serialized_end=972
+  _globals['_EXACTSUMVALUE']._serialized_start=974
+  _globals['_EXACTSUMVALUE']._serialized_end=1051
+  _globals['_SUBTREETOTALS']._serialized_start=1054
+  _globals['_SUBTREETOTALS']._serialized_end=1274
+  _globals['_STEPAGREED']._serialized_start=1276
+  _globals['_STEPAGREED']._serialized_end=1387
+  _globals['_RANKSPAN']._serialized_start=1389
+  _globals['_RANKSPAN']._serialized_end=1428
+  _globals['_FAILEDRANK']._serialized_start=1430
+  _globals['_FAILEDRANK']._serialized_end=1526
+  _globals['_RELAYSTEPREPLY']._serialized_start=1529
+  _globals['_RELAYSTEPREPLY']._serialized_end=2018
+  _globals['_RELAYSTEPREPLY_BYTESSENTENTRY']._serialized_start=1947
+  _globals['_RELAYSTEPREPLY_BYTESSENTENTRY']._serialized_end=1995
+  _globals['_RELAY']._serialized_start=2021
+  _globals['_RELAY']._serialized_end=2242
 # @@protoc_insertion_point(module_scope)

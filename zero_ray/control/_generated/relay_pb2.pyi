@@ -8,6 +8,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WatchRequest(_message.Message):
+    __slots__ = ("header", "interval_ms", "stall_ms", "relay")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    STALL_MS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    interval_ms: int
+    stall_ms: int
+    relay: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., interval_ms: _Optional[int] = ..., stall_ms: _Optional[int] = ..., relay: _Optional[int] = ...) -> None: ...
+
+class RankLoss(_message.Message):
+    __slots__ = ("rank", "reason", "unwatched")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    UNWATCHED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    reason: str
+    unwatched: bool
+    def __init__(self, rank: _Optional[int] = ..., reason: _Optional[str] = ..., unwatched: _Optional[bool] = ...) -> None: ...
+
+class SubtreeBeats(_message.Message):
+    __slots__ = ("beats", "lost")
+    BEATS_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    beats: _containers.RepeatedCompositeFieldContainer[_owner_pb2.Heartbeat]
+    lost: _containers.RepeatedCompositeFieldContainer[RankLoss]
+    def __init__(self, beats: _Optional[_Iterable[_Union[_owner_pb2.Heartbeat, _Mapping]]] = ..., lost: _Optional[_Iterable[_Union[RankLoss, _Mapping]]] = ...) -> None: ...
+
 class RelayChildSeat(_message.Message):
     __slots__ = ("ranks", "host", "node", "address", "relay")
     RANKS_FIELD_NUMBER: _ClassVar[int]

@@ -51,6 +51,11 @@ class RelayStub:
                 request_serializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.HostRelaysRequest.SerializeToString,
                 response_deserializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.HostRelaysReply.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/zero_ray.v1.Relay/Watch',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.WatchRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.SubtreeBeats.FromString,
+                _registered_method=True)
 
 
 class RelayServicer:
@@ -80,6 +85,17 @@ class RelayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """The health of every rank of the subtree (zero_ray/control/relay_watch.py): the relay reads
+        its children's streams (its owners' PartitionOwner.Health, or the Watch of the relays below
+        it) and sends one SubtreeBeats every interval, with only the beats that changed, and one at
+        once when a rank is lost. The stream is the relay's own heartbeat: a caller that hears
+        nothing for stall_ms counts the relay lost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RelayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +108,11 @@ def add_RelayServicer_to_server(servicer, server):
                     servicer.HostRelays,
                     request_deserializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.HostRelaysRequest.FromString,
                     response_serializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.HostRelaysReply.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.WatchRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.SubtreeBeats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -155,6 +176,33 @@ class Relay:
             '/zero_ray.v1.Relay/HostRelays',
             zero__ray_dot_control_dot___generated_dot_relay__pb2.HostRelaysRequest.SerializeToString,
             zero__ray_dot_control_dot___generated_dot_relay__pb2.HostRelaysReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/zero_ray.v1.Relay/Watch',
+            zero__ray_dot_control_dot___generated_dot_relay__pb2.WatchRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_relay__pb2.SubtreeBeats.FromString,
             options,
             channel_credentials,
             insecure,

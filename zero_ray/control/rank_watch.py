@@ -1,0 +1,110 @@
+"""What the caller knows of every rank's health through the relay tree: a
+:class:`SubtreeHealthMonitor` is the driver's ``HealthMonitor`` (driver/health.py) built over
+relays instead of owners (issue 44, "health per node"), answering ``lost()`` and ``snapshot()``
+per rank as it does.
+
+It reads its children's streams with a :class:`SubtreeReader` (control/subtree_watch.py) and keeps
+per rank the last beat's time (this process's clock, as HealthMonitor's), state and rss_bytes. A
+rank is ``lost()`` when it itself is (its stream failed, ended or stalled, or it hosted a relay
+that was lost); a rank under a lost relay is ``unwatched()`` instead, with a reason starting
+"relay lost", and stays healthy in ``snapshot()``: its own state is unknown, and the loss of the
+relay's host that came with it is what sets recovery going, which re-plans the tree and watches
+the rank again. Losses are logged as HealthMonitor logs them; nothing is reported after close().
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from zero_ray.control.handlers import Heartbeat
+from zero_ray.control.relay_hop import HopChild
+from zero_ray.control.subtree_watch import SubtreeReader
+
+__all__ = ["RankWatch", "SubtreeHealthMonitor"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankWatch:
+    """A rank's health as the monitor last knew it (HealthMonitor's RankHealth, plus why the
+    rank is no longer watched when a relay above it was lost)."""
+
+    rank: int
+    last_beat: float = 0.0
+    state: str = "starting"
+    rss_bytes: int = 0
+    lost_reason: str | None = None
+    unwatched_reason: str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """Not lost itself (an unwatched rank is not known to be lost)."""
+        return self.lost_reason is None
+
+
+class SubtreeHealthMonitor:
+    """Watches every rank under ``children`` (top or node relays, or owners) through their
+    streams on one thread; ``lost()`` names the ranks that stopped answering."""
+
+    _lock: threading.Lock
+    _closed: threading.Event
+    _ranks: dict[int, RankWatch]
+    _reader: SubtreeReader
+
+    def __init__(self, children: Sequence[HopChild], *, interval_s: float, timeout_s: float) -> None:
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._ranks = {r: RankWatch(rank=r) for c in children for r in c.ranks}
+        self._reader = SubtreeReader(children, interval_s=interval_s, stall_s=timeout_s, on_beat=self._beat,
+                                     on_lost=self._lose, on_unwatched=self._unwatch)
+
+    def _beat(self, rank: int, beat: Heartbeat) -> None:
+        now = time.time()
+        with self._lock:
+            held = self._ranks[rank]
+            self._ranks[rank] = RankWatch(rank=rank, last_beat=now, state=beat.state, rss_bytes=beat.rss_bytes,
+                                          lost_reason=held.lost_reason, unwatched_reason=held.unwatched_reason)
+
+    def _lose(self, rank: int, reason: str) -> None:
+        if self._closed.is_set():
+            return
+        with self._lock:
+            held = self._ranks[rank]
+            self._ranks[rank] = RankWatch(rank=rank, last_beat=held.last_beat, state=held.state,
+                                          rss_bytes=held.rss_bytes, lost_reason=reason)
+        log.error("rank %d lost: %s", rank, reason)
+
+    def _unwatch(self, rank: int, reason: str) -> None:
+        if self._closed.is_set():
+            return
+        with self._lock:
+            held = self._ranks[rank]
+            self._ranks[rank] = RankWatch(rank=rank, last_beat=held.last_beat, state=held.state,
+                                          rss_bytes=held.rss_bytes, unwatched_reason=reason)
+        log.warning("rank %d no longer watched: %s", rank, reason)
+
+    def lost(self) -> dict[int, str]:
+        """The ranks lost themselves, and why."""
+        with self._lock:
+            return {r: h.lost_reason for r, h in self._ranks.items() if h.lost_reason is not None}
+
+    def unwatched(self) -> dict[int, str]:
+        """The ranks under a lost relay (not lost themselves, as far as is known), and why."""
+        with self._lock:
+            return {r: h.unwatched_reason for r, h in self._ranks.items() if h.unwatched_reason is not None}
+
+    def snapshot(self) -> list[RankWatch]:
+        """Every watched rank's health, by rank."""
+        with self._lock:
+            return [self._ranks[r] for r in sorted(self._ranks)]
+
+    def close(self) -> None:
+        """End the streams; no loss is reported after this."""
+        self._closed.set()
+        self._reader.close()
+
