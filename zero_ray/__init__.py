@@ -16,6 +16,7 @@ from zero_ray.core.offload_options import Offload
 from zero_ray.core.optimizer_plan import SGD, AdamW
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.lr_schedule import WarmupCosine
+from zero_ray.core.tensor_parallel_plan import TensorParallel
 from zero_ray.core.topology import Topology
 from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.driver.callbacks import Callback
@@ -55,6 +56,7 @@ __all__ = [
     "Offload",
     "WarmupCosine",
     "Stage3Config",
+    "TensorParallel",
     "Topology",
     "WrapPolicy",
     "ZeroConfig",

@@ -14,6 +14,7 @@ from zero_ray.core.offload_options import Offload
 from zero_ray.core.optimizer_plan import declared_kinds
 from zero_ray.core.precision import LossScaleConfig, dtype_name, parse_dtype
 from zero_ray.core.stages import stage_plan
+from zero_ray.core.tensor_parallel_plan import TensorParallel
 from zero_ray.core.topology import Topology
 from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.errors import ConfigError
@@ -368,6 +369,8 @@ class ZeroConfig:
     topology: multi-node layout: shard groups (MiCS / HSDP), hpZ's secondary partition and
         quantized collectives (qwZ / qgZ), learned from the nodes Ray placed the owners on; see
         ``Topology`` (default: flat ZeRO over every owner).
+    tensor_parallel: ``TensorParallel(size=T, plan=...)``: world_size / T data-parallel ranks of T
+        tensor-parallel owners (docs/tensor_parallel.md); default T = 1.
     """
 
     stage: int = 2
@@ -402,6 +405,7 @@ class ZeroConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     topology: Topology = field(default_factory=Topology)
+    tensor_parallel: TensorParallel = field(default_factory=TensorParallel)
 
     def __post_init__(self) -> None:
         stage_plan(self.stage)  # raises ConfigError naming the stage
@@ -500,6 +504,9 @@ class ZeroConfig:
             size = getattr(self.topology, name)
             if isinstance(size, int) and self.world_size % size:
                 raise ConfigError(f"topology.{name}={size} does not divide world_size={self.world_size}")
+        if not isinstance(self.tensor_parallel, TensorParallel):
+            raise ConfigError(f"tensor_parallel={self.tensor_parallel!r} must be a zr.TensorParallel")
+        self.tensor_parallel.check_world_size(self.world_size)
 
 
 # -- the run's math, as checkpoints and detached runs record it ----------------------------------
