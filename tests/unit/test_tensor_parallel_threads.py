@@ -59,12 +59,50 @@ def plain_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
+class OldStyleAttention(nn.Module):
+    """Attention as transformers 4.3x wrote it: head counts kept on the module and read by the
+    views in forward (``shard_model`` divides them by T), grouped-query by repeat_interleave."""
+
+    def __init__(self, width: int = 16, heads: int = 8, kv_heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = heads, kv_heads, width // heads
+        self.q_proj = nn.Linear(width, heads * self.head_dim)
+        self.k_proj = nn.Linear(width, kv_heads * self.head_dim)
+        self.v_proj = nn.Linear(width, kv_heads * self.head_dim)
+        self.o_proj = nn.Linear(heads * self.head_dim, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        groups = self.num_heads // self.num_key_value_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = torch.softmax(q @ k.transpose(-1, -2) / self.head_dim ** 0.5, dim=-1) @ v
+        return x + self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+class OldStyleNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.attn = OldStyleAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.inp(x))
+
+
+OLD_STYLE_PLAN = {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
+                  "attn.o_proj": "rowwise"}
+
+
 Case = tuple[Callable[[], nn.Module], Callable[[], Any], Callable[[nn.Module, Any], torch.Tensor], Any]
 CASES: dict[str, Case] = {
     "llama-gqa-sdpa": (llama, lm_batch, lm_loss, None),
     "llama-gqa-eager": (lambda: llama("eager"), lm_batch, lm_loss, None),
     "qwen2": (qwen2, lm_batch, lm_loss, None),
     "plain-user-plan": (PlainNet, plain_batch, plain_loss, PLAIN_PLAN),
+    "old-style-attention": (OldStyleNet, plain_batch, plain_loss, OLD_STYLE_PLAN),
 }
 
 
@@ -96,6 +134,57 @@ def _sharded(case: Case, size: int, state: dict[str, torch.Tensor]) -> tuple[lis
         return loss.item(), grads, values, sent
 
     return on_threads(size, rank_main), models
+
+
+def test_head_counts_kept_on_an_attention_module_are_divided_by_the_size() -> None:
+    models: list[OldStyleNet] = []
+
+    def rank_main(group: ThreadGroup) -> None:
+        model = OldStyleNet()
+        shard_model(model, TensorParallel(size=2, plan=OLD_STYLE_PLAN), group)
+        models.append(model)
+
+    on_threads(2, rank_main)
+    assert [(m.attn.num_heads, m.attn.num_key_value_heads, m.attn.head_dim) for m in models] == [(4, 2, 2)] * 2
+
+
+@pytest.mark.parametrize(("name", "size"), [("llama-gqa-sdpa", 2), ("plain-user-plan", 4)])
+def test_three_sgd_steps_on_the_shards_follow_single_process_torch(name: str, size: int) -> None:
+    build, batch_fn, loss_fn, plan = CASES[name]
+    torch.manual_seed(0)
+    ref = build()
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    for _ in range(3):
+        opt.zero_grad()
+        loss_fn(ref, batch_fn()).backward()
+        opt.step()
+    models = [build() for _ in range(size)]
+    for m in models:
+        m.load_state_dict(state)
+
+    def rank_main(group: ThreadGroup) -> dict[str, torch.Tensor]:
+        model = models[group.rank]
+        shard_model(model, TensorParallel(size=size, plan=plan), group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        for _ in range(3):
+            opt.zero_grad()
+            loss_fn(model, batch_fn()).backward()
+            opt.step()
+        return full_tensors(model, dict(model.named_parameters()))
+
+    want = dict(ref.named_parameters())
+    for got in on_threads(size, rank_main):
+        assert _max_dev(got, want) <= TOLERANCE
+
+
+def test_a_model_on_the_meta_device_is_sharded_without_memory() -> None:
+    from test_tensor_parallel_plan import tiny_llama
+
+    models = [tiny_llama(), tiny_llama()]
+    on_threads(2, lambda g: shard_model(models[g.rank], TensorParallel(size=2), g))
+    q = models[1].model.layers[0].self_attn.q_proj
+    assert isinstance(q, ShardedLinear) and q.weight.is_meta and q.weight.shape == (16, 32)
 
 
 def _max_dev(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
