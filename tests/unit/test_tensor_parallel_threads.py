@@ -185,6 +185,8 @@ def test_a_model_on_the_meta_device_is_sharded_without_memory() -> None:
     on_threads(2, lambda g: shard_model(models[g.rank], TensorParallel(size=2), g))
     q = models[1].model.layers[0].self_attn.q_proj
     assert isinstance(q, ShardedLinear) and q.weight.is_meta and q.weight.shape == (16, 32)
+    with pytest.raises(ValueError, match="already sharded"):
+        on_threads(2, lambda g: shard_model(models[g.rank], TensorParallel(size=2), g))
 
 
 def _max_dev(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:

@@ -157,6 +157,8 @@ def shard_model(model: nn.Module, tp: TensorParallel, group: Collective) -> Tens
     its plan says; the plan. Size 1 changes nothing."""
     if group.world_size != tp.size:
         raise ValueError(f"a tensor-parallel group of {group.world_size} ranks was given for size={tp.size}")
+    if any(isinstance(m, ShardedLinear) for m in model.modules()):
+        raise ValueError("the model is already sharded over a tensor-parallel group; shard a model once")
     plan = plan_model(model, tp)
     if tp.size == 1:
         return plan
