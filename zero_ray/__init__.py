@@ -18,6 +18,7 @@ from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.relay_tree import RelayConfig
 from zero_ray.core.reply_combine import CombinedStep
 from zero_ray.core.lr_schedule import WarmupCosine
+from zero_ray.core.tensor_parallel_plan import TensorParallel
 from zero_ray.core.topology import Topology
 from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.driver.callbacks import Callback
@@ -59,6 +60,7 @@ __all__ = [
     "Offload",
     "WarmupCosine",
     "Stage3Config",
+    "TensorParallel",
     "Topology",
     "WrapPolicy",
     "ZeroConfig",

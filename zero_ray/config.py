@@ -14,7 +14,9 @@ from zero_ray.core.offload_options import Offload
 from zero_ray.core.optimizer_plan import declared_kinds
 from zero_ray.core.precision import LossScaleConfig, dtype_name, parse_dtype
 from zero_ray.core.relay_tree import RelayConfig
+from zero_ray.core.tls_options import ControlTLS
 from zero_ray.core.stages import stage_plan
+from zero_ray.core.tensor_parallel_plan import TensorParallel
 from zero_ray.core.topology import Topology
 from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.errors import ConfigError
@@ -282,27 +284,6 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ControlTLS:
-    """TLS for the control plane (every owner's server, the driver's Coordinator, all clients).
-
-    cert/key: a certificate valid for the nodes' addresses (subjectAltName IPs) and its key;
-    ca: the CA that signed it, which every client checks the servers against. mutual: clients
-    present the same certificate and servers require it (mTLS).
-    """
-
-    cert: str
-    key: str
-    ca: str
-    mutual: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("cert", "key", "ca"):
-            path = getattr(self, name)
-            if not os.path.isfile(path):
-                raise ConfigError(f"control TLS {name}={path!r} is not a file")
-
-
-@dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """Configuration of a ZeroTrainer.
 
@@ -373,6 +354,8 @@ class ZeroConfig:
     topology: multi-node layout: shard groups (MiCS / HSDP), hpZ's secondary partition and
         quantized collectives (qwZ / qgZ), learned from the nodes Ray placed the owners on; see
         ``Topology`` (default: flat ZeRO over every owner).
+    tensor_parallel: ``TensorParallel(size=T, plan=...)``: world_size / T data-parallel ranks of T
+        tensor-parallel owners (docs/tensor_parallel.md); default T = 1.
     """
 
     stage: int = 2
@@ -408,6 +391,7 @@ class ZeroConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     topology: Topology = field(default_factory=Topology)
+    tensor_parallel: TensorParallel = field(default_factory=TensorParallel)
 
     def __post_init__(self) -> None:
         stage_plan(self.stage)  # raises ConfigError naming the stage
@@ -508,6 +492,9 @@ class ZeroConfig:
             size = getattr(self.topology, name)
             if isinstance(size, int) and self.world_size % size:
                 raise ConfigError(f"topology.{name}={size} does not divide world_size={self.world_size}")
+        if not isinstance(self.tensor_parallel, TensorParallel):
+            raise ConfigError(f"tensor_parallel={self.tensor_parallel!r} must be a zr.TensorParallel")
+        self.tensor_parallel.check_world_size(self.world_size)
 
 
 # -- the run's math, as checkpoints and detached runs record it ----------------------------------

@@ -33,13 +33,14 @@ from zero_ray.config import (
 from zero_ray.core.offload_options import Offload
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.relay_tree import RelayConfig
+from zero_ray.core.tensor_parallel_plan import TensorParallel
 from zero_ray.core.topology import Topology
 from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.errors import ConfigError
 
 _OPTIONS: dict[str, type] = {cls.__name__: cls for cls in (
     ZeroConfig, Stage3Config, ActivationCheckpointing, Compile, ElasticConfig, CheckpointConfig, ControlTLS, Offload,
-    Topology, LossScaleConfig, WrapPolicy, RelayConfig)}
+    Topology, LossScaleConfig, WrapPolicy, RelayConfig, TensorParallel)}
 _CLASS = "__class__"  # an option object: its class name beside its fields
 _UNRECORDED = "__unrecorded__"  # a value that is not data: what it was, for the error
 #: ZeroConfig fields recorded as None, and why (docs/checkpoints.md)

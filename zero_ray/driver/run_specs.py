@@ -10,12 +10,18 @@ from zero_ray.core.optimizer_plan import OptimizerFactory, SchedulerFactory
 from zero_ray.core.precision import parse_dtype
 from zero_ray.core.stages import stage_plan
 from zero_ray.driver.pool_spec import PoolSpec
+from zero_ray.errors import ConfigError
 from zero_ray.owner.step.run_spec import EngineSpec, LossFn, ModelFn, RunSpec
 
 
 def engine_spec(cfg: ZeroConfig, *, model_fn: ModelFn, loss_fn: LossFn, optimizers: tuple[OptimizerFactory, ...],
                 lr_scheduler: SchedulerFactory | None, device: str) -> EngineSpec:
     """What every owner needs to build the same model state and step it as ``cfg`` says."""
+    if cfg.tensor_parallel.size > 1:
+        # Refused rather than run as plain data parallelism: the owners do not form TP groups yet.
+        raise ConfigError(f"tensor_parallel size={cfg.tensor_parallel.size}: the owners do not form tensor-parallel "
+                          "groups yet (issue 45; the plan and the sharded modules are built, "
+                          "docs/tensor_parallel.md); use TensorParallel(size=1) for now")
     return EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizers=optimizers,
                       plan=stage_plan(cfg.stage), compute_dtype=parse_dtype(cfg.dtype), device=device,
                       seed=cfg.seed, bucket_bytes=cfg.bucket_bytes, grad_accum_steps=cfg.grad_accum_steps,
