@@ -34,7 +34,7 @@ from zero_ray.owner.service.owner_control import OwnerControl, OwnerPlace
 from zero_ray.owner.service.batch_source import PieceSource
 from zero_ray.owner.resilience.redundancy import PeerSnapshots
 
-CONTROL_THREADS = 16  # as zero_ray/owner/service/actor.py's _CONTROL_THREADS
+CONTROL_THREADS, CONTROL_STREAMS = 32, 12  # as zero_ray/owner/service/actor.py
 DATASET = "sim"
 HOLD_LIMIT_S = 60.0  # a held step ends by itself after this, so a failed measurement never hangs
 
@@ -160,7 +160,8 @@ def _usage(hosts: list[SimHost]) -> dict[str, float]:
 def _serve(host: SimHost, credentials: Credentials) -> tuple[ControlServer, RelayHost]:
     """One owner's control server over ``host``, as ``PartitionOwner`` builds its own: its
     owner service, and the relays the driver's tree has it host (``HostRelays``)."""
-    server = ControlServer(ServerConfig(host="127.0.0.1", credentials=credentials, threads=CONTROL_THREADS))
+    server = ControlServer(ServerConfig(host="127.0.0.1", credentials=credentials, threads=CONTROL_THREADS,
+                                        max_streams=CONTROL_STREAMS))
     server.add_owner(OwnerControl(host, contact=host, server=server,  # type: ignore[arg-type]
                                   place=OwnerPlace(node_id="sim", host="localhost", ip="127.0.0.1", pid=0),
                                   detached=False, fetch_timeout_s=30.0, save_timeout_s=30.0, ahead_timeout_s=30.0))

@@ -41,6 +41,7 @@ import ray
 
 from zero_ray.control.client_channel import Pending
 from zero_ray.control.client import OwnerClient
+from zero_ray.control.rank_watch import SubtreeHealthMonitor
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.errors import (
     CallTimeout,
@@ -128,7 +129,7 @@ class Members:
     def __init__(self, *, generation: int = 0) -> None:
         self.clients: list[OwnerClient] = []
         self.nodes: list[dict[str, Any]] = []
-        self.health: HealthMonitor | None = None
+        self.health: HealthMonitor | SubtreeHealthMonitor | None = None
         self.generation = generation
 
     def lost(self) -> dict[int, str]:

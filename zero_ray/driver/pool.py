@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient
+from zero_ray.control.rank_watch import SubtreeHealthMonitor
 from zero_ray.control.handlers import (
     EvaluateArgs,
     EvaluateResult,
@@ -233,12 +234,17 @@ class OwnerPool:
             self.fan.ray(actors, "use_filesystem", key, fs, timeout_s=spec.init_timeout_s, watch=False)
 
     def _membership_changed(self) -> None:
-        """Watch the members of now (a new health monitor) and re-plan the relay tree over them."""
+        """Re-plan the relay tree over the members of now and watch them anew: through the top
+        relays' Watch streams on the tree (each relay reads its children's; a relay's loss is its
+        host rank's), else every owner's Health stream."""
         if self.health is not None:
             self.health.close()
-        self.members.health = HealthMonitor(self.clients, interval_s=self.spec.health_interval_s,
-                                    timeout_s=self.spec.health_timeout_s)
+            self.members.health = None
         self.relays.replan()
+        interval, timeout = self.spec.health_interval_s, self.spec.health_timeout_s
+        self.members.health = (SubtreeHealthMonitor(self.relays.top_children, interval_s=interval, timeout_s=timeout)
+                               if self.relays.active else HealthMonitor(self.clients, interval_s=interval,
+                                                                        timeout_s=timeout))
 
     def _lost(self) -> dict[int, str]:
         return self.members.lost()
@@ -254,7 +260,7 @@ class OwnerPool:
         return self.members.nodes
 
     @property
-    def health(self) -> HealthMonitor | None:
+    def health(self) -> HealthMonitor | SubtreeHealthMonitor | None:
         return self.members.health
 
     @property

@@ -30,7 +30,7 @@ from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, RelayClient
 from zero_ray.control.client_channel import Pending
 from zero_ray.control.handlers import HostRelaysArgs
-from zero_ray.control.relay_hop import DEFAULT_MARGIN_S, RelayHop, hop_children
+from zero_ray.control.relay_hop import DEFAULT_MARGIN_S, HopChild, RelayHop, hop_children
 from zero_ray.control.relay_host import host_plans
 from zero_ray.core.relay_tree import RelayConfig, RelayTree, plan_relays
 from zero_ray.core.reply_combine import CombinedStep
@@ -73,6 +73,11 @@ class RelayPlane:
         self._hosts = {}
         # A step and the one sent ahead of it wait here, each in one blocking call on the hop.
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="zero_ray-relay-plane")
+
+    @property
+    def top_children(self) -> tuple[HopChild, ...]:
+        """The relays the driver calls (and watches: ``SubtreeHealthMonitor``); none off the tree."""
+        return self._top.children if self._top is not None else ()
 
     @property
     def active(self) -> bool:

@@ -40,7 +40,10 @@ from zero_ray.owner.step.run_spec import EngineSpec, RunSpec
 
 log = logging.getLogger(__name__)
 
-_CONTROL_THREADS = 16
+# A relay host serves a Watch stream and a RelayStep (two, with fit's step sent ahead) per relay
+# it hosts, one level each, beside its own Step, Abort, probes and Health streams.
+_CONTROL_THREADS = 32
+_CONTROL_STREAMS = 12
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +83,7 @@ class PartitionOwner:
         # waiting on the step lock) beside Abort, Stats probes and up to max_streams heartbeat
         # streams (an old monitor's and its replacement's during a membership change).
         self._server = ControlServer(ServerConfig(host=host, credentials=options.credentials, threads=_CONTROL_THREADS,
-                                                  **options.server_tls))
+                                                  max_streams=_CONTROL_STREAMS, **options.server_tls))
         place = OwnerPlace(node_id=ray.get_runtime_context().get_node_id(), host=socket.gethostname(),
                            ip=ray.util.get_node_ip_address(), pid=os.getpid())
         self._server.add_owner(OwnerControl(self._rank, contact=self._contact, server=self._server, place=place,
