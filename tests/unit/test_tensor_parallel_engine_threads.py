@@ -82,6 +82,22 @@ def test_llama_gqa_matches_single_process(size: int, data_parallel: int, stage: 
     assert [e.data_rank for e in engines] == [r // size for r in range(size * data_parallel)]
 
 
+def token_sum_loss(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    logits = model(input_ids=ids).logits[:, :-1]
+    targets = ids[:, 1:]
+    total = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
+    return total, targets.numel()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_token_count_loss_with_accumulation_counts_each_data_rank_once(stage: int) -> None:
+    # every TP rank of a data-parallel rank reads the same tokens: counted once, not T times
+    # (no clipping here: it would hide a gradient scaled by a wrong count)
+    ref, _ = single_process(llama, lm_loss, OPTIMIZERS["sgd"], batches()[:2], pieces=(2, 2))
+    got, _, _, _ = run_tp_ranks(2, 2, llama, token_sum_loss, OPTIMIZERS["sgd"], batches()[:2], stage=stage, accum=2)
+    assert max(float((got[k] - ref[k]).abs().max()) for k in ref) <= TOLERANCE
+
+
 class Mlp(nn.Module):
     """Every parameter sharded: each TP rank holds exactly 1/T of the model."""
 
@@ -157,3 +173,14 @@ def test_zero_traffic_stays_in_the_data_parallel_group_and_tp_bytes_are_apart(si
         for members in (e.fabric.ranks.tp_members(e.rank), e.fabric.ranks.dp_members(e.rank)):
             nexts.add(members[(members.index(e.rank) + 1) % len(members)])
         assert set(e.last_peers) == nexts - {e.rank}
+
+
+def test_a_whole_tensor_optimizer_over_a_tp_shard_is_refused_by_name() -> None:
+    muon = lambda m: torch.optim.Muon([m.up.weight, m.down.weight], lr=0.01)  # noqa: E731
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ConfigError, match=r"Muon steps whole tensors.*splits 2 of its parameters.*'up\.weight'"):
+        run_tp_ranks(2, 1, Mlp, mse, muon, [x], stage=1, plan={"up": "colwise", "down": "rowwise"})
+    # the same optimizer on a module the plan leaves whole trains
+    got, _, _, _ = run_tp_ranks(2, 1, Mlp, mse, muon, [x], stage=1, plan={"up": "replicated", "down": "replicated"})
+    ref, _ = single_process(Mlp, mse, muon, [x])
+    assert max(float((got[k] - ref[k]).abs().max()) for k in ref) <= TOLERANCE

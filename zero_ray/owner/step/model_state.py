@@ -160,6 +160,8 @@ class ModelState:
         self.trainable = [p.requires_grad for _, p in named]
         # Before any parameter is bound: the factories see real shapes (meta where not materialised).
         self.optim_plan = plan = plan_optimizers(spec.optimizers, module, declared=spec.optimizer_kinds)
+        if self.tp_plan is not None:
+            self._refuse_whole_tensor_shards(plan, [name for name, _ in named], self.tp_plan)
         units: UnitPlan | None = None
         if spec.plan.parameters is Residency.SHARDED:
             units = plan_units(infos, [p.numel() for _, p in named], policy=spec.stage3.wrap_policy,
@@ -216,9 +218,27 @@ class ModelState:
         if self.tp_plan is not None:
             self._replicated = self._replicated_ranges(self.tp_plan)
 
+    @staticmethod
+    def _sharded_names(plan: TensorParallelPlan) -> set[str]:
+        """Parameters split over the TP group (a rowwise layer's bias stays whole)."""
+        return {f"{s.name}.weight" for s in plan.shards} | {f"{s.name}.bias" for s in plan.shards
+                                                           if s.style == COLWISE}
+
+    def _refuse_whole_tensor_shards(self, optim: OptimizersPlan, names: list[str], plan: TensorParallelPlan) -> None:
+        """A whole-tensor optimizer (Muon's Newton-Schulz, Adafactor's factored moments) over a TP
+        shard would step a slice as if it were the matrix: refused, naming it."""
+        sharded = self._sharded_names(plan)
+        bad = [(name, qualified_name(optim.optimizers[o].cls)) for i, name in enumerate(names)
+               if name in sharded and (o := optim.of_param[i]) is not None
+               and optim.optimizers[o].kind is UpdateKind.WHOLE_TENSOR]
+        if bad:
+            raise ConfigError(f"{bad[0][1]} steps whole tensors, but tensor_parallel size={plan.size} splits "
+                              f"{len(bad)} of its parameters over the TP group (e.g. {bad[0][0]!r}); stepping a "
+                              "TP-sharded matrix whole is not built yet: give those parameters an element-wise "
+                              "optimizer (torch.optim.AdamW) or mark their modules 'replicated' in the plan")
+
     def _replicated_ranges(self, plan: TensorParallelPlan) -> list[list[tuple[int, int]]]:
-        sharded = {f"{s.name}.weight" for s in plan.shards} | {f"{s.name}.bias" for s in plan.shards
-                                                                 if s.style == COLWISE}
+        sharded = self._sharded_names(plan)
         return [[(lo, hi) for i, lo, hi in g.pieces if self.layout.params[i].name not in sharded]
                 for g in self.trainable_groups]
 
