@@ -20,8 +20,10 @@ from zero_ray.core.offload_options import Offload
 from zero_ray.core.optimizer_plan import check_optimizer_factories, declared_kinds
 from zero_ray.core.precision import LossScaleConfig, parse_dtype
 from zero_ray.core.stages import stage_plan
+from zero_ray.core.tensor_parallel_plan import TensorParallel
 from zero_ray.core.topology import Topology
 from zero_ray.core.stage3_units import WrapPolicy
+from zero_ray.owner.construction.tensor_sharding import join_shards
 from zero_ray.owner.step.engine import OwnerEngine
 from zero_ray.owner.step.run_spec import EngineSpec
 
@@ -133,7 +135,8 @@ def engine_spec(model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer
                 checkpointing: ActivationCheckpointing | None = None, lr_scheduler: Any = None,
                 reduce_dtype: str | None = None, optimizer_kinds: Any = None, bucket_bytes: int = 2048,
                 on_nonfinite: str = "raise", topology: Topology | None = None, compile: Compile | None = None,
-                offload: Offload | None = None, **stage3: Any) -> EngineSpec:
+                offload: Offload | None = None, tensor_parallel: TensorParallel | None = None,
+                **stage3: Any) -> EngineSpec:
     """The spec thread ranks build from (2 KiB buckets; at stage 3 every module a unit by default)."""
     stage3.setdefault("wrap_policy", WrapPolicy(min_numel=0))
     return EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizers=check_optimizer_factories(optimizer),
@@ -143,7 +146,8 @@ def engine_spec(model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer
                       activation_checkpointing=checkpointing, lr_scheduler=lr_scheduler,
                       reduce_dtype=parse_dtype(reduce_dtype) if reduce_dtype else None,
                       optimizer_kinds=declared_kinds(optimizer_kinds), on_nonfinite=on_nonfinite,
-                      topology=topology or Topology(), compile=compile, offload=offload or Offload())
+                      topology=topology or Topology(), compile=compile, offload=offload or Offload(),
+                      tensor_parallel=tensor_parallel or TensorParallel())
 
 
 def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any,
@@ -196,3 +200,48 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
     return {n: v.view(shapes[n]) for n, v in full.items()}, ready, sent
 
 
+
+
+def run_tp_ranks(size: int, data_parallel: int, model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any,
+                 batches: list[Any], *, plan: Any = None, stage: int = 3, clip: float | None = None,
+                 accum: int = 1, **options: Any
+                 ) -> tuple[dict[str, torch.Tensor], list[float], list[OwnerEngine], list[list[StepResult]]]:
+    """Train on ``size`` x ``data_parallel`` thread ranks with tensor parallelism of ``size``:
+    each engine reads its data rank's piece of every batch. Returns the fp32 parameters
+    consolidated to their whole shapes (each TP shard's masters from its data-parallel ranks,
+    then the shards joined), the per-step global mean losses, the engines and each rank's
+    StepResults."""
+    world = size * data_parallel
+    spec = engine_spec(model_fn, loss_fn, optimizer, stage=stage, clip=clip, accum=accum,
+                       tensor_parallel=TensorParallel(size=size, plan=plan), **options)
+    engines: list[OwnerEngine | None] = [None] * world
+    results: list[list[StepResult]] = [[] for _ in range(world)]
+
+    def rank_main(group: ThreadGroup) -> None:
+        # Stages 0-2 build the whole module from the process-wide RNG: one rank at a time (stage 3
+        # takes turns itself, and its turns wait on the other ranks)
+        if stage < 3:
+            with _BUILD_LOCK:
+                engine = OwnerEngine(spec, rank=group.rank, group=group)
+        else:
+            engine = OwnerEngine(spec, rank=group.rank, group=group)
+        engines[group.rank] = engine
+        group.barrier()
+        for batch in batches:
+            n = batch_size(batch)
+            piece = split_batch(batch, split_sizes(n, engine.data_world_size))[engine.data_rank]
+            results[group.rank].append(engine.step(piece, global_samples=n))
+
+    on_threads(world, rank_main)
+    ready = [e for e in engines if e is not None]
+    per_tp: list[dict[str, torch.Tensor]] = []
+    for t in range(size):
+        local: dict[str, torch.Tensor] = {}
+        for engine in ready[t::size]:  # the data-parallel ranks holding TP shard t
+            for name, (lo, hi, values) in engine.master_fragments().items():
+                local.setdefault(name, torch.empty(engine.layout.param(name).shape).reshape(-1))[lo:hi] = values
+        per_tp.append({n: v.view(ready[t].layout.param(n).shape) for n, v in local.items()})
+    full = join_shards(ready[0].module, per_tp)
+    losses = [sum(results[r][k].totals.loss_sum for r in range(0, world, size)) / batch_size(batches[k])
+              for k in range(len(batches))]
+    return full, losses, ready, results

@@ -6,6 +6,7 @@ split into ``world_size`` equal chunks; chunk ``r`` belongs to rank ``r``.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -16,26 +17,32 @@ import torch
 class ByteCounters:
     """Bytes this rank has sent, by collective, since the last ``reset()``; and by the world rank
     they went to, where the sender says (``by_peer``: what splits them into inside-node and
-    cross-node bytes)."""
+    cross-node bytes). Locked: with tensor parallelism the compute thread's layer all-reduces
+    and the comm stream's ZeRO collectives count at once."""
 
     def __init__(self) -> None:
         self._sent: Counter[str] = Counter()
         self._to: Counter[int] = Counter()
+        self._lock = threading.Lock()
 
     def add(self, op: str, nbytes: int, *, peer: int | None = None) -> None:
-        self._sent[op] += nbytes
-        if peer is not None:
-            self._to[peer] += nbytes
+        with self._lock:
+            self._sent[op] += nbytes
+            if peer is not None:
+                self._to[peer] += nbytes
 
     def reset(self) -> None:
-        self._sent.clear()
-        self._to.clear()
+        with self._lock:
+            self._sent.clear()
+            self._to.clear()
 
     def snapshot(self) -> dict[str, int]:
-        return dict(self._sent)
+        with self._lock:
+            return dict(self._sent)
 
     def by_peer(self) -> dict[int, int]:
-        return dict(self._to)
+        with self._lock:
+            return dict(self._to)
 
 
 class Collective(Protocol):

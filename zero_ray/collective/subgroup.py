@@ -28,9 +28,14 @@ from zero_ray.errors import ConfigError
 
 class SubGroup:
     """The Collective protocol over ``members`` (world ranks, in this group's rank order) of
-    ``world``; this process is world rank ``me``."""
+    ``world``; this process is world rank ``me``. ``scalars``: where ``all_reduce_values`` sums
+    (the world, for a group the model state is sharded over while the step's norm, marks and
+    counts span every rank: tensor parallelism's data-parallel group); None: the members.
+    ``label``: put before every op name it counts (``"tp_"``: a TP group's bytes apart from
+    ZeRO's in the same counters)."""
 
-    def __init__(self, world: Collective, members: Sequence[int], *, me: int) -> None:
+    def __init__(self, world: Collective, members: Sequence[int], *, me: int,
+                 scalars: Collective | None = None, label: str = "") -> None:
         if me not in members:
             raise ConfigError(f"world rank {me} is not among the subgroup's members {list(members)}")
         self.world = world
@@ -38,6 +43,8 @@ class SubGroup:
         self.rank = self.members.index(me)
         self.world_size = len(self.members)
         self.counters: ByteCounters = world.counters
+        self._scalars = scalars
+        self.label = label
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def peer(self, rank: int) -> int:
@@ -53,7 +60,8 @@ class SubGroup:
 
     def _exchange(self, op: str, send: torch.Tensor, recv: torch.Tensor) -> None:
         n, r = self.world_size, self.rank
-        self.world.send_recv([(send, self.members[(r + 1) % n])], [(recv, self.members[(r - 1) % n])], op=op)
+        self.world.send_recv([(send, self.members[(r + 1) % n])], [(recv, self.members[(r - 1) % n])],
+                             op=self.label + op)
 
     # -- plain rings ----------------------------------------------------------------------------
     def reduce_scatter_(self, buf: torch.Tensor, *, op: str = "reduce_scatter") -> torch.Tensor:
@@ -72,6 +80,8 @@ class SubGroup:
         self.all_gather_(buf, op=op)
 
     def all_reduce_values(self, values: list[float]) -> list[float]:
+        if self._scalars is not None:
+            return self._scalars.all_reduce_values(values)
         # Rarely used (the engine's scalars span the world group): the ring all-reduce of a
         # small float64 buffer, identical bits on every member.
         n = self.world_size
@@ -82,7 +92,8 @@ class SubGroup:
 
     def send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], *,
                   op: str) -> None:
-        self.world.send_recv([(t, self.members[p]) for t, p in sends], [(t, self.members[p]) for t, p in recvs], op=op)
+        self.world.send_recv([(t, self.members[p]) for t, p in sends], [(t, self.members[p]) for t, p in recvs],
+                             op=self.label + op)
 
     def barrier(self) -> None:
         self.all_reduce_values([0.0])
@@ -106,7 +117,7 @@ class SubGroup:
         # the one before), the same bytes sent
         peers = [k for k in range(n) if k != r]
         self.world.send_recv([(wire[r], self.members[k]) for k in peers], [(wire[k], self.members[k]) for k in peers],
-                             op=op)
+                             op=self.label + op)
         for k in range(n):
             codec.decode(wire[k], parts[k])
 
@@ -124,7 +135,7 @@ class SubGroup:
         for k in peers:
             codec.encode(parts[k], out[k])
         self.world.send_recv([(out[k], self.members[k]) for k in peers], [(into[k], self.members[k]) for k in peers],
-                             op=op)
+                             op=self.label + op)
         total = torch.zeros_like(parts[r], dtype=torch.float32)
         got = torch.empty_like(total)
         for k in range(n):

@@ -16,7 +16,7 @@ Why modules over ``Collective`` and not ``torch.distributed.tensor``: docs/tenso
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -202,4 +202,22 @@ def full_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[
             out[name] = value.detach().clone()
         else:
             out[name] = gather_along(module.group, value, module.shard_dim if name.endswith(".weight") else 0)
+    return out
+
+
+def join_shards(model: nn.Module, per_rank: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Whole tensors from every TP rank's (``per_rank[t]``: TP rank t's values by parameter name,
+    at its local shapes) on one process: a ShardedLinear's slices joined along their dimension
+    in rank order, a replicated tensor taken from rank 0. ``model`` is any rank's sharded module
+    (consolidation and tests; ``full_tensors`` is the collective form)."""
+    owners = {f"{name}.{p}": m for name, m in model.named_modules() if isinstance(m, ShardedLinear)
+              for p in ("weight", "bias")}
+    out = {}
+    for name, value in per_rank[0].items():
+        module = owners.get(name)
+        if module is None or (name.endswith(".bias") and module.style != COLWISE):
+            out[name] = value.detach().clone()
+        else:
+            dim = module.shard_dim if name.endswith(".weight") else 0
+            out[name] = torch.cat([r[name].detach() for r in per_rank], dim=dim)
     return out

@@ -139,7 +139,9 @@ class OwnerEngine:
         self.group = group
         self.device = torch.device(spec.device)
         # nodes: the node of every rank (the actor asks Ray; None: one node), for the Topology
-        self.fabric = Fabric(spec.topology, group, nodes)
+        self.fabric = Fabric(spec.topology, group, nodes, tensor_parallel=spec.tensor_parallel)
+        # The data rank: every TP rank of a data-parallel rank reads that rank's samples.
+        self.data_rank, self.data_world_size = self.fabric.data_rank, self.fabric.data_world_size
         self.state = ModelState(spec, rank=rank, group=group, device=self.device, fabric=self.fabric)
         self.layout = self.state.layout
         self.module = self.state.module
@@ -271,9 +273,20 @@ class OwnerEngine:
         # already has the full reduced gradient) or its shard (the squares are summed across
         # ranks), in one all-reduce with the items counted, the marks of the parameters that
         # got a gradient, and per rank whether its loss and its slice's squares were finite.
-        sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
-        share = UpdateShare(rank=self.rank, world_size=self.world_size,
-                            squares=None if spec.plan.updates_whole_buffer else sq, count=count,
+        ranks = self.fabric.ranks
+        if ranks.size > 1:
+            # Tensor parallelism: the norm spans the TP shards too, so it is always summed, a
+            # replicated parameter counted once per TP group; TP ranks of one DP rank read the
+            # same samples, so one of them counts the items (core/tensor_parallel_ranks.py).
+            sharded, replicated = self.state.tp_squares(grads)
+            sq = sharded + replicated
+            squares: float | None = ranks.squares_share(self.rank, sharded=sharded, replicated=replicated,
+                                                        whole=spec.plan.updates_whole_buffer)
+            count = None if count is None else ranks.count_share(self.rank, count)
+        else:
+            sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
+            squares = None if spec.plan.updates_whole_buffer else sq
+        share = UpdateShare(rank=self.rank, world_size=self.world_size, squares=squares, count=count,
                             marks=tuple(self.state.used_marks()), loss_nonfinite=not loss_finite,
                             grad_nonfinite=not math.isfinite(sq))
         sums = share.unpack(self.state.all_reduce_values(share.pack()))

@@ -30,6 +30,7 @@ from zero_ray.core.group_policy import GradFlow, GroupSpec, ParamResidency, plan
 from zero_ray.core.flat_layout import FlatLayout
 from zero_ray.core.optimizer_plan import OptimizersPlan, UpdateKind, plan_optimizers, qualified_name
 from zero_ray.core.stages import Residency
+from zero_ray.core.tensor_parallel_plan import COLWISE, TensorParallelPlan
 from zero_ray.core.stage3_units import (
     ModuleInfo,
     UnitPlan,
@@ -44,6 +45,7 @@ from zero_ray.owner.tensors.accounting import StateCounter, held_storage_bytes
 from zero_ray.owner.construction.activations import apply_activation_checkpointing
 from zero_ray.owner.tensors.buffers import BufferPool
 from zero_ray.owner.construction.compiled import apply_compile
+from zero_ray.owner.construction.tensor_sharding import shard_model
 from zero_ray.owner.step.rank_collectives import Fabric
 from zero_ray.owner.construction.materialize import build_recorded
 from zero_ray.owner.tensors.state_files import StateFiles
@@ -79,7 +81,8 @@ class ModelState:
         self.spec = spec
         self.rank = rank
         # What the groups are sharded over: the world group, or (a Topology) the rank's shard group.
-        self.fabric = fabric if fabric is not None else Fabric(spec.topology, group)
+        self.fabric = fabric if fabric is not None else Fabric(spec.topology, group,
+                                                               tensor_parallel=spec.tensor_parallel)
         self.shard_rank = self.fabric.primary.rank
         self.dtype = spec.compute_dtype
         self.reduce_dtype = spec.reduce_dtype or spec.compute_dtype  # of gradient buffers and reductions
@@ -101,6 +104,10 @@ class ModelState:
         self.checkpointed: list[str] = []  # paths of the units whose activations are recomputed
         self.compiled: list[str] = []  # paths of the units whose forward is torch.compile'd
         self.state_files: StateFiles | None = None  # Offload(...="nvme"): where offloaded state lives
+        self.tp_plan: TensorParallelPlan | None = None  # T > 1: how the module was split over the TP group
+        # T > 1: per trainable group, the [lo, hi) ranges of its update slice holding replicated
+        # parameters (every TP rank holds them: the global norm counts them once)
+        self._replicated: list[list[tuple[int, int]]] = []
         self._in_step: dict[str, int] | None = None
         self._counted_state = -1  # the optimizer's state version _in_step was counted at
         self._construct()
@@ -109,6 +116,11 @@ class ModelState:
     def _construct(self) -> None:
         spec = self.spec
         per_use = spec.plan.parameters is Residency.SHARDED
+        if self.fabric.tensor is not None and (spec.init_state_dict is not None or
+                                               (per_use and spec.stage3.init == "low_memory")):
+            raise ConfigError(f"tensor_parallel size={spec.tensor_parallel.size} builds the whole module on each "
+                              "rank and shards it; starting from init_state_dict or Stage3Config(init='low_memory') "
+                              "is not built with tensor parallelism yet (docs/tensor_parallel.md)")
         if spec.init_state_dict is not None:
             # Partitioned parameters never exist whole: build the structure on meta, read values by slice.
             module = (check_module(build_recorded(spec.model_fn, seed=spec.seed, record=False)[0]) if per_use
@@ -125,13 +137,21 @@ class ModelState:
             turn, turns = node_turn(self._collective, self.rank)
             for t in range(turns):
                 if t == turn:
-                    module = build_module(spec.model_fn, spec.seed)
+                    module = self._whole_module()
                     self._bind(module, ModuleSource(list(module.parameters())))
                     del module
                 self._collective.barrier()
         else:
-            module = build_module(spec.model_fn, spec.seed)
+            module = self._whole_module()
             self._bind(module, ModuleSource(list(module.parameters())))
+
+    def _whole_module(self) -> nn.Module:
+        """The seeded module, split over the rank's TP group by its plan where T > 1 (every
+        rank builds the same whole module, then keeps its slices)."""
+        module = build_module(self.spec.model_fn, self.spec.seed)
+        if self.fabric.tensor is not None:
+            self.tp_plan = shard_model(module, self.spec.tensor_parallel, self.fabric.tensor)
+        return module
 
     def _bind(self, module: nn.Module, source: ParamSource) -> None:
         spec, n = self.spec, self.fabric.primary.world_size
@@ -140,6 +160,8 @@ class ModelState:
         self.trainable = [p.requires_grad for _, p in named]
         # Before any parameter is bound: the factories see real shapes (meta where not materialised).
         self.optim_plan = plan = plan_optimizers(spec.optimizers, module, declared=spec.optimizer_kinds)
+        if self.tp_plan is not None:
+            self._refuse_whole_tensor_shards(plan, [name for name, _ in named], self.tp_plan)
         units: UnitPlan | None = None
         if spec.plan.parameters is Residency.SHARDED:
             units = plan_units(infos, [p.numel() for _, p in named], policy=spec.stage3.wrap_policy,
@@ -193,6 +215,32 @@ class ModelState:
                 offload=ac.offload)
         for g in self.groups:
             g.acquire_grads()  # counted by memory_report() before the first step
+        if self.tp_plan is not None:
+            self._replicated = self._replicated_ranges(self.tp_plan)
+
+    @staticmethod
+    def _sharded_names(plan: TensorParallelPlan) -> set[str]:
+        """Parameters split over the TP group (a rowwise layer's bias stays whole)."""
+        return {f"{s.name}.weight" for s in plan.shards} | {f"{s.name}.bias" for s in plan.shards
+                                                           if s.style == COLWISE}
+
+    def _refuse_whole_tensor_shards(self, optim: OptimizersPlan, names: list[str], plan: TensorParallelPlan) -> None:
+        """A whole-tensor optimizer (Muon's Newton-Schulz, Adafactor's factored moments) over a TP
+        shard would step a slice as if it were the matrix: refused, naming it."""
+        sharded = self._sharded_names(plan)
+        bad = [(name, qualified_name(optim.optimizers[o].cls)) for i, name in enumerate(names)
+               if name in sharded and (o := optim.of_param[i]) is not None
+               and optim.optimizers[o].kind is UpdateKind.WHOLE_TENSOR]
+        if bad:
+            raise ConfigError(f"{bad[0][1]} steps whole tensors, but tensor_parallel size={plan.size} splits "
+                              f"{len(bad)} of its parameters over the TP group (e.g. {bad[0][0]!r}); stepping a "
+                              "TP-sharded matrix whole is not built yet: give those parameters an element-wise "
+                              "optimizer (torch.optim.AdamW) or mark their modules 'replicated' in the plan")
+
+    def _replicated_ranges(self, plan: TensorParallelPlan) -> list[list[tuple[int, int]]]:
+        sharded = self._sharded_names(plan)
+        return [[(lo, hi) for i, lo, hi in g.pieces if self.layout.params[i].name not in sharded]
+                for g in self.trainable_groups]
 
     def _compiled_paths(self, options: Compile, infos: list[ModuleInfo], sites: list[list[str]], numels: list[int],
                         units: UnitPlan | None) -> list[str]:
@@ -317,6 +365,10 @@ class ModelState:
     def all_reduce_values(self, values: list[float]) -> list[float]:
         """Sum a few of the step's control scalars across ranks, on the comm stream after the
         collectives already issued (waited for)."""
+        if self.fabric.tensor is not None:
+            # over the world, even where the data-parallel group the stream serves is one rank
+            primary = self.fabric.primary
+            return self.stream.run(lambda: primary.all_reduce_values(values))
         return self.stream.all_reduce_values(values)
 
     @property
@@ -341,6 +393,16 @@ class ModelState:
             return
         with self.scheduler.forward_only():
             yield
+
+    def tp_squares(self, grads: list[torch.Tensor]) -> tuple[float, float]:
+        """The squared norm of ``grads`` (``update_grads``' order) as (TP-sharded parameters'
+        part, replicated parameters' part)."""
+        total = replicated = 0.0
+        for g, ranges in zip(grads, self._replicated, strict=True):
+            total += float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+            for lo, hi in ranges:
+                replicated += float(torch.linalg.vector_norm(g[lo:hi], dtype=torch.float32)) ** 2
+        return total - replicated, replicated
 
     def update_grads(self) -> list[torch.Tensor]:
         """One reduced gradient per trainable group (reduce dtype, over its update slice)."""

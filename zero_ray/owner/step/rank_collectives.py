@@ -10,6 +10,9 @@ From the node of every rank (``nodes``; the actor learns them from Ray, thread r
   1/S of the gathered parameters (``keep``), and backward's gather fills the unit from those
   copies within S ranks (a node) instead of from the shards across the whole shard group.
 - ``weight_codec``: qwZ: stage 3's forward all-gather sends blockwise int8 (or bf16).
+- ``tensor``: with tensor parallelism (``TensorParallel(size=T)``, T > 1), the rank's TP group
+  (the layers' all-reduces); ``primary`` is then its data-parallel group, the D ranks holding the
+  same TP shard (``core/tensor_parallel_ranks.py``), whose step scalars still span the world.
 
 It also says which bytes stayed inside a node (``split``): every message is counted by the world
 rank it went to.
@@ -28,7 +31,10 @@ from zero_ray.collective.mesh_group import MeshGroup
 from zero_ray.collective.stream import CommStream
 from zero_ray.collective.subgroup import SubGroup
 from zero_ray.core.group_policy import ParamResidency
+from zero_ray.core.tensor_parallel_plan import TensorParallel
+from zero_ray.core.tensor_parallel_ranks import TensorParallelRanks
 from zero_ray.core.topology import Mesh, SaveRole, Topology, plan_mesh
+from zero_ray.errors import ConfigError
 from zero_ray.owner.tensors.accounting import StateCounter
 from zero_ray.owner.step.param_group import ParamGroup
 
@@ -48,13 +54,26 @@ def exchange_nodes(world: Collective, node: str) -> list[str]:
 class Fabric:
     """One rank's groups and codecs (see the module docstring)."""
 
-    def __init__(self, topology: Topology, world: Collective, nodes: Sequence[str] | None = None) -> None:
+    def __init__(self, topology: Topology, world: Collective, nodes: Sequence[str] | None = None, *,
+                 tensor_parallel: TensorParallel | None = None) -> None:
         self.topology = topology
         self.world = world
+        self.tensor_parallel = tensor_parallel or TensorParallel()
         self.mesh: Mesh = plan_mesh(topology, list(nodes) if nodes is not None else [LOCAL_NODE] * world.world_size)
         block = topology.quant_block
         self.primary: Collective = (world if topology.flat else
                                     MeshGroup(world, self.mesh, grad_codec=codec(topology.grad_comm, block=block)))
+        me = world.rank
+        self.ranks = TensorParallelRanks(world_size=world.world_size, size=self.tensor_parallel.size)
+        self.tensor: SubGroup | None = None
+        if self.ranks.size > 1:
+            if not topology.flat:
+                raise ConfigError(f"tensor parallelism (size={self.ranks.size}) with {topology} is not built yet: "
+                                  "shard groups, hpZ and quantized collectives inside the data-parallel group come "
+                                  "later (docs/tensor_parallel.md); use zr.Topology() with tensor_parallel")
+            # its bytes counted as "tp_*", apart from ZeRO's (comm_report's TP / DP split)
+            self.tensor = SubGroup(world, self.ranks.tp_members(me), me=me, label="tp_")
+            self.primary = SubGroup(world, self.ranks.dp_members(me), me=me, scalars=world)
         self.secondary: SubGroup | None = None
         if self.mesh.secondary is not None:
             self.secondary = SubGroup(world, self.mesh.secondary_members(world.rank), me=world.rank)
@@ -69,9 +88,20 @@ class Fabric:
     def replicas(self) -> int:
         return self.mesh.replicas
 
+    @property
+    def data_rank(self) -> int:
+        """The rank whose samples this rank reads: its data-parallel rank (every TP rank of one
+        reads the same samples); the world rank without tensor parallelism."""
+        return self.ranks.dp_rank(self.world.rank)
+
+    @property
+    def data_world_size(self) -> int:
+        """How many ranks the global batch is split over (D)."""
+        return self.ranks.data_parallel
+
     def rebind(self, world: Collective) -> Fabric:
         """The same arrangement over a re-formed world group (copies dropped)."""
-        return Fabric(self.topology, world, self.mesh.nodes)
+        return Fabric(self.topology, world, self.mesh.nodes, tensor_parallel=self.tensor_parallel)
 
     # -- hpZ's secondary partition ------------------------------------------------------------------
     def allocate(self, groups: Sequence[ParamGroup]) -> None:

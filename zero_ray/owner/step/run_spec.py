@@ -14,6 +14,7 @@ from zero_ray.core.offload_options import Offload
 from zero_ray.core.optimizer_plan import OptimizerFactory, SchedulerFactory
 from zero_ray.core.precision import LossScaleConfig
 from zero_ray.core.stages import StagePlan
+from zero_ray.core.tensor_parallel_plan import TensorParallel
 from zero_ray.core.topology import Topology
 
 ModelFn = Callable[[], torch.nn.Module]
@@ -56,3 +57,5 @@ class EngineSpec:
     reduce_dtype: torch.dtype | None = None  # of gradient reductions; None: the compute dtype
     on_nonfinite: str = "raise"  # ZeroConfig.on_nonfinite: a non-finite step is refused ("raise") or skipped
     topology: Topology = field(default_factory=Topology)  # groups and comm dtypes (default: flat)
+    # T > 1: each TP group shards the module by its plan, ZeRO runs within each shard's DP group
+    tensor_parallel: TensorParallel = field(default_factory=TensorParallel)
