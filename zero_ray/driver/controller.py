@@ -72,7 +72,8 @@ from zero_ray.core.run_position import Position
 from zero_ray.driver.callbacks import Callbacks
 from zero_ray.driver.batch_staging import GlobalBatch, IndexedBatch, Outgoing, StepCommand
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
-from zero_ray.driver.pool import OwnerPool, StepFlight
+from zero_ray.driver.fanout import StepFlight
+from zero_ray.driver.pool import OwnerPool
 from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport, Replay, failed_error
 from zero_ray.errors import NonFiniteError, ResizeInterrupted, ResourceError, ZeroRayError
 

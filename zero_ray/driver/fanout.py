@@ -119,6 +119,21 @@ class InFlight(Generic[T]):
             call.cancel()
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepFlight:
+    """A step sent to every owner (``OwnerPool.start_step``): directly, or down the relay tree."""
+
+    calls: InFlight[Any]
+    relayed: bool
+
+    def expire_in(self, timeout_s: float) -> None:
+        """See ``InFlight.expire_in``."""
+        self.calls.expire_in(timeout_s)
+
+    def cancel(self) -> None:
+        self.calls.cancel()
+
+
 class Members:
     """The owners of a pool as a fan-out reaches them, in rank order: each one's control client
     and node record (``node`` at start-up: ip, pid, name, node id, control address), the health

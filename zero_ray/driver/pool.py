@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -49,7 +48,7 @@ from zero_ray.core.restore_plan import (
     restore_to_data,
 )
 from zero_ray.driver.batch_staging import Outgoing, StepCommand
-from zero_ray.driver.fanout import FanOut, InFlight, Members
+from zero_ray.driver.fanout import FanOut, Members, StepFlight
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.driver.model_view import Adopted, ModelView
 from zero_ray.driver.relay_plane import RelayPlane
@@ -64,20 +63,6 @@ from zero_ray.owner.step.run_spec import EngineSpec
 log = logging.getLogger(__name__)
 
 
-
-@dataclass(frozen=True, kw_only=True)
-class StepFlight:
-    """A step sent to every owner (``OwnerPool.start_step``): directly, or down the relay tree."""
-
-    calls: InFlight[Any]
-    relayed: bool
-
-    def expire_in(self, timeout_s: float) -> None:
-        """See ``InFlight.expire_in``."""
-        self.calls.expire_in(timeout_s)
-
-    def cancel(self) -> None:
-        self.calls.cancel()
 
 NAMESPACE = "zero_ray"  # owners are named actors here, so that a new driver can find a detached run
 
