@@ -93,13 +93,15 @@ class RelayPlane:
             if world >= self._config.min_owners else None
         addresses = {r: n["control_address"] for r, n in enumerate(members.nodes)}
         plans = host_plans(tree, addresses, margin_s=self._margin_s) if tree is not None else {}
-        old_hosts, old_top = self._hosts, self._top
-        # A process that hosted before and still is a member serves none now, unless planned again.
-        told = {r: plans.get(r, HostRelaysArgs()) for r in sorted({*plans, *(r for r in old_hosts if r < world)})}
-        hosts = {r: old_hosts.pop(r) if r in old_hosts and old_hosts[r].config.address == addresses[r]
-                 else RelayClient(self._with(addresses[r])) for r in told}
+        # A process that hosted before and still is a member (by its address: a rebuild renumbers
+        # the survivors) serves none now, unless planned again; its client is kept.
+        old = {c.config.address: c for c in self._hosts.values()}
+        rank_at = {a: r for r, a in addresses.items()}
+        told = {r: plans.get(r, HostRelaysArgs()) for r in sorted({*plans, *(rank_at[a] for a in old if a in rank_at)})}
+        hosts = {r: old.pop(addresses[r], None) or RelayClient(self._with(addresses[r])) for r in told}
+        old_top = self._top
         self.tree, self._top, self._hosts = None, None, {}
-        _close(old_top, old_hosts.values())
+        _close(old_top, old.values())  # the clients of processes no longer members
         try:
             ranks = list(told)
             self._fan.grpc([hosts[r] for r in ranks], "host_relays", lambda c, i: c.host_relays(told[ranks[i]]),
