@@ -31,7 +31,8 @@ class Recorder(zr.Callback):
         self.states.append((old.value, new.value, new.cause))
 
     def on_step(self, metrics: Mapping[str, Any], reply: zr.CombinedStep) -> None:
-        assert reply.ranks.covers(2) and reply.failure is None  # every owner's reply, combined
+        # every owner's reply, combined: ranks 0 to the pool's size (2, then 3 after the resize)
+        assert len(reply.ranks) in (2, 3) and reply.ranks.covers(len(reply.ranks)) and reply.failure is None
         self.steps.append(int(metrics["step"]))
 
     def on_checkpoint(self, path: str, step: int) -> None:
