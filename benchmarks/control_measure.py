@@ -233,8 +233,9 @@ class Driver:
         self.relays: RelayPlane | None = None
         if settings.relay_fan_out:  # as OwnerPool does from RelayConfig.min_owners on
             self.relays = RelayPlane(config=RelayConfig(fan_out=settings.relay_fan_out, min_owners=1),
-                                     members=self.members, fan=self.fan, credentials=cluster.credentials,
-                                     client_tls={}, timeout_s=STEP_TIMEOUT_S)
+                                     members=self.members, fan=self.fan,
+                                     client_config=lambda address: ClientConfig(
+                                         address=address, credentials=cluster.credentials, timeout_s=STEP_TIMEOUT_S))
             self.relays.replan()
 
     @property

@@ -15,7 +15,7 @@ from control_fakes import ARGS, FLIGHT, LOOPBACK, WAIT_S, FakeCoordinator, FakeO
 from zero_ray.control.auth import Credentials
 from zero_ray.control.handlers import Piece
 from zero_ray.control.client import ClientConfig, CoordinatorClient, OwnerClient
-from zero_ray.control.server import ControlServer, ServerConfig, serve_coordinator, serve_owner
+from zero_ray.control.server import ControlServer, ServerConfig, _missing_methods, serve_coordinator, serve_owner
 from zero_ray.errors import ConfigError, ControlError
 
 
@@ -134,6 +134,20 @@ def test_handler_must_have_every_method(credentials: Credentials) -> None:
         server.add_coordinator(Partial())  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="no handler"):
         server.start()
+
+
+def test_a_handler_needs_the_served_methods_not_the_constructors() -> None:
+    class Service:  # a concrete handler class used as its own protocol, as RelayHost is
+        @classmethod
+        def serving(cls) -> Service: ...
+
+        def relay_step(self) -> None: ...
+
+    class Other:
+        def relay_step(self) -> None: ...
+
+    assert _missing_methods(Other(), Service) == []
+    assert _missing_methods(object(), Service) == ["relay_step"]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -122,8 +123,10 @@ class ServerConfig:
 
 
 def _missing_methods(handler: object, protocol: type) -> list[str]:
-    # Methods only: a concrete handler class (RelayHost) also has properties, which are not served.
-    names = [name for name in dir(protocol) if not name.startswith("_") and callable(getattr(protocol, name))]
+    # Instance methods only: a concrete handler class (RelayHost) also has properties and
+    # constructors (classmethods), which are not served.
+    names = [name for name in dir(protocol) if not name.startswith("_") and callable(getattr(protocol, name))
+             and not isinstance(inspect.getattr_static(protocol, name), (classmethod, staticmethod))]
     return [name for name in names if not callable(getattr(handler, name, None))]
 
 

@@ -23,7 +23,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from zero_ray.control.auth import Credentials
-from zero_ray.control.client import ClientConfig, OwnerClient
+from zero_ray.control.client import OwnerClient
 from zero_ray.control.rank_watch import SubtreeHealthMonitor
 from zero_ray.control.handlers import (
     EvaluateArgs,
@@ -105,8 +105,8 @@ class OwnerPool:
         self.filesystems: dict[str, Any] = {}
         self.fan = FanOut(world_size=spec.world_size, members=self.members)
         # Steps go down the relay tree from RelayConfig.min_owners owners on (re-planned on every membership change).
-        self.relays = RelayPlane(config=spec.relays, members=self.members, fan=self.fan, credentials=credentials,
-                                 client_tls=spec.client_tls(), timeout_s=spec.init_timeout_s)
+        self.relays = RelayPlane(config=spec.relays, members=self.members, fan=self.fan,
+                                 client_config=lambda address: spec.client_config(address, credentials))
         self._staging: dict[str, list[ray.ObjectRef]] = {}  # the staging calls of the batch in flight, by key
         # Every rank's transfer of a resize or restore ended but SetPeers has not confirmed the new
         # layout's peer copies on every owner yet: a recovery then counts them (owner/resilience/redundancy.py).
@@ -208,9 +208,8 @@ class OwnerPool:
             nodes = self.fan.ray(actors, "node", timeout_s=spec.init_timeout_s, watch=False)
         self.actors += actors
         self.members.nodes += nodes
-        self.members.clients += [OwnerClient(ClientConfig(address=n["control_address"], credentials=self.credentials,
-                                                  timeout_s=spec.init_timeout_s, **spec.client_tls()))
-                         for n in nodes]
+        self.members.clients += [OwnerClient(spec.client_config(n["control_address"], self.credentials))
+                                 for n in nodes]
         self.fan.fit(len(self.actors))
         self._membership_changed()
         if self.datasets:

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import ray
 
-from zero_ray.core.relay_tree import RelayConfig
 from zero_ray.config import ControlTLS
+from zero_ray.control.auth import Credentials
+from zero_ray.control.client import ClientConfig
+from zero_ray.core.relay_tree import RelayConfig
 from zero_ray.core.capacity import CapacityWait, Room, Verdict, room
 from zero_ray.errors import ResourceError
 from zero_ray.owner.step.run_spec import RunSpec
@@ -58,6 +60,11 @@ class PoolSpec:
     def client_tls(self) -> dict[str, str | None]:
         """The TLS arguments of a control ClientConfig."""
         return client_tls(self.tls)
+
+    def client_config(self, address: str, credentials: Credentials) -> ClientConfig:
+        """How the driver reaches the control server at ``address``: an owner's or a relay host's."""
+        return ClientConfig(address=address, credentials=credentials, timeout_s=self.init_timeout_s,
+                            **self.client_tls())
 
 
 def client_tls(tls: ControlTLS | None) -> dict[str, str | None]:

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any, cast
 
-from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, RelayClient
 from zero_ray.control.client_channel import Pending
 from zero_ray.control.handlers import HostRelaysArgs
@@ -45,28 +45,25 @@ RelayFlight = InFlight[CombinedStep]
 
 class RelayPlane:
     """The relay tree over a pool's members, and the driver's hop over its top relays. Its
-    clients carry ``credentials`` and the TLS settings ``client_tls`` (``PoolSpec.client_tls``)."""
+    clients are configured as the pool's own (``client_config``: ``PoolSpec.client_config``), so
+    every hop carries the run's token and TLS."""
 
     _config: RelayConfig
     _members: Members
     _fan: FanOut
-    _credentials: Credentials
-    _client_tls: dict[str, str | None]
-    _timeout_s: float
+    _client_config: Callable[[str], ClientConfig]  # by the control address it reaches
     _margin_s: float
     tree: RelayTree | None
     _top: RelayHop | None
     _hosts: dict[int, RelayClient]  # by rank: the Relay service of each process hosting relays
     _executor: ThreadPoolExecutor
 
-    def __init__(self, *, config: RelayConfig, members: Members, fan: FanOut, credentials: Credentials,
-                 client_tls: dict[str, str | None], timeout_s: float, margin_s: float = DEFAULT_MARGIN_S) -> None:
+    def __init__(self, *, config: RelayConfig, members: Members, fan: FanOut,
+                 client_config: Callable[[str], ClientConfig], margin_s: float = DEFAULT_MARGIN_S) -> None:
         self._config = config
         self._members = members
         self._fan = fan
-        self._credentials = credentials
-        self._client_tls = client_tls
-        self._timeout_s = timeout_s
+        self._client_config = client_config
         self._margin_s = margin_s
         self.tree = None
         self._top = None
@@ -98,7 +95,7 @@ class RelayPlane:
         old = {c.config.address: c for c in self._hosts.values()}
         rank_at = {a: r for r, a in addresses.items()}
         told = {r: plans.get(r, HostRelaysArgs()) for r in sorted({*plans, *(rank_at[a] for a in old if a in rank_at)})}
-        hosts = {r: old.pop(addresses[r], None) or RelayClient(self._with(addresses[r])) for r in told}
+        hosts = {r: old.pop(addresses[r], None) or RelayClient(self._client_config(addresses[r])) for r in told}
         old_top = self._top
         self.tree, self._top, self._hosts = None, None, {}
         _close(old_top, old.values())  # the clients of processes no longer members
@@ -118,10 +115,6 @@ class RelayPlane:
             self.tree = tree
             log.info("relay tree over %d owners on %d nodes: %d relays, depth %d, %d top relays", world,
                      len(set(tree.nodes)), len(tree.relays), tree.depth, len(tree.driver_children))
-
-    def _with(self, address: str) -> ClientConfig:
-        return ClientConfig(address=address, credentials=self._credentials, timeout_s=self._timeout_s,
-                            **self._client_tls)
 
     def start_step(self, command: StepCommand, *, timeout_s: float, staged: dict[int, Any]) -> RelayFlight:
         """Send a step down the tree and return at once (``collect`` waits for it). The request is
