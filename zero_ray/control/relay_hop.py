@@ -31,7 +31,7 @@ import dataclasses
 import math
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
@@ -274,6 +274,14 @@ class RelayHop:
     def failure_context(self) -> FailureContext:
         """What a failed RelayStep's FailureDetail says: the rank that serves this hop."""
         return FailureContext(rank=self._host, phase="relaying")
+
+
+def close_relays(hops: Iterable[RelayHop], clients: Iterable[OwnerClient | RelayClient]) -> None:
+    """Close ``hops`` (their calls in flight come back failed), then the clients they called."""
+    for hop in hops:
+        hop.close()
+    for client in clients:
+        client.close()
 
 
 def hop_children(tree: RelayTree, relay_id: int | None, *, owners: Mapping[int, OwnerClient],

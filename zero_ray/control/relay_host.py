@@ -28,7 +28,7 @@ from zero_ray.control.handlers import (
     RelayChildSeat,
     RelayStepArgs,
 )
-from zero_ray.control.relay_hop import HopChild, OwnerChild, RelayChild, RelayHop
+from zero_ray.control.relay_hop import HopChild, OwnerChild, RelayChild, RelayHop, close_relays
 from zero_ray.core.relay_tree import RelayTree
 from zero_ray.core.reply_combine import CombinedStep
 from zero_ray.errors import RelayError
@@ -77,12 +77,12 @@ class RelayHost:
                 children = tuple(self._child(seat, clients) for seat in hosted.children)
                 hops[hosted.relay] = RelayHop(host=self._rank, children=children, margin_s=args.margin_s)
         except BaseException:
-            _close(hops, clients)
+            close_relays(hops.values(), clients)
             raise
         with self._lock:
             old_hops, old_clients = self._hops, self._clients
             self._hops, self._clients = hops, clients
-        _close(old_hops, old_clients)
+        close_relays(old_hops.values(), old_clients)
         return HostRelaysResult(relays=tuple(sorted(hops)))
 
     def _child(self, seat: RelayChildSeat, clients: list[OwnerClient | RelayClient]) -> HopChild:
@@ -121,14 +121,7 @@ class RelayHost:
         with self._lock:
             hops, clients = self._hops, self._clients
             self._hops, self._clients = {}, []
-        _close(hops, clients)
-
-
-def _close(hops: Mapping[int, RelayHop], clients: list[OwnerClient | RelayClient]) -> None:
-    for hop in hops.values():
-        hop.close()
-    for client in clients:
-        client.close()
+        close_relays(hops.values(), clients)
 
 
 def host_plans(tree: RelayTree, addresses: Mapping[int, str], *, margin_s: float) -> dict[int, HostRelaysArgs]:

@@ -30,13 +30,13 @@ from typing import Any, cast
 from zero_ray.control.client import ClientConfig, RelayClient
 from zero_ray.control.client_channel import Pending
 from zero_ray.control.handlers import HostRelaysArgs
-from zero_ray.control.relay_hop import DEFAULT_MARGIN_S, HopChild, RelayHop, hop_children
+from zero_ray.control.relay_hop import DEFAULT_MARGIN_S, HopChild, RelayHop, close_relays, hop_children
 from zero_ray.control.relay_host import host_plans
 from zero_ray.core.relay_tree import RelayConfig, RelayTree, plan_relays
 from zero_ray.core.reply_combine import CombinedStep
 from zero_ray.driver.batch_staging import StepCommand
 from zero_ray.driver.fanout import FanOut, InFlight, Members
-from zero_ray.errors import RelayError, ZeroRayError
+from zero_ray.errors import RelayError
 
 log = logging.getLogger(__name__)
 
@@ -98,16 +98,16 @@ class RelayPlane:
         hosts = {r: old.pop(addresses[r], None) or RelayClient(self._client_config(addresses[r])) for r in told}
         old_top = self._top
         self.tree, self._top, self._hosts = None, None, {}
-        _close(old_top, old.values())  # the clients of processes no longer members
+        close_relays([old_top] if old_top is not None else [], old.values())  # the clients of processes no longer members
         try:
             ranks = list(told)
             self._fan.grpc([hosts[r] for r in ranks], "host_relays", lambda c, i: c.host_relays(told[ranks[i]]),
                            watch=False, ranks=ranks)
         except BaseException:
-            _close(None, hosts.values())
+            close_relays([], hosts.values())
             raise
         self._hosts = {r: c for r, c in hosts.items() if told[r].relays}
-        _close(None, [c for r, c in hosts.items() if not told[r].relays])
+        close_relays([], [c for r, c in hosts.items() if not told[r].relays])
         if tree is not None:
             tops = {c.id: self._hosts[c.host] for c in tree.driver_children}
             self._top = RelayHop(host=None, children=hop_children(tree, None, owners={}, relays=tops),
@@ -145,15 +145,6 @@ class RelayPlane:
     def close(self) -> None:
         top, hosts = self._top, list(self._hosts.values())
         self.tree, self._top, self._hosts = None, None, {}
-        _close(top, hosts)
+        close_relays([top] if top is not None else [], hosts)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-
-def _close(top: RelayHop | None, clients: Any) -> None:
-    if top is not None:
-        top.close()
-    for client in clients:
-        try:
-            client.close()
-        except ZeroRayError:  # closing a client of a process that is gone
-            pass
