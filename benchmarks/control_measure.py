@@ -25,7 +25,7 @@ from zero_ray.control._generated import owner_pb2
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient
 from zero_ray.control.handlers import StepArgs
-from zero_ray.control.rank_watch import SubtreeHealthMonitor
+from zero_ray.control.rank_watch import RankHealthWatch, SubtreeHealthMonitor
 from zero_ray.core.relay_tree import RelayConfig
 from zero_ray.driver.batch_staging import IndexedBatch, StepCommand
 from zero_ray.driver.fanout import FanOut, Members
@@ -239,14 +239,14 @@ class Driver:
             self.relays.replan()
 
     @property
-    def monitor(self) -> HealthMonitor | SubtreeHealthMonitor | None:
+    def monitor(self) -> RankHealthWatch | None:
         return self.members.health
 
     def start_monitor(self) -> None:
         """As ``OwnerPool._membership_changed``: the top relays' Watch streams on the tree, else
         every owner's Health stream."""
         s = self.settings
-        monitor: HealthMonitor | SubtreeHealthMonitor = (
+        monitor: RankHealthWatch = (
             SubtreeHealthMonitor(self.relays.top_children, interval_s=s.health_interval_s, timeout_s=s.health_timeout_s)
             if self.relays is not None else
             HealthMonitor(self.clients, interval_s=s.health_interval_s, timeout_s=s.health_timeout_s))

@@ -14,25 +14,28 @@ the rank again. Losses are logged as HealthMonitor logs them; nothing is reporte
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from zero_ray.control.handlers import Heartbeat
 from zero_ray.control.relay_hop import HopChild
 from zero_ray.control.subtree_watch import SubtreeReader
 
-__all__ = ["RankWatch", "SubtreeHealthMonitor"]
+__all__ = ["RankHealthWatch", "RankWatch", "SubtreeHealthMonitor"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RankWatch:
-    """A rank's health as the monitor last knew it (HealthMonitor's RankHealth, plus why the
-    rank is no longer watched when a relay above it was lost)."""
+    """A rank's health as a monitor last knew it (``HealthMonitor``'s or, through relays,
+    ``SubtreeHealthMonitor``'s, which also says why a rank under a lost relay is no longer
+    watched)."""
 
     rank: int
     last_beat: float = 0.0
@@ -45,6 +48,23 @@ class RankWatch:
     def healthy(self) -> bool:
         """Not lost itself (an unwatched rank is not known to be lost)."""
         return self.lost_reason is None
+
+
+class RankHealthWatch(Protocol):
+    """What the driver asks of its health monitor, whether it reads every owner's stream
+    (driver/health.HealthMonitor) or the top relays' (SubtreeHealthMonitor)."""
+
+    def lost(self) -> dict[int, str]:
+        """The ranks lost, and why."""
+        ...
+
+    def snapshot(self) -> list[RankWatch]:
+        """Every watched rank's health, by rank."""
+        ...
+
+    def close(self) -> None:
+        """End the streams; no loss is reported after this."""
+        ...
 
 
 class SubtreeHealthMonitor:
@@ -64,29 +84,21 @@ class SubtreeHealthMonitor:
                                      on_lost=self._lose, on_unwatched=self._unwatch)
 
     def _beat(self, rank: int, beat: Heartbeat) -> None:
-        now = time.time()
-        with self._lock:
-            held = self._ranks[rank]
-            self._ranks[rank] = RankWatch(rank=rank, last_beat=now, state=beat.state, rss_bytes=beat.rss_bytes,
-                                          lost_reason=held.lost_reason, unwatched_reason=held.unwatched_reason)
+        self._set(rank, last_beat=time.time(), state=beat.state, rss_bytes=beat.rss_bytes)
 
     def _lose(self, rank: int, reason: str) -> None:
-        if self._closed.is_set():
-            return
-        with self._lock:
-            held = self._ranks[rank]
-            self._ranks[rank] = RankWatch(rank=rank, last_beat=held.last_beat, state=held.state,
-                                          rss_bytes=held.rss_bytes, lost_reason=reason)
-        log.error("rank %d lost: %s", rank, reason)
+        if not self._closed.is_set():
+            self._set(rank, lost_reason=reason, unwatched_reason=None)
+            log.error("rank %d lost: %s", rank, reason)
 
     def _unwatch(self, rank: int, reason: str) -> None:
-        if self._closed.is_set():
-            return
+        if not self._closed.is_set():
+            self._set(rank, lost_reason=None, unwatched_reason=reason)
+            log.warning("rank %d no longer watched: %s", rank, reason)
+
+    def _set(self, rank: int, **changes: object) -> None:
         with self._lock:
-            held = self._ranks[rank]
-            self._ranks[rank] = RankWatch(rank=rank, last_beat=held.last_beat, state=held.state,
-                                          rss_bytes=held.rss_bytes, unwatched_reason=reason)
-        log.warning("rank %d no longer watched: %s", rank, reason)
+            self._ranks[rank] = dataclasses.replace(self._ranks[rank], **changes)  # type: ignore[arg-type]
 
     def lost(self) -> dict[int, str]:
         """The ranks lost themselves, and why."""

@@ -41,8 +41,7 @@ import ray
 
 from zero_ray.control.client_channel import Pending
 from zero_ray.control.client import OwnerClient
-from zero_ray.control.rank_watch import SubtreeHealthMonitor
-from zero_ray.driver.health import HealthMonitor
+from zero_ray.control.rank_watch import RankHealthWatch
 from zero_ray.errors import (
     CallTimeout,
     ConfigError,
@@ -144,7 +143,7 @@ class Members:
     def __init__(self, *, generation: int = 0) -> None:
         self.clients: list[OwnerClient] = []
         self.nodes: list[dict[str, Any]] = []
-        self.health: HealthMonitor | SubtreeHealthMonitor | None = None
+        self.health: RankHealthWatch | None = None
         self.generation = generation
 
     def lost(self) -> dict[int, str]:

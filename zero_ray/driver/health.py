@@ -6,62 +6,55 @@ ends with an error (the actor or its node died; Ray closes the server with the p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
-from zero_ray.control.heartbeats import HeartbeatReader
 from zero_ray.control.client import OwnerClient
 from zero_ray.control.handlers import Heartbeat
+from zero_ray.control.heartbeats import HeartbeatReader
+from zero_ray.control.rank_watch import RankWatch
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True)
-class RankHealth:
-    rank: int
-    last_beat: float = 0.0
-    state: str = "starting"
-    rss_bytes: int = 0
-    lost_reason: str | None = None
-
-    @property
-    def healthy(self) -> bool:
-        return self.lost_reason is None
-
-
 class HealthMonitor:
     """Watches every owner's Health stream (all of them on one thread: ``control/heartbeats.py``);
-    ``lost()`` names the ranks that stopped answering."""
+    ``lost()`` names the ranks that stopped answering. A ``RankHealthWatch``, as the relays'
+    SubtreeHealthMonitor is."""
 
     def __init__(self, clients: list[OwnerClient], *, interval_s: float, timeout_s: float) -> None:
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.ranks = [RankHealth(rank=r) for r in range(len(clients))]
+        self._ranks = [RankWatch(rank=r) for r in range(len(clients))]
         self._reader = HeartbeatReader([c.config for c in clients], interval_s=interval_s, stall_s=timeout_s,
                                        on_beat=self._beat, on_lost=self._lose)
 
     def _beat(self, rank: int, beat: Heartbeat) -> None:
-        health = self.ranks[rank]
+        now = time.time()
         with self._lock:
-            health.last_beat, health.state, health.rss_bytes = time.time(), beat.state, beat.rss_bytes
+            self._ranks[rank] = dataclasses.replace(self._ranks[rank], last_beat=now, state=beat.state,
+                                                    rss_bytes=beat.rss_bytes)
 
     def _lose(self, rank: int, reason: str) -> None:
         if self._stop.is_set():
             return
         with self._lock:
-            self.ranks[rank].lost_reason = reason
+            self._ranks[rank] = dataclasses.replace(self._ranks[rank], lost_reason=reason)
         log.error("rank %d lost: %s", rank, reason)
 
     def lost(self) -> dict[int, str]:
+        """The ranks lost, and why."""
         with self._lock:
-            return {h.rank: h.lost_reason for h in self.ranks if h.lost_reason is not None}
+            return {h.rank: h.lost_reason for h in self._ranks if h.lost_reason is not None}
 
-    def snapshot(self) -> list[RankHealth]:
+    def snapshot(self) -> list[RankWatch]:
+        """Every rank's health, by rank."""
         with self._lock:
-            return [RankHealth(**vars(h)) for h in self.ranks]
+            return list(self._ranks)
 
     def close(self) -> None:
+        """End the streams; no loss is reported after this."""
         self._stop.set()
         self._reader.close()

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import OwnerClient
-from zero_ray.control.rank_watch import SubtreeHealthMonitor
+from zero_ray.control.rank_watch import RankHealthWatch, SubtreeHealthMonitor
 from zero_ray.control.handlers import (
     EvaluateArgs,
     EvaluateResult,
@@ -244,7 +244,7 @@ class OwnerPool:
         return self.members.nodes
 
     @property
-    def health(self) -> HealthMonitor | SubtreeHealthMonitor | None:
+    def health(self) -> RankHealthWatch | None:
         return self.members.health
 
     @property
