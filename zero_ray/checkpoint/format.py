@@ -270,7 +270,7 @@ class Manifest:
         found: list[Piece] = []
         for i, e in entries:
             found += [Piece(file=i, entry=e, start=src, end=src + n, dest=dest)
-                      for dest, src, n in overlaps(want, (start, end), e.block(full), (0, e.numel))]
+                      for dest, src, n in overlaps(want, (start, end), e.block(full), (e.start, e.end))]
         out: list[Piece] = []
         pos = 0
         for p in sorted(found, key=lambda p: (p.dest, p.start - p.end)):
