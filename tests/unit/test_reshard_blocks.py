@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from zero_ray.core.reshard_plan import Block, overlaps, runs
+from zero_ray.core.reshard_plan import Block, overlaps, runs, span
 from zero_ray.errors import ConfigError
 
 FULL = (12, 8)  # a weight: 12 output features, 8 input features
@@ -41,6 +41,13 @@ def test_runs_map_every_element_to_its_place_in_the_whole_tensor(block: Block) -
         got = [w + k for b, w, n in runs(block, start, end) for k in range(n)]
         assert got == want[start:end]
         assert [b for b, _, _ in runs(block, start, end)] == sorted(b for b, _, _ in runs(block, start, end))
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_span_bounds_exactly_the_elements_a_range_covers(block: Block) -> None:
+    index = whole_index(block)
+    for start, end in [(0, block.numel), (1, block.numel - 1), (block.numel - 1, block.numel)]:
+        assert span(block, start, end) == (min(index[start:end]), max(index[start:end]) + 1)
 
 
 def test_a_rowwise_slice_is_one_run_per_row_and_a_colwise_slice_one_run() -> None:

@@ -1,5 +1,5 @@
 """Checkpoints across tensor-parallel sizes on thread ranks (issue 45 item 6): a Hugging Face Llama
-with grouped-query attention trained 3 steps of AdamW at one (T, D), saved by every owner as a run
+with grouped-query attention trained 3 steps (AdamW; SGD with momentum in two cells) at one (T, D), saved by every owner as a run
 saves (owner/resilience/checkpointing), resumed at another (T', D') and trained 2 more steps ends
 within 1e-5 of single-process torch's 5 steps: the TP slices are read back by their offsets, the
 AdamW moments and step counts with them. A T = 2 checkpoint consolidates and exports to exactly
@@ -25,6 +25,7 @@ from zero_ray.testing import single_process
 TOLERANCE = 1e-5
 SAVED_AFTER, STEPS = 3, 5
 ADAMW = zr.AdamW(lr=1e-3, weight_decay=0.01)
+OPTIMIZERS = {"adamw": ADAMW, "sgd": zr.SGD(lr=0.1, momentum=0.9)}
 
 
 def batches() -> list[torch.Tensor]:
@@ -33,34 +34,38 @@ def batches() -> list[torch.Tensor]:
 
 
 @functools.cache
-def reference() -> tuple[dict[str, torch.Tensor], tuple[float, ...]]:
-    params, losses = single_process(llama, lm_loss, ADAMW, batches())
+def reference(optimizer: str = "adamw") -> tuple[dict[str, torch.Tensor], tuple[float, ...]]:
+    params, losses = single_process(llama, lm_loss, OPTIMIZERS[optimizer], batches())
     return params, tuple(losses)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-@pytest.mark.parametrize(("saved_as", "resumed_as"), [((2, 2), (1, 3)), ((2, 2), (4, 1)), ((1, 3), (2, 2)),
-                                                      ((4, 1), (2, 2))], ids=str)
+CASES = [((2, 2), (1, 3), stage, "adamw") for stage in (0, 1, 2, 3)]
+CASES += [(a, b, stage, "adamw") for a, b in [((2, 2), (4, 1)), ((1, 3), (2, 2)), ((4, 1), (2, 2))] for stage in (1, 3)]
+CASES += [((2, 2), (1, 3), 2, "sgd"), ((1, 3), (4, 1), 3, "sgd")]  # the momentum buffer moves as exp_avg does
+
+
+@pytest.mark.parametrize(("saved_as", "resumed_as", "stage", "optimizer"), CASES, ids=str)
 def test_a_run_saved_at_one_tp_size_resumes_at_another(saved_as: tuple[int, int], resumed_as: tuple[int, int],
-                                                       stage: int, tmp_path: Path) -> None:
-    run_tp_ranks(*saved_as, llama, lm_loss, ADAMW, batches()[:SAVED_AFTER], stage=stage, save=str(tmp_path))
+                                                       stage: int, optimizer: str, tmp_path: Path) -> None:
+    factory = OPTIMIZERS[optimizer]
+    run_tp_ranks(*saved_as, llama, lm_loss, factory, batches()[:SAVED_AFTER], stage=stage, save=str(tmp_path))
     assert inspect_checkpoint(str(tmp_path))["tensor_parallel"] == saved_as[0]
-    got, losses, engines, _ = run_tp_ranks(*resumed_as, llama, lm_loss, ADAMW, batches()[SAVED_AFTER:],
+    got, losses, engines, _ = run_tp_ranks(*resumed_as, llama, lm_loss, factory, batches()[SAVED_AFTER:],
                                            stage=stage, load=str(tmp_path))
-    ref, ref_losses = reference()
+    ref, ref_losses = reference(optimizer)
     assert got.keys() == ref.keys()
     worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
     assert worst <= TOLERANCE, worst
     assert max(abs(a - b) for a, b in zip(losses, ref_losses[SAVED_AFTER:])) <= TOLERANCE
     assert all(e.position.step == STEPS for e in engines)
     # not trivially equal: the parameters moved in the 2 steps after the resume
-    before = reference_after(SAVED_AFTER)
+    before = reference_after(SAVED_AFTER, optimizer)
     assert max(float((ref[k] - before[k]).abs().max()) for k in ref) > 100 * TOLERANCE
 
 
 @functools.cache
-def reference_after(steps: int) -> dict[str, torch.Tensor]:
-    return single_process(llama, lm_loss, ADAMW, batches()[:steps])[0]
+def reference_after(steps: int, optimizer: str = "adamw") -> dict[str, torch.Tensor]:
+    return single_process(llama, lm_loss, OPTIMIZERS[optimizer], batches()[:steps])[0]
 
 
 @functools.cache

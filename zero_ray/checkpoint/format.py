@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from zero_ray.core.reshard_plan import Block, overlaps
+from zero_ray.core.reshard_plan import Block, intersect, runs, span
 from zero_ray.errors import CheckpointError
 
 # 2: the user's torch.optim optimizers (state by name, whole-tensor state, schedulers).
@@ -267,10 +267,17 @@ class Manifest:
             return self._flat_pieces(kind, name, start, end, entries)
         full = self._full_shape(kind, name, entries)
         want = block or Block.whole(full)
+        if want.full != full:
+            raise CheckpointError(f"{name!r} is {full} in the checkpoint but asked for as a slice of {want.full}")
+        wanted, (lo, hi) = runs(want, start, end), span(want, start, end)
         found: list[Piece] = []
         for i, e in entries:
+            have = e.block(full)
+            have_lo, have_hi = span(have, e.start, e.end)
+            if have_hi <= lo or hi <= have_lo:
+                continue  # nowhere near: skip listing its runs (a rowwise slice has one per row)
             found += [Piece(file=i, entry=e, start=src, end=src + n, dest=dest)
-                      for dest, src, n in overlaps(want, (start, end), e.block(full), (e.start, e.end))]
+                      for dest, src, n in intersect(wanted, start, runs(have, e.start, e.end), e.start)]
         out: list[Piece] = []
         pos = 0
         for p in sorted(found, key=lambda p: (p.dest, p.start - p.end)):

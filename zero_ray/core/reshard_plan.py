@@ -184,21 +184,26 @@ def runs(block: Block, start: int, end: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def overlaps(want: Block, want_range: tuple[int, int], have: Block,
-             have_range: tuple[int, int]) -> list[tuple[int, int, int]]:
-    """What elements ``want_range`` of block ``want`` share with elements ``have_range`` of block
-    ``have`` (both of one tensor): ``(dest, src, length)``, dest counted from ``want_range``'s
-    start and src from ``have_range``'s, each piece contiguous on both sides, by dest."""
-    if want.full != have.full:
-        raise ConfigError(f"blocks of tensors of shapes {want.full} and {have.full} do not overlap")
-    a, b = runs(want, *want_range), runs(have, *have_range)
+def span(block: Block, start: int, end: int) -> tuple[int, int]:
+    """The whole tensor's positions ``[lo, hi)`` that elements ``[start, end)`` of ``block`` lie
+    between (a cheap test before ``runs``: blocks whose spans miss share nothing)."""
+    if start >= end:
+        return 0, 0
+    first, last = runs(block, start, start + 1)[0], runs(block, end - 1, end)[0]
+    return first[1], last[1] + 1
+
+
+def intersect(want: list[tuple[int, int, int]], want_start: int, have: list[tuple[int, int, int]],
+              have_start: int) -> list[tuple[int, int, int]]:
+    """``overlaps`` of two run lists (``runs``' output) of ranges starting at ``want_start`` and
+    ``have_start``: ``(dest, src, length)`` by dest, adjacent pieces merged."""
     out: list[tuple[int, int, int]] = []
     i = j = 0
-    while i < len(a) and j < len(b):
-        (wa, fa, na), (wb, fb, nb) = a[i], b[j]
+    while i < len(want) and j < len(have):
+        (wa, fa, na), (wb, fb, nb) = want[i], have[j]
         lo, hi = max(fa, fb), min(fa + na, fb + nb)
         if lo < hi:
-            dest, src = wa + lo - fa - want_range[0], wb + lo - fb - have_range[0]
+            dest, src = wa + lo - fa - want_start, wb + lo - fb - have_start
             if out and out[-1][0] + out[-1][2] == dest and out[-1][1] + out[-1][2] == src:
                 out[-1] = (out[-1][0], out[-1][1], out[-1][2] + hi - lo)  # contiguous on both sides: one piece
             else:
@@ -207,4 +212,14 @@ def overlaps(want: Block, want_range: tuple[int, int], have: Block,
             i += 1
         else:
             j += 1
-    return sorted(out)
+    return out  # both lists rise in whole position, and so in dest
+
+
+def overlaps(want: Block, want_range: tuple[int, int], have: Block,
+             have_range: tuple[int, int]) -> list[tuple[int, int, int]]:
+    """What elements ``want_range`` of block ``want`` share with elements ``have_range`` of block
+    ``have`` (both of one tensor): ``(dest, src, length)``, dest counted from ``want_range``'s
+    start and src from ``have_range``'s, each piece contiguous on both sides, by dest."""
+    if want.full != have.full:
+        raise ConfigError(f"blocks of tensors of shapes {want.full} and {have.full} do not overlap")
+    return intersect(runs(want, *want_range), want_range[0], runs(have, *have_range), have_range[0])
