@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 
 import zero_ray as zr
-from test_tensor_parallel_engine_threads import BATCH, SEQ, VOCAB, llama, lm_loss
+from test_tensor_parallel_engine_threads import BATCH, SEQ, VOCAB, Mlp, llama, lm_loss, mse
 from thread_ranks import run_tp_ranks
 from zero_ray.checkpoint.format import MASTER
 from zero_ray.checkpoint.store import CheckpointReader
@@ -114,3 +114,26 @@ def test_a_t2_checkpoint_holds_each_element_once_and_reshards_offline_to_t1(tmp_
     for p in again.manifest.params:
         assert not any(e.offsets for _, e in again.manifest.entries(MASTER, p.name))
         assert torch.equal(again.read(MASTER, p.name, 0, p.numel).view(p.shape), got[p.name]), p.name
+
+
+class CountingMlp(Mlp):
+    """The fully sharded Mlp with a persistent buffer: TP rank 0 of data rank 0 alone saves it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.arange(4, dtype=torch.float32))
+
+
+def test_a_user_plan_with_a_buffer_consolidates_at_t2_and_resumes_at_t1(tmp_path: Path) -> None:
+    plan = {"up": "colwise", "down": "rowwise"}
+    xs = [torch.randn(6, 16, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+    got, _, _, _ = run_tp_ranks(2, 2, CountingMlp, mse, ADAMW, xs[:2], stage=3, plan=plan, save=str(tmp_path / "c"))
+    whole = safetensors.torch.load_file(consolidate(str(tmp_path / "c"), str(tmp_path / "m.safetensors")))
+    torch.manual_seed(0)
+    assert whole.keys() == CountingMlp().state_dict().keys()
+    assert torch.equal(whole["seen"], torch.arange(4, dtype=torch.float32))
+    assert all(torch.equal(whole[k], got[k]) for k in got)
+    resumed, _, _, _ = run_tp_ranks(1, 3, CountingMlp, mse, ADAMW, xs[2:], stage=2, plan=plan,
+                                    load=str(tmp_path / "c"))
+    ref, _ = single_process(CountingMlp, mse, ADAMW, xs)
+    assert max(float((resumed[k] - ref[k]).abs().max()) for k in ref) <= TOLERANCE
