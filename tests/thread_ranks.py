@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from zero_ray.checkpoint import store
+from zero_ray.checkpoint.format import build_manifest
 from zero_ray.collective.collective_api import ByteCounters, chunks
 from zero_ray.config import ActivationCheckpointing, Compile, Stage3Config
 from zero_ray.control.handlers import StepResult
@@ -24,6 +26,7 @@ from zero_ray.core.tensor_parallel_plan import TensorParallel
 from zero_ray.core.topology import Topology
 from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.owner.construction.tensor_sharding import join_shards
+from zero_ray.owner.resilience.checkpointing import ShardSaver, restore
 from zero_ray.owner.step.engine import OwnerEngine
 from zero_ray.owner.step.run_spec import EngineSpec
 
@@ -204,18 +207,22 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
 
 def run_tp_ranks(size: int, data_parallel: int, model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any,
                  batches: list[Any], *, plan: Any = None, stage: int = 3, clip: float | None = None,
-                 accum: int = 1, **options: Any
+                 accum: int = 1, load: str | None = None, save: str | None = None, **options: Any
                  ) -> tuple[dict[str, torch.Tensor], list[float], list[OwnerEngine], list[list[StepResult]]]:
     """Train on ``size`` x ``data_parallel`` thread ranks with tensor parallelism of ``size``:
     each engine reads its data rank's piece of every batch. Returns the fp32 parameters
     consolidated to their whole shapes (each TP shard's masters from its data-parallel ranks,
     then the shards joined), the per-step global mean losses, the engines and each rank's
-    StepResults."""
+    StepResults. ``load``: every rank first restores the checkpoint there (the owners' Load);
+    ``save``: after the steps every rank saves under that root and the checkpoint is committed
+    as the driver's commit thread does (the owners' Save, then the manifest)."""
     world = size * data_parallel
     spec = engine_spec(model_fn, loss_fn, optimizer, stage=stage, clip=clip, accum=accum,
                        tensor_parallel=TensorParallel(size=size, plan=plan), **options)
     engines: list[OwnerEngine | None] = [None] * world
     results: list[list[StepResult]] = [[] for _ in range(world)]
+    pending = store.begin(save, len(batches)) if save is not None else None
+    saved: list[tuple[Any, dict[str, Any]] | None] = [None] * world
 
     def rank_main(group: ThreadGroup) -> None:
         # Stages 0-2 build the whole module from the process-wide RNG: one rank at a time (stage 3
@@ -227,13 +234,26 @@ def run_tp_ranks(size: int, data_parallel: int, model_fn: Callable[[], torch.nn.
             engine = OwnerEngine(spec, rank=group.rank, group=group)
         engines[group.rank] = engine
         group.barrier()
+        if load is not None:
+            restore(engine, load)
         for batch in batches:
             n = batch_size(batch)
             piece = split_batch(batch, split_sizes(n, engine.data_world_size))[engine.data_rank]
             results[group.rank].append(engine.step(piece, global_samples=n))
+        if pending is not None:
+            saver = ShardSaver()
+            saver.start(engine, pending.tmp)
+            saved[group.rank] = saver.wait(pending.tmp, timeout_s=60)
+            saver.close()
 
     on_threads(world, rank_main)
     ready = [e for e in engines if e is not None]
+    if pending is not None:
+        e = ready[0]
+        manifest = build_manifest(models=[model for _, model in saved], files=[f for f, _ in saved],
+                                  step=e.position.step, samples_seen=e.position.samples_seen, world_size=world,
+                                  stage=stage, compute_dtype="float32", seed=0)
+        store.commit(pending, manifest, keep=8)
     per_tp: list[dict[str, torch.Tensor]] = []
     for t in range(size):
         local: dict[str, torch.Tensor] = {}

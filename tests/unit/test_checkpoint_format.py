@@ -132,6 +132,25 @@ def test_unknown_format_version_is_an_error(saved: Saved) -> None:
         CheckpointReader(saved.path)
 
 
+def test_a_format_4_manifest_reads_as_tensor_parallel_1(saved: Saved) -> None:
+    # before tensor parallelism: no entry offsets, no tensor_parallel; every range reads as it did
+    where = os.path.join(saved.path, MANIFEST_NAME)
+    with open(where) as fh:
+        data = json.load(fh)
+    del data["tensor_parallel"]
+    for f in data["files"]:
+        for e in f["entries"]:
+            del e["offsets"], e["extent"]
+    data["format_version"] = 4
+    with open(where, "w") as fh:
+        json.dump(data, fh)
+    reader = CheckpointReader(saved.path)
+    assert reader.manifest.tensor_parallel == 1
+    for (kind, name), value in saved.values.items():
+        if kind == MASTER:
+            assert torch.equal(reader.read(kind, name, 1, value.numel()), value[1:])
+
+
 def test_a_directory_without_manifest_is_still_being_written(saved: Saved, tmp_path: Path) -> None:
     pending = store.begin(str(tmp_path / "root"), 9)
     with pytest.raises(CheckpointError, match="still being written"):

@@ -147,8 +147,8 @@ def test_inspect_describes_the_checkpoint(tmp_path: Path) -> None:
     saved = save(model, tmp_path / "root", world_size=3, step=5)
     info = inspect_checkpoint(str(tmp_path / "root"), verify=True)
     assert info["path"] == saved.path and info["verified"]
-    assert (info["format_version"], info["step"], info["samples_seen"], info["world_size"], info["stage"]) == \
-           (4, 5, 60, 3, 2)
+    assert (info["format_version"], info["step"], info["samples_seen"], info["world_size"], info["stage"],
+            info["tensor_parallel"]) == (5, 5, 60, 3, 2, 1)
     assert info["training"]["grad_accum_steps"] == 1 and info["training"]["on_nonfinite"] == "raise"
     assert info["config"]["world_size"] == 3 and info["config"]["checkpoint"]["keep"] == 3  # the whole ZeroConfig
     assert info["optimizers"] == [{"type": "torch.optim.adamw.AdamW", "kind": "elementwise", "groups": 2}]

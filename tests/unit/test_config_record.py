@@ -112,7 +112,7 @@ def test_a_resume_without_config_runs_the_saved_run(saved: str, tmp_path: Path) 
                               offload=zr.Offload(optimizer="nvme", path="/var/tmp/nvme"),
                               checkpoint=zr.CheckpointConfig(dir=str(tmp_path / "later")))
     m = _with_config(saved, run)
-    assert m.format_version == 4 and resume_config(m, None, override=(), source="c") == run
+    assert m.format_version == 5 and resume_config(m, None, override=(), source="c") == run
     assert zr.ZeroTrainer.saved_config(saved) == run
 
 

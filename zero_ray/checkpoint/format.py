@@ -15,6 +15,13 @@ flattened parameter; the whole-tensor optimizer state of the parameters it updat
 entries are addressed by parameter name and element range, not by the saving run's buckets, any
 layout (stage, world size, bucket size) reads exactly the ranges it needs: that is resharding.
 
+With tensor parallelism (T > 1) a rank holds a slice of each sharded parameter: its entries carry
+the slice's ``offsets`` and ``extent`` in every dimension of the whole tensor (whose shape the
+``ParamRecord`` keeps), and ``[start, end)`` counts elements of the slice. A reader asks for a
+range of its own slice (any T', or the whole tensor) and gets the overlapping pieces of whichever
+saved slices hold them (``core/reshard_plan.overlaps``). A replicated parameter (a norm, an
+embedding) is written by TP rank 0 only, as a whole tensor.
+
 The manifest records every entry's file offset and every file's size, sha256 and the sha256 of
 each ``chunk_bytes`` block, so a reader verifies the blocks it reads without reading the rest.
 
@@ -29,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from zero_ray.core.reshard_plan import Block, intersect, runs, span
 from zero_ray.errors import CheckpointError
 
 # 2: the user's torch.optim optimizers (state by name, whole-tensor state, schedulers).
@@ -37,8 +45,10 @@ from zero_ray.errors import CheckpointError
 #    its ``optimizer_steps`` is dropped and it records no training configuration.
 # 4: the run's whole ZeroConfig (``config``), which a resume without a config restores; version 3
 #    records only the settings that change the math.
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (2, 3, 4)
+# 5: tensor parallelism: entries of a TP-sharded parameter carry their slice's ``offsets`` and
+#    ``extent``, and ``tensor_parallel`` records T. Versions 2-4 are read as T = 1.
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (2, 3, 4, 5)
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 DEFAULT_CHUNK_BYTES = 4 * 2**20
@@ -69,6 +79,8 @@ class Entry:
 
     ``offset`` is the file position of its first byte; ``dtype`` a safetensors dtype name;
     ``shape`` the stored tensor's shape (``(end - start,)`` for parameter fragments).
+    ``offsets`` / ``extent``: the TP slice of the parameter that ``[start, end)`` counts in, per
+    dimension of the whole tensor; empty for the whole tensor.
     """
 
     key: str
@@ -79,10 +91,18 @@ class Entry:
     offset: int
     dtype: str
     shape: tuple[int, ...]
+    offsets: tuple[int, ...] = ()
+    extent: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
         return self.end - self.start
+
+    def block(self, full: Sequence[int]) -> Block:
+        """The slice of a parameter of shape ``full`` this entry counts its elements in."""
+        if not self.offsets:
+            return Block.whole(full)
+        return Block(full=tuple(full), offsets=self.offsets, extent=self.extent)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,7 +157,7 @@ class Manifest:
     # samples; a resume continues from it.
     step: int
     samples_seen: int
-    world_size: int
+    world_size: int  # the saving world: T x D owners, one file each
     stage: int
     compute_dtype: str
     seed: int
@@ -161,6 +181,9 @@ class Manifest:
     # The run's whole ZeroConfig (``zero_ray.config_record``): what a resume without a config runs
     # with; empty before version 4.
     config: Mapping[str, Any] = field(default_factory=dict)
+    # The saving run's tensor-parallel size T (its files hold TP slices: Entry.offsets); 1 before
+    # version 5.
+    tensor_parallel: int = 1
     # Not an __init__ argument, so dataclasses.replace() builds a fresh index for the new files.
     _index: dict[tuple[str, str], list[tuple[int, Entry]]] = field(default_factory=dict, init=False, compare=False,
                                                                    repr=False)
@@ -235,12 +258,54 @@ class Manifest:
         """``(file index, entry)`` of every entry of ``kind``."""
         return [(i, e) for i, f in enumerate(self.files) for e in f.entries if e.kind == kind]
 
-    def pieces(self, kind: str, name: str, start: int, end: int) -> list[Piece]:
-        """The saved ranges that together cover elements ``[start, end)`` of ``kind`` of ``name``:
-        the read plan for one fragment of a new layout."""
+    def pieces(self, kind: str, name: str, start: int, end: int, block: Block | None = None) -> list[Piece]:
+        """The saved ranges that together cover elements ``[start, end)`` of ``kind`` of ``name``
+        (counted in ``block``, a TP slice of the parameter; default the whole tensor): the read
+        plan for one fragment of a new layout, by destination."""
+        entries = self.entries(kind, name)
+        if block is None and not any(e.offsets for _, e in entries):
+            return self._flat_pieces(kind, name, start, end, entries)
+        full = self._full_shape(kind, name, entries)
+        want = block or Block.whole(full)
+        if want.full != full:
+            raise CheckpointError(f"{name!r} is {full} in the checkpoint but asked for as a slice of {want.full}")
+        wanted, (lo, hi) = runs(want, start, end), span(want, start, end)
+        found: list[Piece] = []
+        for i, e in entries:
+            have = e.block(full)
+            have_lo, have_hi = span(have, e.start, e.end)
+            if have_hi <= lo or hi <= have_lo:
+                continue  # nowhere near: skip listing its runs (a rowwise slice has one per row)
+            found += [Piece(file=i, entry=e, start=src, end=src + n, dest=dest)
+                      for dest, src, n in intersect(wanted, start, runs(have, e.start, e.end), e.start)]
+        out: list[Piece] = []
+        pos = 0
+        for p in sorted(found, key=lambda p: (p.dest, p.start - p.end)):
+            skip = pos - p.dest  # a range already covered (a replicated value saved twice) is read once
+            if skip < 0:
+                break
+            if skip < p.end - p.start:
+                out.append(Piece(file=p.file, entry=p.entry, start=p.start + skip, end=p.end, dest=pos))
+                pos = p.dest + p.end - p.start
+        if pos == end - start:
+            return out
+        raise CheckpointError(f"the checkpoint lacks {kind} of {name!r} elements [{start + pos}, {end}) (of "
+                              f"[{start}, {end}) asked for, in its slice {want}); the manifest is incomplete or the "
+                              "optimizer differs")
+
+    def _full_shape(self, kind: str, name: str, entries: list[tuple[int, Entry]]) -> tuple[int, ...]:
+        """The whole shape of what ``kind`` of ``name`` counts elements of: the parameter's (a
+        whole-tensor state is whole, so its stored shape)."""
+        if kind == MASTER or kind.startswith(STATE_PREFIX):
+            return tuple(self.param(name).shape)
+        return tuple(entries[0][1].shape) if entries else ()
+
+    def _flat_pieces(self, kind: str, name: str, start: int, end: int,
+                     entries: list[tuple[int, Entry]]) -> list[Piece]:
+        """``pieces`` where every entry holds a flat range of the whole tensor (T = 1)."""
         out: list[Piece] = []
         pos = start
-        for i, e in self.entries(kind, name):
+        for i, e in entries:
             lo, hi = max(pos, e.start), min(end, e.end)
             if lo >= hi:
                 continue
@@ -267,7 +332,10 @@ def _bucket_records(data: Iterable[Mapping[str, Any]]) -> tuple[BucketRecord, ..
 def shard_file_from_data(data: Mapping[str, Any]) -> ShardFile:
     """A ``ShardFile`` from its ``dataclasses.asdict`` form (as an owner reports it)."""
     return ShardFile(**{**data, "chunk_sha256": tuple(data["chunk_sha256"]),
-                        "entries": tuple(Entry(**{**e, "shape": tuple(e["shape"])}) for e in data["entries"])})
+                        "entries": tuple(Entry(**{**e, "shape": tuple(e["shape"]),
+                                                  "offsets": tuple(e.get("offsets", ())),
+                                                  "extent": tuple(e.get("extent", ()))})
+                                         for e in data["entries"])})
 
 
 def build_manifest(*, models: Sequence[Mapping[str, Any]], files: Sequence[ShardFile], step: int,
@@ -289,7 +357,7 @@ def build_manifest(*, models: Sequence[Mapping[str, Any]], files: Sequence[Shard
         optimizers=tuple(model["optimizers"]), hyper=dict(model["hyper"]),
         param_state=dict(sorted(param_state.items())), loss_scaler=dict(model["loss_scaler"]),
         files=tuple(sorted(files, key=lambda f: f.rank)), extra=dict(extra or {}), training=dict(training or {}),
-        config=dict(config or {}))
+        config=dict(config or {}), tensor_parallel=int(model.get("tensor_parallel", 1)))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,6 +38,8 @@ class Item:
     start: int
     end: int
     tensor: torch.Tensor
+    offsets: tuple[int, ...] = ()  # a TP slice's, as Entry's
+    extent: tuple[int, ...] = ()
 
 
 class _HashingWriter:
@@ -117,7 +119,8 @@ def write_shard(storage: Storage, path: str, items: Sequence[Item], *, rank: int
         out.write(head)
         for it, offset in zip(items, offsets):
             entries.append(Entry(key=it.key, kind=it.kind, name=it.name, start=it.start, end=it.end,
-                                 offset=offset, dtype=_DTYPES[it.tensor.dtype], shape=tuple(it.tensor.shape)))
+                                 offset=offset, dtype=_DTYPES[it.tensor.dtype], shape=tuple(it.tensor.shape),
+                                 offsets=it.offsets, extent=it.extent))
             out.write(tensor_bytes(it.tensor))
         sha, blocks = out.finish()
     return ShardFile(rank=rank, name=name, size=out.size, sha256=sha, chunk_bytes=chunk_bytes,

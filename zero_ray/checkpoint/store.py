@@ -34,6 +34,7 @@ from zero_ray.checkpoint.format import LATEST_NAME, MANIFEST_NAME, Manifest
 from zero_ray.checkpoint.location import open_location
 from zero_ray.checkpoint.shardfile import ShardReader
 from zero_ray.checkpoint.storage import LocalStorage, Storage
+from zero_ray.core.reshard_plan import Block
 from zero_ray.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -162,10 +163,11 @@ class CheckpointReader:
         for i in range(len(self.manifest.files)):
             self.file(i)
 
-    def read(self, kind: str, name: str, start: int, end: int) -> torch.Tensor:
-        """Elements ``[start, end)`` of ``kind`` of parameter ``name``, from whichever files hold them."""
-        pieces = self.manifest.pieces(kind, name, start, end)
-        if len(pieces) == 1:
+    def read(self, kind: str, name: str, start: int, end: int, block: Block | None = None) -> torch.Tensor:
+        """Elements ``[start, end)`` of ``kind`` of parameter ``name`` (counted in ``block``, a
+        TP slice; default the whole tensor), from whichever files hold them."""
+        pieces = self.manifest.pieces(kind, name, start, end, block)
+        if len(pieces) == 1 and pieces[0].end - pieces[0].start == end - start:
             p = pieces[0]
             return self.file(p.file).read(p.entry, p.start, p.end)
         out = torch.empty(end - start, dtype=torch.float32)

@@ -72,6 +72,7 @@ def inspect_checkpoint(path: str, *, verify: bool = False, storage: Storage | No
         "config": dict(m.config),
         "stage": m.stage,
         "world_size": m.world_size,
+        "tensor_parallel": m.tensor_parallel,
         "compute_dtype": m.compute_dtype,
         "seed": m.seed,
         "optimizers": [{"type": o["type"], "kind": o["kind"], "groups": len(o["groups"])} for o in m.optimizers],
@@ -134,7 +135,8 @@ def _rng_names(world_size: int) -> set[str]:
 def reshard(path: str, out: str, *, world_size: int, keep: int | None = None,
             chunk_bytes: int = DEFAULT_CHUNK_BYTES, storage: Storage | None = None, filesystem: Any = None) -> str:
     """Rewrite the checkpoint at ``path`` as a committed checkpoint under the root ``out`` laid
-    out for ``world_size`` ranks; returns its directory. Loads exactly as the source does.
+    out for ``world_size`` ranks; returns its directory. Loads exactly as the source does. A
+    checkpoint saved with tensor parallelism is written whole-tensor (T = 1): any T reads it.
 
     One new rank's shard is in memory at a time. The result is published atomically (the
     source is never touched); ``keep`` prunes older checkpoints under ``out`` (default: none)."""
@@ -165,7 +167,8 @@ def reshard(path: str, out: str, *, world_size: int, keep: int | None = None,
                        for p, s in zip(m.params, layout.params))
         buckets = tuple(BucketRecord(index=b.index, params=b.params, numel=b.numel, padded_numel=b.padded_numel,
                                      shard_numel=b.shard_numel) for b in layout.buckets)
-        manifest = dataclasses.replace(m, world_size=world_size, params=params, buckets=buckets, files=tuple(files))
+        manifest = dataclasses.replace(m, world_size=world_size, params=params, buckets=buckets, files=tuple(files),
+                                       tensor_parallel=1)
         return store.commit(pending, manifest, keep=sys.maxsize if keep is None else keep, storage=out_storage)
     except BaseException:
         store.abandon(pending, storage=out_storage)

@@ -8,11 +8,18 @@ rank sends only the ranges whose owner changes (a piece whose old and new owner 
 actor is copied locally). With a replicated optimizer (stage 0) new ranks update whole buckets,
 so they receive every piece, spread over all old ranks.
 
+Across tensor-parallel sizes (a checkpoint saved at T resumed at T') a rank holds a ``Block`` of
+each sharded parameter: its offsets and extent in every dimension of the whole tensor. A flat
+range of one block is a list of ``runs`` contiguous in the whole tensor's row-major order, so what
+a new rank's range needs from a saved one is the intersection of two sorted run lists
+(``overlaps``), each piece contiguous on both sides.
+
 Pure: imports neither ray nor grpc nor torch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -118,3 +125,101 @@ def backup_peers(nodes: Sequence[str]) -> list[int]:
     for pos, rank in enumerate(order):
         backup[rank] = order[(pos + shift) % n] if n > 1 else rank
     return backup
+
+
+@dataclass(frozen=True, kw_only=True)
+class Block:
+    """The part of a tensor of shape ``full`` one rank holds: ``offsets`` and ``extent`` in every
+    dimension (a TP shard: the whole tensor but along its sharded dimension). ``Block.whole``
+    gives the tensor itself."""
+
+    full: tuple[int, ...]
+    offsets: tuple[int, ...]
+    extent: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not len(self.full) == len(self.offsets) == len(self.extent):
+            raise ConfigError(f"a block needs one offset and extent per dimension of {self.full}: "
+                              f"offsets={self.offsets}, extent={self.extent}")
+        for dim, (n, o, e) in enumerate(zip(self.full, self.offsets, self.extent)):
+            if o < 0 or e < 0 or o + e > n:
+                raise ConfigError(f"block offsets={self.offsets}, extent={self.extent} leave the tensor of shape "
+                                  f"{self.full} in dimension {dim}")
+
+    @classmethod
+    def whole(cls, full: Sequence[int]) -> Block:
+        return cls(full=tuple(full), offsets=(0,) * len(full), extent=tuple(full))
+
+    @property
+    def is_whole(self) -> bool:
+        return self.extent == self.full
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.extent)
+
+
+def runs(block: Block, start: int, end: int) -> list[tuple[int, int, int]]:
+    """Elements ``[start, end)`` of ``block``'s row-major flattening as ``(block position, whole
+    position, length)`` runs, each contiguous in both, in increasing order of both."""
+    if not 0 <= start <= end <= block.numel:
+        raise ConfigError(f"elements [{start}, {end}) are outside a block of {block.numel}")
+    if start == end:
+        return []
+    partial = [d for d, (n, e) in enumerate(zip(block.full, block.extent)) if n != e]
+    if not partial:
+        return [(start, start, end - start)]
+    k = partial[-1]  # dimensions after k are whole: a run is one index of dims < k, all of dims >= k
+    inner = math.prod(block.full[k + 1:])
+    length = block.extent[k] * inner
+    strides = [math.prod(block.full[d + 1:]) for d in range(k)]
+    out = []
+    for q in range(start // length, (end - 1) // length + 1):
+        lo, hi = max(start, q * length), min(end, (q + 1) * length)
+        whole, rest = block.offsets[k] * inner, q
+        for d in reversed(range(k)):
+            rest, i = divmod(rest, block.extent[d])
+            whole += (block.offsets[d] + i) * strides[d]
+        out.append((lo, whole + lo - q * length, hi - lo))
+    return out
+
+
+def span(block: Block, start: int, end: int) -> tuple[int, int]:
+    """The whole tensor's positions ``[lo, hi)`` that elements ``[start, end)`` of ``block`` lie
+    between (a cheap test before ``runs``: blocks whose spans miss share nothing)."""
+    if start >= end:
+        return 0, 0
+    first, last = runs(block, start, start + 1)[0], runs(block, end - 1, end)[0]
+    return first[1], last[1] + 1
+
+
+def intersect(want: list[tuple[int, int, int]], want_start: int, have: list[tuple[int, int, int]],
+              have_start: int) -> list[tuple[int, int, int]]:
+    """``overlaps`` of two run lists (``runs``' output) of ranges starting at ``want_start`` and
+    ``have_start``: ``(dest, src, length)`` by dest, adjacent pieces merged."""
+    out: list[tuple[int, int, int]] = []
+    i = j = 0
+    while i < len(want) and j < len(have):
+        (wa, fa, na), (wb, fb, nb) = want[i], have[j]
+        lo, hi = max(fa, fb), min(fa + na, fb + nb)
+        if lo < hi:
+            dest, src = wa + lo - fa - want_start, wb + lo - fb - have_start
+            if out and out[-1][0] + out[-1][2] == dest and out[-1][1] + out[-1][2] == src:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + hi - lo)  # contiguous on both sides: one piece
+            else:
+                out.append((dest, src, hi - lo))
+        if fa + na <= fb + nb:
+            i += 1
+        else:
+            j += 1
+    return out  # both lists rise in whole position, and so in dest
+
+
+def overlaps(want: Block, want_range: tuple[int, int], have: Block,
+             have_range: tuple[int, int]) -> list[tuple[int, int, int]]:
+    """What elements ``want_range`` of block ``want`` share with elements ``have_range`` of block
+    ``have`` (both of one tensor): ``(dest, src, length)``, dest counted from ``want_range``'s
+    start and src from ``have_range``'s, each piece contiguous on both sides, by dest."""
+    if want.full != have.full:
+        raise ConfigError(f"blocks of tensors of shapes {want.full} and {have.full} do not overlap")
+    return intersect(runs(want, *want_range), want_range[0], runs(have, *have_range), have_range[0])

@@ -34,6 +34,7 @@ from zero_ray.core.tensor_parallel_plan import (
     choose_plan,
     resolve_plan,
 )
+from zero_ray.core.reshard_plan import Block
 
 # Attributes some attention modules keep their head counts in (older transformers read
 # ``self.num_heads`` in forward's views); divided by T where a module holds them. Transformers
@@ -202,6 +203,24 @@ def full_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[
             out[name] = value.detach().clone()
         else:
             out[name] = gather_along(module.group, value, module.shard_dim if name.endswith(".weight") else 0)
+    return out
+
+
+def shard_blocks(model: nn.Module) -> dict[str, Block]:
+    """Each TP-sharded parameter's slice of its whole tensor, by parameter name (a checkpoint
+    addresses it so: checkpoint/format.py); a parameter not named is whole on every TP rank."""
+    out = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, ShardedLinear):
+            continue
+        prefix = f"{name}." if name else ""
+        dim, rank = module.shard_dim, module.tp_rank
+        full = module.full_shape
+        part = full[dim] // module.tp_size
+        out[prefix + "weight"] = Block(full=full, offsets=tuple(rank * part if d == dim else 0 for d in range(2)),
+                                       extent=tuple(part if d == dim else n for d, n in enumerate(full)))
+        if module.bias is not None and module.style == COLWISE:
+            out[prefix + "bias"] = Block(full=(full[0],), offsets=(rank * part,), extent=(part,))
     return out
 
 

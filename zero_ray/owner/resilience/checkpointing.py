@@ -8,6 +8,10 @@ each saves only its own shard range: no element is written twice. With shard gro
 (``Topology(shard_group_size=G)``) the state is laid out over G owners and every group holds a
 copy: the first group writes it, as ranks 0..G-1 of a flat run of G (``Mesh.save_role``), and
 the other groups write nothing, so any layout reads it back as it reads a flat checkpoint.
+With tensor parallelism (T > 1) every TP rank writes its slices of the sharded parameters, each
+entry carrying the slice's offsets and extent in the whole tensor, and TP rank 0 alone writes the
+replicated parameters (and their whole-tensor state, and the buffers), so a checkpoint holds each
+element once and any (T', D') reads it back (checkpoint/format.py).
 
 Restoring reads, for every range this rank updates in the new layout, the saved pieces that
 cover it; everything is read and verified before any live tensor changes.
@@ -42,6 +46,7 @@ from zero_ray.checkpoint.store import CheckpointReader
 from zero_ray.core.optim_state import table_by_name, table_from_names
 from zero_ray.core.run_position import Position
 from zero_ray.errors import CheckpointError
+from zero_ray.owner.construction.tensor_sharding import shard_blocks
 from zero_ray.owner.step.engine import OwnerEngine
 from zero_ray.owner.tensors.host_copy import host_copies
 from zero_ray.owner.step.rollback import persistent_buffers, rng_states, set_rng_states
@@ -65,6 +70,8 @@ def snapshot(engine: OwnerEngine) -> list[Item]:
     rank, layout = engine.state.shard_rank, engine.layout
     optimizer = engine.state.optimizer
     table = optimizer.table()
+    blocks = shard_blocks(engine.module)
+    first_tp = engine.fabric.ranks.tp_rank(engine.rank) == 0  # writes what every TP rank holds alike
     items: list[Item] = []
     sources: list[torch.Tensor] = []
     for s in engine.state.optimizer_slices():
@@ -72,13 +79,20 @@ def snapshot(engine: OwnerEngine) -> list[Item]:
         lo, hi = max(own_lo, s.start), min(own_hi, s.end)
         for f in layout.fragments(s.bucket.index, lo, hi):
             name = layout.params[f.param].name
+            block = blocks.get(name)
+            if block is None and not first_tp:
+                continue
             at = lo - s.start
             names = table.get(f.param, {}).get("elementwise", ())
             for kind, tensor in ((MASTER, s.master), *((state_kind(k), s.moments[k]) for k in names)):
                 sources.append(tensor[at + f.local_start:at + f.local_end])
-                items.append(Item(key=f"{kind}/{name}/{f.param_start}", kind=kind, name=name, start=f.param_start,
-                                  end=f.param_end, tensor=sources[-1]))
-    for param, state in sorted(optimizer.whole_state(saver_only=True).items()):
+                key = f"{kind}/{name}/{f.param_start}" + (f"@{','.join(map(str, block.offsets))}" if block else "")
+                items.append(Item(key=key, kind=kind, name=name, start=f.param_start, end=f.param_end,
+                                  tensor=sources[-1], offsets=block.offsets if block else (),
+                                  extent=block.extent if block else ()))
+    # a whole-tensor optimizer steps only replicated parameters under TP (model_state refuses the rest)
+    whole_state = optimizer.whole_state(saver_only=True) if first_tp else {}
+    for param, state in sorted(whole_state.items()):
         name = layout.params[param].name
         for key, tensor in sorted(state.items()):
             kind = whole_kind(key)
@@ -92,7 +106,7 @@ def snapshot(engine: OwnerEngine) -> list[Item]:
         me = engine.rank  # restored by world rank
         items.append(Item(key=f"{RNG}/{generator}/{me}", kind=RNG, name=f"{generator}/{me}", start=0, end=0,
                           tensor=state.clone()))
-    if rank == 0:
+    if rank == 0 and first_tp:
         for name, buf in persistent_buffers(engine.module).items():
             value = buf.detach().to("cpu", copy=True)
             value = value.float() if value.is_floating_point() else value
@@ -108,15 +122,22 @@ def describe_model(engine: OwnerEngine) -> dict[str, Any]:
     named = dict(module.named_parameters())
     state = engine.state
     names = [p.name for p in layout.params]
-    params = [{"name": p.name, "aliases": aliases.get(id(named[p.name]), [p.name]), "shape": list(p.shape),
+    shapes = _full_shapes(engine)
+    params = [{"name": p.name, "aliases": aliases.get(id(named[p.name]), [p.name]), "shape": list(shapes[p.name]),
                "dtype": p.dtype, "bucket": p.bucket, "offset": p.offset, "trainable": state.trainable[p.index]}
               for p in layout.params]
     buckets = [{"index": b.index, "params": list(b.params), "numel": b.numel, "padded_numel": b.padded_numel,
                 "shard_numel": b.shard_numel} for b in layout.buckets]
     return {"params": params, "buckets": buckets, "optimizers": state.optim_plan.records(names),
             "hyper": state.optimizer.hyper_state(), "param_state": table_by_name(state.optimizer.table(), names),
-            "position": engine.position.to_data(),
+            "position": engine.position.to_data(), "tensor_parallel": engine.fabric.ranks.size,
             "loss_scaler": {"scale": engine.scaler.scale, "growth_tracker": engine.scaler.growth_tracker}}
+
+
+def _full_shapes(engine: OwnerEngine) -> dict[str, tuple[int, ...]]:
+    """Every parameter's whole shape (a TP-sharded one's before the split), by name."""
+    blocks = shard_blocks(engine.module)
+    return {p.name: blocks[p.name].full if p.name in blocks else tuple(p.shape) for p in engine.layout.params}
 
 
 class ShardSaver:
@@ -197,7 +218,8 @@ def restore(engine: OwnerEngine, path: str) -> int:
     reader = CheckpointReader(path)
     m = reader.manifest
     layout, rank = engine.layout, engine.rank
-    diff = model_mismatch(m, [(p.name, p.shape) for p in layout.params])
+    shapes = _full_shapes(engine)
+    diff = model_mismatch(m, list(shapes.items()))
     if diff:
         raise CheckpointError(f"checkpoint {reader.path} is of a different model: {diff}")
     diff = optimizer_mismatch(m, engine)
@@ -208,6 +230,7 @@ def restore(engine: OwnerEngine, path: str) -> int:
                               "optimizers")
     reader.check_files()
     index = {p.name: p.index for p in layout.params}
+    blocks = shard_blocks(engine.module)  # this rank's TP slices: what it reads of each sharded parameter
     optimizer = engine.state.optimizer
     table = table_from_names(m.param_state, index)
     # Everything is read (and verified) first; the live tensors change only afterwards.
@@ -216,13 +239,14 @@ def restore(engine: OwnerEngine, path: str) -> int:
     for g, s in zip(engine.state.groups, engine.state.optimizer_slices()):
         for f in layout.fragments(s.bucket.index, s.start, s.end):
             name = layout.params[f.param].name
+            block = blocks.get(name)
             masters.append((s.master[f.local_start:f.local_end], reader.read(MASTER, name, f.param_start,
-                                                                            f.param_end)))
+                                                                            f.param_end, block)))
             if not g.policy.trainable:
                 continue  # a parameter saved trained and frozen now keeps its values only
             for key in table.get(f.param, {}).get("elementwise", ()):
                 states.append((g.index, key, f.local_start, f.local_end,
-                               reader.read(state_kind(key), name, f.param_start, f.param_end)))
+                               reader.read(state_kind(key), name, f.param_start, f.param_end, block)))
     whole: dict[int, dict[str, torch.Tensor]] = {}
     for param in optimizer.whole_params_here():
         name = layout.params[param].name
