@@ -7,7 +7,8 @@ too), and the wrapper first installs hooks there, once per process, around the l
 that mark each point (forming a group, a transfer, a peer snapshot, writing a checkpoint file, a
 backward pass). A fault fires when its rank reaches its point for the ``after``-th time: it
 creates a marker file in ``dir`` (holding the time), so it happens once per run whatever is
-replayed or restarted, and SIGKILLs its own process, as a crash or the OOM killer would.
+replayed or restarted, and SIGKILLs its own process, as a crash or the OOM killer would (or
+SIGSTOPs it, as a hung node or a debugger would freeze it).
 """
 
 from __future__ import annotations
@@ -28,22 +29,28 @@ import ray
 import torch
 import torch.nn.functional as F
 
+SIGNALS = ("SIGKILL", "SIGSTOP")
 POINTS = ("backward", "group_formation", "resize_transfer", "restore_transfer", "peer_snapshot", "checkpoint_save",
           "checkpoint_commit", "set_peers")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Fault:
-    """Kill the owner of rank ``rank`` the ``after``-th time (0-based) it reaches ``point``."""
+    """Signal the owner of rank ``rank`` the ``after``-th time (0-based) it reaches ``point``:
+    ``SIGKILL`` (a crash) by default, or ``SIGSTOP`` (a frozen process: its threads stop, its
+    sockets stay open, so only a stalled heartbeat stream tells)."""
 
     point: str
     rank: int
     after: int = 0
     dir: str
+    sig: str = "SIGKILL"
 
     def __post_init__(self) -> None:
         if self.point not in POINTS:
             raise ValueError(f"point={self.point!r} is not one of {POINTS}")
+        if self.sig not in SIGNALS:
+            raise ValueError(f"sig={self.sig!r} is not one of {SIGNALS}")
 
     @property
     def marker(self) -> str:
@@ -97,7 +104,7 @@ class _Hooks:
                 continue
             os.write(fd, repr(time.time()).encode())
             os.close(fd)
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), getattr(signal, f.sig))
 
 
 _TRANSFER_CALLERS = ("rebuild", "_reshard")  # zero_ray.owner.service.live_rank's callers of exchange

@@ -180,9 +180,13 @@ class FailureDetail:
 
     def error(self, where: str, *, rank: int | None = None) -> ZeroRayError:
         """The domain error this describes, as raised on the owner: its own type when it is one
-        of this module's (built from a message alone), else an OwnerError; the text says
-        ``where`` (e.g. "rank 1 on node 10.0.0.5 (pid 77)") failed in which operation and phase
-        and ends with the remote traceback. ``rank`` overrides the owner's (the caller's index)."""
+        of this module's (built from a message alone, or an OwnerError's kind with its rank),
+        else an OwnerError; the text says ``where`` (e.g. "rank 1 on node 10.0.0.5 (pid 77)")
+        failed in which operation and phase and ends with the remote traceback. ``rank``
+        overrides the owner's (the caller's index). A relay names a child it could not reach
+        OwnerLostError, or CallTimeout past the deadline (control/relay_hop.py): rebuilt as those,
+        the recovery treats them as the driver's own fan-out's (a timeout's stall diagnosed, a
+        re-formed step retried) rather than as an error the step raised."""
         rank = self.rank if rank is None else rank
         phase = f" ({self.phase})" if self.phase else ""
         head = f"{where} failed in {self.operation or 'a control call'}{phase}"
@@ -196,9 +200,10 @@ class FailureDetail:
             except TypeError:  # a subclass with a richer constructor: an OwnerError below
                 err = None
         if err is None:
-            # Other types (the user's RuntimeError, an OwnerError) keep their name in the text.
+            # Other types (the user's RuntimeError) keep their name in the text.
             text = f"{head}: {self.message}" if cls is not None else f"{head}: {self.type}: {self.message}"
-            err = OwnerError(text + cause, rank=rank, remote_traceback=self.remote_traceback)
+            kind = cls if cls is not None and issubclass(cls, OwnerError) else OwnerError
+            err = kind(text + cause, rank=rank, remote_traceback=self.remote_traceback)
         err.failure = self
         return err
 

@@ -104,6 +104,17 @@ def test_transport_failures_name_the_owner(code: str, expected: type) -> None:
     assert type(err) is expected and err.rank == 2 and str(err).startswith("rank 2 on node x failed in reshard")
 
 
+@pytest.mark.parametrize("kind", [OwnerLostError, CallTimeout, OwnerError])
+def test_a_relayed_transport_failure_is_rebuilt_as_the_driver_would_name_it(kind: type) -> None:
+    # A relay names a child it could not reach (control/relay_hop._detail); the driver's recovery
+    # tells a timeout (stall diagnosis) and a lost owner (a re-formed step retried) by the type.
+    detail = FailureDetail(type=kind.__name__, message="PartitionOwner.Step to 10.0.0.5:7 did not answer", rank=3,
+                           operation="PartitionOwner.Step", remote_traceback="tb")
+    err = detail.error("rank 3 on node x", rank=3)
+    assert type(err) is kind and err.rank == 3 and err.failure is detail and err.remote_traceback == "tb"
+    assert str(err).startswith("rank 3 on node x failed in PartitionOwner.Step: PartitionOwner.Step to 10.0.0.5:7")
+
+
 def test_ray_carries_only_the_bootstrap_and_the_data_path() -> None:
     fan = _fan(1)
     with pytest.raises(ConfigError, match="'reshard' is a control operation: call it over gRPC"):
