@@ -224,11 +224,13 @@ class OwnerPool:
         if self.health is not None:
             self.health.close()
             self.members.health = None
-        self.relays.replan()
         interval, timeout = self.spec.health_interval_s, self.spec.health_timeout_s
-        self.members.health = (SubtreeHealthMonitor(self.relays.top_children, interval_s=interval, timeout_s=timeout)
-                               if self.relays.active else HealthMonitor(self.clients, interval_s=interval,
-                                                                        timeout_s=timeout))
+        try:
+            self.relays.replan()
+        finally:  # a failed re-plan (a host lost mid-HostRelays) leaves no tree: watch every owner
+            self.members.health = (
+                SubtreeHealthMonitor(self.relays.top_children, interval_s=interval, timeout_s=timeout)
+                if self.relays.active else HealthMonitor(self.clients, interval_s=interval, timeout_s=timeout))
 
     def _lost(self) -> dict[int, str]:
         return self.members.lost()
