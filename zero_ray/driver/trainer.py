@@ -13,7 +13,6 @@ the trainer.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import tempfile
 import uuid
@@ -58,6 +57,7 @@ from zero_ray.driver.reports import ResizeReport, StepMetrics
 from zero_ray.driver import resume
 from zero_ray.driver.run_specs import engine_spec, pool_spec
 from zero_ray.driver.stepper import Stepper
+from zero_ray.driver.tp_consolidation import join_fragments, split_dims
 from zero_ray.errors import ConfigError, ZeroRayError
 from zero_ray.owner.step.run_spec import LossFn, ModelFn
 
@@ -341,15 +341,13 @@ class ZeroTrainer:
         ``requires_grad=True`` (a PEFT adapter's weights, without the frozen base model)."""
         model = self._pool.model
         shapes = {n: s for n, s in model.shapes.items() if n in model.trainable or not trainable_only}
-        out = {name: torch.empty(math.prod(shape), dtype=torch.float32) for name, shape in shapes.items()}
-        # Stage 0 owners each hold all of a parameter; sharded owners a range of it.
+        # Stage 0 owners each hold all of a parameter; sharded owners a range of it; with tensor
+        # parallelism, of their TP rank's shard, joined along the plan's dimensions.
         gathered = self._controller.run(Call(name="full_state_dict", needs_ready=False, attempt=lambda: (
             self._pool.master_fragments(timeout_s=self.config.init_timeout_s))))
-        for fragments in gathered:
-            for name, (lo, hi, values) in fragments.items():
-                if name in out:
-                    out[name][lo:hi] = values
-        return {name: out[name].view(shape) for name, shape in shapes.items()}
+        tp = self.config.tensor_parallel
+        dims = split_dims(self._engine.model_fn, tp) if tp.size > 1 else {}
+        return join_fragments(gathered, local_shapes=shapes, size=tp.size, dims=dims)
 
     # -- elasticity -------------------------------------------------------------------------------------
     def resize(self, world_size: int) -> ResizeReport:
@@ -366,6 +364,10 @@ class ZeroTrainer:
         whole, a new group taking the first group's live state."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size={world_size!r} must be an integer >= 1")
+        tp = self.config.tensor_parallel.size
+        if tp > 1:  # every TP shard's DP group would have to reshard apart: not built
+            raise ConfigError(f"resize with tensor_parallel size={tp} is not built yet (issue 45: a resize that "
+                              f"changes D and keeps T); the run keeps {self.world_size} owners")
         self._recovery.scaling.check_resize(world_size)
         self.config.topology.check_resize(self.world_size, world_size)
         return self._resize(world_size, desired=world_size)
