@@ -40,7 +40,7 @@ class CheckpointAPI:
         """The storage and path of ``path`` (with ``filesystem``), else of the configured
         directory (with the configured filesystem), else a ConfigError saying how to give one.
         A filesystem object is handed to every owner first."""
-        tp = self._pool.spec.tensor_parallel
+        tp = self._pool.tensor_parallel
         if tp > 1:
             # Each TP rank's shard would be written (and read) under the same names and ranges:
             # refused rather than a checkpoint that silently mixes shards.

@@ -257,6 +257,11 @@ class OwnerPool:
     def world_size(self) -> int:
         return len(self.actors)
 
+    @property
+    def tensor_parallel(self) -> int:
+        """T: owners ``d T .. d T + T - 1`` form TP group d and read data-parallel rank d's piece."""
+        return self.spec.tensor_parallel
+
     def where(self, rank: int) -> str:
         return self.members.where(rank)
 

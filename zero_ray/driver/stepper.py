@@ -100,7 +100,7 @@ class Stepper:
                 generation = self._pool.generation
                 self._evaluations += 1
                 out = work.split(world_size=self.world_size, key=f"{generation}:eval{self._evaluations}",
-                                 tensor_parallel=self._pool.spec.tensor_parallel)
+                                 tensor_parallel=self._pool.tensor_parallel)
                 held = (out, self._pool.stage(out))
                 results = self._pool.evaluate([EvaluateArgs(piece=p, generation=generation) for p in out.pieces],
                                               timeout_s=cfg.step_timeout_s)
