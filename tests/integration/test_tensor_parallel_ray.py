@@ -3,28 +3,50 @@ TP shard's model state partitioned by ZeRO over its D data-parallel owners, driv
 ``ZeroTrainer.step``. A Hugging Face Llama with grouped-query attention under its own plan
 matches single-process torch within 1e-5 (fp32, 5 steps, clipping engaged) at (T, D) = (2, 1)
 stage 3 AdamW and (2, 2) stage 2 SGD; every TP rank of a data-parallel rank reads its samples
-(one staged object each), the step's loss counts each sample once, and what is not built on Ray
-yet is refused by name. The full matrix runs on thread ranks
+(one staged object each; fit's indices alike: a fit over token files continues the (2, 2) run
+within 1e-5 of one process reading the documented block order), the step's loss counts each
+sample once, and what is not built on Ray yet is refused by name. The full matrix runs on thread ranks
 (tests/unit/test_tensor_parallel_engine_threads.py); the placement plan is tested purely
 (tests/unit/test_placement.py: on this one-node machine every group is on one node anyway)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 import zero_ray as zr
-from tp_llama import CLIP, OPTIMIZERS, batches, first_norm, llama, lm_loss, reference
+from fit_order import reference_block_indices, token_windows
+from tp_llama import CLIP, OPTIMIZERS, VOCAB, batches, first_norm, llama, lm_loss, reference
+from zero_ray.core.memory_formulas import model_state_bytes, optimizer_bytes_per_param
+from zero_ray.testing import single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 STEPS = 5
 TOLERANCE = 1e-5
+SEQ, FIT_BATCH, FIT_STEPS, SEED, WINDOW = 8, 4, 3, 5, 2
+
+
+def token_corpus(directory: Path) -> list:  # type: ignore[type-arg]
+    """Token files and the batches fit reads from them after STEPS steps (the block order of
+    docs/data.md, read literally by tests/fit_order.py)."""
+    tokens = np.random.default_rng(1).integers(0, VOCAB, size=700).astype("<u2")
+    tokens[:400].tofile(directory / "train-0.bin")
+    tokens[400:].tofile(directory / "train-1.bin")
+    samples, per = (len(tokens) - 1) // SEQ, 64 // SEQ
+    sizes = [per] * (samples // per) + ([samples % per] if samples % per else [])
+    order = reference_block_indices(sizes, global_batch_size=FIT_BATCH, steps=STEPS + FIT_STEPS, seed=SEED,
+                                    window=WINDOW)
+    return [token_windows(tokens, SEQ, idx) for idx in order[STEPS:]]
 
 
 @pytest.mark.parametrize(("size", "data_parallel", "stage", "optimizer"), [(2, 1, 3, "adamw"), (2, 2, 2, "sgd")])
 def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, stage: int, optimizer: str,
-                                                 tmp_path) -> None:  # type: ignore[no-untyped-def]
+                                                 tmp_path: Path) -> None:
     ref, ref_losses = reference(optimizer, data_parallel, STEPS)
+    fitted = token_corpus(tmp_path) if data_parallel > 1 else []
     cfg = zr.ZeroConfig(stage=stage, world_size=size * data_parallel, max_grad_norm=CLIP,
                         tensor_parallel=zr.TensorParallel(size=size))
     with zr.ZeroTrainer(llama, lm_loss, optimizer=OPTIMIZERS[optimizer], config=cfg) as trainer:
@@ -38,6 +60,16 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
         with pytest.raises(zr.ConfigError, match=r"resize with tensor_parallel size=2 is not built yet"):
             trainer.resize(size * (data_parallel + 1))
         assert trainer.world_size == size * data_parallel
+        if fitted:  # fit's indices: each data-parallel rank's, sent to both its owners
+            source = zr.data.TokenFiles(str(tmp_path / "train-*.bin"), seq_len=SEQ, block_tokens=64, window=WINDOW)
+            result = trainer.fit(source, global_batch_size=FIT_BATCH, steps=STEPS + FIT_STEPS, seed=SEED,
+                                 progress=False)
+            assert result["steps_run"] == FIT_STEPS
+            after_fit = trainer.full_state_dict()
+    if fitted:
+        want, _ = single_process(llama, lm_loss, OPTIMIZERS[optimizer], batches(STEPS) + fitted, max_grad_norm=CLIP,
+                                 pieces=(data_parallel, 1))
+        assert max(float((after_fit[k] - want[k]).abs().max()) for k in want) <= TOLERANCE
     assert got.keys() == ref.keys()
     for name, value in got.items():
         assert value.shape == ref[name].shape, name
@@ -52,6 +84,13 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
     whole = sum(v.numel() for v in ref.values())
     sharded = sum(v.numel() for n, v in ref.items() if n.endswith("proj.weight"))
     assert numels == {sharded // size + whole - sharded}
+    # per rank: the formula over the rank's TP slice, partitioned over its D data-parallel owners
+    k = optimizer_bytes_per_param(optimizer, mixed_precision=False)
+    for m in memory:
+        want = model_state_bytes(stage=stage, num_params=m["padded_numel"], world_size=data_parallel,
+                                 param_bytes=4, grad_bytes=4, optimizer_bytes=k)
+        assert m["params"] + m["padding_params"] == want.params
+        assert m["optimizer"] + m["padding_optimizer"] == want.optimizer
     for c in comm:
         assert c["tp_all_reduce"] > 0  # the layers' sums, counted apart from ZeRO's
 
