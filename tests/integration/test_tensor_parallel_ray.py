@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import zero_ray as zr
 from fit_order import reference_block_indices, token_windows
@@ -52,6 +53,7 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
     with zr.ZeroTrainer(llama, lm_loss, optimizer=OPTIMIZERS[optimizer], config=cfg) as trainer:
         metrics = [trainer.step(b) for b in batches(STEPS)]
         got = trainer.full_state_dict()
+        evaluated = trainer.evaluate(batches(1)[0])
         memory = trainer.memory_report()
         comm = trainer.comm_report()
         with pytest.raises(zr.ConfigError, match=r"save_checkpoint\(\) with tensor_parallel size=2: checkpoints "
@@ -74,6 +76,13 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
     for name, value in got.items():
         assert value.shape == ref[name].shape, name
         assert float((value - ref[name]).abs().max()) <= TOLERANCE, name
+    # evaluate: the same pieces and replies as a step, forward only, at the trained parameters
+    module = llama().eval()
+    for name, p in module.named_parameters():
+        p.data.copy_(ref[name])
+    with torch.no_grad():
+        assert abs(evaluated["loss"] - float(lm_loss(module, batches(1)[0]))) <= TOLERANCE
+    assert evaluated["samples"] == batches(1)[0].shape[0]
     # the loss of each step counts every sample once (TP rank 0 speaks for its group)
     assert max(abs(m["loss"] - r) for m, r in zip(metrics, ref_losses)) <= TOLERANCE
     assert all(m["samples"] == batches(1)[0].shape[0] for m in metrics)
