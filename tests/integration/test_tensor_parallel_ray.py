@@ -2,7 +2,8 @@
 TP shard's model state partitioned by ZeRO over its D data-parallel owners, driven through
 ``ZeroTrainer.step``. A Hugging Face Llama with grouped-query attention under its own plan
 matches single-process torch within 1e-5 (fp32, 5 steps, clipping engaged) at (T, D) = (2, 1)
-stage 3 AdamW and (2, 2) stage 2 SGD; every TP rank of a data-parallel rank reads its samples
+stage 3 AdamW and (2, 2) stage 2 SGD, the latter resized D 2 -> 3 -> 2 at T = 2 on the way and
+still within 1e-6 of the uninterrupted run; every TP rank of a data-parallel rank reads its samples
 (one staged object each; fit's indices alike: a fit over token files continues the (2, 2) run
 within 1e-5 of one process reading the documented block order), the step's loss counts each
 sample once, and what is not built on Ray yet is refused by name. The full matrix runs on thread ranks
@@ -48,10 +49,15 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
                                                  tmp_path: Path) -> None:
     ref, ref_losses = reference(optimizer, data_parallel, STEPS)
     fitted = token_corpus(tmp_path) if data_parallel > 1 else []
+    resizes = data_parallel > 1
     cfg = zr.ZeroConfig(stage=stage, world_size=size * data_parallel, max_grad_norm=CLIP,
                         tensor_parallel=zr.TensorParallel(size=size))
     with zr.ZeroTrainer(llama, lm_loss, optimizer=OPTIMIZERS[optimizer], config=cfg) as trainer:
-        metrics = [trainer.step(b) for b in batches(STEPS)]
+        metrics = []
+        for k, b in enumerate(batches(STEPS)):
+            if resizes and k in (2, 4):  # D 2 -> 3 -> 2 at T = 2: a whole TP group joins, then leaves
+                assert trainer.resize(size * (3 if k == 2 else 2))["bytes_sent"] > 0
+            metrics.append(trainer.step(b))
         got = trainer.full_state_dict()
         evaluated = trainer.evaluate(batches(1)[0])
         memory = trainer.memory_report()
@@ -59,8 +65,8 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
         with pytest.raises(zr.ConfigError, match=r"save_checkpoint\(\) with tensor_parallel size=2: checkpoints "
                                                  r"do not address tensor-parallel shards"):
             trainer.save_checkpoint(str(tmp_path))
-        with pytest.raises(zr.ConfigError, match=r"resize with tensor_parallel size=2 is not built yet"):
-            trainer.resize(size * (data_parallel + 1))
+        with pytest.raises(zr.ConfigError, match=r"world_size=5 is not divisible by tensor_parallel size=2"):
+            trainer.resize(5)
         assert trainer.world_size == size * data_parallel
         if fitted:  # fit's indices: each data-parallel rank's, sent to both its owners
             source = zr.data.TokenFiles(str(tmp_path / "train-*.bin"), seq_len=SEQ, block_tokens=64, window=WINDOW)
@@ -75,7 +81,9 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
     assert got.keys() == ref.keys()
     for name, value in got.items():
         assert value.shape == ref[name].shape, name
-        assert float((value - ref[name]).abs().max()) <= TOLERANCE, name
+        # a resize keeps the run: within 1e-6 of the uninterrupted one (D = 3's pieces sum the
+        # same batch in another grouping)
+        assert float((value - ref[name]).abs().max()) <= (1e-6 if resizes else TOLERANCE), name
     # evaluate: the same pieces and replies as a step, forward only, at the trained parameters
     module = llama().eval()
     for name, p in module.named_parameters():

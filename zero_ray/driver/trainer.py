@@ -39,6 +39,7 @@ from zero_ray.core.optimizer_plan import (
 )
 from zero_ray.core.elastic_policy import FailurePolicy, ScalingPolicy
 from zero_ray.core.run_position import Position
+from zero_ray.core.tensor_parallel_ranks import TensorParallelRanks
 from zero_ray.driver.attach import FoundRun, check_layout
 from zero_ray.driver.callbacks import Callback, Callbacks, EventLog, check_callbacks
 from zero_ray.driver.checkpoint_api import CheckpointAPI
@@ -361,13 +362,12 @@ class ZeroTrainer:
         during the transfer aborts it at once: the run is recovered (peer copies or a
         checkpoint) and ``ResizeInterrupted`` raised, or the run fails with the reason.
         With shard groups or hpZ the size is a multiple of the group sizes: groups join and leave
-        whole, a new group taking the first group's live state."""
+        whole, a new group taking the first group's live state. With tensor parallelism the size
+        is a multiple of T: D changes, T stays, and each TP shard reshards over its D owners."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size={world_size!r} must be an integer >= 1")
-        tp = self.config.tensor_parallel.size
-        if tp > 1:  # every TP shard's DP group would have to reshard apart: not built
-            raise ConfigError(f"resize with tensor_parallel size={tp} is not built yet (issue 45: a resize that "
-                              f"changes D and keeps T); the run keeps {self.world_size} owners")
+        # keeps T: whole TP groups join or leave (ConfigError naming the sizes that work)
+        TensorParallelRanks(world_size=world_size, size=self.config.tensor_parallel.size)
         self._recovery.scaling.check_resize(world_size)
         self.config.topology.check_resize(self.world_size, world_size)
         return self._resize(world_size, desired=world_size)
