@@ -59,6 +59,7 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
                 assert trainer.resize(size * (3 if k == 2 else 2))["bytes_sent"] > 0
             metrics.append(trainer.step(b))
         got = trainer.full_state_dict()
+        num_params = trainer.num_params, trainer.num_trainable_params
         evaluated = trainer.evaluate(batches(1)[0])
         memory = trainer.memory_report()
         comm = trainer.comm_report()
@@ -96,6 +97,7 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
     assert all(m["samples"] == batches(1)[0].shape[0] for m in metrics)
     assert first_norm() > CLIP and abs(metrics[0]["grad_norm"] - first_norm()) <= 1e-5 * first_norm()
     # TP ranks t hold shard t: a sharded projection's slice per rank, partitioned over D
+    assert num_params == (sum(v.numel() for v in ref.values()),) * 2  # the whole model, not a TP slice
     numels = {m["numel"] for m in memory}
     assert len(numels) == 1
     whole = sum(v.numel() for v in ref.values())

@@ -25,6 +25,15 @@ from zero_ray.owner.step.run_spec import ModelFn
 Fragments = Mapping[str, tuple[int, int, Any]]
 
 
+def whole_counts(model_fn: ModelFn) -> tuple[int, int]:
+    """The whole model's parameter elements, and its trainable ones (the owners' layout counts
+    only their TP slice)."""
+    with torch.device("meta"):
+        model = model_fn()
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
 def split_dims(model_fn: ModelFn, tp: TensorParallel) -> dict[str, int]:
     """The dimension each sharded parameter is split along, by name (the others are whole)."""
     with torch.device("meta"):

@@ -58,7 +58,7 @@ from zero_ray.driver.reports import ResizeReport, StepMetrics
 from zero_ray.driver import resume
 from zero_ray.driver.run_specs import engine_spec, pool_spec
 from zero_ray.driver.stepper import Stepper
-from zero_ray.driver.tp_consolidation import join_fragments, split_dims
+from zero_ray.driver.tp_consolidation import join_fragments, split_dims, whole_counts
 from zero_ray.errors import ConfigError, ZeroRayError
 from zero_ray.owner.step.run_spec import LossFn, ModelFn
 
@@ -168,6 +168,8 @@ class ZeroTrainer:
                                                             self._credentials))
         self.num_params: int = self._pool.model.numel
         self.num_trainable_params: int = self._pool.model.trainable_numel
+        if cfg.tensor_parallel.size > 1:  # the owners' layout holds a TP slice: count the whole model
+            self.num_params, self.num_trainable_params = whole_counts(model_fn)
         if _found is not None:
             resume.take_over(_found, controller=self._controller, pool=self._pool, callbacks=self._callbacks)
         log.info("zero_ray: stage %d, %d owners on %s/%s, %d parameters", cfg.stage, self.world_size, self.device,
