@@ -33,3 +33,16 @@ def test_a_data_parallel_rank_s_piece_is_repeated_for_each_of_its_owners() -> No
     assert per_owner(["a", "b"], TensorParallelRanks(world_size=6, size=3)) == ["a"] * 3 + ["b"] * 3
     with pytest.raises(ConfigError, match="world_size=3 is not divisible by tensor_parallel size=2"):
         IndexedBatch("train", (0, 1, 2)).split(world_size=3, key="k", tensor_parallel=2)
+
+
+def test_down_the_relay_tree_each_tp_rank_reads_back_its_data_parallel_rank_s_indices() -> None:
+    from zero_ray.control.handlers import StepArgs
+    from zero_ray.driver.batch_staging import StepCommand
+
+    work = IndexedBatch("train", tuple(range(50, 60)))  # 10 samples over D = 3 (T = 2): 4, 3, 3
+    out = work.split(world_size=6, key="1:0", tensor_parallel=2)
+    command = StepCommand(step=StepArgs(step=0, piece=out.piece, global_samples=10), out=out)
+    relayed = command.relayed(timeout_s=1.0)
+    assert [relayed.rank_step(r) for r in range(6)] == command.per_rank()
+    node = relayed.for_ranks([2, 3], timeout_s=0.5, relay=2)  # one TP group's node
+    assert [node.rank_step(r).piece.indices for r in (2, 3)] == [(54, 55, 56)] * 2
