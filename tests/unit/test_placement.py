@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero_ray.core.placement import NodeRoom, Target, place
+from zero_ray.core.placement import NodeRoom, Target, place, place_groups
 from zero_ray.errors import ResourceError
 
 CPU = {"CPU": 1.0}
@@ -43,3 +43,45 @@ def test_strict_spread_gives_each_owner_a_node_of_its_own() -> None:
 def test_an_unknown_strategy_is_named() -> None:
     with pytest.raises(ResourceError, match="placement_strategy='RANDOM'"):
         place("RANDOM", count=1, demand=CPU, nodes=NODES, occupied=[])
+
+
+# -- tensor-parallel groups: T consecutive ranks share a node (issue 45) --------------------------
+# This machine is one node, where every group is on one node trivially: the plan is tested here.
+
+def test_each_tp_group_is_pinned_to_one_node_packing_nodes_in_turn() -> None:
+    nodes = [NodeRoom(node_id="n1", total={"CPU": 4.0}), NodeRoom(node_id="n0", total={"CPU": 4.0})]
+    targets = place_groups("PACK", ranks=range(8), group_size=2, demand=CPU, nodes=nodes, occupied=[])
+    # PACK fills a node with whole groups before the next (nodes in id order)
+    assert [t.node for t in targets] == ["n0"] * 4 + ["n1"] * 4
+    spread = place_groups("SPREAD", ranks=range(8), group_size=2, demand=CPU, nodes=nodes, occupied=[])
+    assert [t.node for t in spread] == ["n0", "n0", "n1", "n1"] * 2  # groups alternate, never split
+
+
+def test_a_group_never_straddles_nodes_even_where_single_owners_would_fit() -> None:
+    # 3 CPUs per node, groups of 2: each node takes one group, the third CPU stays free, and a
+    # third group finds no node with room for both its owners
+    nodes = [NodeRoom(node_id=f"n{i}", total={"CPU": 3.0}) for i in range(2)]
+    targets = place_groups("PACK", ranks=range(4), group_size=2, demand=CPU, nodes=nodes, occupied=[])
+    assert [t.node for t in targets] == ["n0", "n0", "n1", "n1"]
+    with pytest.raises(ResourceError, match="no node has room for a tensor-parallel group of 2 owners"):
+        place_groups("PACK", ranks=range(6), group_size=2, demand=CPU, nodes=nodes, occupied=[])
+
+
+def test_a_grow_adds_whole_groups_and_a_replacement_joins_its_group_s_node() -> None:
+    nodes = [NodeRoom(node_id="n0", total={"CPU": 4.0}), NodeRoom(node_id="n1", total={"CPU": 4.0})]
+    occupied = ["n1", "n1", "n0", "n0"]  # groups 0 and 1, placed earlier
+    grow = place_groups("PACK", ranks=range(4, 8), group_size=2, demand=CPU, nodes=nodes, occupied=occupied)
+    assert [t.node for t in grow] == ["n0", "n0", "n1", "n1"]
+    # rank 3 replaced: it goes where rank 2, its group's other member, is
+    assert place_groups("SPREAD", ranks=range(3, 4), group_size=2, demand=CPU, nodes=nodes,
+                        occupied=occupied) == [Target(node="n0")]
+
+
+def test_strategies_that_cannot_keep_groups_whole_are_named_and_size_one_is_place() -> None:
+    with pytest.raises(ResourceError, match="STRICT_SPREAD.*groups of 2"):
+        place_groups("STRICT_SPREAD", ranks=range(2), group_size=2, demand=CPU, nodes=NODES, occupied=[])
+    assert place_groups("PACK", ranks=range(3), group_size=1, demand=CPU, nodes=NODES,
+                        occupied=[]) == place("PACK", count=3, demand=CPU, nodes=NODES, occupied=[])
+    # STRICT_PACK: every owner on one node already, groups included
+    assert {t.node for t in place_groups("STRICT_PACK", ranks=range(4), group_size=2, demand=CPU, nodes=NODES,
+                                         occupied=[])} == {"b"}

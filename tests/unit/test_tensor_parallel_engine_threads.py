@@ -9,67 +9,29 @@ in-memory Collective (tests/thread_ranks.py)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from torch import nn
 
 import zero_ray as zr
 from thread_ranks import run_tp_ranks
+from tp_llama import CLIP, OPTIMIZERS, VOCAB, batches, first_norm, llama, lm_loss, reference
 from zero_ray.core.memory_formulas import model_state_bytes, optimizer_bytes_per_param
 from zero_ray.errors import ConfigError
 from zero_ray.testing import single_process
 
 TOLERANCE = 1e-5
-VOCAB, STEPS, BATCH, SEQ = 64, 4, 4, 10
-CLIP = 0.5  # below the first steps' global norms (asserted), so clipping changes every update
+STEPS = 4
 LAYOUTS = [(2, 1), (2, 2), (4, 1)]
-OPTIMIZERS = {"sgd": zr.SGD(lr=0.1, momentum=0.9), "adamw": zr.AdamW(lr=1e-3, weight_decay=0.01)}
-
-
-def llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    # 8 query heads over 4 key/value heads: at T = 4 each rank holds 2 query heads and 1 kv head
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32,
-                         attn_implementation="eager")
-    return LlamaForCausalLM(config)
-
-
-def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids, labels=ids).loss
-
-
-def batches() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
-
-
-@functools.cache
-def reference(optimizer: str, data_parallel: int) -> tuple[dict[str, torch.Tensor], tuple[float, ...]]:
-    # as D ranks split each batch (the loss weighted per piece): the same sums, in the same order
-    params, losses = single_process(llama, lm_loss, OPTIMIZERS[optimizer], batches(), max_grad_norm=CLIP,
-                                    pieces=(data_parallel, 1))
-    return params, tuple(losses)
-
-
-@functools.cache
-def first_norm() -> float:
-    torch.manual_seed(0)
-    model = llama()
-    lm_loss(model, batches()[0]).backward()
-    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize(("size", "data_parallel"), LAYOUTS)
 def test_llama_gqa_matches_single_process(size: int, data_parallel: int, stage: int, optimizer: str) -> None:
-    ref, ref_losses = reference(optimizer, data_parallel)
+    ref, ref_losses = reference(optimizer, data_parallel, STEPS)
     got, losses, engines, results = run_tp_ranks(size, data_parallel, llama, lm_loss, OPTIMIZERS[optimizer],
-                                                 batches(), stage=stage, clip=CLIP)
+                                                 batches(STEPS), stage=stage, clip=CLIP)
     assert got.keys() == ref.keys()
     for name, value in got.items():
         assert value.shape == ref[name].shape, name
@@ -93,8 +55,8 @@ def token_sum_loss(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, i
 def test_a_token_count_loss_with_accumulation_counts_each_data_rank_once(stage: int) -> None:
     # every TP rank of a data-parallel rank reads the same tokens: counted once, not T times
     # (no clipping here: it would hide a gradient scaled by a wrong count)
-    ref, _ = single_process(llama, lm_loss, OPTIMIZERS["sgd"], batches()[:2], pieces=(2, 2))
-    got, _, _, _ = run_tp_ranks(2, 2, llama, token_sum_loss, OPTIMIZERS["sgd"], batches()[:2], stage=stage, accum=2)
+    ref, _ = single_process(llama, lm_loss, OPTIMIZERS["sgd"], batches(2), pieces=(2, 2))
+    got, _, _, _ = run_tp_ranks(2, 2, llama, token_sum_loss, OPTIMIZERS["sgd"], batches(2), stage=stage, accum=2)
     assert max(float((got[k] - ref[k]).abs().max()) for k in ref) <= TOLERANCE
 
 
@@ -136,7 +98,7 @@ def test_llama_stage3_model_state_is_the_formula_over_each_rank_s_slice() -> Non
     # Llama's plan keeps embeddings, norms and the head whole on every TP rank: a rank's slice is
     # the sharded parameters over T plus the replicated ones, partitioned over D like any model.
     size, data_parallel = 2, 2
-    _, _, engines, _ = run_tp_ranks(size, data_parallel, llama, lm_loss, zr.AdamW(lr=1e-3), batches()[:1], stage=3)
+    _, _, engines, _ = run_tp_ranks(size, data_parallel, llama, lm_loss, zr.AdamW(lr=1e-3), batches(1), stage=3)
     torch.manual_seed(0)
     whole = llama()
     sharded = sum(p.numel() for n, p in whole.named_parameters() if n.endswith("proj.weight"))
@@ -153,13 +115,13 @@ def test_llama_stage3_model_state_is_the_formula_over_each_rank_s_slice() -> Non
 
 def test_a_topology_with_tensor_parallel_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match=r"tensor parallelism \(size=2\) with .* is not built yet"):
-        run_tp_ranks(2, 2, llama, lm_loss, zr.SGD(lr=0.1), batches()[:1], stage=2,
+        run_tp_ranks(2, 2, llama, lm_loss, zr.SGD(lr=0.1), batches(1), stage=2,
                      topology=zr.Topology(shard_group_size=2))
 
 
 @pytest.mark.parametrize(("size", "data_parallel"), [(2, 2), (4, 1)])
 def test_zero_traffic_stays_in_the_data_parallel_group_and_tp_bytes_are_apart(size: int, data_parallel: int) -> None:
-    _, _, engines, _ = run_tp_ranks(size, data_parallel, llama, lm_loss, zr.SGD(lr=0.1), batches()[:2], stage=2)
+    _, _, engines, _ = run_tp_ranks(size, data_parallel, llama, lm_loss, zr.SGD(lr=0.1), batches(2), stage=2)
     for e in engines:
         sent = e.last_bytes
         zero = sum(n for op, n in sent.items() if not op.startswith("tp_") and op != "scalars")

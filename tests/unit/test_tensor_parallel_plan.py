@@ -101,12 +101,20 @@ def test_a_world_size_that_is_not_a_multiple_of_the_size_is_refused_naming_both_
     assert zr.ZeroConfig(world_size=8, tensor_parallel=TensorParallel(size=4)).tensor_parallel.size == 4
 
 
-def test_the_driver_refuses_tp_until_the_owners_form_groups() -> None:
-    from zero_ray.driver.run_specs import engine_spec
+def test_the_driver_hands_the_owners_tp_and_refuses_what_is_not_built_on_ray() -> None:
+    from zero_ray.driver.run_specs import engine_spec, pool_spec
 
-    cfg = zr.ZeroConfig(world_size=2, tensor_parallel=TensorParallel(size=2, plan=PLAIN_PLAN))
-    with pytest.raises(ConfigError, match="do not form tensor-parallel groups yet"):
-        engine_spec(cfg, model_fn=PlainNet, loss_fn=None, optimizers=(), lr_scheduler=None, device="cpu")  # type: ignore[arg-type]
+    tp = TensorParallel(size=2, plan=PLAIN_PLAN)
+    cfg = zr.ZeroConfig(world_size=4, tensor_parallel=tp)
+    spec = engine_spec(cfg, model_fn=PlainNet, loss_fn=None, optimizers=(), lr_scheduler=None, device="cpu")  # type: ignore[arg-type]
+    assert spec.tensor_parallel == tp
+    assert pool_spec(cfg, device="cpu", backend="gloo", optimizer=zr.SGD(lr=0.1), lr_scheduler=None).tensor_parallel == 2
+    for changed, named in ((dict(placement_strategy="STRICT_SPREAD"), "STRICT_SPREAD"),
+                           (dict(elastic=zr.ElasticConfig(redundancy="peer")), "redundancy='peer'")):
+        with pytest.raises(ConfigError, match=named) as err:
+            pool_spec(zr.ZeroConfig(world_size=4, tensor_parallel=tp, **changed), device="cpu", backend="gloo",  # type: ignore[arg-type]
+                      optimizer=zr.SGD(lr=0.1), lr_scheduler=None)
+        assert "tensor_parallel size=2" in str(err.value)
 
 
 # -- a Hugging Face model's own plan -----------------------------------------------------------

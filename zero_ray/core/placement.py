@@ -7,11 +7,19 @@ bundle reserved until the whole group is removed). The strategies keep their pla
 meaning across owners: PACK and SPREAD are Ray's own scheduling (best effort); STRICT_PACK puts
 every owner on one node, STRICT_SPREAD every owner on a node of its own, pinned by node.
 
+Tensor parallelism (``place_groups``): the T owners of a TP group (ranks ``d T .. d T + T - 1``)
+run a layer's all-reduces on every layer, so a group never straddles nodes. Each new group is
+pinned to one node with room for all T of its owners (PACK: the fullest such node, so groups
+fill a node before the next; SPREAD: the emptiest), and a group's new members join the node its
+other members are on. Ray's own PACK is best effort and could split a group, so groups are
+pinned by node under either strategy; STRICT_PACK already puts every owner on one node.
+
 Pure: imports neither ray nor grpc nor torch.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -71,3 +79,45 @@ def place(strategy: str, *, count: int, demand: Mapping[str, float], nodes: Sequ
         raise ResourceError(f"STRICT_SPREAD: {count} more owners need as many nodes without one, but "
                             f"{len(free)} are left (the run's owners occupy {len(set(occupied))} of {len(nodes)})")
     return [Target(node=n.node_id) for n in free[:count]]
+
+
+def place_groups(strategy: str, *, ranks: Sequence[int], group_size: int, demand: Mapping[str, float],
+                 nodes: Sequence[NodeRoom], occupied: Sequence[str]) -> list[Target]:
+    """Targets for new owners ``ranks`` when every ``group_size`` consecutive ranks (a
+    tensor-parallel group) share a node; ``occupied[r]``: the node of the run's current rank r
+    (those not among ``ranks``). ``group_size`` 1 is ``place``."""
+    if group_size == 1 or strategy == "STRICT_PACK":
+        return place(strategy, count=len(ranks), demand=demand, nodes=nodes, occupied=occupied)
+    if strategy not in ("PACK", "SPREAD"):
+        raise ResourceError(f"placement_strategy={strategy!r} cannot keep tensor-parallel groups of {group_size} "
+                            "owners on one node each; use 'PACK', 'SPREAD' or 'STRICT_PACK'")
+    new = set(ranks)
+    load = Counter(node for r, node in enumerate(occupied) if r not in new and node)
+    rooms = {n.node_id: n for n in nodes}
+    homes: dict[int, str] = {}
+    for rank in ranks:
+        group = rank // group_size
+        if group in homes:
+            continue
+        members = range(group * group_size, (group + 1) * group_size)
+        there = {occupied[r] for r in members if r < len(occupied) and r not in new and occupied[r]}
+        need = sum(1 for r in members if r in new)
+        if len(there) > 1:
+            raise ResourceError(f"tensor-parallel group {group} (ranks {members.start}-{members.stop - 1}) is on "
+                                f"several nodes already ({sorted(there)})")
+        if there:
+            home = there.pop()
+            if home not in rooms or not rooms[home].fits(demand, load[home] + need):
+                raise ResourceError(f"tensor-parallel group {group}'s node {home} is gone or has no room for "
+                                    f"{need} more owners of {dict(demand)}; its owners must share one node")
+        else:
+            fitting = [n for n in nodes if n.fits(demand, load[n.node_id] + need)]
+            if not fitting:
+                raise ResourceError(f"no node has room for a tensor-parallel group of {need} owners of "
+                                    f"{dict(demand)} (nodes: {[dict(n.total) for n in nodes]}, this run's owners "
+                                    f"on them: {dict(load)}); a TP group's owners share one node")
+            sign = -1 if strategy == "PACK" else 1
+            home = min(fitting, key=lambda n: (sign * load[n.node_id], n.node_id)).node_id
+        homes[group] = home
+        load[home] += need
+    return [Target(node=homes[r // group_size]) for r in ranks]

@@ -8,18 +8,38 @@ ObjectRef, so nothing is pinned.
 
 ``IndexedBatch`` (``fit``): each owner holds the dataset; the request carries that owner's
 indices and the owner builds its piece. The driver keeps no batches, only indices.
+
+With tensor parallelism of size T the batch is cut for the D = world_size / T data-parallel
+ranks, and every owner of a TP group (ranks ``d T .. d T + T - 1``) gets data-parallel rank
+``d``'s piece: one object staged to all T of them, or the same indices
+(``core/tensor_parallel_ranks.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import ray
 
 from zero_ray.control.handlers import Piece, RelayStepArgs, StepArgs
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes
+from zero_ray.core.tensor_parallel_ranks import TensorParallelRanks
 from zero_ray.errors import ConfigError
+
+V = TypeVar("V")
+
+
+def data_rank_sizes(samples: int, ranks: TensorParallelRanks) -> list[int]:
+    """Each data-parallel rank's share of ``samples`` (as even as possible, in order)."""
+    return split_sizes(samples, ranks.data_parallel)
+
+
+def per_owner(values: Sequence[V], ranks: TensorParallelRanks) -> list[V]:
+    """One entry per data-parallel rank, repeated for each of its T owners (rank order)."""
+    return [values[ranks.dp_rank(r)] for r in range(ranks.world_size)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,9 +105,12 @@ class StagedBatch:
     def samples(self) -> int:
         return batch_size(self.batch)
 
-    def split(self, *, world_size: int, key: str) -> Outgoing:
-        """Every owner's piece put in the object store, to be staged under ``key``."""
-        refs = [ray.put(p) for p in split_batch(self.batch, split_sizes(self.samples, world_size))]
+    def split(self, *, world_size: int, key: str, tensor_parallel: int = 1) -> Outgoing:
+        """Every data-parallel rank's piece put in the object store once, to be staged under
+        ``key`` on each of its ``tensor_parallel`` owners."""
+        ranks = TensorParallelRanks(world_size=world_size, size=tensor_parallel)
+        pieces = [ray.put(p) for p in split_batch(self.batch, data_rank_sizes(self.samples, ranks))]
+        refs = per_owner(pieces, ranks)
         return Outgoing(key=key, world_size=world_size, piece=Piece(batch_key=key), objects=refs)
 
 
@@ -102,10 +125,21 @@ class IndexedBatch:
     def samples(self) -> int:
         return len(self.indices)
 
-    def split(self, *, world_size: int, key: str) -> Outgoing:
-        """Every owner's indices, packed; nothing to stage (each owner holds the dataset)."""
+    def split(self, *, world_size: int, key: str, tensor_parallel: int = 1) -> Outgoing:
+        """Every owner's indices, packed: its data-parallel rank's (the same for the
+        ``tensor_parallel`` owners of one); nothing to stage (each owner holds the dataset)."""
+        ranks = TensorParallelRanks(world_size=world_size, size=tensor_parallel)
+        sizes = data_rank_sizes(self.samples, ranks)
+        counts = per_owner(sizes, ranks)
+        indices = self.indices
+        if tensor_parallel > 1:  # each data-parallel rank's run of indices, once per owner of it
+            starts = [0]
+            for n in sizes:
+                starts.append(starts[-1] + n)
+            indices = tuple(i for r in range(world_size) for i in self.indices[starts[ranks.dp_rank(r)]:
+                                                                               starts[ranks.dp_rank(r) + 1]])
         return Outgoing(key=key, world_size=world_size, piece=Piece(dataset=self.dataset),
-                        counts=tuple(split_sizes(self.samples, world_size)), indices=self.indices)
+                        counts=tuple(counts), indices=tuple(indices))
 
 
 GlobalBatch = StagedBatch | IndexedBatch

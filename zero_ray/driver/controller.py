@@ -198,13 +198,15 @@ class Controller:
             flight = sent.flight
         else:
             assert sent is None, f"step {sent.index + 1} was sent ahead, but step {at.step + 1} runs next"
-            out = work.split(world_size=self._pool.world_size, key=f"{generation}:{at.step}")
+            out = work.split(world_size=self._pool.world_size, key=f"{generation}:{at.step}",
+                             tensor_parallel=self._pool.tensor_parallel)
             held = (out, self._pool.stage(out))
             flight = self._pool.start_step(self._command(at, work, out, ahead=False),
                                            timeout_s=self._step_timeout_s)
         try:
             if ahead is not None and self._pipelines(at.step, ahead):
-                following = ahead.split(world_size=self._pool.world_size, key=f"{generation}:{at.step + 1}")
+                following = ahead.split(world_size=self._pool.world_size, key=f"{generation}:{at.step + 1}",
+                                         tensor_parallel=self._pool.tensor_parallel)
                 # Its deadline counts from when this step is collected (below); gRPC's is an outer bound.
                 args = self._command(at.after(work.samples), ahead, following, ahead=True)
                 self._pool.stage(following)  # nothing for a dataset's pieces, the only ones sent ahead

@@ -36,7 +36,7 @@ from zero_ray.control.handlers import (
     SavePhase,
     SaveResult,
 )
-from zero_ray.core.placement import NodeRoom, Target, place
+from zero_ray.core.placement import NodeRoom, Target, place_groups
 from zero_ray.core.reply_combine import CombinedStep, combine_steps
 from zero_ray.core.reshard_plan import backup_peers
 from zero_ray.core.restore_plan import (
@@ -137,17 +137,17 @@ class OwnerPool:
             raise
 
     # -- membership ---------------------------------------------------------------------------------
-    def _targets(self, count: int) -> list[Target]:
+    def _targets(self, ranks: range) -> list[Target]:
         nodes = [NodeRoom(node_id=n["NodeID"], total=n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
-        return place(self.spec.placement_strategy, count=count, demand=self.spec.demand, nodes=nodes,
-                     occupied=[n.get("node_id", "") for n in self.nodes])
+        return place_groups(self.spec.placement_strategy, ranks=ranks, group_size=self.spec.tensor_parallel,
+                            demand=self.spec.demand, nodes=nodes, occupied=[n.get("node_id", "") for n in self.nodes])
 
     def _launch(self, ranks: range, world_size: int, *, start: int = 0) -> list[Any]:
         """Create owner actors for ``ranks`` of a ``world_size``-owner pool (each asking Ray for
         its own slot); returns at once."""
         spec = self.spec
         new = []
-        for rank, target in zip(ranks, self._targets(len(ranks))):
+        for rank, target in zip(ranks, self._targets(ranks)):
             strategy: Any = "DEFAULT"
             if target.node is not None:
                 strategy = NodeAffinitySchedulingStrategy(target.node, soft=False)
@@ -257,6 +257,11 @@ class OwnerPool:
     @property
     def world_size(self) -> int:
         return len(self.actors)
+
+    @property
+    def tensor_parallel(self) -> int:
+        """T: owners ``d T .. d T + T - 1`` form TP group d and read data-parallel rank d's piece."""
+        return self.spec.tensor_parallel
 
     def where(self, rank: int) -> str:
         return self.members.where(rank)

@@ -24,6 +24,7 @@ class PoolSpec:
     """How to place and start the owners."""
 
     world_size: int
+    tensor_parallel: int = 1  # T: owners r // T form one TP group, placed on one node (core/placement.py)
     use_gpu: bool
     num_cpus_per_owner: float
     backend: str

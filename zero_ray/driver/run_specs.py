@@ -17,11 +17,6 @@ from zero_ray.owner.step.run_spec import EngineSpec, LossFn, ModelFn, RunSpec
 def engine_spec(cfg: ZeroConfig, *, model_fn: ModelFn, loss_fn: LossFn, optimizers: tuple[OptimizerFactory, ...],
                 lr_scheduler: SchedulerFactory | None, device: str) -> EngineSpec:
     """What every owner needs to build the same model state and step it as ``cfg`` says."""
-    if cfg.tensor_parallel.size > 1:
-        # Refused rather than run as plain data parallelism: the owners do not form TP groups yet.
-        raise ConfigError(f"tensor_parallel size={cfg.tensor_parallel.size}: the owners do not form tensor-parallel "
-                          "groups yet (issue 45; the plan and the sharded modules are built, "
-                          "docs/tensor_parallel.md); use TensorParallel(size=1) for now")
     return EngineSpec(model_fn=model_fn, loss_fn=loss_fn, optimizers=optimizers,
                       plan=stage_plan(cfg.stage), compute_dtype=parse_dtype(cfg.dtype), device=device,
                       seed=cfg.seed, bucket_bytes=cfg.bucket_bytes, grad_accum_steps=cfg.grad_accum_steps,
@@ -30,7 +25,8 @@ def engine_spec(cfg: ZeroConfig, *, model_fn: ModelFn, loss_fn: LossFn, optimize
                       activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
                       offload=cfg.offload, lr_scheduler=lr_scheduler, optimizer_kinds=cfg.optimizer_kinds,
                       reduce_dtype=parse_dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None,
-                      on_nonfinite=cfg.on_nonfinite, topology=cfg.topology)
+                      on_nonfinite=cfg.on_nonfinite, topology=cfg.topology,
+                      tensor_parallel=cfg.tensor_parallel)
 
 
 def pool_spec(cfg: ZeroConfig, *, device: str, backend: str, optimizer: OptimizerFactory | list[OptimizerFactory],
@@ -39,7 +35,17 @@ def pool_spec(cfg: ZeroConfig, *, device: str, backend: str, optimizer: Optimize
     run's owners keep the config and factories (``optimizer``, ``lr_scheduler``) for a driver
     that attaches later."""
     elastic = cfg.elastic
-    return PoolSpec(world_size=cfg.world_size, use_gpu=device == "cuda",
+    tp = cfg.tensor_parallel.size
+    if tp > 1 and cfg.placement_strategy == "STRICT_SPREAD":
+        # every owner on a node of its own would split each TP group across nodes
+        raise ConfigError(f"placement_strategy='STRICT_SPREAD' puts every owner on a node of its own, but "
+                          f"tensor_parallel size={tp} keeps each group of {tp} owners on one node; use 'PACK' "
+                          "or 'SPREAD' (TP groups are pinned to a node each) or 'STRICT_PACK'")
+    if tp > 1 and elastic.redundancy == "peer":
+        raise ConfigError(f"ElasticConfig(redundancy='peer') with tensor_parallel size={tp}: restoring a lost "
+                          "owner from its data-parallel peers' copies of its TP shard is not built yet (issue 45, "
+                          "docs/tensor_parallel.md); use redundancy='none' and checkpoints")
+    return PoolSpec(world_size=cfg.world_size, tensor_parallel=tp, use_gpu=device == "cuda",
                     num_cpus_per_owner=cfg.num_cpus_per_owner, backend=backend,
                     placement_strategy=cfg.placement_strategy, collective_timeout_s=cfg.collective_timeout_s,
                     init_timeout_s=cfg.init_timeout_s, capacity_timeout_s=cfg.capacity_timeout_s,

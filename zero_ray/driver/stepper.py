@@ -67,9 +67,11 @@ class Stepper:
             self._life.require_ready()
             cfg = self._config
             n = work.samples
-            if n < self.world_size * cfg.grad_accum_steps:
-                raise ConfigError(f"global batch of {n} samples is smaller than world_size * grad_accum_steps = "
-                                  f"{self.world_size} * {cfg.grad_accum_steps}; every rank needs at least one "
+            tp = cfg.tensor_parallel.size  # a TP group's owners read one piece
+            if n < self.world_size // tp * cfg.grad_accum_steps:
+                per = " / tensor_parallel" if tp > 1 else ""
+                raise ConfigError(f"global batch of {n} samples is smaller than world_size{per} * grad_accum_steps = "
+                                  f"{self.world_size // tp} * {cfg.grad_accum_steps}; every rank needs at least one "
                                   "sample per micro-batch")
             start = time.perf_counter()
             reply = self._controller.step(work, ahead=ahead)
@@ -97,7 +99,8 @@ class Stepper:
             def attempt() -> dict[str, float]:
                 generation = self._pool.generation
                 self._evaluations += 1
-                out = work.split(world_size=self.world_size, key=f"{generation}:eval{self._evaluations}")
+                out = work.split(world_size=self.world_size, key=f"{generation}:eval{self._evaluations}",
+                                 tensor_parallel=self._pool.tensor_parallel)
                 held = (out, self._pool.stage(out))
                 results = self._pool.evaluate([EvaluateArgs(piece=p, generation=generation) for p in out.pieces],
                                               timeout_s=cfg.step_timeout_s)

@@ -13,7 +13,6 @@ the trainer.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import tempfile
 import uuid
@@ -40,6 +39,7 @@ from zero_ray.core.optimizer_plan import (
 )
 from zero_ray.core.elastic_policy import FailurePolicy, ScalingPolicy
 from zero_ray.core.run_position import Position
+from zero_ray.core.tensor_parallel_ranks import TensorParallelRanks
 from zero_ray.driver.attach import FoundRun, check_layout
 from zero_ray.driver.callbacks import Callback, Callbacks, EventLog, check_callbacks
 from zero_ray.driver.checkpoint_api import CheckpointAPI
@@ -58,6 +58,7 @@ from zero_ray.driver.reports import ResizeReport, StepMetrics
 from zero_ray.driver import resume
 from zero_ray.driver.run_specs import engine_spec, pool_spec
 from zero_ray.driver.stepper import Stepper
+from zero_ray.driver.tp_consolidation import join_fragments, split_dims, whole_counts
 from zero_ray.errors import ConfigError, ZeroRayError
 from zero_ray.owner.step.run_spec import LossFn, ModelFn
 
@@ -167,6 +168,8 @@ class ZeroTrainer:
                                                             self._credentials))
         self.num_params: int = self._pool.model.numel
         self.num_trainable_params: int = self._pool.model.trainable_numel
+        if cfg.tensor_parallel.size > 1:  # the owners' layout holds a TP slice: count the whole model
+            self.num_params, self.num_trainable_params = whole_counts(model_fn)
         if _found is not None:
             resume.take_over(_found, controller=self._controller, pool=self._pool, callbacks=self._callbacks)
         log.info("zero_ray: stage %d, %d owners on %s/%s, %d parameters", cfg.stage, self.world_size, self.device,
@@ -341,15 +344,13 @@ class ZeroTrainer:
         ``requires_grad=True`` (a PEFT adapter's weights, without the frozen base model)."""
         model = self._pool.model
         shapes = {n: s for n, s in model.shapes.items() if n in model.trainable or not trainable_only}
-        out = {name: torch.empty(math.prod(shape), dtype=torch.float32) for name, shape in shapes.items()}
-        # Stage 0 owners each hold all of a parameter; sharded owners a range of it.
+        # Stage 0 owners each hold all of a parameter; sharded owners a range of it; with tensor
+        # parallelism, of their TP rank's shard, joined along the plan's dimensions.
         gathered = self._controller.run(Call(name="full_state_dict", needs_ready=False, attempt=lambda: (
             self._pool.master_fragments(timeout_s=self.config.init_timeout_s))))
-        for fragments in gathered:
-            for name, (lo, hi, values) in fragments.items():
-                if name in out:
-                    out[name][lo:hi] = values
-        return {name: out[name].view(shape) for name, shape in shapes.items()}
+        tp = self.config.tensor_parallel
+        dims = split_dims(self._engine.model_fn, tp) if tp.size > 1 else {}
+        return join_fragments(gathered, local_shapes=shapes, size=tp.size, dims=dims)
 
     # -- elasticity -------------------------------------------------------------------------------------
     def resize(self, world_size: int) -> ResizeReport:
@@ -363,9 +364,12 @@ class ZeroTrainer:
         during the transfer aborts it at once: the run is recovered (peer copies or a
         checkpoint) and ``ResizeInterrupted`` raised, or the run fails with the reason.
         With shard groups or hpZ the size is a multiple of the group sizes: groups join and leave
-        whole, a new group taking the first group's live state."""
+        whole, a new group taking the first group's live state. With tensor parallelism the size
+        is a multiple of T: D changes, T stays, and each TP shard reshards over its D owners."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size={world_size!r} must be an integer >= 1")
+        # keeps T: whole TP groups join or leave (ConfigError naming the sizes that work)
+        TensorParallelRanks(world_size=world_size, size=self.config.tensor_parallel.size)
         self._recovery.scaling.check_resize(world_size)
         self.config.topology.check_resize(self.world_size, world_size)
         return self._resize(world_size, desired=world_size)

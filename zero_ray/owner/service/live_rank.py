@@ -272,18 +272,24 @@ class LiveRank:
     def _reshard(self, *, old_world: int, new_world: int, generation: int, reshard: ReshardPlan) -> int:
         me = self.rank
         info = reshard.description
-        plan = TransferPlan.of(info, old_world=old_world, new_world=new_world)
+        # With tensor parallelism each TP shard's data-parallel group reshards on its own: TP rank
+        # t of data-parallel rank d is actor d T + t in both layouts (a resize keeps T), so the
+        # plan is over D ranks and its moves go between actors holding the same shard.
+        tp = self._spec.tensor_parallel.size
+        t, dp_me = me % tp, me // tp
+        plan = TransferPlan.of(info, old_world=old_world // tp, new_world=new_world // tp)
         old = self._engine
         if self._group is not None:
             self._group.destroy()
             self._group = None
         self.generation, self.world_size = generation, max(old_world, new_world)
         transfer = self._join()
-        staged = plan.staging(me, new_world) if me < new_world else None
-        sources = ({me: RankState(slices=old.state.optimizer_slices(),
-                                  whole=old.state.optimizer.whole_state(saver_only=True))} if old is not None else {})
-        sent = exchange(plan, me=me, sources=sources, senders=list(range(old_world)), staged=staged,
-                        group=transfer, timeout_s=self._settings.collective_timeout_s)
+        staged = plan.staging(dp_me, new_world // tp) if me < new_world else None
+        sources = ({dp_me: RankState(slices=old.state.optimizer_slices(),
+                                     whole=old.state.optimizer.whole_state(saver_only=True))} if old is not None else {})
+        sent = exchange(plan, me=me, sources=sources, senders=list(range(t, old_world, tp)), staged=staged,
+                        group=transfer, timeout_s=self._settings.collective_timeout_s,
+                        receivers=list(range(t, new_world, tp)))
         self._engine = old = None  # the old state is no longer needed: free it before building the new
         self.world_size = new_world
         if new_world != transfer.world_size:

@@ -233,7 +233,7 @@ class OwnerEngine:
             self.guard.restore(kept)
         if not refused:
             self.position = at.after(global_samples)
-        return StepResult(rank=self.rank, totals=tally.totals(samples, piece), grad_norm=norm, skipped=skipped, lr=lr,
+        return StepResult(rank=self.rank, totals=self._reported(tally.totals(samples, piece)), grad_norm=norm, skipped=skipped, lr=lr,
                           loss_scale=scale, compute_seconds=compute, bytes_sent=self.last_bytes,
                           nonfinite_loss_ranks=bad.loss_ranks if bad else (),
                           nonfinite_grad_ranks=bad.grad_ranks if bad else (), refused=refused)
@@ -255,7 +255,15 @@ class OwnerEngine:
         finally:
             self.module.train(was_training)
             self.flight.phase(IDLE)
-        return tally.totals(batch_size(piece), piece)
+        return self._reported(tally.totals(batch_size(piece), piece))
+
+    def _reported(self, totals: LossTotals) -> LossTotals:
+        """What this rank reports of its piece's loss: the T ranks of a TP group read the same
+        samples, so TP rank 0 speaks for them and the others report none; summed over every
+        rank's reply (the driver's, a relay's) the totals are then the data-parallel ranks' own."""
+        if self.fabric.ranks.tp_rank(self.rank) == 0:
+            return totals
+        return LossTotals(loss_sum=0.0, samples=0, count=0.0, counted=False, items=0.0)
 
     def _update(self, *, inv_scale: float, count: float | None, global_samples: int,
                 loss_finite: bool) -> tuple[float, bool, _NonFinite | None]:
