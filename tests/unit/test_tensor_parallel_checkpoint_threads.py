@@ -15,7 +15,8 @@ import safetensors.torch
 import torch
 
 import zero_ray as zr
-from test_tensor_parallel_engine_threads import BATCH, SEQ, VOCAB, Mlp, llama, lm_loss, mse
+from test_tensor_parallel_engine_threads import Mlp, mse
+from tp_llama import BATCH, SEQ, VOCAB, llama, lm_loss
 from thread_ranks import run_tp_ranks
 from zero_ray.checkpoint.format import MASTER
 from zero_ray.checkpoint.store import CheckpointReader
