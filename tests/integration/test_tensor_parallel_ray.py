@@ -6,21 +6,29 @@ stage 3 AdamW and (2, 2) stage 2 SGD, the latter resized D 2 -> 3 -> 2 at T = 2 
 still within 1e-6 of the uninterrupted run; every TP rank of a data-parallel rank reads its samples
 (one staged object each; fit's indices alike: a fit over token files continues the (2, 2) run
 within 1e-5 of one process reading the documented block order), the step's loss counts each
-sample once, and what is not built on Ray yet is refused by name. The full matrix runs on thread ranks
+sample once, and what is not built on Ray yet is refused by name. The (2, 2) run saves a
+checkpoint (each owner its TP slice, consolidated to the run's weights exactly), then an owner's
+process is SIGKILLed between calls: fit restores the surviving whole TP group from that checkpoint
+and still ends within 1e-5 of one process. The full matrix runs on thread ranks
 (tests/unit/test_tensor_parallel_engine_threads.py); the placement plan is tested purely
 (tests/unit/test_placement.py: on this one-node machine every group is on one node anyway)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
+import safetensors.torch
 import torch
 
 import zero_ray as zr
 from fit_order import reference_block_indices, token_windows
 from tp_llama import CLIP, OPTIMIZERS, VOCAB, batches, first_norm, llama, lm_loss, reference
+from zero_ray.checkpoint.tools import consolidate
 from zero_ray.core.memory_formulas import model_state_bytes, optimizer_bytes_per_param
 from zero_ray.testing import single_process
 
@@ -51,7 +59,8 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
     fitted = token_corpus(tmp_path) if data_parallel > 1 else []
     resizes = data_parallel > 1
     cfg = zr.ZeroConfig(stage=stage, world_size=size * data_parallel, max_grad_norm=CLIP,
-                        tensor_parallel=zr.TensorParallel(size=size))
+                        tensor_parallel=zr.TensorParallel(size=size),
+                        checkpoint=zr.CheckpointConfig(dir=str(tmp_path / "ckpt")))
     with zr.ZeroTrainer(llama, lm_loss, optimizer=OPTIMIZERS[optimizer], config=cfg) as trainer:
         metrics = []
         for k, b in enumerate(batches(STEPS)):
@@ -63,23 +72,34 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
         evaluated = trainer.evaluate(batches(1)[0])
         memory = trainer.memory_report()
         comm = trainer.comm_report()
-        with pytest.raises(zr.ConfigError, match=r"save_checkpoint\(\) with tensor_parallel size=2: checkpoints "
-                                                 r"do not address tensor-parallel shards"):
-            trainer.save_checkpoint(str(tmp_path))
+        saved = trainer.save_checkpoint(wait=True)  # each owner writes its TP slice with its offsets
         with pytest.raises(zr.ConfigError, match=r"world_size=5 is not divisible by tensor_parallel size=2"):
             trainer.resize(5)
         assert trainer.world_size == size * data_parallel
         if fitted:  # fit's indices: each data-parallel rank's, sent to both its owners
+            # An owner of TP group 1 SIGKILLed between calls: fit finds it lost and restores every
+            # TP shard from the checkpoint just saved, at a multiple of T.
+            pid = ray.get(trainer.actors[3].node.remote(), timeout=60)["pid"]
+            os.kill(pid, signal.SIGKILL)
             source = zr.data.TokenFiles(str(tmp_path / "train-*.bin"), seq_len=SEQ, block_tokens=64, window=WINDOW)
             result = trainer.fit(source, global_batch_size=FIT_BATCH, steps=STEPS + FIT_STEPS, seed=SEED,
                                  progress=False)
             assert result["steps_run"] == FIT_STEPS
             after_fit = trainer.full_state_dict()
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)  # the kill fired
+            (recovery,) = trainer.recoveries
+            assert 3 in recovery.lost and str(recovery.source) == "checkpoint", recovery
+            # restored onto the surviving whole TP group (3 survivors round down to T = 2 owners), the
+            # replacements joining as a whole group once up
+            assert recovery.world_size_after == size and trainer.world_size % size == 0
     if fitted:
         want, _ = single_process(llama, lm_loss, OPTIMIZERS[optimizer], batches(STEPS) + fitted, max_grad_norm=CLIP,
                                  pieces=(data_parallel, 1))
         assert max(float((after_fit[k] - want[k]).abs().max()) for k in want) <= TOLERANCE
     assert got.keys() == ref.keys()
+    whole = safetensors.torch.load_file(consolidate(saved, str(tmp_path / "whole.safetensors")))
+    assert all(torch.equal(whole[k], got[k]) for k in got)  # the TP slices joined: the run's weights
     for name, value in got.items():
         assert value.shape == ref[name].shape, name
         # a resize keeps the run: within 1e-6 of the uninterrupted one (D = 3's pieces sum the

@@ -40,13 +40,6 @@ class CheckpointAPI:
         """The storage and path of ``path`` (with ``filesystem``), else of the configured
         directory (with the configured filesystem), else a ConfigError saying how to give one.
         A filesystem object is handed to every owner first."""
-        tp = self._pool.tensor_parallel
-        if tp > 1:
-            # Each TP rank's shard would be written (and read) under the same names and ranges:
-            # refused rather than a checkpoint that silently mixes shards.
-            raise ConfigError(f"{what} with tensor_parallel size={tp}: checkpoints do not address tensor-parallel "
-                              "shards yet (issue 45: TP-aware checkpoints, docs/tensor_parallel.md); train with "
-                              "TensorParallel(size=1) to save, load or export")
         if path is None:
             if self._config.dir is None:
                 raise ConfigError(f"{what} needs a path, or ZeroConfig(checkpoint=CheckpointConfig(dir=...))")

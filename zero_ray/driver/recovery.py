@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -293,6 +294,7 @@ class RecoveryController:
             mesh = replica_mesh(pool, self._topology, lost) if pool.generation == first else None
             size = self._topology.shard_group_size
             multiple = size if isinstance(size, int) else (mesh.shard if mesh is not None else 1)
+            multiple = math.lcm(multiple, pool.tensor_parallel)  # whole TP groups, as a resize takes
             target = self.scaling.after_loss(survivors=len(survivors), desired=self.desired,
                                               free_slots=pool.free_slots() if replacements else 0, multiple=multiple)
             if target is None:
@@ -426,5 +428,6 @@ class RecoveryController:
         multiple = self._topology.resize_multiple()
         if target is None or multiple is None:
             return None
+        multiple = math.lcm(multiple, self._pool.tensor_parallel)
         target -= target % multiple
         return target if target > current else None
