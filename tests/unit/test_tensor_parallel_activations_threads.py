@@ -7,11 +7,15 @@ each rank keeps measured against the unpartitioned run, and the gathers' bytes c
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 import zero_ray as zr
+from benchmarks.tensor_parallel import RankBytes
 from test_tensor_parallel_engine_threads import BATCH, CLIP, OPTIMIZERS, SEQ, TOLERANCE, batches, llama, lm_loss, reference
-from thread_ranks import run_tp_ranks
+from thread_ranks import engine_spec, on_threads, run_tp_ranks
+from zero_ray.owner.step.engine import OwnerEngine
 from zero_ray.core.stage3_units import WrapPolicy
 
 BLOCKS = WrapPolicy(classes=("LlamaDecoderLayer",))
@@ -67,6 +71,36 @@ def test_each_rank_keeps_one_tth_of_the_checkpoints_and_the_gather_is_counted_ap
         print(f"\nT={size}: P_a's all-gathers {pa['tp_activation']:,} bytes per step, "
               f"{ratio:.1%} of the TP all-reduces' {pa['tp_all_reduce']:,}")
         assert ratio < 0.1  # the paper: under 10% of the model-parallel traffic
+
+
+def _forward_retained(size: int, partition: bool) -> list[int]:
+    """Per rank, the bytes a training forward's tensors still hold when it returns (what its graph
+    keeps for backward), counted by a dispatch mode on each rank's own thread."""
+    spec = engine_spec(llama, lm_loss, OPTIMIZERS["sgd"], stage=2, checkpointing=checkpointing(partition=partition),
+                       tensor_parallel=zr.TensorParallel(size=size))
+    ids, build = batches()[0], threading.Lock()
+
+    def rank_main(group: object) -> int:
+        with build:  # the seeded whole module, from the process-wide RNG: one rank at a time
+            engine = OwnerEngine(spec, rank=group.rank, group=group)  # type: ignore[attr-defined]
+        group.barrier()  # type: ignore[attr-defined]
+        mode = RankBytes()
+        with mode:
+            loss = lm_loss(engine.module, ids)
+        group.barrier()  # type: ignore[attr-defined]  # every rank's forward over: no collective buffer in flight
+        retained = mode.live
+        del loss
+        return retained
+
+    return on_threads(size, rank_main)
+
+
+def test_what_a_forward_keeps_drops_by_the_checkpoints_three_quarters_measured_apart() -> None:
+    # measured without the ledger: P_a frees each block's whole input and keeps its 1/T
+    size = 4
+    whole, pa = _forward_retained(size, False), _forward_retained(size, True)
+    hidden_state = BATCH * SEQ * HIDDEN * 4
+    assert [w - p for w, p in zip(whole, pa)] == [LAYERS * hidden_state * (size - 1) // size] * size
 
 
 def test_partition_option_is_checked() -> None:
