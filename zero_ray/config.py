@@ -106,17 +106,25 @@ class ActivationCheckpointing:
     (with the forward's RNG state, so dropout draws the same masks).
 
     offload: keep those inputs in host memory (pinned, copied asynchronously, on a GPU) until
-        the unit's backward brings them back.
+        the unit's backward brings them back. On CPU owners they are in host memory already:
+        nothing moves.
+    partition: with tensor parallelism (T > 1), each TP rank keeps 1/T of every unit's input
+        (replicated over the TP group) and all-gathers it just before the recomputation (the
+        paper's P_a; with ``offload``, P_a+cpu). None (default): on when T > 1.
     wrap_policy: which modules; None for the run's ``Stage3Config.wrap_policy`` (at stages 0-2,
         the default policy: each transformer block). Same forms as that option.
     """
 
     offload: bool = False
     wrap_policy: Any = None
+    partition: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, bool):
             raise ConfigError(f"offload={self.offload!r} must be True or False")
+        if self.partition is not None and not isinstance(self.partition, bool):
+            raise ConfigError(f"partition={self.partition!r} must be True, False or None (on when tensor_parallel "
+                              "size > 1)")
         if self.wrap_policy is not None:
             object.__setattr__(self, "wrap_policy", _wrap_policy(self.wrap_policy))
 

@@ -42,7 +42,7 @@ from zero_ray.core.stage3_units import (
 )
 from zero_ray.errors import ConfigError
 from zero_ray.owner.tensors.accounting import StateCounter, held_storage_bytes
-from zero_ray.owner.construction.activations import apply_activation_checkpointing
+from zero_ray.owner.construction.activations import SavedInputs, apply_activation_checkpointing
 from zero_ray.owner.tensors.buffers import BufferPool
 from zero_ray.owner.construction.compiled import apply_compile
 from zero_ray.owner.construction.tensor_sharding import shard_model
@@ -102,6 +102,7 @@ class ModelState:
         self.stream: CommStream  # the rank's comm thread: every collective of a step, in order
         self.reducer: GradReducer
         self.checkpointed: list[str] = []  # paths of the units whose activations are recomputed
+        self.saved_inputs = SavedInputs()  # P_a (T > 1): the checkpointed inputs this rank keeps and gathers
         self.compiled: list[str] = []  # paths of the units whose forward is torch.compile'd
         self.state_files: StateFiles | None = None  # Offload(...="nvme"): where offloaded state lives
         self.tp_plan: TensorParallelPlan | None = None  # T > 1: how the module was split over the TP group
@@ -210,9 +211,11 @@ class ModelState:
                                           spec.compile)
         ac = spec.activation_checkpointing
         if ac is not None:
+            tp = self.fabric.tensor
+            partition = tp if tp is not None and ac.partition is not False else None  # P_a: on by default
             self.checkpointed = apply_activation_checkpointing(
                 module, self._unit_paths(ac.wrap_policy, infos, sites, numels, units, what="activation_checkpointing"),
-                offload=ac.offload)
+                offload=ac.offload, partition=partition, ledger=self.saved_inputs)
         for g in self.groups:
             g.acquire_grads()  # counted by memory_report() before the first step
         if self.tp_plan is not None:

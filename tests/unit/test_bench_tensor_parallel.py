@@ -1,0 +1,32 @@
+"""benchmarks.tensor_parallel's pure parts: the longest length solved from two measured steps, and
+the per-thread byte count its budget is enforced by."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.tensor_parallel import RankBytes, Step, solve
+
+
+def step(seq: int, peak: int) -> Step:
+    return Step(seq=seq, step_s=0.0, peak_bytes=peak, held_bytes=0, tp_bytes=0, tp_activation_bytes=0, dp_bytes=0,
+                activation_bytes=0, loss=0.0)
+
+
+def test_solve_takes_the_longest_granule_multiple_under_the_budget() -> None:
+    a, b = step(100, 1_000 + 100 * 10), step(200, 1_000 + 200 * 10)  # 10 bytes a token over 1,000
+    assert solve(a, b, budget=1_000 + 1_000 * 10, granule=1) == 1_000
+    assert solve(a, b, budget=1_000 + 1_000 * 10 - 1, granule=64) == 960
+    assert solve(a, b, budget=500, granule=64) == 0
+
+
+def test_rank_bytes_counts_live_storages_and_their_peak() -> None:
+    mode = RankBytes()
+    with mode:
+        x = torch.ones(1024)  # 4 KiB
+        y = x * 2  # 4 KiB more
+        del x, y
+        z = torch.zeros(256)  # 1 KiB
+    assert mode.peak == 8192
+    assert mode.live == 1024
+    del z
