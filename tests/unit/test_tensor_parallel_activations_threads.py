@@ -13,7 +13,8 @@ import pytest
 
 import zero_ray as zr
 from benchmarks.tensor_parallel import RankBytes
-from test_tensor_parallel_engine_threads import BATCH, CLIP, OPTIMIZERS, SEQ, TOLERANCE, batches, llama, lm_loss, reference
+from test_tensor_parallel_engine_threads import STEPS, TOLERANCE
+from tp_llama import BATCH, CLIP, OPTIMIZERS, SEQ, batches, llama, lm_loss, reference
 from thread_ranks import engine_spec, on_threads, run_tp_ranks
 from zero_ray.owner.step.engine import OwnerEngine
 from zero_ray.core.stage3_units import WrapPolicy
@@ -29,8 +30,8 @@ def checkpointing(**options: object) -> zr.ActivationCheckpointing:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize(("size", "data_parallel"), [(2, 1), (2, 2)])
 def test_partitioned_checkpoints_match_single_process(size: int, data_parallel: int, stage: int) -> None:
-    ref, ref_losses = reference("adamw", data_parallel)
-    got, losses, engines, _ = run_tp_ranks(size, data_parallel, llama, lm_loss, OPTIMIZERS["adamw"], batches(),
+    ref, ref_losses = reference("adamw", data_parallel, STEPS)
+    got, losses, engines, _ = run_tp_ranks(size, data_parallel, llama, lm_loss, OPTIMIZERS["adamw"], batches(STEPS),
                                            stage=stage, clip=CLIP, checkpointing=checkpointing())
     assert engines[0].state.checkpointed == [f"model.layers.{i}" for i in range(LAYERS)]
     assert all(e.state.saved_inputs.gathered_bytes > 0 for e in engines)  # P_a is on by default at T > 1
@@ -41,8 +42,8 @@ def test_partitioned_checkpoints_match_single_process(size: int, data_parallel: 
 
 def test_p_a_with_offload_on_cpu_owners_trains_the_same() -> None:
     # P_a+cpu: on CPU owners the kept slice is in host memory already, nothing moves
-    ref, _ = reference("sgd", 2)
-    got, _, engines, _ = run_tp_ranks(2, 2, llama, lm_loss, OPTIMIZERS["sgd"], batches(), stage=2, clip=CLIP,
+    ref, _ = reference("sgd", 2, STEPS)
+    got, _, engines, _ = run_tp_ranks(2, 2, llama, lm_loss, OPTIMIZERS["sgd"], batches(STEPS), stage=2, clip=CLIP,
                                       checkpointing=checkpointing(partition=True, offload=True))
     assert max(float((got[k] - ref[k]).abs().max()) for k in ref) <= TOLERANCE
     assert all(e.state.saved_inputs.kept_bytes * 2 == e.state.saved_inputs.whole_bytes for e in engines)
@@ -50,7 +51,7 @@ def test_p_a_with_offload_on_cpu_owners_trains_the_same() -> None:
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_each_rank_keeps_one_tth_of_the_checkpoints_and_the_gather_is_counted_apart(size: int) -> None:
-    steps = batches()[:2]
+    steps = batches(STEPS)[:2]
     kept = {}
     sent = {}
     for partition in (False, True):
@@ -78,7 +79,7 @@ def _forward_retained(size: int, partition: bool) -> list[int]:
     keeps for backward), counted by a dispatch mode on each rank's own thread."""
     spec = engine_spec(llama, lm_loss, OPTIMIZERS["sgd"], stage=2, checkpointing=checkpointing(partition=partition),
                        tensor_parallel=zr.TensorParallel(size=size))
-    ids, build = batches()[0], threading.Lock()
+    ids, build = batches(STEPS)[0], threading.Lock()
 
     def rank_main(group: object) -> int:
         with build:  # the seeded whole module, from the process-wide RNG: one rank at a time
