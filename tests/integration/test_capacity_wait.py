@@ -1,7 +1,7 @@
 """Start-up waits for room, within a bound (core/capacity.py, driver/pool_spec.await_room).
 
 On a Ray cluster of its own: a trainer of 2 owners on a cluster with room for 1, whose second
-node joins 20 s later, waits (saying so), then starts and trains as one process would. On the
+node joins 5 s later, waits (saying so), then starts and trains as one process would. On the
 session's Ray: at the bound, the error names what was missing, the bound and the fix."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from zero_ray.models import mlp, mse_loss
 SCRIPT = os.path.join(REPO_ROOT, "tests", "integration", "capacity_wait_run.py")
 
 
-def test_two_owners_on_room_for_one_wait_for_the_node_that_joins_20s_later_then_train() -> None:
+def test_two_owners_on_room_for_one_wait_for_the_node_that_joins_5s_later_then_train() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=300, env=env,
                           cwd=REPO_ROOT)

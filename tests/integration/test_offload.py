@@ -25,35 +25,45 @@ from zero_ray.testing import single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 STEPS, SAVE_AT = 4, 2
+OPT = zr.AdamW(lr=1e-2, weight_decay=0.1)
+BATCHES = token_batches(steps=STEPS, n=6)
 
 
-def _run(tmp_path: Path, name: str, *, before: zr.Offload, after: zr.Offload,
-         stages: tuple[int, int] = (2, 3)) -> dict[str, torch.Tensor]:
-    """Two steps at ``stages[0]`` on 2 owners, a save, then the last two resumed at ``stages[1]`` on 3."""
-    opt = zr.AdamW(lr=1e-2, weight_decay=0.1)
-    batches = token_batches(steps=STEPS, n=6)
-    trainer = zr.ZeroTrainer(gpt2_lm, causal_lm_loss, optimizer=opt,
-                             config=zr.ZeroConfig(stage=stages[0], world_size=2, device="cpu", offload=before,
+def _save(tmp_path: Path, name: str, *, before: zr.Offload, stage: int) -> str:
+    """The first two steps at ``stage`` on 2 owners with the state where ``before`` puts it, then a save."""
+    trainer = zr.ZeroTrainer(gpt2_lm, causal_lm_loss, optimizer=OPT,
+                             config=zr.ZeroConfig(stage=stage, world_size=2, device="cpu", offload=before,
                                                   elastic=zr.ElasticConfig(redundancy="peer")))
     try:
-        for batch in batches[:SAVE_AT]:
+        for batch in BATCHES[:SAVE_AT]:
             trainer.step(batch)
         for r in trainer.memory_report():  # the peer copies live where the state does
             if before.optimizer_on_nvme:
                 assert r["nvme"] > 0 and r["redundancy_nvme"] > 0 and r["redundancy_host"] == 0, r
             else:
                 assert r["nvme"] == r["redundancy_nvme"] == 0 < r["redundancy_host"], r
-        saved = trainer.save_checkpoint(tmp_path / name, wait=True)
+        return str(trainer.save_checkpoint(tmp_path / name, wait=True))
     finally:
         trainer.shutdown()
-    resumed = zr.ZeroTrainer.from_checkpoint(saved, gpt2_lm, causal_lm_loss, optimizer=opt,
-                                             config=zr.ZeroConfig(stage=stages[1], world_size=3, device="cpu",
+
+
+def _resume(saved: list[str], *, stage: int, after: zr.Offload) -> list[dict[str, torch.Tensor]]:
+    """Each checkpoint in ``saved`` resumed at ``stage`` on 3 owners with the state where ``after``
+    puts it, and the last two steps run: the first through ``from_checkpoint``, each next one
+    loaded into the same trainer (one pool's start for several checkpoints: this test's cost)."""
+    resumed = zr.ZeroTrainer.from_checkpoint(saved[0], gpt2_lm, causal_lm_loss, optimizer=OPT,
+                                             config=zr.ZeroConfig(stage=stage, world_size=3, device="cpu",
                                                                   offload=after))
+    out = []
     try:
-        for batch in batches[SAVE_AT:]:
-            resumed.step(batch)
-        assert all((r["nvme"] > 0) == after.any_on_nvme for r in resumed.memory_report())
-        return resumed.full_state_dict()
+        for k, path in enumerate(saved):
+            if k:
+                assert resumed.load_checkpoint(path) == SAVE_AT
+            for batch in BATCHES[SAVE_AT:]:
+                resumed.step(batch)
+            assert all((r["nvme"] > 0) == after.any_on_nvme for r in resumed.memory_report())
+            out.append(resumed.full_state_dict())
+        return out
     finally:
         resumed.shutdown()
 
@@ -63,12 +73,19 @@ def test_a_checkpoint_resumes_across_tiers(tmp_path: Path) -> None:
     disk = zr.Offload(optimizer="nvme", path=str(tmp_path / "nvme"))
     everything = zr.Offload(optimizer="nvme", params="nvme", path=str(tmp_path / "nvme"))  # stage 3's shards too
     memory = zr.Offload()
-    refs = {stages: _run(tmp_path, f"memory{stages}", before=memory, after=memory, stages=stages)
-            for stages in ((2, 3), (3, 2))}
-    for k, (before, after, stages) in enumerate(((disk, memory, (2, 3)), (memory, everything, (2, 3)),
-                                                 (everything, memory, (3, 2)))):
-        got, ref = _run(tmp_path, f"run{k}", before=before, after=after, stages=stages), refs[stages]
-        assert max(float((got[n] - ref[n]).abs().max()) for n in ref) == 0.0, (before, after, stages)
+    memory2 = _save(tmp_path, "memory2", before=memory, stage=2)
+    disk2 = _save(tmp_path, "disk2", before=disk, stage=2)
+    memory3 = _save(tmp_path, "memory3", before=memory, stage=3)
+    everything3 = _save(tmp_path, "everything3", before=everything, stage=3)
+    # A checkpoint saved from disk goes through from_checkpoint (the path under test); the run that
+    # never offloaded is loaded into the same pool after it, its reference.
+    disk_to_memory, ref_23 = _resume([disk2, memory2], stage=3, after=memory)
+    everything_to_memory, ref_32 = _resume([everything3, memory3], stage=2, after=memory)
+    (memory_to_everything,) = _resume([memory2], stage=3, after=everything)
+    for got, ref, what in ((disk_to_memory, ref_23, "optimizer on disk at stage 2 -> memory at stage 3"),
+                           (memory_to_everything, ref_23, "memory at stage 2 -> everything on disk at stage 3"),
+                           (everything_to_memory, ref_32, "everything on disk at stage 3 -> memory at stage 2")):
+        assert max(float((got[n] - ref[n]).abs().max()) for n in ref) == 0.0, what
     assert not os.listdir(tmp_path / "nvme")  # the owners' files went with them
 
 

@@ -1,6 +1,7 @@
 """Stage 3 trains a model no actor could hold: each actor's address space is capped (RLIMIT_AS)
 below the size of one full fp32 copy of the model, so stage 2 fails while building it, and
-stage 3 with four actors and the low-memory construction trains it for several steps."""
+stage 3 with four actors and the low-memory construction trains it: two steps on one batch, the
+second's loss below the first's (a third step, 100M parameters gathered again, showed nothing more)."""
 
 from __future__ import annotations
 
@@ -47,13 +48,13 @@ def test_stage_2_cannot_build_the_model_under_the_cap_and_stage_3_trains_it() ->
                            stage3=Stage3Config(init="low_memory"))
     with zr.ZeroTrainer(model_fn, mse_loss, optimizer=opt, config=config) as trainer:
         assert trainer.num_params == PSI
-        losses = [trainer.step(_batch(0))["loss"] for _ in range(3)]
+        losses = [trainer.step(_batch(0))["loss"] for _ in range(2)]
         memory = trainer.memory_report()
     print(f"stage 3 under a {CAP_BYTES / 2**20:.0f} MiB cap per actor: losses {losses}, "
           f"rank 0 holds {memory[0]['total'] / 2**20:.1f} MiB "
           f"(model state {(memory[0]['params'] + memory[0]['grads']) / 2**20:.1f} MiB, "
           f"buffers {(memory[0]['gather_buffers'] + memory[0]['reduce_buffers']) / 2**20:.1f} MiB)")
-    assert losses[-1] < losses[0]  # the same batch three times: SGD lowers its loss
+    assert losses[-1] < losses[0]  # the same batch twice: SGD lowers its loss
     for rank in memory:
         assert rank["params"] + rank["padding_params"] == rank["padded_numel"] // 4 * 4  # fp32 shard, 1/4 each
         assert rank["total"] < CAP_BYTES

@@ -26,7 +26,8 @@ from zero_ray.testing import single_process
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 MLP_FN = functools.partial(mlp, 16, 3)
-STEPS, STALL_AT, STEP_TIMEOUT_S = 4, 2, 20.0
+# The stall is waited out once, at the step timeout: 10 s is still a hundred times a step here.
+STEPS, STALL_AT, STEP_TIMEOUT_S = 4, 2, 10.0
 MARK = -77.0
 
 
@@ -64,10 +65,11 @@ def test_a_stalled_rank_is_named_and_only_it_is_replaced(tmp_path: Path) -> None
     trainer = zr.ZeroTrainer(MLP_FN, functools.partial(blocks_once, marks=str(tmp_path)), optimizer=opt,
                              config=config)
     live: list[tuple[str, ...]] = []
+    stepped = threading.Event()
 
     def ask_while_stalled() -> None:  # what `zero-ray status --flight` asks, while the step hangs
-        deadline = time.monotonic() + STEP_TIMEOUT_S
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + STEP_TIMEOUT_S + 60  # the steps before the stall, then the stall
+        while not stepped.is_set() and time.monotonic() < deadline:
             if (tmp_path / "blocked").exists():
                 lines = trainer.job_status(flight=True).flight
                 if lines and lines[0].startswith("rank(s) [1] diverged"):
@@ -86,6 +88,7 @@ def test_a_stalled_rank_is_named_and_only_it_is_replaced(tmp_path: Path) -> None
         got = trainer.full_state_dict()
         reports = list(trainer.recoveries)
     finally:
+        stepped.set()
         trainer.shutdown()
     print(f"step seconds {[round(s, 2) for s in seconds]}; stall:\n{reports[0].stall if reports else None}")
     assert (tmp_path / "blocked").exists()  # the fault fired
