@@ -82,13 +82,14 @@ def test_growing_back_with_shard_groups_adds_whole_groups():
 
     class Pool:
         free = 0
+        tensor_parallel = 1
 
         def free_slots(self):
             return self.free
 
-    def controller(topology: Topology, free: int) -> RecoveryController:
+    def controller(topology: Topology, free: int, tensor_parallel: int = 1) -> RecoveryController:
         pool = Pool()
-        pool.free = free
+        pool.free, pool.tensor_parallel = free, tensor_parallel
         return RecoveryController(pool, failure=FailurePolicy(), scaling=ScalingPolicy(), desired=6,  # type: ignore[arg-type]
                                   peer_redundancy=False, checkpoint_root=lambda: None, topology=topology)
 
@@ -99,6 +100,10 @@ def test_growing_back_with_shard_groups_adds_whole_groups():
     assert controller(Topology(shard_group_size=2, secondary_group_size=2), free=4).grow_target(2) == 6
     assert controller(Topology(shard_group_size="node"), free=9).grow_target(2) is None
     assert controller(Topology(), free=1).grow_target(2) == 3
+    # tensor-parallel groups join whole too, with shard groups the least common multiple
+    assert controller(Topology(), free=1, tensor_parallel=2).grow_target(2) is None
+    assert controller(Topology(), free=3, tensor_parallel=2).grow_target(2) == 4
+    assert controller(groups, free=9, tensor_parallel=3).grow_target(0) == 6
 
 
 def test_checkpoint_restore_keeps_whole_groups():
