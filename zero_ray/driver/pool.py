@@ -52,6 +52,7 @@ from zero_ray.driver.fanout import FanOut, Members, StepFlight
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.driver.model_view import Adopted, ModelView
 from zero_ray.driver.relay_plane import RelayPlane
+from zero_ray.driver.reports import comm_row
 from zero_ray.driver.pool_spec import PoolSpec, await_room, check_resources, cluster_is_local
 from zero_ray.driver.replacements import Replacements
 from zero_ray.driver.reports import ResizeReport
@@ -376,11 +377,12 @@ class OwnerPool:
         return [{"rank": s.rank, **s.memory_bytes} for s in stats]
 
     def comm_reports(self, *, timeout_s: float) -> list[dict[str, int]]:
-        """Per rank, bytes sent in the last step by collective, their total, and how much of it
-        went to owners on the same node and to others (``inside_node`` / ``cross_node``)."""
+        """Per rank, bytes sent in the last step by collective, their total, the tensor-parallel
+        layers' part (``tensor_parallel``: every ``tp_*`` count) and ZeRO's (``data_parallel``: the
+        rest), and how much went to owners on the same node and to others (``inside_node`` /
+        ``cross_node``)."""
         stats = self.fan.grpc(self.clients, "stats", lambda c, r: c.stats(timeout_s=timeout_s), watch=False)
-        return [{"rank": s.rank, **s.bytes_sent, "total": sum(s.bytes_sent.values()),
-                 "inside_node": s.inside_node_bytes, "cross_node": s.cross_node_bytes} for s in stats]
+        return [comm_row(s) for s in stats]
 
     def flights(self, *, timeout_s: float) -> tuple[list[Flight], list[int]]:
         """Every owner's flight record (served on gRPC threads: a rank blocked in a collective or

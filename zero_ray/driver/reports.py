@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from zero_ray.control.handlers import OwnerStats
 from zero_ray.core.reply_combine import CombinedStep
 from zero_ray.errors import RelayError
 
@@ -105,3 +106,13 @@ class ResizeReport(FieldMapping):
     def unchanged(cls, world_size: int) -> ResizeReport:
         """A resize to the size the run has: nothing moves."""
         return cls(previous_world_size=world_size, world_size=world_size, bytes_sent=0, seconds=0.0)
+
+
+def comm_row(stats: OwnerStats) -> dict[str, int]:
+    """One rank's ``comm_report()`` row: bytes sent in the last step by collective, their total,
+    the tensor-parallel layers' part (every ``tp_*`` count) and ZeRO's (the rest), and inside /
+    across nodes."""
+    total = sum(stats.bytes_sent.values())
+    tp = sum(n for name, n in stats.bytes_sent.items() if name.startswith("tp_"))
+    return {"rank": stats.rank, **stats.bytes_sent, "total": total, "tensor_parallel": tp, "data_parallel": total - tp,
+            "inside_node": stats.inside_node_bytes, "cross_node": stats.cross_node_bytes}

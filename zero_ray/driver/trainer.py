@@ -330,8 +330,10 @@ class ZeroTrainer:
         return reports
 
     def comm_report(self) -> list[dict[str, int]]:
-        """Per rank, bytes sent in the last step by collective, in all, and inside / across nodes
-        (recorded in Ray metrics per rank too: a step's own record is the run's total only)."""
+        """Per rank, bytes sent in the last step by collective, in all, split into the
+        tensor-parallel layers' (``tensor_parallel``) and ZeRO's (``data_parallel``), and inside /
+        across nodes (recorded in Ray metrics per rank too: a step's own record is the run's total
+        only)."""
         reports = self._controller.run(Call(name="comm_report", needs_ready=False, attempt=lambda: (
             self._pool.comm_reports(timeout_s=self.config.init_timeout_s))))
         self._run_metrics.record_comm(reports)
