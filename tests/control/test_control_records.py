@@ -13,14 +13,17 @@ import pytest
 from zero_ray.control import codegen, handlers, record_gen
 from zero_ray.control._generated import common_pb2, coordinator_pb2, owner_pb2, relay_pb2
 from zero_ray.core import records as generated
+from zero_ray.core import relay_records
 from zero_ray.control.conversion import record_fields, to_message, to_record
 from zero_ray.errors import ConfigError
 
-NAMES = sorted(generated.MESSAGES)
+# Every record, of both generated modules (relay.proto's are a module of their own).
+MESSAGES = {**generated.MESSAGES, **relay_records.MESSAGES}
+NAMES = sorted(MESSAGES)
 
 
 def _message_type(record_name: str) -> type:
-    short = generated.MESSAGES[record_name].rsplit(".", 1)[1]
+    short = MESSAGES[record_name].rsplit(".", 1)[1]
     return next(getattr(module, short) for module in (owner_pb2, coordinator_pb2, relay_pb2, common_pb2)
                 if hasattr(module, short))
 
@@ -65,7 +68,7 @@ def _sample(record_name: str, salt: int = 0, without: dict[str, Any] | None = No
             values[f.name] = {f"k{salt}": _scalar(nested.fields_by_name["value"], salt), "other": _scalar(
                 nested.fields_by_name["value"], salt + 1)}
         elif nested is not None:
-            name = next(n for n, m in generated.MESSAGES.items() if m == nested.full_name)
+            name = next(n for n, m in MESSAGES.items() if m == nested.full_name)
             forms = PIECE_FORMS[0] if name == "Piece" else None
             made = (_sample(name, salt + 1, forms), _sample(name, salt + 2, forms))
             values[f.name] = made if f.is_repeated else made[0]
@@ -98,7 +101,8 @@ def test_every_field_of_every_record_survives_the_wire(record_name: str, without
 def test_a_record_has_its_messages_fields_exactly(record_name: str) -> None:
     record_type = getattr(handlers, record_name)
     assert dataclasses.is_dataclass(record_type)
-    assert issubclass(record_type, getattr(generated, record_name))  # the generated one, or a checking subclass
+    assert issubclass(record_type, getattr(generated if record_name in generated.MESSAGES else relay_records,
+                                                  record_name))  # the generated one, or a checking subclass
     names = [f.name for f in dataclasses.fields(record_type)]
     assert names == [f.name for f in record_fields(_message_type(record_name).DESCRIPTOR)]
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -7,7 +7,7 @@ translate in both directions, and the clients in :mod:`zero_ray.control.client`
 return the same dataclasses, so both ends of a call share one vocabulary.
 
 The records' fields are their messages' (protos/zero_ray/v1): codegen writes them to
-``zero_ray/core/records.py`` and :mod:`zero_ray.control.conversion` converts by field name, so a new
+``zero_ray/core/records.py`` (relay.proto's: ``relay_records.py``) and :mod:`zero_ray.control.conversion` converts by field name, so a new
 field is written in the .proto and where it is computed. The records that check their values
 (``Piece``, ``StepArgs``, ``EvaluateArgs``) subclass the generated ones here.
 
@@ -49,18 +49,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from zero_ray.core import records as _records
+from zero_ray.core import relay_records as _relay_records
 # The records whose fields are their messages' alone; the others below check their values.
 from zero_ray.core.records import (
     CheckpointResult,
     CollectiveEvent,
     EvaluateResult,
-    ExactSumValue,
-    FailedRank,
     FailureDetailRecord,
     Flight,
     Heartbeat,
-    HostedRelay,
-    HostRelaysResult,
     JobStatus,
     LoadResult,
     LossTotals,
@@ -69,14 +66,20 @@ from zero_ray.core.records import (
     OwnerStats,
     OwnerStatus,
     ParamInfo,
-    RankSpan,
     RankStatus,
-    RelayChildSeat,
     ResizeResult,
     SaveResult,
     SetupResult,
-    StepAgreed,
     StepResult,
+)
+from zero_ray.core.relay_records import (
+    ExactSumValue,
+    FailedRank,
+    HostedRelay,
+    HostRelaysResult,
+    RankSpan,
+    RelayChildSeat,
+    StepAgreed,
     SubtreeStep,
     SubtreeTotals,
 )
@@ -151,7 +154,7 @@ class EvaluateArgs(_records.EvaluateArgs):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RelayStepArgs(_records.RelayStepArgs):
+class RelayStepArgs(_relay_records.RelayStepArgs):
     """A step on every rank of a relay's subtree (relay.proto's RelayStepRequest): what every
     rank runs (``step``, its piece's indices empty), the subtree's ranks as spans, and a
     dataset's indices packed (``counts`` per rank in rank order, ``indices`` concatenated).
@@ -247,7 +250,7 @@ def _spans_of(ranks: Sequence[int]) -> tuple[RankSpan, ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class HostRelaysArgs(_records.HostRelaysArgs):
+class HostRelaysArgs(_relay_records.HostRelaysArgs):
     """The relays a process is to serve (relay.proto's HostRelaysRequest), each once."""
 
     def __post_init__(self) -> None:
