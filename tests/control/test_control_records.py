@@ -54,8 +54,16 @@ def _relay_step_fields(values: dict[str, Any], salt: int) -> dict[str, Any]:
             "counts": (2, 0, 1), "indices": (11 + salt, 12, 13)}
 
 
+def _relay_evaluate_fields(values: dict[str, Any], salt: int) -> dict[str, Any]:
+    """A relayed evaluation's fields agree as a relayed step's do."""
+    evaluate = values["evaluate"]
+    return {"evaluate": dataclasses.replace(evaluate, piece=handlers.Piece(dataset=f"dataset-{salt}")),
+            "ranks": (handlers.RankSpan(start=3 + salt, stop=5 + salt), handlers.RankSpan(start=9 + salt, stop=10 + salt)),
+            "counts": (2, 0, 1), "indices": (11 + salt, 12, 13)}
+
+
 # Records whose fields check each other: the values that agree, given the generic ones.
-AGREEING = {"RelayStepArgs": _relay_step_fields}
+AGREEING = {"RelayStepArgs": _relay_step_fields, "RelayEvaluateArgs": _relay_evaluate_fields}
 
 
 def _sample(record_name: str, salt: int = 0, without: dict[str, Any] | None = None) -> Any:

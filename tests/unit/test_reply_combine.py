@@ -12,13 +12,15 @@ from collections.abc import Callable
 import pytest
 
 from zero_ray.control.handlers import combine
-from zero_ray.core.records import LossTotals, StepResult
+from zero_ray.core.records import EvaluateResult, LossTotals, StepResult
 from zero_ray.core.reply_combine import (
+    CombinedEvaluation,
     CombinedStep,
     CombinedTotals,
     ExactSum,
     RankFailure,
     RankSpans,
+    combine_evaluations,
     combine_steps,
 )
 from zero_ray.driver.reports import StepMetrics
@@ -173,6 +175,27 @@ def test_evaluation_totals_combine_to_today_s_figures() -> None:
     assert (combined.loss, combined.samples, combined.items.value, combined.count.value) == \
         (today["loss"], today["samples"], today["items"], today["count"])
     assert math.isnan(CombinedTotals().loss)
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_evaluations_combine_in_any_tree_to_the_direct_path_s_figures(counted: bool) -> None:
+    rng = random.Random(11)
+    results = [EvaluateResult(totals=r.totals, rank=r.rank) for r in _results(rng, 64, _dyadic, counted=counted)]
+    flat = combine_evaluations(CombinedEvaluation.of(r) for r in results)
+    replies = [CombinedEvaluation.of(r) for r in results]
+    for _ in range(5):  # any grouping and order: a random tree of random groups
+        order = replies[:]
+        rng.shuffle(order)
+        cuts = sorted(rng.sample(range(1, len(order)), 7))
+        groups = [combine_evaluations(order[a:b]) for a, b in zip([0, *cuts], [*cuts, len(order)])]
+        assert combine_evaluations(groups) == flat
+    assert flat.ranks.covers(64) and flat.failure is None
+    assert flat.totals.figures() == combine([r.totals for r in results])  # dyadic: float sums are exact
+    late, early = _failure(9, at=2.0), _failure(40, at=1.0)
+    failed = combine_evaluations([*replies[:9], CombinedEvaluation.failed(late), *replies[10:40],
+                                  CombinedEvaluation.failed(early), *replies[41:]])
+    assert failed.failure == early and failed.ranks.covers(64)
+    assert failed.totals.samples == flat.totals.samples - results[9].totals.samples - results[40].totals.samples
 
 
 def test_a_figure_every_rank_shares_is_checked_not_summed() -> None:

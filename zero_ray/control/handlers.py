@@ -80,6 +80,7 @@ from zero_ray.core.relay_records import (
     RankSpan,
     RelayChildSeat,
     StepAgreed,
+    SubtreeEvaluation,
     SubtreeStep,
     SubtreeTotals,
 )
@@ -90,9 +91,9 @@ __all__ = [
     "FailedRank", "FailureContext", "FailureDetailRecord", "Flight", "Heartbeat", "HostedRelay", "HostRelaysArgs",
     "HostRelaysResult", "RelayChildSeat",
     "JobStatus", "LoadResult", "LossTotals", "MetricsEvent", "ModelLayout", "OwnerHandler", "OwnerStats",
-    "OwnerStatus", "ParamInfo", "Piece", "Plain", "RankSpan", "RankStatus", "RelayStepArgs",
-    "ResizeResult", "SavePhase", "SaveResult", "SetupResult", "StepAgreed", "StepArgs", "StepResult", "SubtreeStep",
-    "SubtreeTotals", "combine",
+    "OwnerStatus", "ParamInfo", "Piece", "Plain", "RankSpan", "RankStatus", "RelayEvaluateArgs", "RelayStepArgs",
+    "ResizeResult", "SavePhase", "SaveResult", "SetupResult", "StepAgreed", "StepArgs", "StepResult", "SubtreeEvaluation",
+    "SubtreeStep", "SubtreeTotals", "combine",
 ]
 
 # Plain data: what a JSON document holds (dicts keyed by str or int, lists, numbers, str, None).
@@ -153,40 +154,44 @@ class EvaluateArgs(_records.EvaluateArgs):
         _non_negative(generation=self.generation)
 
 
-@dataclass(frozen=True, kw_only=True)
-class RelayStepArgs(_relay_records.RelayStepArgs):
-    """A step on every rank of a relay's subtree (relay.proto's RelayStepRequest): what every
-    rank runs (``step``, its piece's indices empty), the subtree's ranks as spans, and a
-    dataset's indices packed (``counts`` per rank in rank order, ``indices`` concatenated).
-    :meth:`rank_step` is one rank's ``StepArgs``; :meth:`for_ranks` a child's request."""
+class _PackedRanks:
+    """What a relayed call's request holds beside its common request (``_common``): the
+    subtree's ranks as spans (``ranks``), and a dataset's indices packed (``counts`` per rank
+    in rank order, ``indices`` concatenated), so that a request to 1,024 ranks is a few
+    repeated scalar fields, not 1,024 messages. Mixed into the records of RelayStepRequest and
+    RelayEvaluateRequest, whose fields these are."""
+
+    ranks: tuple[RankSpan, ...]
+    counts: tuple[int, ...]
+    indices: tuple[int, ...]
+    timeout_s: float
+    relay: int
+
+    @property
+    def _common(self) -> Any:
+        """The request every rank runs (its piece's indices empty)."""
+        raise NotImplementedError
 
     def __post_init__(self) -> None:
+        name = type(self).__name__
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ConfigError(f"RelayStepArgs(timeout_s={self.timeout_s}) must be a finite number of seconds > 0: "
+            raise ConfigError(f"{name}(timeout_s={self.timeout_s}) must be a finite number of seconds > 0: "
                               "the time the subtree has to answer")
         spans = [(s.start, s.stop) for s in self.ranks]
         if not spans or any(a >= b for a, b in spans) or any(b > c for (_, b), (c, _) in zip(spans, spans[1:])):
-            raise ConfigError(f"RelayStepArgs names the rank spans {spans}: a relayed step holds the subtree's ranks "
+            raise ConfigError(f"{name} names the rank spans {spans}: a relayed call holds the subtree's ranks "
                               "as ascending, non-empty, non-overlapping spans, at least one")
-        piece = self.step.piece
+        piece = self._common.piece
         if piece.indices:
-            raise ConfigError("RelayStepArgs.step's piece carries indices: a relayed step packs them in counts and "
-                              "indices, one count per rank")
+            raise ConfigError(f"{name}'s common request's piece carries indices: a relayed call packs them in "
+                              "counts and indices, one count per rank")
         ranks = sum(b - a for a, b in spans)
         if self.counts and (len(self.counts) != ranks or piece.batch_key):
-            raise ConfigError(f"RelayStepArgs has {len(self.counts)} counts for {ranks} ranks of "
-                              f"{'a staged batch' if piece.batch_key else 'a dataset'}: a dataset's step has one "
+            raise ConfigError(f"{name} has {len(self.counts)} counts for {ranks} ranks of "
+                              f"{'a staged batch' if piece.batch_key else 'a dataset'}: a dataset's call has one "
                               "per rank, a staged batch's none")
         if sum(self.counts) != len(self.indices):
-            raise ConfigError(f"RelayStepArgs counts {sum(self.counts)} indices but carries {len(self.indices)}")
-
-    @classmethod
-    def of(cls, step: StepArgs, *, ranks: Sequence[int], counts: Sequence[int] = (), indices: Sequence[int] = (),
-           timeout_s: float, relay: int = 0) -> RelayStepArgs:
-        """The request for ``ranks`` (ascending) running ``step``, each rank reading its
-        ``counts`` of ``indices`` in rank order."""
-        return cls(step=step, ranks=_spans_of(ranks), counts=tuple(counts), indices=tuple(indices),
-                   timeout_s=timeout_s, relay=relay)
+            raise ConfigError(f"{name} counts {sum(self.counts)} indices but carries {len(self.indices)}")
 
     @functools.cached_property
     def rank_list(self) -> tuple[int, ...]:
@@ -204,21 +209,23 @@ class RelayStepArgs(_relay_records.RelayStepArgs):
         firsts, positions, _ = self._starts
         i = bisect.bisect_right(firsts, rank) - 1
         if i < 0 or rank >= self.ranks[i].stop:
-            raise ConfigError(f"rank {rank} is not among this step's ranks {[(s.start, s.stop) for s in self.ranks]}")
+            raise ConfigError(f"rank {rank} is not among this call's ranks {[(s.start, s.stop) for s in self.ranks]}")
         return positions[i] + rank - firsts[i]
 
-    def rank_step(self, rank: int) -> StepArgs:
-        """Rank ``rank``'s own step, as its owner is asked."""
+    def rank_args(self, rank: int) -> Any:
+        """Rank ``rank``'s own request, as its owner is asked."""
+        common = self._common
         if not self.counts:
             self._position(rank)  # checks the rank
-            return self.step
+            return common
         at = self._position(rank)
         offsets = self._starts[2]
-        piece = dataclasses.replace(self.step.piece, indices=self.indices[offsets[at]:offsets[at + 1]])
-        return dataclasses.replace(self.step, piece=piece)
+        piece = dataclasses.replace(common.piece, indices=self.indices[offsets[at]:offsets[at + 1]])
+        return dataclasses.replace(common, piece=piece)
 
-    def for_ranks(self, ranks: Sequence[int], *, timeout_s: float, relay: int) -> RelayStepArgs:
-        """The request for ``ranks`` (ascending, all of them this request's) of a child relay."""
+    def for_ranks(self, ranks: Sequence[int], *, timeout_s: float, relay: int) -> Any:
+        """The request for ``ranks`` (ascending, all of them this request's) of a child relay:
+        a request of this one's type."""
         spans = _spans_of(ranks)
         counts: list[int] = []
         indices: list[int] = []
@@ -232,8 +239,51 @@ class RelayStepArgs(_relay_records.RelayStepArgs):
         else:
             for span in spans:
                 self._position(span.start)
-        return RelayStepArgs(step=self.step, ranks=spans, counts=tuple(counts), indices=tuple(indices),
-                             timeout_s=timeout_s, relay=relay)
+        return dataclasses.replace(self, ranks=spans, counts=tuple(counts), indices=tuple(indices),  # type: ignore[type-var]
+                                   timeout_s=timeout_s, relay=relay)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayStepArgs(_PackedRanks, _relay_records.RelayStepArgs):
+    """A step on every rank of a relay's subtree (relay.proto's RelayStepRequest): what every
+    rank runs (``step``, its piece's indices empty), the subtree's ranks as spans, and a
+    dataset's indices packed (``counts`` per rank in rank order, ``indices`` concatenated).
+    :meth:`rank_step` is one rank's ``StepArgs``; :meth:`for_ranks` a child's request."""
+
+    @property
+    def _common(self) -> StepArgs:
+        return self.step
+
+    @classmethod
+    def of(cls, step: StepArgs, *, ranks: Sequence[int], counts: Sequence[int] = (), indices: Sequence[int] = (),
+           timeout_s: float, relay: int = 0) -> RelayStepArgs:
+        """The request for ``ranks`` (ascending) running ``step``, each rank reading its
+        ``counts`` of ``indices`` in rank order."""
+        return cls(step=step, ranks=_spans_of(ranks), counts=tuple(counts), indices=tuple(indices),
+                   timeout_s=timeout_s, relay=relay)
+
+    def rank_step(self, rank: int) -> StepArgs:
+        """Rank ``rank``'s own step, as its owner is asked."""
+        return self.rank_args(rank)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayEvaluateArgs(_PackedRanks, _relay_records.RelayEvaluateArgs):
+    """An evaluation on every rank of a relay's subtree (relay.proto's RelayEvaluateRequest),
+    packed as :class:`RelayStepArgs` packs a step; :meth:`rank_args` is one rank's
+    ``EvaluateArgs``."""
+
+    @property
+    def _common(self) -> EvaluateArgs:
+        return self.evaluate
+
+    @classmethod
+    def of(cls, evaluate: EvaluateArgs, *, ranks: Sequence[int], counts: Sequence[int] = (),
+           indices: Sequence[int] = (), timeout_s: float, relay: int = 0) -> RelayEvaluateArgs:
+        """The request for ``ranks`` (ascending) evaluating ``evaluate``, each rank reading its
+        ``counts`` of ``indices`` in rank order."""
+        return cls(evaluate=evaluate, ranks=_spans_of(ranks), counts=tuple(counts), indices=tuple(indices),
+                   timeout_s=timeout_s, relay=relay)
 
 
 def _spans_of(ranks: Sequence[int]) -> tuple[RankSpan, ...]:

@@ -64,6 +64,8 @@ RELAY_RECORDS: tuple[tuple[str, str], ...] = (
     ("HostedRelay", "zero_ray.v1.HostedRelay"),
     ("HostRelaysArgs", "zero_ray.v1.HostRelaysRequest"),
     ("HostRelaysResult", "zero_ray.v1.HostRelaysReply"),
+    ("RelayEvaluateArgs", "zero_ray.v1.RelayEvaluateRequest"),
+    ("SubtreeEvaluation", "zero_ray.v1.RelayEvaluateReply"),
 )
 # Each module written and the records it holds, in the order written (a later one imports from
 # those before it).

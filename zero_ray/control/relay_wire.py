@@ -1,5 +1,6 @@
 """A relay's combined step reply (:class:`zero_ray.core.reply_combine.CombinedStep`) as its wire
-record (``SubtreeStep``, relay.proto's ``RelayStepReply``) and back, exactly: converted at the
+record (``SubtreeStep``, relay.proto's ``RelayStepReply``) and back, exactly (and a combined
+evaluation, ``CombinedEvaluation`` as ``SubtreeEvaluation``): converted at the
 door, by the Relay servicer on the way out and the Relay client on the way in, so that a relay
 and the driver only ever hold ``CombinedStep``.
 
@@ -17,11 +18,13 @@ from zero_ray.control.handlers import (
     FailureDetailRecord,
     RankSpan,
     StepAgreed,
+    SubtreeEvaluation,
     SubtreeStep,
     SubtreeTotals,
 )
 from zero_ray.core.reply_combine import (
     Agreed,
+    CombinedEvaluation,
     CombinedStep,
     CombinedTotals,
     ExactSum,
@@ -31,7 +34,8 @@ from zero_ray.core.reply_combine import (
 )
 from zero_ray.errors import FailureDetail, RelayError
 
-__all__ = ["from_wire", "to_wire", "units_from_bytes", "units_to_bytes"]
+__all__ = ["evaluation_from_wire", "evaluation_to_wire", "from_wire", "to_wire", "units_from_bytes",
+           "units_to_bytes"]
 
 
 def units_to_bytes(units: int) -> bytes:
@@ -115,3 +119,16 @@ def from_wire(record: SubtreeStep) -> CombinedStep:
                         nonfinite_loss_ranks=tuple(sorted(set(record.nonfinite_loss_ranks))),
                         nonfinite_grad_ranks=tuple(sorted(set(record.nonfinite_grad_ranks))),
                         failure=None if record.failure is None else _failure_in(record.failure))
+
+
+def evaluation_to_wire(evaluation: CombinedEvaluation) -> SubtreeEvaluation:
+    """``evaluation`` as the record the wire carries (relay.proto's RelayEvaluateReply)."""
+    return SubtreeEvaluation(ranks=tuple(RankSpan(start=start, stop=stop) for start, stop in evaluation.ranks.spans),
+                             totals=_totals_out(evaluation.totals),
+                             failure=None if evaluation.failure is None else _failure_out(evaluation.failure))
+
+
+def evaluation_from_wire(record: SubtreeEvaluation) -> CombinedEvaluation:
+    """The ``CombinedEvaluation`` that :func:`evaluation_to_wire` wrote."""
+    return CombinedEvaluation(ranks=_spans_in(record.ranks), totals=_totals_in(record.totals),
+                              failure=None if record.failure is None else _failure_in(record.failure))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from zero_ray.core.records import FailureDetailRecord, StepArgs
+from zero_ray.core.records import EvaluateArgs, FailureDetailRecord, StepArgs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +184,37 @@ class HostRelaysResult:
     relays: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class RelayEvaluateArgs:
+    """An evaluation on every rank of a subtree, packed as RelayStepRequest packs a step.
+
+    The record of ``zero_ray.v1.RelayEvaluateRequest``.
+    """
+
+    # As RelayStepRequest's.
+    timeout_s: float = 0.0
+    relay: int = 0
+    # What every rank runs; its piece's indices left empty (they are below).
+    evaluate: EvaluateArgs
+    ranks: tuple[RankSpan, ...] = ()
+    counts: tuple[int, ...] = ()
+    indices: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubtreeEvaluation:
+    """A subtree's replies to one evaluation, combined.
+
+    The record of ``zero_ray.v1.RelayEvaluateReply``.
+    """
+
+    # The ranks whose replies (results or failures) this holds.
+    ranks: tuple[RankSpan, ...] = ()
+    totals: SubtreeTotals
+    # The earliest failure (the lower rank on a tie); unset when every rank completed.
+    failure: FailedRank | None = None
+
+
 # The message each record is converted to and from (zero_ray.control.conversion).
 MESSAGES: dict[str, str] = {
     "RelayStepArgs": "zero_ray.v1.RelayStepRequest",
@@ -197,4 +228,6 @@ MESSAGES: dict[str, str] = {
     "HostedRelay": "zero_ray.v1.HostedRelay",
     "HostRelaysArgs": "zero_ray.v1.HostRelaysRequest",
     "HostRelaysResult": "zero_ray.v1.HostRelaysReply",
+    "RelayEvaluateArgs": "zero_ray.v1.RelayEvaluateRequest",
+    "SubtreeEvaluation": "zero_ray.v1.RelayEvaluateReply",
 }

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from zero_ray.core.records import LossTotals, StepResult
+from zero_ray.core.records import EvaluateResult, LossTotals, StepResult
 from zero_ray.errors import ConfigError, FailureDetail, RelayError, ReplyMismatchError
 
 T = TypeVar("T")
@@ -142,6 +142,15 @@ class CombinedTotals:
             count = self.count.value
             return self.loss_sum.value / count if count else math.nan
         return self.loss_sum.value / self.samples if self.samples else math.nan
+
+    def figures(self) -> dict[str, float]:
+        """``loss``, ``samples``, ``items`` and, when counted, ``count``: what an evaluation
+        returns (``ZeroTrainer.evaluate``), the same whichever path its replies took."""
+        out = {"samples": self.samples, "items": self.items.value}
+        if self.is_counted:
+            out["count"] = self.count.value
+        out["loss"] = self.loss
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,6 +291,39 @@ def _agree_fields(a: Agreed[StepAgreement], b: Agreed[StepAgreement]) -> None:
 
 def _lower(a: Agreed[T] | None, b: Agreed[T] | None) -> Agreed[T] | None:
     return b if a is None else a if b is None or a.rank <= b.rank else b
+
+
+@dataclass(frozen=True, kw_only=True)
+class CombinedEvaluation:
+    """Several ranks' replies to one evaluation: their loss totals combined (as a step's are),
+    and the first failure."""
+
+    ranks: RankSpans = RankSpans()
+    totals: CombinedTotals = CombinedTotals()
+    failure: RankFailure | None = None
+
+    @classmethod
+    def of(cls, result: EvaluateResult) -> CombinedEvaluation:
+        """One owner's reply."""
+        return cls(ranks=RankSpans.of(result.rank), totals=CombinedTotals.of(result.totals, rank=result.rank))
+
+    @classmethod
+    def failed(cls, failure: RankFailure) -> CombinedEvaluation:
+        """One owner's failed call."""
+        return cls(ranks=RankSpans.of(failure.rank), failure=failure)
+
+    def __add__(self, other: CombinedEvaluation) -> CombinedEvaluation:
+        failures = [f for f in (self.failure, other.failure) if f is not None]
+        return CombinedEvaluation(ranks=self.ranks + other.ranks, totals=self.totals + other.totals,
+                                  failure=min(failures, key=RankFailure._order) if failures else None)
+
+
+def combine_evaluations(replies: Iterable[CombinedEvaluation]) -> CombinedEvaluation:
+    """``replies`` combined: any grouping and order give the same record."""
+    out = CombinedEvaluation()
+    for reply in replies:
+        out = out + reply
+    return out
 
 
 def combine_steps(replies: Iterable[CombinedStep]) -> CombinedStep:
