@@ -26,8 +26,6 @@ from zero_ray.control.auth import Credentials
 from zero_ray.control.client import OwnerClient
 from zero_ray.control.rank_watch import RankHealthWatch, SubtreeHealthMonitor
 from zero_ray.control.handlers import (
-    EvaluateArgs,
-    EvaluateResult,
     Flight,
     LoadResult,
     OwnerStats,
@@ -37,7 +35,7 @@ from zero_ray.control.handlers import (
     SaveResult,
 )
 from zero_ray.core.placement import NodeRoom, Target, place
-from zero_ray.core.reply_combine import CombinedStep, combine_steps
+from zero_ray.core.reply_combine import CombinedStep, CombinedTotals, combine_steps
 from zero_ray.core.reshard_plan import backup_peers
 from zero_ray.core.restore_plan import (
     Peers,
@@ -47,7 +45,7 @@ from zero_ray.core.restore_plan import (
     TransferDescription,
     restore_to_data,
 )
-from zero_ray.driver.batch_staging import Outgoing, StepCommand
+from zero_ray.driver.batch_staging import EvaluateCommand, Outgoing, StepCommand
 from zero_ray.driver.fanout import FanOut, Members, StepFlight
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.driver.model_view import Adopted, ModelView
@@ -285,10 +283,16 @@ class OwnerPool:
             return self.relays.collect(flight.calls)
         return combine_steps(CombinedStep.of(r) for r in self.fan.collect(flight.calls))
 
-    def evaluate(self, args: Sequence[EvaluateArgs], *, timeout_s: float) -> list[EvaluateResult]:
-        """A forward-only pass on every owner over gRPC (all take part: stage 3 gathers)."""
-        return self.fan.grpc(self.clients, "evaluate", lambda c, r: c.evaluate(args[r], timeout_s=timeout_s),
-                             staged=self._staged(args[0].piece.batch_key if args else ""))
+    def evaluate(self, command: EvaluateCommand, *, timeout_s: float) -> CombinedTotals:
+        """A forward-only pass on every owner (all take part: stage 3 gathers), their loss totals
+        combined: down the relay tree when the pool has one, else to each owner directly."""
+        staged = self._staged(command.evaluate.piece.batch_key)
+        if self.relays.active:
+            return self.relays.evaluate(command, timeout_s=timeout_s, staged=staged).totals
+        args = command.per_rank()
+        results = self.fan.grpc(self.clients, "evaluate", lambda c, r: c.evaluate(args[r], timeout_s=timeout_s),
+                                staged=staged)
+        return sum((CombinedTotals.of(r.totals, rank=r.rank) for r in results), CombinedTotals())
 
     def _staged(self, key: str) -> dict[int, ray.ObjectRef]:
         """The staging calls of the batch staged as ``key`` (none for a dataset's pieces), by rank."""
