@@ -23,6 +23,7 @@ from zero_ray.control.handlers import (
     FailureContext,
     Heartbeat,
     LossTotals,
+    OwnerStats,
     Piece,
     RelayEvaluateArgs,
     RelayStepArgs,
@@ -57,6 +58,15 @@ class StandInOwner(FakeOwner):
             raise self.fail_with
         totals = self.step_result(StepArgs(step=0, piece=args.piece, global_samples=1)).totals
         return EvaluateResult(totals=totals, rank=self.rank)
+
+    def stats(self) -> OwnerStats:
+        """Counters of this rank's own (``fail_with`` fails them)."""
+        self.calls.append("stats")
+        if self.fail_with is not None:
+            raise self.fail_with
+        r = self.rank
+        return OwnerStats(step=9, rank=r, world_size=8, stage=2, memory_bytes={"params": 100 * (r + 1)},
+                          bytes_sent={"all_gather": 5 + r}, inside_node_bytes=r, cross_node_bytes=2 * r)
 
     def step_result(self, args: StepArgs) -> StepResult:
         indices = args.piece.indices
@@ -140,6 +150,7 @@ class ServedTree:
             owner.fail_with, owner.block_steps = None, False
             owner.steps.clear()
             owner.evaluations.clear()
+            owner.calls.clear()
             owner.step_entered.clear()
             owner.release_step = threading.Event()
 

@@ -63,7 +63,14 @@ def _relay_evaluate_fields(values: dict[str, Any], salt: int) -> dict[str, Any]:
 
 
 # Records whose fields check each other: the values that agree, given the generic ones.
-AGREEING = {"RelayStepArgs": _relay_step_fields, "RelayEvaluateArgs": _relay_evaluate_fields}
+def _relay_call_fields(values: dict[str, Any], salt: int) -> dict[str, Any]:
+    """A forwarded call names a method relays forward, and ascending spans."""
+    return {"method": sorted(handlers.FORWARDED_METHODS)[salt % len(handlers.FORWARDED_METHODS)],
+            "ranks": (handlers.RankSpan(start=3 + salt, stop=5 + salt), handlers.RankSpan(start=9 + salt, stop=10 + salt))}
+
+
+AGREEING = {"RelayStepArgs": _relay_step_fields, "RelayEvaluateArgs": _relay_evaluate_fields,
+            "RelayCallArgs": _relay_call_fields}
 
 
 def _sample(record_name: str, salt: int = 0, without: dict[str, Any] | None = None) -> Any:

@@ -65,7 +65,7 @@ def test_steps_through_the_tree_equal_torch_and_the_direct_pool() -> None:
     initial = _model().state_dict()  # single_process's (and every owner's) initial parameters: seed 0
     held_out = (torch.randn(12, 8, generator=torch.Generator().manual_seed(9)),
                 torch.randn(12, 8, generator=torch.Generator().manual_seed(10)))
-    runs, evals = {}, {}
+    runs, evals, reports = {}, {}, {}
     for name, relays in (("tree", TREE), ("direct", zr.RelayConfig())):
         with zr.ZeroTrainer(_model, mse_loss, optimizer=opt, config=_config(relays)) as trainer:
             tree = trainer._pool.relays.tree
@@ -81,6 +81,7 @@ def test_steps_through_the_tree_equal_torch_and_the_direct_pool() -> None:
                 metrics.append(trainer.step(b))
             runs[name] = (trainer.full_state_dict(), metrics)
             evals[name] = (first, trainer.evaluate(held_out))
+            reports[name] = (trainer.memory_report(), trainer.comm_report())  # Stats: forwarded (RelayCall) on the tree
     params, metrics = runs["tree"]
     assert _max_diff(params, ref) <= 1e-6
     assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, rel=1e-5)
@@ -93,6 +94,9 @@ def test_steps_through_the_tree_equal_torch_and_the_direct_pool() -> None:
     assert tree_first["loss"] == pytest.approx(_torch_loss(initial, held_out), abs=1e-6)
     assert tree_last["loss"] == pytest.approx(_torch_loss(ref, held_out), abs=1e-5)
     assert tree_last["loss"] == pytest.approx(direct_last["loss"], abs=1e-6)
+    # per-rank reports through the tree: every rank's, in rank order, as the direct pool's
+    assert [r["rank"] for r in reports["tree"][0]] == list(range(WORLD))
+    assert reports["tree"] == reports["direct"]
     # before the first resize the same computation, exactly: only the path of the replies differs
     for relayed, direct in zip(metrics[:2], direct_metrics[:2]):
         assert {k: v for k, v in relayed.items() if "seconds" not in k and k != "items_per_second"} == \

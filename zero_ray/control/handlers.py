@@ -78,9 +78,11 @@ from zero_ray.core.relay_records import (
     HostedRelay,
     HostRelaysResult,
     RankSpan,
+    RankReply,
     RelayChildSeat,
     StepAgreed,
     SubtreeEvaluation,
+    SubtreeReplies,
     SubtreeStep,
     SubtreeTotals,
 )
@@ -91,7 +93,8 @@ __all__ = [
     "FailedRank", "FailureContext", "FailureDetailRecord", "Flight", "Heartbeat", "HostedRelay", "HostRelaysArgs",
     "HostRelaysResult", "RelayChildSeat",
     "JobStatus", "LoadResult", "LossTotals", "MetricsEvent", "ModelLayout", "OwnerHandler", "OwnerStats",
-    "OwnerStatus", "ParamInfo", "Piece", "Plain", "RankSpan", "RankStatus", "RelayEvaluateArgs", "RelayStepArgs",
+    "OwnerStatus", "ParamInfo", "Piece", "Plain", "RankReply", "RankSpan", "RankStatus", "RelayCallArgs", "RelayEvaluateArgs",
+    "RelayStepArgs", "FORWARDED_METHODS", "SubtreeReplies",
     "ResizeResult", "SavePhase", "SaveResult", "SetupResult", "StepAgreed", "StepArgs", "StepResult", "SubtreeEvaluation",
     "SubtreeStep", "SubtreeTotals", "combine",
 ]
@@ -284,6 +287,41 @@ class RelayEvaluateArgs(_PackedRanks, _relay_records.RelayEvaluateArgs):
         ``counts`` of ``indices`` in rank order."""
         return cls(evaluate=evaluate, ranks=_spans_of(ranks), counts=tuple(counts), indices=tuple(indices),
                    timeout_s=timeout_s, relay=relay)
+
+
+# The PartitionOwner methods a relay forwards as they are (RelayCall): a request that is the same
+# for every rank and a reply that is wanted per rank. Any other method is refused, so that the
+# relay's generic path cannot reach a rank's state-changing calls.
+FORWARDED_METHODS = frozenset({"Stats", "Flight", "Status"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayCallArgs(_relay_records.RelayCallArgs):
+    """A PartitionOwner call, the same request for every rank of a relay's subtree
+    (relay.proto's RelayCallRequest): the method's name, its request serialized, the ranks."""
+
+    def __post_init__(self) -> None:
+        if self.method not in FORWARDED_METHODS:
+            raise ConfigError(f"RelayCallArgs(method={self.method!r}): a relay forwards only "
+                              f"{sorted(FORWARDED_METHODS)}; call other methods on each owner")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError(f"RelayCallArgs(timeout_s={self.timeout_s}) must be a finite number of seconds > 0")
+        spans = [(s.start, s.stop) for s in self.ranks]
+        if not spans or any(a >= b for a, b in spans) or any(b > c for (_, b), (c, _) in zip(spans, spans[1:])):
+            raise ConfigError(f"RelayCallArgs names the rank spans {spans}: ascending, non-empty, non-overlapping "
+                              "spans, at least one")
+
+    @classmethod
+    def of(cls, method: str, request: bytes, *, ranks: Sequence[int], timeout_s: float,
+           relay: int = 0) -> RelayCallArgs:
+        return cls(method=method, request=request, ranks=_spans_of(ranks), timeout_s=timeout_s, relay=relay)
+
+    def for_ranks(self, ranks: Sequence[int], *, timeout_s: float, relay: int) -> RelayCallArgs:
+        """The request for ``ranks`` (ascending, all of them this request's) of a child relay."""
+        mine = {r for s in self.ranks for r in range(s.start, s.stop)}
+        if not set(ranks) <= mine:
+            raise ConfigError(f"ranks {sorted(set(ranks) - mine)} are not among this call's ranks")
+        return dataclasses.replace(self, ranks=_spans_of(ranks), timeout_s=timeout_s, relay=relay)
 
 
 def _spans_of(ranks: Sequence[int]) -> tuple[RankSpan, ...]:

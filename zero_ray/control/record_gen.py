@@ -66,6 +66,9 @@ RELAY_RECORDS: tuple[tuple[str, str], ...] = (
     ("HostRelaysResult", "zero_ray.v1.HostRelaysReply"),
     ("RelayEvaluateArgs", "zero_ray.v1.RelayEvaluateRequest"),
     ("SubtreeEvaluation", "zero_ray.v1.RelayEvaluateReply"),
+    ("RelayCallArgs", "zero_ray.v1.RelayCallRequest"),
+    ("RankReply", "zero_ray.v1.RankReply"),
+    ("SubtreeReplies", "zero_ray.v1.RelayCallReply"),
 )
 # Each module written and the records it holds, in the order written (a later one imports from
 # those before it).

@@ -40,12 +40,11 @@ import grpc
 
 from zero_ray.control.client import OwnerClient, RelayClient
 from zero_ray.control.client_channel import convert_error, header_of
-from zero_ray.control.conversion import to_message, to_record
-from zero_ray.control.handlers import FailureContext, RelayEvaluateArgs, RelayStepArgs
+from zero_ray.control.handlers import FailureContext, RelayCallArgs, RelayEvaluateArgs, RelayStepArgs
 from zero_ray.control.hop_calls import CallOutcome, CallTarget, HopCalls, UnaryRequest
-from zero_ray.control.relay_calls import EVALUATE, STEP, C, RelayedCall
+from zero_ray.control.relay_calls import EVALUATE, FORWARDED, STEP, Args, C, RelayedCall
 from zero_ray.core.relay_tree import RelayTree
-from zero_ray.core.reply_combine import CombinedEvaluation, CombinedStep, RankFailure, RankSpans
+from zero_ray.core.reply_combine import CombinedEvaluation, CombinedReplies, CombinedStep, RankFailure, RankSpans
 from zero_ray.errors import (
     CallTimeout,
     ConfigError,
@@ -94,23 +93,14 @@ class OwnerChild:
         """Where the hop calls the owner: its client's configuration."""
         return CallTarget(config=self.client.config)
 
-    def operation(self, call: RelayedCall[Any]) -> str:
-        return call.owner_method.name
-
-    def request(self, call: RelayedCall[Any], args: RelayStepArgs | RelayEvaluateArgs, time_left_s: float,
-                margin_s: float) -> UnaryRequest:
+    def request(self, call: RelayedCall[Any], args: Args, time_left_s: float, margin_s: float) -> UnaryRequest:
         """The owner's own request; its deadline is the time the hop has left."""
-        message = to_message(args.rank_args(self.rank), call.owner_request, header=header_of(self.client.config))
-        return UnaryRequest(method=call.owner_method, message=message, timeout_s=time_left_s)
+        method, message = call.owner_request(args, self.rank, header_of(self.client.config))
+        return UnaryRequest(method=method, message=message, timeout_s=time_left_s)
 
     def reply(self, call: RelayedCall[C], message: Any) -> C:
         """The owner's reply as a combined one, once it is checked to be this rank's."""
-        result = to_record(message, call.owner_result)
-        if result.rank != self.rank:
-            raise RelayError(f"the owner at {self.client.address} answered rank {self.rank}'s "
-                             f"{call.owner_method.name} as rank {result.rank}: the hop was built with another "
-                             "pool's addresses; rebuild it from the pool's current ranks")
-        return call.of_owner(result)
+        return call.of_owner(message, self.rank, self.client.address)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,11 +130,7 @@ class RelayChild:
         """Where the hop calls the relay: its client's configuration."""
         return CallTarget(config=self.client.config)
 
-    def operation(self, call: RelayedCall[Any]) -> str:
-        return call.relay_method.name
-
-    def request(self, call: RelayedCall[Any], args: RelayStepArgs | RelayEvaluateArgs, time_left_s: float,
-                margin_s: float) -> UnaryRequest:
+    def request(self, call: RelayedCall[Any], args: Args, time_left_s: float, margin_s: float) -> UnaryRequest:
         """The relay's request for its ranks: it has the time left less ``margin_s`` to answer
         in, and the call the time left."""
         below = time_left_s - margin_s
@@ -152,13 +138,13 @@ class RelayChild:
             raise ControlError(f"{call.relay_method.name} to {self.client.address} was not sent: {time_left_s:.3f}s "
                                f"were left, no more than the hop's margin of {margin_s:g}s; give the call more time",
                                code="DEADLINE_EXCEEDED")
-        message = to_message(args.for_ranks(self.ranks, timeout_s=below, relay=self.relay), call.relay_request,
-                             header=header_of(self.client.config))
+        message = call.relay_request(args, self.ranks, timeout_s=below, relay=self.relay,
+                                     header=header_of(self.client.config))
         return UnaryRequest(method=call.relay_method, message=message, timeout_s=time_left_s)
 
     def reply(self, call: RelayedCall[C], message: Any) -> C:
         """The relay's reply, once it is checked to cover exactly its ranks."""
-        result = call.from_wire(to_record(message, call.relay_result))
+        result = call.of_relay(message)
         if result.ranks != self.spans:
             raise RelayError(f"the relay at {self.client.address} answered for ranks {result.ranks.spans}, not the "
                              f"ranks under it {self.spans.spans}: it was built from another tree; rebuild both from "
@@ -236,7 +222,12 @@ class RelayHop:
         """Every child's evaluation, begun at once; their loss totals combined within ``args.timeout_s``."""
         return self._relay(EVALUATE, args)
 
-    def _relay(self, call: RelayedCall[C], args: RelayStepArgs | RelayEvaluateArgs) -> C:
+    def relay_call(self, args: RelayCallArgs) -> CombinedReplies:
+        """A report forwarded to every child at once; every rank's reply, in rank order, within
+        ``args.timeout_s`` (a rank whose call failed carries its failure instead)."""
+        return self._relay(FORWARDED, args)
+
+    def _relay(self, call: RelayedCall[C], args: Args) -> C:
         began = time.monotonic()
         named = tuple((s.start, s.stop) for s in args.ranks)
         if named != self._spans.spans:
@@ -259,7 +250,9 @@ class RelayHop:
     @staticmethod
     def _reply(call: RelayedCall[C], child: HopChild, unsent: ZeroRayError | None, outcome: CallOutcome,
                request: UnaryRequest | None, timeout_s: float) -> C:
-        operation = child.operation(call)
+        # The method the child was (or was to be) called with; a relay child's is the call's own.
+        operation = request.method.name if request is not None else \
+            call.relay_method.name if isinstance(child, RelayChild) else "PartitionOwner"
         if unsent is not None:
             return _failed(call, child, _detail(unsent, child, operation))
         err = outcome.error

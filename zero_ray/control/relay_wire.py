@@ -17,25 +17,29 @@ from zero_ray.control.handlers import (
     FailedRank,
     FailureDetailRecord,
     RankSpan,
+    RankReply,
     StepAgreed,
     SubtreeEvaluation,
+    SubtreeReplies,
     SubtreeStep,
     SubtreeTotals,
 )
 from zero_ray.core.reply_combine import (
     Agreed,
     CombinedEvaluation,
+    CombinedReplies,
     CombinedStep,
     CombinedTotals,
     ExactSum,
     RankFailure,
+    RankOutcome,
     RankSpans,
     StepAgreement,
 )
 from zero_ray.errors import FailureDetail, RelayError
 
-__all__ = ["evaluation_from_wire", "evaluation_to_wire", "from_wire", "to_wire", "units_from_bytes",
-           "units_to_bytes"]
+__all__ = ["evaluation_from_wire", "evaluation_to_wire", "from_wire", "replies_from_wire", "replies_to_wire",
+           "to_wire", "units_from_bytes", "units_to_bytes"]
 
 
 def units_to_bytes(units: int) -> bytes:
@@ -132,3 +136,19 @@ def evaluation_from_wire(record: SubtreeEvaluation) -> CombinedEvaluation:
     """The ``CombinedEvaluation`` that :func:`evaluation_to_wire` wrote."""
     return CombinedEvaluation(ranks=_spans_in(record.ranks), totals=_totals_in(record.totals),
                               failure=None if record.failure is None else _failure_in(record.failure))
+
+
+def replies_to_wire(replies: CombinedReplies) -> SubtreeReplies:
+    """``replies`` as the record the wire carries (relay.proto's RelayCallReply)."""
+    return SubtreeReplies(replies=tuple(RankReply(rank=o.rank, reply=o.reply,
+                                                  failure=None if o.failure is None else _failure_out(o.failure))
+                                        for o in replies.replies))
+
+
+def replies_from_wire(record: SubtreeReplies) -> CombinedReplies:
+    """The ``CombinedReplies`` that :func:`replies_to_wire` wrote (ranks named twice refused)."""
+    ranks = RankSpans.of_ranks(sorted(r.rank for r in record.replies))
+    outcomes = tuple(sorted((RankOutcome(rank=r.rank, reply=r.reply,
+                                         failure=None if r.failure is None else _failure_in(r.failure))
+                             for r in record.replies), key=lambda o: o.rank))
+    return CombinedReplies(ranks=ranks, replies=outcomes)

@@ -215,6 +215,49 @@ class SubtreeEvaluation:
     failure: FailedRank | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class RelayCallArgs:
+    """One request for every rank of a subtree, relayed as it is (relay_calls.FORWARDED lists the
+    methods a relay calls so).
+
+    The record of ``zero_ray.v1.RelayCallRequest``.
+    """
+
+    # As RelayStepRequest's.
+    timeout_s: float = 0.0
+    relay: int = 0
+    # The PartitionOwner method's name, e.g. "Stats".
+    method: str = ""
+    # Its request message, serialized, header included: the same for every rank.
+    request: bytes = b""
+    ranks: tuple[RankSpan, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankReply:
+    """One rank's reply to a relayed call.
+
+    The record of ``zero_ray.v1.RankReply``.
+    """
+
+    rank: int = 0
+    # The method's reply message, serialized; empty when the call failed.
+    reply: bytes = b""
+    # Why the call failed (for a relay that failed, the rank whose process runs it).
+    failure: FailedRank | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubtreeReplies:
+    """A subtree's replies to a relayed call.
+
+    The record of ``zero_ray.v1.RelayCallReply``.
+    """
+
+    # Every rank's, in rank order.
+    replies: tuple[RankReply, ...] = ()
+
+
 # The message each record is converted to and from (zero_ray.control.conversion).
 MESSAGES: dict[str, str] = {
     "RelayStepArgs": "zero_ray.v1.RelayStepRequest",
@@ -230,4 +273,7 @@ MESSAGES: dict[str, str] = {
     "HostRelaysResult": "zero_ray.v1.HostRelaysReply",
     "RelayEvaluateArgs": "zero_ray.v1.RelayEvaluateRequest",
     "SubtreeEvaluation": "zero_ray.v1.RelayEvaluateReply",
+    "RelayCallArgs": "zero_ray.v1.RelayCallRequest",
+    "RankReply": "zero_ray.v1.RankReply",
+    "SubtreeReplies": "zero_ray.v1.RelayCallReply",
 }

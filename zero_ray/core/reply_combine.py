@@ -19,6 +19,7 @@ Pure: imports neither ray nor grpc nor torch.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -316,6 +317,55 @@ class CombinedEvaluation:
         failures = [f for f in (self.failure, other.failure) if f is not None]
         return CombinedEvaluation(ranks=self.ranks + other.ranks, totals=self.totals + other.totals,
                                   failure=min(failures, key=RankFailure._order) if failures else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankOutcome:
+    """One rank's reply to a relayed call, unparsed (``reply``: the method's reply message,
+    serialized), or why its call failed."""
+
+    rank: int
+    reply: bytes = b""
+    failure: RankFailure | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CombinedReplies:
+    """Several ranks' replies to a relayed call whose reply is wanted per rank (a report): every
+    rank's kept, in rank order, none combined."""
+
+    ranks: RankSpans = RankSpans()
+    replies: tuple[RankOutcome, ...] = ()
+
+    @classmethod
+    def of(cls, rank: int, reply: bytes) -> CombinedReplies:
+        """One owner's reply."""
+        return cls(ranks=RankSpans.of(rank), replies=(RankOutcome(rank=rank, reply=reply),))
+
+    @classmethod
+    def failed(cls, *, ranks: RankSpans, failure: RankFailure) -> CombinedReplies:
+        """A child's failed call: each of its ranks failed with it."""
+        return cls(ranks=ranks, replies=tuple(RankOutcome(rank=r, failure=failure)
+                                              for start, stop in ranks.spans for r in range(start, stop)))
+
+    def __add__(self, other: CombinedReplies) -> CombinedReplies:
+        ranks = self.ranks + other.ranks  # refuses a rank twice
+        return CombinedReplies(ranks=ranks, replies=tuple(heapq.merge(self.replies, other.replies,
+                                                                      key=lambda o: o.rank)))
+
+    @property
+    def failure(self) -> RankFailure | None:
+        """The earliest failure (the lower rank on a tie); None when every rank answered."""
+        failures = [o.failure for o in self.replies if o.failure is not None]
+        return min(failures, key=RankFailure._order) if failures else None
+
+
+def combine_replies(replies: Iterable[CombinedReplies]) -> CombinedReplies:
+    """``replies`` (of disjoint ranks) as one, every rank's in rank order."""
+    out = CombinedReplies()
+    for reply in replies:
+        out = out + reply
+    return out
 
 
 def combine_evaluations(replies: Iterable[CombinedEvaluation]) -> CombinedEvaluation:

@@ -290,9 +290,9 @@ class OwnerPool:
         if self.relays.active:
             return self.relays.evaluate(command, timeout_s=timeout_s, staged=staged).totals
         args = command.per_rank()
-        results = self.fan.grpc(self.clients, "evaluate", lambda c, r: c.evaluate(args[r], timeout_s=timeout_s),
-                                staged=staged)
-        return sum((CombinedTotals.of(r.totals, rank=r.rank) for r in results), CombinedTotals())
+        return sum((CombinedTotals.of(r.totals, rank=r.rank) for r in self.fan.grpc(
+            self.clients, "evaluate", lambda c, r: c.evaluate(args[r], timeout_s=timeout_s), staged=staged)),
+                   CombinedTotals())
 
     def _staged(self, key: str) -> dict[int, ray.ObjectRef]:
         """The staging calls of the batch staged as ``key`` (none for a dataset's pieces), by rank."""
@@ -369,15 +369,19 @@ class OwnerPool:
             out.append(None if isinstance(result, Exception) else result)
         return out
 
+    def _all_stats(self, timeout_s: float) -> list[OwnerStats]:  # through the relay tree when the pool has one
+        if self.relays.active:
+            return self.relays.stats(timeout_s=timeout_s)
+        return self.fan.grpc(self.clients, "stats", lambda c, r: c.stats(timeout_s=timeout_s), watch=False)
+
     def memory_reports(self, *, timeout_s: float) -> list[dict[str, int]]:
         """Per rank, its memory report (``Stats``), with its rank."""
-        stats = self.fan.grpc(self.clients, "stats", lambda c, r: c.stats(timeout_s=timeout_s), watch=False)
-        return [{"rank": s.rank, **s.memory_bytes} for s in stats]
+        return [{"rank": s.rank, **s.memory_bytes} for s in self._all_stats(timeout_s)]
 
     def comm_reports(self, *, timeout_s: float) -> list[dict[str, int]]:
         """Per rank, bytes sent in the last step by collective, their total, and how much of it
         went to owners on the same node and to others (``inside_node`` / ``cross_node``)."""
-        stats = self.fan.grpc(self.clients, "stats", lambda c, r: c.stats(timeout_s=timeout_s), watch=False)
+        stats = self._all_stats(timeout_s)
         return [{"rank": s.rank, **s.bytes_sent, "total": sum(s.bytes_sent.values()),
                  "inside_node": s.inside_node_bytes, "cross_node": s.cross_node_bytes} for s in stats]
 

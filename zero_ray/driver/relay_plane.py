@@ -32,6 +32,9 @@ from zero_ray.control.client import ClientConfig, RelayClient
 from zero_ray.control.client_channel import Pending
 from zero_ray.control.handlers import HostRelaysArgs
 from zero_ray.control.relay_hop import DEFAULT_MARGIN_S, HopChild, RelayHop, close_relays, hop_children
+from zero_ray.control.client_channel import header_of
+from zero_ray.control.handlers import OwnerStats
+from zero_ray.control.relay_calls import forwarded_args, forwarded_results
 from zero_ray.control.relay_host import host_plans
 from zero_ray.core.relay_tree import RelayConfig, RelayTree, plan_relays
 from zero_ray.core.reply_combine import CombinedEvaluation, CombinedStep, RankFailure, RankSpans
@@ -150,6 +153,21 @@ class RelayPlane:
         reply = self._fan.collect(flight)[0]
         self._check(reply.failure, reply.ranks)
         return reply
+
+    def stats(self, *, timeout_s: float) -> list[OwnerStats]:
+        """Every owner's counters (``Stats``, for ``memory_report`` / ``comm_report``), in rank
+        order, through the tree as one forwarded call (``Relay.RelayCall``): the driver sends one
+        request per top relay and reads one reply from each, every rank's reply inside unparsed
+        until here. A rank that did not answer raises its error, as the direct path does."""
+        top = self._top
+        if top is None:
+            raise RelayError("the relay tree is not planned: the pool asks its owners directly below "
+                             f"RelayConfig.min_owners={self._config.min_owners}")
+        world = len(self._members.clients)
+        header = header_of(self._client_config(self._members.nodes[0]["control_address"]))
+        reply = top.relay_call(forwarded_args("Stats", header, ranks=range(world), timeout_s=timeout_s))
+        self._check(reply.failure, reply.ranks)
+        return forwarded_results("Stats", reply)
 
     def _check(self, failure: RankFailure | None, ranks: RankSpans) -> None:
         """Raise a rank's failure as its own domain error (named by its rank and node, as the

@@ -216,3 +216,35 @@ class RelayEvaluateReply(_message.Message):
     totals: SubtreeTotals
     failure: FailedRank
     def __init__(self, ranks: _Optional[_Iterable[_Union[RankSpan, _Mapping]]] = ..., totals: _Optional[_Union[SubtreeTotals, _Mapping]] = ..., failure: _Optional[_Union[FailedRank, _Mapping]] = ...) -> None: ...
+
+class RelayCallRequest(_message.Message):
+    __slots__ = ("header", "timeout_s", "relay", "method", "request", "ranks")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    timeout_s: float
+    relay: int
+    method: str
+    request: bytes
+    ranks: _containers.RepeatedCompositeFieldContainer[RankSpan]
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., timeout_s: _Optional[float] = ..., relay: _Optional[int] = ..., method: _Optional[str] = ..., request: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[RankSpan, _Mapping]]] = ...) -> None: ...
+
+class RankReply(_message.Message):
+    __slots__ = ("rank", "reply", "failure")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    reply: bytes
+    failure: FailedRank
+    def __init__(self, rank: _Optional[int] = ..., reply: _Optional[bytes] = ..., failure: _Optional[_Union[FailedRank, _Mapping]] = ...) -> None: ...
+
+class RelayCallReply(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[RankReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[RankReply, _Mapping]]] = ...) -> None: ...
