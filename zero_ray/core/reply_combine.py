@@ -14,6 +14,10 @@ combining is associative and commutative, exactly:
   already; the non-finite ranks are a union;
 - the first failure is kept: the earliest seen, the lower rank on a tie, with its rank and node.
 
+An evaluation's replies combine the same way (``CombinedEvaluation``: loss totals and the first
+failure). A report's are not combined at all (``CombinedReplies``): every rank's reply is kept,
+unparsed, in rank order, since a user asks for each rank's figure.
+
 Pure: imports neither ray nor grpc nor torch.
 """
 
