@@ -17,7 +17,19 @@ from control_fakes import WAIT_S, FakeOwner, server_config
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient, RelayClient
-from zero_ray.control.handlers import FailureContext, Heartbeat, LossTotals, Piece, RelayStepArgs, StepArgs, StepResult
+from zero_ray.control.handlers import (
+    EvaluateArgs,
+    EvaluateResult,
+    FailureContext,
+    Heartbeat,
+    LossTotals,
+    OwnerStats,
+    Piece,
+    RelayEvaluateArgs,
+    RelayStepArgs,
+    StepArgs,
+    StepResult,
+)
 from zero_ray.control.relay_hop import RelayHop, hop_children
 from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.server import ControlServer
@@ -37,6 +49,24 @@ class StandInOwner(FakeOwner):
         self.rank = rank
         self.dyadic = dyadic
         self.beat_state = "idle"
+        self.evaluations: list[EvaluateArgs] = []
+
+    def evaluate(self, args: EvaluateArgs) -> EvaluateResult:
+        """Its loss on its piece, as ``step_result`` computes a step's (``fail_with`` fails it)."""
+        self.evaluations.append(args)
+        if self.fail_with is not None:
+            raise self.fail_with
+        totals = self.step_result(StepArgs(step=0, piece=args.piece, global_samples=1)).totals
+        return EvaluateResult(totals=totals, rank=self.rank)
+
+    def stats(self) -> OwnerStats:
+        """Counters of this rank's own (``fail_with`` fails them)."""
+        self.calls.append("stats")
+        if self.fail_with is not None:
+            raise self.fail_with
+        r = self.rank
+        return OwnerStats(step=9, rank=r, world_size=8, stage=2, memory_bytes={"params": 100 * (r + 1)},
+                          bytes_sent={"all_gather": 5 + r}, inside_node_bytes=r, cross_node_bytes=2 * r)
 
     def step_result(self, args: StepArgs) -> StepResult:
         indices = args.piece.indices
@@ -77,6 +107,26 @@ def relay_args(step: int, world: int, timeout_s: float = WAIT_S, *, ranks: Seque
                             indices=[i for a in per_rank for i in a.piece.indices], timeout_s=timeout_s, relay=relay)
 
 
+def evaluate_args(rank: int, world: int, *, batch: int = 0) -> EvaluateArgs:
+    """Rank ``rank``'s part of evaluation batch ``batch``: its own indices (``PER_RANK + rank`` of
+    them, so that the ranks' counts differ)."""
+    first = batch * 1000 + rank * 2 * PER_RANK
+    return EvaluateArgs(piece=Piece(dataset="eval", indices=tuple(range(first, first + PER_RANK + rank))),
+                        generation=1)
+
+
+def relay_evaluate_args(world: int, timeout_s: float = WAIT_S, *, batch: int = 0,
+                        ranks: Sequence[int] | None = None, relay: int = 0) -> RelayEvaluateArgs:
+    """Evaluation batch ``batch`` for ``ranks`` (default: all ``world``), each rank's indices as
+    ``evaluate_args`` gives them, packed."""
+    ranks = range(world) if ranks is None else ranks
+    per_rank = [evaluate_args(r, world, batch=batch) for r in ranks]
+    return RelayEvaluateArgs.of(EvaluateArgs(piece=Piece(dataset="eval"), generation=1), ranks=ranks,
+                                counts=[len(a.piece.indices) for a in per_rank],
+                                indices=[i for a in per_rank for i in a.piece.indices], timeout_s=timeout_s,
+                                relay=relay)
+
+
 @dataclass(kw_only=True)
 class ServedTree:
     """A relay tree served over loopback: the owners, every relay, the driver's hop."""
@@ -99,6 +149,8 @@ class ServedTree:
             owner.release_step.set()  # a step left blocked ends
             owner.fail_with, owner.block_steps = None, False
             owner.steps.clear()
+            owner.evaluations.clear()
+            owner.calls.clear()
             owner.step_entered.clear()
             owner.release_step = threading.Event()
 

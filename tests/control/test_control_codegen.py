@@ -20,7 +20,8 @@ ROOT = CONTROL.parents[1]
 def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
     fresh = {path.name: path for path in codegen.generate(tmp_path)}
     committed = {path.name: path for path in COMMITTED.iterdir() if codegen.is_generated(path)}
-    committed["records.py"] = ROOT / record_gen.MODULE  # the plain records live in core/
+    for module, _ in record_gen.MODULES:  # the plain records live in core/
+        committed[Path(module).name] = ROOT / module
     assert sorted(fresh) == sorted(committed), "generated file set differs; run python -m zero_ray.control.codegen"
     stale = [name for name in sorted(fresh) if fresh[name].read_bytes() != committed[name].read_bytes()]
     assert not stale, f"stale stubs {stale}: run python -m zero_ray.control.codegen and commit the result"
@@ -34,7 +35,7 @@ def test_generation_removes_stale_stubs(tmp_path: Path) -> None:
     (target / "removed_pb2.py").write_text("# from a proto that no longer exists\n")
     (target / "__init__.py").write_text("")
     names = {path.name for path in codegen.generate(tmp_path)}
-    assert (tmp_path / record_gen.MODULE).is_file()
+    assert all((tmp_path / module).is_file() for module, _ in record_gen.MODULES)
     assert "removed_pb2.py" not in names and not (target / "removed_pb2.py").exists()
     assert (target / "__init__.py").exists()  # hand-written files stay
 

@@ -13,14 +13,17 @@ import pytest
 from zero_ray.control import codegen, handlers, record_gen
 from zero_ray.control._generated import common_pb2, coordinator_pb2, owner_pb2, relay_pb2
 from zero_ray.core import records as generated
+from zero_ray.core import relay_records
 from zero_ray.control.conversion import record_fields, to_message, to_record
 from zero_ray.errors import ConfigError
 
-NAMES = sorted(generated.MESSAGES)
+# Every record, of both generated modules (relay.proto's are a module of their own).
+MESSAGES = {**generated.MESSAGES, **relay_records.MESSAGES}
+NAMES = sorted(MESSAGES)
 
 
 def _message_type(record_name: str) -> type:
-    short = generated.MESSAGES[record_name].rsplit(".", 1)[1]
+    short = MESSAGES[record_name].rsplit(".", 1)[1]
     return next(getattr(module, short) for module in (owner_pb2, coordinator_pb2, relay_pb2, common_pb2)
                 if hasattr(module, short))
 
@@ -51,8 +54,23 @@ def _relay_step_fields(values: dict[str, Any], salt: int) -> dict[str, Any]:
             "counts": (2, 0, 1), "indices": (11 + salt, 12, 13)}
 
 
+def _relay_evaluate_fields(values: dict[str, Any], salt: int) -> dict[str, Any]:
+    """A relayed evaluation's fields agree as a relayed step's do."""
+    evaluate = values["evaluate"]
+    return {"evaluate": dataclasses.replace(evaluate, piece=handlers.Piece(dataset=f"dataset-{salt}")),
+            "ranks": (handlers.RankSpan(start=3 + salt, stop=5 + salt), handlers.RankSpan(start=9 + salt, stop=10 + salt)),
+            "counts": (2, 0, 1), "indices": (11 + salt, 12, 13)}
+
+
 # Records whose fields check each other: the values that agree, given the generic ones.
-AGREEING = {"RelayStepArgs": _relay_step_fields}
+def _relay_call_fields(values: dict[str, Any], salt: int) -> dict[str, Any]:
+    """A forwarded call names a method relays forward, and ascending spans."""
+    return {"method": sorted(handlers.FORWARDED_METHODS)[salt % len(handlers.FORWARDED_METHODS)],
+            "ranks": (handlers.RankSpan(start=3 + salt, stop=5 + salt), handlers.RankSpan(start=9 + salt, stop=10 + salt))}
+
+
+AGREEING = {"RelayStepArgs": _relay_step_fields, "RelayEvaluateArgs": _relay_evaluate_fields,
+            "RelayCallArgs": _relay_call_fields}
 
 
 def _sample(record_name: str, salt: int = 0, without: dict[str, Any] | None = None) -> Any:
@@ -65,7 +83,7 @@ def _sample(record_name: str, salt: int = 0, without: dict[str, Any] | None = No
             values[f.name] = {f"k{salt}": _scalar(nested.fields_by_name["value"], salt), "other": _scalar(
                 nested.fields_by_name["value"], salt + 1)}
         elif nested is not None:
-            name = next(n for n, m in generated.MESSAGES.items() if m == nested.full_name)
+            name = next(n for n, m in MESSAGES.items() if m == nested.full_name)
             forms = PIECE_FORMS[0] if name == "Piece" else None
             made = (_sample(name, salt + 1, forms), _sample(name, salt + 2, forms))
             values[f.name] = made if f.is_repeated else made[0]
@@ -98,7 +116,8 @@ def test_every_field_of_every_record_survives_the_wire(record_name: str, without
 def test_a_record_has_its_messages_fields_exactly(record_name: str) -> None:
     record_type = getattr(handlers, record_name)
     assert dataclasses.is_dataclass(record_type)
-    assert issubclass(record_type, getattr(generated, record_name))  # the generated one, or a checking subclass
+    assert issubclass(record_type, getattr(generated if record_name in generated.MESSAGES else relay_records,
+                                                  record_name))  # the generated one, or a checking subclass
     names = [f.name for f in dataclasses.fields(record_type)]
     assert names == [f.name for f in record_fields(_message_type(record_name).DESCRIPTOR)]
     with pytest.raises(dataclasses.FrozenInstanceError):

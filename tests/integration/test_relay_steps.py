@@ -1,7 +1,7 @@
 """Steps down the relay tree on Ray (issue 44): owners that host relays in their own processes
 (``RelayConfig(fan_out=2, min_owners=1)`` puts a 4-owner pool on a two-level tree: rank 0's
 node relay over sub-relays on ranks 0 and 2), against single-process torch and the same pool
-stepping its owners directly, through resizes that re-plan the tree, and ``fit`` on token files
+stepping its owners directly (an evaluation too), through resizes that re-plan the tree, and ``fit`` on token files
 (each rank's indices packed in one request, steps sent ahead); and a relay's process SIGKILLed
 inside a step and SIGSTOPped before one, each run ending equal to the uninterrupted one."""
 
@@ -49,18 +49,30 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in b)
 
 
+def _torch_loss(params: dict[str, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    model = _model().eval()
+    model.load_state_dict(params)
+    with torch.no_grad():
+        return float(mse_loss(model, batch))
+
+
 @pytest.mark.timeout(300)
 def test_steps_through_the_tree_equal_torch_and_the_direct_pool() -> None:
     opt = zr.SGD(lr=0.1, momentum=0.9)
     batches = _batches()
     ref, ref_losses = single_process(_model, mse_loss, opt, batches)
-    runs = {}
+    torch.manual_seed(0)
+    initial = _model().state_dict()  # single_process's (and every owner's) initial parameters: seed 0
+    held_out = (torch.randn(12, 8, generator=torch.Generator().manual_seed(9)),
+                torch.randn(12, 8, generator=torch.Generator().manual_seed(10)))
+    runs, evals, reports = {}, {}, {}
     for name, relays in (("tree", TREE), ("direct", zr.RelayConfig())):
         with zr.ZeroTrainer(_model, mse_loss, optimizer=opt, config=_config(relays)) as trainer:
             tree = trainer._pool.relays.tree
             assert (tree is not None) == (name == "tree")
             if tree is not None:  # two levels over the one node: rank 0's relay over sub-relays on 0 and 2
                 assert tree.depth == 2 and sorted(r.host for r in tree.relays) == [0, 0, 2]
+            first = trainer.evaluate(held_out)  # down the tree when it has one (RelayEvaluate)
             metrics = []
             for k, b in enumerate(batches):
                 if name == "tree" and k in (2, 4):  # 4 -> 3 -> 4: the tree re-planned each time
@@ -68,11 +80,23 @@ def test_steps_through_the_tree_equal_torch_and_the_direct_pool() -> None:
                     assert trainer._pool.relays.tree.live_ranks == tuple(range(trainer.world_size))
                 metrics.append(trainer.step(b))
             runs[name] = (trainer.full_state_dict(), metrics)
+            evals[name] = (first, trainer.evaluate(held_out))
+            reports[name] = (trainer.memory_report(), trainer.comm_report())  # Stats: forwarded (RelayCall) on the tree
     params, metrics = runs["tree"]
     assert _max_diff(params, ref) <= 1e-6
     assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, rel=1e-5)
     direct_params, direct_metrics = runs["direct"]
     assert _max_diff(params, direct_params) <= 1e-6
+    # an evaluation through the tree: the direct pool's figures exactly (same parameters, same
+    # pieces; only the replies' path differs), and torch's loss at the same parameters
+    (tree_first, tree_last), (direct_first, direct_last) = evals["tree"], evals["direct"]
+    assert tree_first == direct_first and tree_first["samples"] == 12
+    assert tree_first["loss"] == pytest.approx(_torch_loss(initial, held_out), abs=1e-6)
+    assert tree_last["loss"] == pytest.approx(_torch_loss(ref, held_out), abs=1e-5)
+    assert tree_last["loss"] == pytest.approx(direct_last["loss"], abs=1e-6)
+    # per-rank reports through the tree: every rank's, in rank order, as the direct pool's
+    assert [r["rank"] for r in reports["tree"][0]] == list(range(WORLD))
+    assert reports["tree"] == reports["direct"]
     # before the first resize the same computation, exactly: only the path of the replies differs
     for relayed, direct in zip(metrics[:2], direct_metrics[:2]):
         assert {k: v for k, v in relayed.items() if "seconds" not in k and k != "items_per_second"} == \

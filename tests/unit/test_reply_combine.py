@@ -12,13 +12,17 @@ from collections.abc import Callable
 import pytest
 
 from zero_ray.control.handlers import combine
-from zero_ray.core.records import LossTotals, StepResult
+from zero_ray.core.records import EvaluateResult, LossTotals, StepResult
 from zero_ray.core.reply_combine import (
+    CombinedEvaluation,
+    CombinedReplies,
     CombinedStep,
     CombinedTotals,
     ExactSum,
     RankFailure,
     RankSpans,
+    combine_evaluations,
+    combine_replies,
     combine_steps,
 )
 from zero_ray.driver.reports import StepMetrics
@@ -173,6 +177,46 @@ def test_evaluation_totals_combine_to_today_s_figures() -> None:
     assert (combined.loss, combined.samples, combined.items.value, combined.count.value) == \
         (today["loss"], today["samples"], today["items"], today["count"])
     assert math.isnan(CombinedTotals().loss)
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_evaluations_combine_in_any_tree_to_the_direct_path_s_figures(counted: bool) -> None:
+    rng = random.Random(11)
+    results = [EvaluateResult(totals=r.totals, rank=r.rank) for r in _results(rng, 64, _dyadic, counted=counted)]
+    flat = combine_evaluations(CombinedEvaluation.of(r) for r in results)
+    replies = [CombinedEvaluation.of(r) for r in results]
+    for _ in range(5):  # any grouping and order: a random tree of random groups
+        order = replies[:]
+        rng.shuffle(order)
+        cuts = sorted(rng.sample(range(1, len(order)), 7))
+        groups = [combine_evaluations(order[a:b]) for a, b in zip([0, *cuts], [*cuts, len(order)])]
+        assert combine_evaluations(groups) == flat
+    assert flat.ranks.covers(64) and flat.failure is None
+    assert flat.totals.figures() == combine([r.totals for r in results])  # dyadic: float sums are exact
+    late, early = _failure(9, at=2.0), _failure(40, at=1.0)
+    failed = combine_evaluations([*replies[:9], CombinedEvaluation.failed(late), *replies[10:40],
+                                  CombinedEvaluation.failed(early), *replies[41:]])
+    assert failed.failure == early and failed.ranks.covers(64)
+    assert failed.totals.samples == flat.totals.samples - results[9].totals.samples - results[40].totals.samples
+
+
+def test_per_rank_replies_are_kept_in_rank_order_whatever_the_grouping() -> None:
+    rng = random.Random(4)
+    replies = [CombinedReplies.of(r, f"reply {r}".encode()) for r in range(32)]
+    late, early = _failure(20, at=5.0), _failure(8, at=1.0)
+    replies[20:24] = [CombinedReplies.failed(ranks=RankSpans.of_ranks(range(20, 24)), failure=late)]
+    replies[8] = CombinedReplies.failed(ranks=RankSpans.of(8), failure=early)
+    rng.shuffle(replies)
+    cuts = sorted(rng.sample(range(1, len(replies)), 5))
+    groups = [combine_replies(replies[a:b]) for a, b in zip([0, *cuts], [*cuts, len(replies)])]
+    rng.shuffle(groups)
+    out = combine_replies(groups)
+    assert [o.rank for o in out.replies] == list(range(32)) and out.ranks.covers(32)
+    assert [o.rank for o in out.replies if o.failure is late] == [20, 21, 22, 23]
+    assert out.failure == early
+    assert [o.reply for o in out.replies if o.failure is None][:2] == [b"reply 0", b"reply 1"]
+    with pytest.raises(RelayError, match="combined twice"):
+        out + CombinedReplies.of(3, b"again")
 
 
 def test_a_figure_every_rank_shares_is_checked_not_summed() -> None:

@@ -40,6 +40,8 @@ from zero_ray.control.handlers import (
     Plain,
     HostRelaysArgs,
     HostRelaysResult,
+    RelayCallArgs,
+    RelayEvaluateArgs,
     RelayStepArgs,
     ResizeResult,
     SavePhase,
@@ -47,11 +49,13 @@ from zero_ray.control.handlers import (
     SetupResult,
     StepArgs,
     StepResult,
+    SubtreeEvaluation,
+    SubtreeReplies,
     SubtreeStep,
 )
 from zero_ray.control.conversion import to_message, to_record
-from zero_ray.control.relay_wire import from_wire
-from zero_ray.core.reply_combine import CombinedStep
+from zero_ray.control.relay_wire import evaluation_from_wire, from_wire, replies_from_wire
+from zero_ray.core.reply_combine import CombinedEvaluation, CombinedReplies, CombinedStep
 from zero_ray.errors import ConfigError
 
 __all__ = ["ClientConfig", "CoordinatorClient", "OwnerClient", "RelayClient", "Stream"]
@@ -265,6 +269,20 @@ class RelayClient(BaseClient):
         request = to_message(args, relay_pb2.RelayStepRequest, header=self._header())
         return self._unary_future("RelayStep", self._stub.RelayStep, request, timeout_s,
                                   lambda r: from_wire(to_record(r, SubtreeStep)))
+
+    def relay_evaluate(self, args: RelayEvaluateArgs, *, timeout_s: float | None = None) -> CombinedEvaluation:
+        """Run one evaluation on every rank of the relay's subtree; their loss totals combined
+        (a rank's failure is the reply's ``failure``). ``timeout_s`` as for ``relay_step``."""
+        request = to_message(args, relay_pb2.RelayEvaluateRequest, header=self._header())
+        return evaluation_from_wire(to_record(self._unary("RelayEvaluate", self._stub.RelayEvaluate, request,
+                                                          timeout_s), SubtreeEvaluation))
+
+    def relay_call(self, args: RelayCallArgs, *, timeout_s: float | None = None) -> CombinedReplies:
+        """Call ``args.method`` on every rank of the relay's subtree with the same request; every
+        rank's reply (or failure) in rank order, unparsed."""
+        request = to_message(args, relay_pb2.RelayCallRequest, header=self._header())
+        return replies_from_wire(to_record(self._unary("RelayCall", self._stub.RelayCall, request, timeout_s),
+                                           SubtreeReplies))
 
     def host_relays(self, args: HostRelaysArgs, *, timeout_s: float | None = None) -> HostRelaysResult:
         """Have the process serve ``args.relays`` from now on (in place of those before)."""

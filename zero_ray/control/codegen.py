@@ -68,8 +68,8 @@ def is_generated(path: Path) -> bool:
 
 def generate(out_root: Path, proto_dir: Path | None = None) -> list[Path]:
     """Run protoc (from grpcio-tools) on the proto sources, writing the stubs to
-    ``out_root/zero_ray/control/_generated`` and the records to ``out_root/zero_ray/core/records.py``;
-    returns the generated files, the stubs sorted and the records last.
+    ``out_root/zero_ray/control/_generated`` and the records to ``out_root/zero_ray/core/records.py`` and
+    ``relay_records.py``; returns the generated files, the stubs sorted and the records last.
 
     Stale stubs in the target directory (from a removed proto) are deleted first.
     """
@@ -109,10 +109,13 @@ def generate(out_root: Path, proto_dir: Path | None = None) -> list[Path]:
         if status != 0:
             raise ZeroRayError(f"protoc failed with exit status {status} (its messages are above); {args=}")
         files = descriptor_pb2.FileDescriptorSet.FromString(descriptors.read_bytes())
-    records = out_root / record_gen.MODULE
-    records.parent.mkdir(parents=True, exist_ok=True)
-    records.write_text(record_gen.render(files), encoding="utf-8")
-    return sorted(path for path in target.iterdir() if is_generated(path)) + [records]
+    written = []
+    for module, _ in record_gen.MODULES:
+        records = out_root / module
+        records.parent.mkdir(parents=True, exist_ok=True)
+        records.write_text(record_gen.render(files, module), encoding="utf-8")
+        written.append(records)
+    return sorted(path for path in target.iterdir() if is_generated(path)) + written
 
 
 def stale_files(committed_root: Path | None = None, proto_dir: Path | None = None) -> list[str]:
@@ -124,8 +127,9 @@ def stale_files(committed_root: Path | None = None, proto_dir: Path | None = Non
         fresh = {str(path.relative_to(tmp)): path for path in generate(Path(tmp), proto_dir)}
         existing = {str(path.relative_to(root)): path for path in committed.iterdir() if is_generated(path)} \
             if committed.is_dir() else {}
-        if (root / record_gen.MODULE).is_file():
-            existing[record_gen.MODULE] = root / record_gen.MODULE
+        for module, _ in record_gen.MODULES:
+            if (root / module).is_file():
+                existing[module] = root / module
         names = sorted(fresh.keys() | existing.keys())
         return [
             name

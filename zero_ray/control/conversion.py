@@ -18,13 +18,15 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from zero_ray.control import handlers
+from zero_ray.core import relay_records
 from zero_ray.core.records import ENVELOPE, MESSAGES
 
 R = TypeVar("R")
 M = TypeVar("M", bound=Message)
 
 # Message full name -> the record class built from it (the checking subclass where there is one).
-_RECORD_OF: dict[str, type] = {message: getattr(handlers, name) for name, message in MESSAGES.items()}
+_RECORD_OF: dict[str, type] = {message: getattr(handlers, name)
+                               for name, message in {**MESSAGES, **relay_records.MESSAGES}.items()}
 
 
 def record_class(descriptor: Descriptor) -> type:

@@ -7,7 +7,7 @@ translate in both directions, and the clients in :mod:`zero_ray.control.client`
 return the same dataclasses, so both ends of a call share one vocabulary.
 
 The records' fields are their messages' (protos/zero_ray/v1): codegen writes them to
-``zero_ray/core/records.py`` and :mod:`zero_ray.control.conversion` converts by field name, so a new
+``zero_ray/core/records.py`` (relay.proto's: ``relay_records.py``) and :mod:`zero_ray.control.conversion` converts by field name, so a new
 field is written in the .proto and where it is computed. The records that check their values
 (``Piece``, ``StepArgs``, ``EvaluateArgs``) subclass the generated ones here.
 
@@ -49,18 +49,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from zero_ray.core import records as _records
+from zero_ray.core import relay_records as _relay_records
 # The records whose fields are their messages' alone; the others below check their values.
 from zero_ray.core.records import (
     CheckpointResult,
     CollectiveEvent,
     EvaluateResult,
-    ExactSumValue,
-    FailedRank,
     FailureDetailRecord,
     Flight,
     Heartbeat,
-    HostedRelay,
-    HostRelaysResult,
     JobStatus,
     LoadResult,
     LossTotals,
@@ -69,14 +66,23 @@ from zero_ray.core.records import (
     OwnerStats,
     OwnerStatus,
     ParamInfo,
-    RankSpan,
     RankStatus,
-    RelayChildSeat,
     ResizeResult,
     SaveResult,
     SetupResult,
-    StepAgreed,
     StepResult,
+)
+from zero_ray.core.relay_records import (
+    ExactSumValue,
+    FailedRank,
+    HostedRelay,
+    HostRelaysResult,
+    RankSpan,
+    RankReply,
+    RelayChildSeat,
+    StepAgreed,
+    SubtreeEvaluation,
+    SubtreeReplies,
     SubtreeStep,
     SubtreeTotals,
 )
@@ -87,9 +93,10 @@ __all__ = [
     "FailedRank", "FailureContext", "FailureDetailRecord", "Flight", "Heartbeat", "HostedRelay", "HostRelaysArgs",
     "HostRelaysResult", "RelayChildSeat",
     "JobStatus", "LoadResult", "LossTotals", "MetricsEvent", "ModelLayout", "OwnerHandler", "OwnerStats",
-    "OwnerStatus", "ParamInfo", "Piece", "Plain", "RankSpan", "RankStatus", "RelayStepArgs",
-    "ResizeResult", "SavePhase", "SaveResult", "SetupResult", "StepAgreed", "StepArgs", "StepResult", "SubtreeStep",
-    "SubtreeTotals", "combine",
+    "OwnerStatus", "ParamInfo", "Piece", "Plain", "RankReply", "RankSpan", "RankStatus", "RelayCallArgs", "RelayEvaluateArgs",
+    "RelayStepArgs", "FORWARDED_METHODS", "SubtreeReplies",
+    "ResizeResult", "SavePhase", "SaveResult", "SetupResult", "StepAgreed", "StepArgs", "StepResult", "SubtreeEvaluation",
+    "SubtreeStep", "SubtreeTotals", "combine",
 ]
 
 # Plain data: what a JSON document holds (dicts keyed by str or int, lists, numbers, str, None).
@@ -150,40 +157,44 @@ class EvaluateArgs(_records.EvaluateArgs):
         _non_negative(generation=self.generation)
 
 
-@dataclass(frozen=True, kw_only=True)
-class RelayStepArgs(_records.RelayStepArgs):
-    """A step on every rank of a relay's subtree (relay.proto's RelayStepRequest): what every
-    rank runs (``step``, its piece's indices empty), the subtree's ranks as spans, and a
-    dataset's indices packed (``counts`` per rank in rank order, ``indices`` concatenated).
-    :meth:`rank_step` is one rank's ``StepArgs``; :meth:`for_ranks` a child's request."""
+class _PackedRanks:
+    """What a relayed call's request holds beside its common request (``_common``): the
+    subtree's ranks as spans (``ranks``), and a dataset's indices packed (``counts`` per rank
+    in rank order, ``indices`` concatenated), so that a request to 1,024 ranks is a few
+    repeated scalar fields, not 1,024 messages. Mixed into the records of RelayStepRequest and
+    RelayEvaluateRequest, whose fields these are."""
+
+    ranks: tuple[RankSpan, ...]
+    counts: tuple[int, ...]
+    indices: tuple[int, ...]
+    timeout_s: float
+    relay: int
+
+    @property
+    def _common(self) -> Any:
+        """The request every rank runs (its piece's indices empty)."""
+        raise NotImplementedError
 
     def __post_init__(self) -> None:
+        name = type(self).__name__
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ConfigError(f"RelayStepArgs(timeout_s={self.timeout_s}) must be a finite number of seconds > 0: "
+            raise ConfigError(f"{name}(timeout_s={self.timeout_s}) must be a finite number of seconds > 0: "
                               "the time the subtree has to answer")
         spans = [(s.start, s.stop) for s in self.ranks]
         if not spans or any(a >= b for a, b in spans) or any(b > c for (_, b), (c, _) in zip(spans, spans[1:])):
-            raise ConfigError(f"RelayStepArgs names the rank spans {spans}: a relayed step holds the subtree's ranks "
+            raise ConfigError(f"{name} names the rank spans {spans}: a relayed call holds the subtree's ranks "
                               "as ascending, non-empty, non-overlapping spans, at least one")
-        piece = self.step.piece
+        piece = self._common.piece
         if piece.indices:
-            raise ConfigError("RelayStepArgs.step's piece carries indices: a relayed step packs them in counts and "
-                              "indices, one count per rank")
+            raise ConfigError(f"{name}'s common request's piece carries indices: a relayed call packs them in "
+                              "counts and indices, one count per rank")
         ranks = sum(b - a for a, b in spans)
         if self.counts and (len(self.counts) != ranks or piece.batch_key):
-            raise ConfigError(f"RelayStepArgs has {len(self.counts)} counts for {ranks} ranks of "
-                              f"{'a staged batch' if piece.batch_key else 'a dataset'}: a dataset's step has one "
+            raise ConfigError(f"{name} has {len(self.counts)} counts for {ranks} ranks of "
+                              f"{'a staged batch' if piece.batch_key else 'a dataset'}: a dataset's call has one "
                               "per rank, a staged batch's none")
         if sum(self.counts) != len(self.indices):
-            raise ConfigError(f"RelayStepArgs counts {sum(self.counts)} indices but carries {len(self.indices)}")
-
-    @classmethod
-    def of(cls, step: StepArgs, *, ranks: Sequence[int], counts: Sequence[int] = (), indices: Sequence[int] = (),
-           timeout_s: float, relay: int = 0) -> RelayStepArgs:
-        """The request for ``ranks`` (ascending) running ``step``, each rank reading its
-        ``counts`` of ``indices`` in rank order."""
-        return cls(step=step, ranks=_spans_of(ranks), counts=tuple(counts), indices=tuple(indices),
-                   timeout_s=timeout_s, relay=relay)
+            raise ConfigError(f"{name} counts {sum(self.counts)} indices but carries {len(self.indices)}")
 
     @functools.cached_property
     def rank_list(self) -> tuple[int, ...]:
@@ -201,21 +212,23 @@ class RelayStepArgs(_records.RelayStepArgs):
         firsts, positions, _ = self._starts
         i = bisect.bisect_right(firsts, rank) - 1
         if i < 0 or rank >= self.ranks[i].stop:
-            raise ConfigError(f"rank {rank} is not among this step's ranks {[(s.start, s.stop) for s in self.ranks]}")
+            raise ConfigError(f"rank {rank} is not among this call's ranks {[(s.start, s.stop) for s in self.ranks]}")
         return positions[i] + rank - firsts[i]
 
-    def rank_step(self, rank: int) -> StepArgs:
-        """Rank ``rank``'s own step, as its owner is asked."""
+    def rank_args(self, rank: int) -> Any:
+        """Rank ``rank``'s own request, as its owner is asked."""
+        common = self._common
         if not self.counts:
             self._position(rank)  # checks the rank
-            return self.step
+            return common
         at = self._position(rank)
         offsets = self._starts[2]
-        piece = dataclasses.replace(self.step.piece, indices=self.indices[offsets[at]:offsets[at + 1]])
-        return dataclasses.replace(self.step, piece=piece)
+        piece = dataclasses.replace(common.piece, indices=self.indices[offsets[at]:offsets[at + 1]])
+        return dataclasses.replace(common, piece=piece)
 
-    def for_ranks(self, ranks: Sequence[int], *, timeout_s: float, relay: int) -> RelayStepArgs:
-        """The request for ``ranks`` (ascending, all of them this request's) of a child relay."""
+    def for_ranks(self, ranks: Sequence[int], *, timeout_s: float, relay: int) -> Any:
+        """The request for ``ranks`` (ascending, all of them this request's) of a child relay:
+        a request of this one's type."""
         spans = _spans_of(ranks)
         counts: list[int] = []
         indices: list[int] = []
@@ -229,8 +242,86 @@ class RelayStepArgs(_records.RelayStepArgs):
         else:
             for span in spans:
                 self._position(span.start)
-        return RelayStepArgs(step=self.step, ranks=spans, counts=tuple(counts), indices=tuple(indices),
-                             timeout_s=timeout_s, relay=relay)
+        return dataclasses.replace(self, ranks=spans, counts=tuple(counts), indices=tuple(indices),  # type: ignore[type-var]
+                                   timeout_s=timeout_s, relay=relay)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayStepArgs(_PackedRanks, _relay_records.RelayStepArgs):
+    """A step on every rank of a relay's subtree (relay.proto's RelayStepRequest): what every
+    rank runs (``step``, its piece's indices empty), the subtree's ranks as spans, and a
+    dataset's indices packed (``counts`` per rank in rank order, ``indices`` concatenated).
+    :meth:`rank_step` is one rank's ``StepArgs``; :meth:`for_ranks` a child's request."""
+
+    @property
+    def _common(self) -> StepArgs:
+        return self.step
+
+    @classmethod
+    def of(cls, step: StepArgs, *, ranks: Sequence[int], counts: Sequence[int] = (), indices: Sequence[int] = (),
+           timeout_s: float, relay: int = 0) -> RelayStepArgs:
+        """The request for ``ranks`` (ascending) running ``step``, each rank reading its
+        ``counts`` of ``indices`` in rank order."""
+        return cls(step=step, ranks=_spans_of(ranks), counts=tuple(counts), indices=tuple(indices),
+                   timeout_s=timeout_s, relay=relay)
+
+    def rank_step(self, rank: int) -> StepArgs:
+        """Rank ``rank``'s own step, as its owner is asked."""
+        return self.rank_args(rank)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayEvaluateArgs(_PackedRanks, _relay_records.RelayEvaluateArgs):
+    """An evaluation on every rank of a relay's subtree (relay.proto's RelayEvaluateRequest),
+    packed as :class:`RelayStepArgs` packs a step; :meth:`rank_args` is one rank's
+    ``EvaluateArgs``."""
+
+    @property
+    def _common(self) -> EvaluateArgs:
+        return self.evaluate
+
+    @classmethod
+    def of(cls, evaluate: EvaluateArgs, *, ranks: Sequence[int], counts: Sequence[int] = (),
+           indices: Sequence[int] = (), timeout_s: float, relay: int = 0) -> RelayEvaluateArgs:
+        """The request for ``ranks`` (ascending) evaluating ``evaluate``, each rank reading its
+        ``counts`` of ``indices`` in rank order."""
+        return cls(evaluate=evaluate, ranks=_spans_of(ranks), counts=tuple(counts), indices=tuple(indices),
+                   timeout_s=timeout_s, relay=relay)
+
+
+# The PartitionOwner methods a relay forwards as they are (RelayCall): a request that is the same
+# for every rank and a reply that is wanted per rank. Any other method is refused, so that the
+# relay's generic path cannot reach a rank's state-changing calls.
+FORWARDED_METHODS = frozenset({"Stats", "Flight", "Status"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelayCallArgs(_relay_records.RelayCallArgs):
+    """A PartitionOwner call, the same request for every rank of a relay's subtree
+    (relay.proto's RelayCallRequest): the method's name, its request serialized, the ranks."""
+
+    def __post_init__(self) -> None:
+        if self.method not in FORWARDED_METHODS:
+            raise ConfigError(f"RelayCallArgs(method={self.method!r}): a relay forwards only "
+                              f"{sorted(FORWARDED_METHODS)}; call other methods on each owner")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError(f"RelayCallArgs(timeout_s={self.timeout_s}) must be a finite number of seconds > 0")
+        spans = [(s.start, s.stop) for s in self.ranks]
+        if not spans or any(a >= b for a, b in spans) or any(b > c for (_, b), (c, _) in zip(spans, spans[1:])):
+            raise ConfigError(f"RelayCallArgs names the rank spans {spans}: ascending, non-empty, non-overlapping "
+                              "spans, at least one")
+
+    @classmethod
+    def of(cls, method: str, request: bytes, *, ranks: Sequence[int], timeout_s: float,
+           relay: int = 0) -> RelayCallArgs:
+        return cls(method=method, request=request, ranks=_spans_of(ranks), timeout_s=timeout_s, relay=relay)
+
+    def for_ranks(self, ranks: Sequence[int], *, timeout_s: float, relay: int) -> RelayCallArgs:
+        """The request for ``ranks`` (ascending, all of them this request's) of a child relay."""
+        mine = {r for s in self.ranks for r in range(s.start, s.stop)}
+        if not set(ranks) <= mine:
+            raise ConfigError(f"ranks {sorted(set(ranks) - mine)} are not among this call's ranks")
+        return dataclasses.replace(self, ranks=_spans_of(ranks), timeout_s=timeout_s, relay=relay)
 
 
 def _spans_of(ranks: Sequence[int]) -> tuple[RankSpan, ...]:
@@ -247,7 +338,7 @@ def _spans_of(ranks: Sequence[int]) -> tuple[RankSpan, ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class HostRelaysArgs(_records.HostRelaysArgs):
+class HostRelaysArgs(_relay_records.HostRelaysArgs):
     """The relays a process is to serve (relay.proto's HostRelaysRequest), each once."""
 
     def __post_init__(self) -> None:

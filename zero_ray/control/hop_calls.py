@@ -31,7 +31,7 @@ from zero_ray.control.auth import bearer_metadata
 from zero_ray.control.client_channel import ClientConfig, check_timeout
 from zero_ray.errors import ConfigError, ControlError, RelayError, ZeroRayError
 
-__all__ = ["CallOutcome", "CallTarget", "HopCalls", "UnaryRequest"]
+__all__ = ["CallOutcome", "CallTarget", "HopCalls", "UnaryMethod", "UnaryRequest"]
 
 # How long a first batch waits for the loop's thread to open the channels (it takes milliseconds).
 _START_S = 10.0
@@ -48,21 +48,30 @@ RpcOf = Callable[[grpc.aio.Channel], Any]
 
 @dataclass(frozen=True, kw_only=True)
 class CallTarget:
-    """A child the hop calls: where and how (its client's configuration: address, TLS, token)
-    and which unary method."""
+    """A child the hop calls: where and how (its client's configuration: address, TLS, token)."""
 
     config: ClientConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnaryMethod:
+    """A unary method a child is called with: its name (``"PartitionOwner.Step"``; each child's
+    method object is made once, on first use, and kept by this name) and how to get it from a
+    channel."""
+
+    name: str
     rpc: RpcOf
 
     def __post_init__(self) -> None:
-        if not callable(self.rpc):
-            raise ConfigError(f"CallTarget(address={self.config.address!r}).rpc must be a channel's unary method")
+        if not self.name or not callable(self.rpc):
+            raise ConfigError(f"UnaryMethod(name={self.name!r}) needs a name and a channel's unary method")
 
 
 @dataclass(frozen=True, kw_only=True)
 class UnaryRequest:
-    """One child's request of a batch and its call's deadline."""
+    """One child's request of a batch: the method, the message and its call's deadline."""
 
+    method: UnaryMethod
     message: Any
     timeout_s: float
 
@@ -99,7 +108,8 @@ class HopCalls:
     _thread: threading.Thread | None
     _ready: threading.Event
     _stop: asyncio.Event | None
-    _rpcs: tuple[Any, ...]
+    _channels: tuple[grpc.aio.Channel, ...]
+    _rpcs: dict[tuple[int, str], Any]  # by (target, method name): made on the loop's thread, on first use
     _broken: BaseException | None
 
     def __init__(self, targets: Sequence[CallTarget]) -> None:
@@ -111,7 +121,8 @@ class HopCalls:
         self._thread = None
         self._ready = threading.Event()
         self._stop = None
-        self._rpcs = ()
+        self._channels = ()
+        self._rpcs = {}
         self._broken = None
 
     @property
@@ -162,7 +173,7 @@ class HopCalls:
         channels: list[grpc.aio.Channel] = []
         try:
             channels = [open_channel(t.config) for t in self._targets]
-            self._rpcs = tuple(t.rpc(ch) for t, ch in zip(self._targets, channels))
+            self._channels = tuple(channels)
         except Exception as err:  # noqa: BLE001 - reported to every caller by _started
             self._broken = err
         finally:
@@ -172,18 +183,18 @@ class HopCalls:
         # Closing a channel cancels its calls in flight: their batches come back with them failed.
         await asyncio.gather(*(ch.close() for ch in channels), return_exceptions=True)
         # gRPC's poller thread ends with the last asyncio channel object, not its close().
-        self._rpcs = ()
+        self._channels, self._rpcs = (), {}
 
     async def _batch(self, requests: Sequence[UnaryRequest | None], wait_s: float) -> list[CallOutcome]:
         started: list[asyncio.Future[Any] | None] = []
         calls: list[Any] = []
-        for rpc, metadata, request in zip(self._rpcs, self._metadata, requests):
+        for i, (metadata, request) in enumerate(zip(self._metadata, requests)):
             if request is None:
                 started.append(None)
                 calls.append(None)
                 continue
             try:
-                call = rpc(request.message, timeout=request.timeout_s, metadata=metadata)
+                call = self._rpc(i, request.method)(request.message, timeout=request.timeout_s, metadata=metadata)
             except Exception as err:  # noqa: BLE001 - a channel closing under the batch: that call's failure
                 started.append(_failed_future(err))
                 calls.append(None)
@@ -202,6 +213,13 @@ class HopCalls:
                 f.cancel()
             raise
         return [self._outcome(f, c) for f, c in zip(started, calls)]
+
+    def _rpc(self, target: int, method: UnaryMethod) -> Any:
+        key = (target, method.name)
+        rpc = self._rpcs.get(key)
+        if rpc is None:
+            rpc = self._rpcs[key] = method.rpc(self._channels[target])
+        return rpc
 
     @staticmethod
     def _outcome(future: asyncio.Future[Any] | None, call: Any) -> CallOutcome:

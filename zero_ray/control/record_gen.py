@@ -1,4 +1,5 @@
-"""Write the plain records (``zero_ray/core/records.py``) from the .proto descriptors.
+"""Write the plain records (``zero_ray/core/records.py``, and the relay tree's in
+``zero_ray/core/relay_records.py``) from the .proto descriptors.
 
 Each message a handler takes or returns has a frozen keyword-only dataclass whose fields are
 the message's fields, by name and in declaration order, so that a field is declared once, in
@@ -20,7 +21,9 @@ from zero_ray.errors import ConfigError
 
 # Where the records are written, under the checkout root: in core/, below every package that uses
 # them, so that compute returns them without importing the control plane (the wire stays here).
+# The relay tree's records are a module of their own: one module of every record outgrew a file.
 MODULE = "zero_ray/core/records.py"
+RELAY_MODULE = "zero_ray/core/relay_records.py"
 ENVELOPE = "zero_ray.v1.RequestHeader"
 # (record name, message) for every message a handler takes or returns. Records that check
 # their values subclass theirs in zero_ray/control/handlers.py under the same name.
@@ -47,6 +50,9 @@ RECORDS: tuple[tuple[str, str], ...] = (
     ("CollectiveEvent", "zero_ray.v1.CollectiveEvent"),
     ("Flight", "zero_ray.v1.FlightReply"),
     ("FailureDetailRecord", "zero_ray.v1.FailureDetail"),
+)
+# The relay tree's (relay.proto), written to RELAY_MODULE; they may name the records above.
+RELAY_RECORDS: tuple[tuple[str, str], ...] = (
     ("RelayStepArgs", "zero_ray.v1.RelayStepRequest"),
     ("ExactSumValue", "zero_ray.v1.ExactSumValue"),
     ("SubtreeTotals", "zero_ray.v1.SubtreeTotals"),
@@ -58,7 +64,16 @@ RECORDS: tuple[tuple[str, str], ...] = (
     ("HostedRelay", "zero_ray.v1.HostedRelay"),
     ("HostRelaysArgs", "zero_ray.v1.HostRelaysRequest"),
     ("HostRelaysResult", "zero_ray.v1.HostRelaysReply"),
+    ("RelayEvaluateArgs", "zero_ray.v1.RelayEvaluateRequest"),
+    ("SubtreeEvaluation", "zero_ray.v1.RelayEvaluateReply"),
+    ("RelayCallArgs", "zero_ray.v1.RelayCallRequest"),
+    ("RankReply", "zero_ray.v1.RankReply"),
+    ("SubtreeReplies", "zero_ray.v1.RelayCallReply"),
 )
+# Each module written and the records it holds, in the order written (a later one imports from
+# those before it).
+MODULES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ((MODULE, RECORDS), (RELAY_MODULE, RELAY_RECORDS))
+ALL_RECORDS: tuple[tuple[str, str], ...] = RECORDS + RELAY_RECORDS
 
 _F = descriptor_pb2.FieldDescriptorProto
 _INT = ("int", "0")
@@ -119,7 +134,8 @@ def _annotation(f: descriptor_pb2.FieldDescriptorProto, where: str, index: dict[
             value_type = _annotation(value, where, index, record_of)[0]
             return f"Mapping[{_SCALARS[key.type][0]}, {value_type}]", "field(default_factory=dict)"
         if target not in record_of:
-            raise ConfigError(f"{where} is a {target}, which has no record; add it to record_gen.RECORDS")
+            raise ConfigError(f"{where} is a {target}, which has no record; add it to record_gen.RECORDS "
+                              "(or RELAY_RECORDS)")
         name = record_of[target]
         return ((f"tuple[{name}, ...]", "()") if repeated else (f"{name} | None", "None") if _optional(f) else
                 (name, None))
@@ -134,7 +150,9 @@ def _comment_lines(text: str, indent: str, prefix: str) -> list[str]:
     return [f"{indent}{prefix}{line.strip()}".rstrip() for line in text.strip("\n").splitlines()]
 
 
-def _record(name: str, message_name: str, index: dict[str, _Message], record_of: dict[str, str]) -> list[str]:
+def _record(name: str, message_name: str, index: dict[str, _Message], record_of: dict[str, str],
+            named: set[str]) -> list[str]:
+    """The record's source lines; the records its fields name are added to ``named``."""
     message = index[message_name]
     doc = message.comment.strip()
     if '"""' in doc or "\\" in doc:
@@ -147,30 +165,51 @@ def _record(name: str, message_name: str, index: dict[str, _Message], record_of:
         if f.type_name.lstrip(".") == ENVELOPE:
             continue
         annotation, default = _annotation(f, f"{message_name}.{f.name}", index, record_of)
+        if f.type == _F.TYPE_MESSAGE and f.type_name.lstrip(".") in record_of:
+            named.add(record_of[f.type_name.lstrip(".")])
         lines += _comment_lines(comment, "    ", "# ")
         lines.append(f"    {f.name}: {annotation}" + ("" if default is None else f" = {default}"))
     return lines + ["", ""]
 
 
-def render(files: descriptor_pb2.FileDescriptorSet) -> str:
-    """The source of ``zero_ray/core/records.py`` for the messages in ``files`` (with source info)."""
+def render(files: descriptor_pb2.FileDescriptorSet, module: str = MODULE) -> str:
+    """The source of ``module`` (one of ``MODULES``) for the messages in ``files`` (with source
+    info)."""
     index = _index(files)
-    missing = [message for _, message in RECORDS if message not in index]
+    missing = [message for _, message in ALL_RECORDS if message not in index]
     if missing:
         raise ConfigError(f"record_gen.RECORDS names messages the protos do not define: {missing}")
-    record_of = {message: name for name, message in RECORDS}
-    out = ['"""The plain records that an owner\'s work returns and its control calls carry, one per message.',
+    paths = [path for path, _ in MODULES]
+    if module not in paths:
+        raise ConfigError(f"record_gen writes {paths}, not {module!r}")
+    record_of = {message: name for name, message in ALL_RECORDS}
+    records = dict(MODULES)[module]
+    named: set[str] = set()
+    body: list[str] = []
+    for name, message in records:
+        body += _record(name, message, index, record_of, named)
+    main = module == MODULE
+    out = ['"""The plain records that an owner\'s work returns and its control calls carry, one per message.' if main
+           else '"""The plain records the relay tree\'s calls carry (relay.proto), one per message.',
            "",
            "Generated by ``python -m zero_ray.control.codegen`` from protos/zero_ray/v1 (see",
            ":mod:`zero_ray.control.record_gen`): do not edit; change the .proto and regenerate. They are",
            "plain data: :mod:`zero_ray.control.conversion` alone turns them into messages and back.",
-           '"""', "", "from __future__ import annotations", "",
-           "from collections.abc import Mapping", "from dataclasses import dataclass, field", "", ""]
-    for name, message in RECORDS:
-        out += _record(name, message, index, record_of)
+           '"""', "", "from __future__ import annotations", ""]
+    mappings = any("Mapping[" in line for line in body)
+    out += ["from collections.abc import Mapping"] if mappings else []
+    out += ["from dataclasses import dataclass" + (", field" if mappings else "")]
+    own = {name for name, _ in records}
+    earlier = [(path, {n for n, _ in recs}) for path, recs in MODULES[:paths.index(module)]]
+    for path, names in earlier:
+        used = sorted((named - own) & names)
+        if used:
+            out += ["", f"from {path[:-3].replace('/', '.')} import {', '.join(used)}"]
+    out += ["", ""] + body
     out.append("# The message each record is converted to and from (zero_ray.control.conversion).")
     out.append("MESSAGES: dict[str, str] = {")
-    out += [f'    "{name}": "{message}",' for name, message in RECORDS]
-    out += ["}", '# Request fields of this type are the clients\' envelope, not record fields.',
-            f'ENVELOPE = "{ENVELOPE}"', ""]
-    return "\n".join(out)
+    out += [f'    "{name}": "{message}",' for name, message in records]
+    out += ["}"]
+    if main:
+        out += ['# Request fields of this type are the clients\' envelope, not record fields.', f'ENVELOPE = "{ENVELOPE}"']
+    return "\n".join(out + [""])

@@ -34,19 +34,17 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any
 
 import grpc
 
-from zero_ray.control._generated import owner_pb2, owner_pb2_grpc, relay_pb2, relay_pb2_grpc
 from zero_ray.control.client import OwnerClient, RelayClient
 from zero_ray.control.client_channel import convert_error, header_of
-from zero_ray.control.conversion import to_message, to_record
-from zero_ray.control.handlers import FailureContext, RelayStepArgs, StepResult, SubtreeStep
+from zero_ray.control.handlers import FailureContext, RelayCallArgs, RelayEvaluateArgs, RelayStepArgs
 from zero_ray.control.hop_calls import CallOutcome, CallTarget, HopCalls, UnaryRequest
-from zero_ray.control.relay_wire import from_wire
+from zero_ray.control.relay_calls import EVALUATE, FORWARDED, STEP, Args, C, RelayedCall
 from zero_ray.core.relay_tree import RelayTree
-from zero_ray.core.reply_combine import CombinedStep, RankFailure, RankSpans, combine_steps
+from zero_ray.core.reply_combine import CombinedEvaluation, CombinedReplies, CombinedStep, RankFailure, RankSpans
 from zero_ray.errors import (
     CallTimeout,
     ConfigError,
@@ -70,8 +68,6 @@ DEFAULT_MARGIN_S = 0.5
 class OwnerChild:
     """An owner a hop calls: its rank, its node, and a client of its ``PartitionOwner`` service."""
 
-    OPERATION: ClassVar[str] = "PartitionOwner.Step"
-
     rank: int
     node: str
     client: OwnerClient
@@ -94,23 +90,17 @@ class OwnerChild:
         return RankSpans.of(self.rank)
 
     def target(self) -> CallTarget:
-        """Where and how the hop calls the owner: its client's configuration, its Step method."""
-        return CallTarget(config=self.client.config,
-                          rpc=lambda channel: owner_pb2_grpc.PartitionOwnerStub(channel).Step)
+        """Where the hop calls the owner: its client's configuration."""
+        return CallTarget(config=self.client.config)
 
-    def request(self, args: RelayStepArgs, time_left_s: float, margin_s: float) -> UnaryRequest:
-        """The owner's step request; its deadline is the time the hop has left."""
-        message = to_message(args.rank_step(self.rank), owner_pb2.StepRequest, header=header_of(self.client.config))
-        return UnaryRequest(message=message, timeout_s=time_left_s)
+    def request(self, call: RelayedCall[Any], args: Args, time_left_s: float, margin_s: float) -> UnaryRequest:
+        """The owner's own request; its deadline is the time the hop has left."""
+        method, message = call.owner_request(args, self.rank, header_of(self.client.config))
+        return UnaryRequest(method=method, message=message, timeout_s=time_left_s)
 
-    def reply(self, message: Any) -> CombinedStep:
+    def reply(self, call: RelayedCall[C], message: Any) -> C:
         """The owner's reply as a combined one, once it is checked to be this rank's."""
-        result = to_record(message, StepResult)
-        if result.rank != self.rank:
-            raise RelayError(f"the owner at {self.client.address} answered rank {self.rank}'s step as rank "
-                             f"{result.rank}: the hop was built with another pool's addresses; rebuild it from "
-                             "the pool's current ranks")
-        return CombinedStep.of(result)
+        return call.of_owner(message, self.rank, self.client.address)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,8 +108,6 @@ class RelayChild:
     """A relay a hop calls: its id in the tree (``relay``: which of the relays its process
     serves), the ranks under it, the rank whose process runs it (``host``, named when it
     fails), that rank's node, and a client of its ``Relay`` service."""
-
-    OPERATION: ClassVar[str] = "Relay.RelayStep"
 
     relay: int
     ranks: tuple[int, ...]
@@ -139,24 +127,24 @@ class RelayChild:
         return RankSpans.of_ranks(self.ranks)
 
     def target(self) -> CallTarget:
-        """Where and how the hop calls the relay: its client's configuration, its RelayStep method."""
-        return CallTarget(config=self.client.config, rpc=lambda channel: relay_pb2_grpc.RelayStub(channel).RelayStep)
+        """Where the hop calls the relay: its client's configuration."""
+        return CallTarget(config=self.client.config)
 
-    def request(self, args: RelayStepArgs, time_left_s: float, margin_s: float) -> UnaryRequest:
-        """The relay's RelayStep request for its ranks: it has the time left less ``margin_s``
-        to answer in, and the call the time left."""
+    def request(self, call: RelayedCall[Any], args: Args, time_left_s: float, margin_s: float) -> UnaryRequest:
+        """The relay's request for its ranks: it has the time left less ``margin_s`` to answer
+        in, and the call the time left."""
         below = time_left_s - margin_s
         if below <= 0:
-            raise ControlError(f"{self.OPERATION} to {self.client.address} was not sent: {time_left_s:.3f}s were "
-                               f"left, no more than the hop's margin of {margin_s:g}s; give the step more time",
+            raise ControlError(f"{call.relay_method.name} to {self.client.address} was not sent: {time_left_s:.3f}s "
+                               f"were left, no more than the hop's margin of {margin_s:g}s; give the call more time",
                                code="DEADLINE_EXCEEDED")
-        message = to_message(args.for_ranks(self.ranks, timeout_s=below, relay=self.relay), relay_pb2.RelayStepRequest,
-                             header=header_of(self.client.config))
-        return UnaryRequest(message=message, timeout_s=time_left_s)
+        message = call.relay_request(args, self.ranks, timeout_s=below, relay=self.relay,
+                                     header=header_of(self.client.config))
+        return UnaryRequest(method=call.relay_method, message=message, timeout_s=time_left_s)
 
-    def reply(self, message: Any) -> CombinedStep:
+    def reply(self, call: RelayedCall[C], message: Any) -> C:
         """The relay's reply, once it is checked to cover exactly its ranks."""
-        result = from_wire(to_record(message, SubtreeStep))
+        result = call.of_relay(message)
         if result.ranks != self.spans:
             raise RelayError(f"the relay at {self.client.address} answered for ranks {result.ranks.spans}, not the "
                              f"ranks under it {self.spans.spans}: it was built from another tree; rebuild both from "
@@ -167,7 +155,7 @@ class RelayChild:
 HopChild = OwnerChild | RelayChild
 
 
-def _detail(err: ZeroRayError, child: HopChild) -> FailureDetail:
+def _detail(err: ZeroRayError, child: HopChild, operation: str) -> FailureDetail:
     """Why ``child``'s call failed, as its failure carries it. A handler's failure keeps its
     own detail; a transport failure is named as the driver's fan-out names it (CallTimeout past
     the deadline, OwnerLostError when unreachable)."""
@@ -177,16 +165,16 @@ def _detail(err: ZeroRayError, child: HopChild) -> FailureDetail:
     code = err.code if isinstance(err, ControlError) else ""
     kind = (CallTimeout.__name__ if code == "DEADLINE_EXCEEDED" else OwnerLostError.__name__ if code == "UNAVAILABLE"
             else type(err).__name__)
-    return FailureDetail(type=kind, message=str(err), rank=child.host, operation=child.OPERATION)
+    return FailureDetail(type=kind, message=str(err), rank=child.host, operation=operation)
 
 
-def _failed(child: HopChild, detail: FailureDetail) -> CombinedStep:
-    failure = RankFailure(rank=child.host, node=child.node, detail=detail, at=time.time())
-    return CombinedStep(ranks=child.spans, failure=failure)
+def _failed(call: RelayedCall[C], child: HopChild, detail: FailureDetail) -> C:
+    return call.failed(child.spans, RankFailure(rank=child.host, node=child.node, detail=detail, at=time.time()))
 
 
 class RelayHop:
-    """One relay's handler: a step sent on to its children in parallel, their replies combined.
+    """One relay's handler: a step (or an evaluation: ``relay_calls``) sent on to its children in
+    parallel, their replies combined.
     ``host``: the rank whose process serves it (its failures' rank; None for the driver's own
     hop over the top relays, which is called in process, not served). :meth:`close` ends its
     calls' thread (started by the first step)."""
@@ -228,43 +216,60 @@ class RelayHop:
 
     def relay_step(self, args: RelayStepArgs) -> CombinedStep:
         """Every child's step, begun at once; their replies combined within ``args.timeout_s``."""
+        return self._relay(STEP, args)
+
+    def relay_evaluate(self, args: RelayEvaluateArgs) -> CombinedEvaluation:
+        """Every child's evaluation, begun at once; their loss totals combined within ``args.timeout_s``."""
+        return self._relay(EVALUATE, args)
+
+    def relay_call(self, args: RelayCallArgs) -> CombinedReplies:
+        """A report forwarded to every child at once; every rank's reply, in rank order, within
+        ``args.timeout_s`` (a rank whose call failed carries its failure instead)."""
+        return self._relay(FORWARDED, args)
+
+    def _relay(self, call: RelayedCall[C], args: Args) -> C:
         began = time.monotonic()
         named = tuple((s.start, s.stop) for s in args.ranks)
         if named != self._spans.spans:
-            raise RelayError(f"the step names ranks {named} but this hop's subtree is ranks {self._spans.spans}: the "
-                             "caller's tree is not this hop's; rebuild both from the same RelayTree")
+            raise RelayError(f"the {call.relay_method.name} names ranks {named} but this hop's subtree is ranks "
+                             f"{self._spans.spans}: the caller's tree is not this hop's; rebuild both from the same "
+                             "RelayTree")
         requests: list[UnaryRequest | None] = []
         unsent: dict[int, ZeroRayError] = {}
         for i, child in enumerate(self._children):
             try:
-                requests.append(child.request(args, args.timeout_s - (time.monotonic() - began), self._margin_s))
+                requests.append(child.request(call, args, args.timeout_s - (time.monotonic() - began),
+                                              self._margin_s))
             except ZeroRayError as err:  # not sent: its failure, the others go on
                 requests.append(None)
                 unsent[i] = err
         outcomes = self._calls.call(requests, args.timeout_s - (time.monotonic() - began))
-        return combine_steps(self._reply(child, unsent.get(i), outcome, requests[i], args.timeout_s)
-                             for i, (child, outcome) in enumerate(zip(self._children, outcomes)))
+        return call.combine(self._reply(call, child, unsent.get(i), outcome, requests[i], args.timeout_s)
+                            for i, (child, outcome) in enumerate(zip(self._children, outcomes)))
 
     @staticmethod
-    def _reply(child: HopChild, unsent: ZeroRayError | None, outcome: CallOutcome, request: UnaryRequest | None,
-               timeout_s: float) -> CombinedStep:
+    def _reply(call: RelayedCall[C], child: HopChild, unsent: ZeroRayError | None, outcome: CallOutcome,
+               request: UnaryRequest | None, timeout_s: float) -> C:
+        # The method the child was (or was to be) called with; a relay child's is the call's own.
+        operation = request.method.name if request is not None else \
+            call.relay_method.name if isinstance(child, RelayChild) else "PartitionOwner"
         if unsent is not None:
-            return _failed(child, _detail(unsent, child))
+            return _failed(call, child, _detail(unsent, child, operation))
         err = outcome.error
         if isinstance(err, grpc.RpcError):
-            where = f"{child.OPERATION} to {child.client.address}"
+            where = f"{operation} to {child.client.address}"
             err = convert_error(where, err, request.timeout_s if request is not None else None)
         if isinstance(err, ZeroRayError):
-            return _failed(child, _detail(err, child))
+            return _failed(call, child, _detail(err, child, operation))
         if outcome.reply is None:  # still silent when the hop's time was up: the call was cancelled
-            return _failed(child, FailureDetail(
-                type=CallTimeout.__name__, rank=child.host, operation=child.OPERATION,
-                message=f"{child.OPERATION} to {child.client.address} (rank {child.host}) did not answer within "
+            return _failed(call, child, FailureDetail(
+                type=CallTimeout.__name__, rank=child.host, operation=operation,
+                message=f"{operation} to {child.client.address} (rank {child.host}) did not answer within "
                         f"the {timeout_s:g}s the hop had"))
         try:
-            return child.reply(outcome.reply)
+            return child.reply(call, outcome.reply)
         except ZeroRayError as err:
-            return _failed(child, _detail(err, child))
+            return _failed(call, child, _detail(err, child, operation))
 
     def close(self) -> None:
         """Cancel the calls in flight (their steps come back failed) and end the hop's thread;

@@ -25,12 +25,14 @@ from zero_ray.control.handlers import (
     HostedRelay,
     HostRelaysArgs,
     HostRelaysResult,
+    RelayCallArgs,
     RelayChildSeat,
+    RelayEvaluateArgs,
     RelayStepArgs,
 )
 from zero_ray.control.relay_hop import HopChild, OwnerChild, RelayChild, RelayHop, close_relays
 from zero_ray.core.relay_tree import RelayTree
-from zero_ray.core.reply_combine import CombinedStep
+from zero_ray.core.reply_combine import CombinedEvaluation, CombinedReplies, CombinedStep
 from zero_ray.errors import RelayError
 
 __all__ = ["RelayHost", "host_plans"]
@@ -111,6 +113,14 @@ class RelayHost:
     def relay_step(self, args: RelayStepArgs) -> CombinedStep:
         """Run ``args`` on the relay it names."""
         return self.hop(args.relay).relay_step(args)
+
+    def relay_evaluate(self, args: RelayEvaluateArgs) -> CombinedEvaluation:
+        """Run ``args`` on the relay it names."""
+        return self.hop(args.relay).relay_evaluate(args)
+
+    def relay_call(self, args: RelayCallArgs) -> CombinedReplies:
+        """Run ``args`` on the relay it names."""
+        return self.hop(args.relay).relay_call(args)
 
     def failure_context(self) -> FailureContext:
         """What a failed relay call's FailureDetail says: the rank whose process serves it."""

@@ -1,5 +1,6 @@
 """A relay's combined step reply (:class:`zero_ray.core.reply_combine.CombinedStep`) as its wire
-record (``SubtreeStep``, relay.proto's ``RelayStepReply``) and back, exactly: converted at the
+record (``SubtreeStep``, relay.proto's ``RelayStepReply``) and back, exactly (and a combined
+evaluation, ``CombinedEvaluation`` as ``SubtreeEvaluation``): converted at the
 door, by the Relay servicer on the way out and the Relay client on the way in, so that a relay
 and the driver only ever hold ``CombinedStep``.
 
@@ -16,22 +17,29 @@ from zero_ray.control.handlers import (
     FailedRank,
     FailureDetailRecord,
     RankSpan,
+    RankReply,
     StepAgreed,
+    SubtreeEvaluation,
+    SubtreeReplies,
     SubtreeStep,
     SubtreeTotals,
 )
 from zero_ray.core.reply_combine import (
     Agreed,
+    CombinedEvaluation,
+    CombinedReplies,
     CombinedStep,
     CombinedTotals,
     ExactSum,
     RankFailure,
+    RankOutcome,
     RankSpans,
     StepAgreement,
 )
 from zero_ray.errors import FailureDetail, RelayError
 
-__all__ = ["from_wire", "to_wire", "units_from_bytes", "units_to_bytes"]
+__all__ = ["evaluation_from_wire", "evaluation_to_wire", "from_wire", "replies_from_wire", "replies_to_wire",
+           "to_wire", "units_from_bytes", "units_to_bytes"]
 
 
 def units_to_bytes(units: int) -> bytes:
@@ -115,3 +123,32 @@ def from_wire(record: SubtreeStep) -> CombinedStep:
                         nonfinite_loss_ranks=tuple(sorted(set(record.nonfinite_loss_ranks))),
                         nonfinite_grad_ranks=tuple(sorted(set(record.nonfinite_grad_ranks))),
                         failure=None if record.failure is None else _failure_in(record.failure))
+
+
+def evaluation_to_wire(evaluation: CombinedEvaluation) -> SubtreeEvaluation:
+    """``evaluation`` as the record the wire carries (relay.proto's RelayEvaluateReply)."""
+    return SubtreeEvaluation(ranks=tuple(RankSpan(start=start, stop=stop) for start, stop in evaluation.ranks.spans),
+                             totals=_totals_out(evaluation.totals),
+                             failure=None if evaluation.failure is None else _failure_out(evaluation.failure))
+
+
+def evaluation_from_wire(record: SubtreeEvaluation) -> CombinedEvaluation:
+    """The ``CombinedEvaluation`` that :func:`evaluation_to_wire` wrote."""
+    return CombinedEvaluation(ranks=_spans_in(record.ranks), totals=_totals_in(record.totals),
+                              failure=None if record.failure is None else _failure_in(record.failure))
+
+
+def replies_to_wire(replies: CombinedReplies) -> SubtreeReplies:
+    """``replies`` as the record the wire carries (relay.proto's RelayCallReply)."""
+    return SubtreeReplies(replies=tuple(RankReply(rank=o.rank, reply=o.reply,
+                                                  failure=None if o.failure is None else _failure_out(o.failure))
+                                        for o in replies.replies))
+
+
+def replies_from_wire(record: SubtreeReplies) -> CombinedReplies:
+    """The ``CombinedReplies`` that :func:`replies_to_wire` wrote (ranks named twice refused)."""
+    ranks = RankSpans.of_ranks(sorted(r.rank for r in record.replies))
+    outcomes = tuple(sorted((RankOutcome(rank=r.rank, reply=r.reply,
+                                         failure=None if r.failure is None else _failure_in(r.failure))
+                             for r in record.replies), key=lambda o: o.rank))
+    return CombinedReplies(ranks=ranks, replies=outcomes)

@@ -29,6 +29,8 @@ from zero_ray.control.handlers import (
     FailureContext,
     OwnerHandler,
     HostRelaysArgs,
+    RelayCallArgs,
+    RelayEvaluateArgs,
     RelayStepArgs,
     SavePhase,
     StepArgs,
@@ -37,7 +39,7 @@ from zero_ray.control.conversion import to_message, to_record
 from zero_ray.control.failure_status import serve
 from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.relay_watch import WatchFeed
-from zero_ray.control.relay_wire import to_wire
+from zero_ray.control.relay_wire import evaluation_to_wire, replies_to_wire, to_wire
 from zero_ray.control.stream_admission import Streams
 
 T = TypeVar("T")
@@ -239,6 +241,17 @@ class RelayServicer(_Serving, relay_pb2_grpc.RelayServicer):
         args = self._serve(context, "RelayStep", lambda: to_record(request, RelayStepArgs), _same)
         return self._serve(context, "RelayStep", lambda: self._handler.relay_step(args),
                            lambda r: to_message(to_wire(r), relay_pb2.RelayStepReply))
+
+    def RelayEvaluate(self, request: relay_pb2.RelayEvaluateRequest,
+                      context: grpc.ServicerContext) -> relay_pb2.RelayEvaluateReply:
+        args = self._serve(context, "RelayEvaluate", lambda: to_record(request, RelayEvaluateArgs), _same)
+        return self._serve(context, "RelayEvaluate", lambda: self._handler.relay_evaluate(args),
+                           lambda r: to_message(evaluation_to_wire(r), relay_pb2.RelayEvaluateReply))
+
+    def RelayCall(self, request: relay_pb2.RelayCallRequest, context: grpc.ServicerContext) -> relay_pb2.RelayCallReply:
+        args = self._serve(context, "RelayCall", lambda: to_record(request, RelayCallArgs), _same)
+        return self._serve(context, "RelayCall", lambda: self._handler.relay_call(args),
+                           lambda r: to_message(replies_to_wire(r), relay_pb2.RelayCallReply))
 
     def HostRelays(self, request: relay_pb2.HostRelaysRequest,
                    context: grpc.ServicerContext) -> relay_pb2.HostRelaysReply:

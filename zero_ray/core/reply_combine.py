@@ -14,17 +14,22 @@ combining is associative and commutative, exactly:
   already; the non-finite ranks are a union;
 - the first failure is kept: the earliest seen, the lower rank on a tie, with its rank and node.
 
+An evaluation's replies combine the same way (``CombinedEvaluation``: loss totals and the first
+failure). A report's are not combined at all (``CombinedReplies``): every rank's reply is kept,
+unparsed, in rank order, since a user asks for each rank's figure.
+
 Pure: imports neither ray nor grpc nor torch.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from zero_ray.core.records import LossTotals, StepResult
+from zero_ray.core.records import EvaluateResult, LossTotals, StepResult
 from zero_ray.errors import ConfigError, FailureDetail, RelayError, ReplyMismatchError
 
 T = TypeVar("T")
@@ -142,6 +147,15 @@ class CombinedTotals:
             count = self.count.value
             return self.loss_sum.value / count if count else math.nan
         return self.loss_sum.value / self.samples if self.samples else math.nan
+
+    def figures(self) -> dict[str, float]:
+        """``loss``, ``samples``, ``items`` and, when counted, ``count``: what an evaluation
+        returns (``ZeroTrainer.evaluate``), the same whichever path its replies took."""
+        out = {"samples": self.samples, "items": self.items.value}
+        if self.is_counted:
+            out["count"] = self.count.value
+        out["loss"] = self.loss
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,6 +296,88 @@ def _agree_fields(a: Agreed[StepAgreement], b: Agreed[StepAgreement]) -> None:
 
 def _lower(a: Agreed[T] | None, b: Agreed[T] | None) -> Agreed[T] | None:
     return b if a is None else a if b is None or a.rank <= b.rank else b
+
+
+@dataclass(frozen=True, kw_only=True)
+class CombinedEvaluation:
+    """Several ranks' replies to one evaluation: their loss totals combined (as a step's are),
+    and the first failure."""
+
+    ranks: RankSpans = RankSpans()
+    totals: CombinedTotals = CombinedTotals()
+    failure: RankFailure | None = None
+
+    @classmethod
+    def of(cls, result: EvaluateResult) -> CombinedEvaluation:
+        """One owner's reply."""
+        return cls(ranks=RankSpans.of(result.rank), totals=CombinedTotals.of(result.totals, rank=result.rank))
+
+    @classmethod
+    def failed(cls, failure: RankFailure) -> CombinedEvaluation:
+        """One owner's failed call."""
+        return cls(ranks=RankSpans.of(failure.rank), failure=failure)
+
+    def __add__(self, other: CombinedEvaluation) -> CombinedEvaluation:
+        failures = [f for f in (self.failure, other.failure) if f is not None]
+        return CombinedEvaluation(ranks=self.ranks + other.ranks, totals=self.totals + other.totals,
+                                  failure=min(failures, key=RankFailure._order) if failures else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankOutcome:
+    """One rank's reply to a relayed call, unparsed (``reply``: the method's reply message,
+    serialized), or why its call failed."""
+
+    rank: int
+    reply: bytes = b""
+    failure: RankFailure | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CombinedReplies:
+    """Several ranks' replies to a relayed call whose reply is wanted per rank (a report): every
+    rank's kept, in rank order, none combined."""
+
+    ranks: RankSpans = RankSpans()
+    replies: tuple[RankOutcome, ...] = ()
+
+    @classmethod
+    def of(cls, rank: int, reply: bytes) -> CombinedReplies:
+        """One owner's reply."""
+        return cls(ranks=RankSpans.of(rank), replies=(RankOutcome(rank=rank, reply=reply),))
+
+    @classmethod
+    def failed(cls, *, ranks: RankSpans, failure: RankFailure) -> CombinedReplies:
+        """A child's failed call: each of its ranks failed with it."""
+        return cls(ranks=ranks, replies=tuple(RankOutcome(rank=r, failure=failure)
+                                              for start, stop in ranks.spans for r in range(start, stop)))
+
+    def __add__(self, other: CombinedReplies) -> CombinedReplies:
+        ranks = self.ranks + other.ranks  # refuses a rank twice
+        return CombinedReplies(ranks=ranks, replies=tuple(heapq.merge(self.replies, other.replies,
+                                                                      key=lambda o: o.rank)))
+
+    @property
+    def failure(self) -> RankFailure | None:
+        """The earliest failure (the lower rank on a tie); None when every rank answered."""
+        failures = [o.failure for o in self.replies if o.failure is not None]
+        return min(failures, key=RankFailure._order) if failures else None
+
+
+def combine_replies(replies: Iterable[CombinedReplies]) -> CombinedReplies:
+    """``replies`` (of disjoint ranks) as one, every rank's in rank order."""
+    out = CombinedReplies()
+    for reply in replies:
+        out = out + reply
+    return out
+
+
+def combine_evaluations(replies: Iterable[CombinedEvaluation]) -> CombinedEvaluation:
+    """``replies`` combined: any grouping and order give the same record."""
+    out = CombinedEvaluation()
+    for reply in replies:
+        out = out + reply
+    return out
 
 
 def combine_steps(replies: Iterable[CombinedStep]) -> CombinedStep:

@@ -22,7 +22,7 @@ from zero_ray.control.client import ClientConfig, OwnerClient
 from zero_ray.control.handlers import ModelLayout, OwnerStatus
 from zero_ray.core.run_position import Position
 from zero_ray.driver.model_view import ModelView
-from zero_ray.driver.pool import NAMESPACE
+from zero_ray.driver.owner_names import NAMESPACE
 from zero_ray.driver.pool_spec import client_tls
 from zero_ray.errors import ConfigError, ControlError, ModelError, OwnerLostError
 from zero_ray.owner.step.run_spec import RunSpec

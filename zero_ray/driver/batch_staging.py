@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import ray
 
-from zero_ray.control.handlers import Piece, RelayStepArgs, StepArgs
+from zero_ray.control.handlers import EvaluateArgs, Piece, RelayEvaluateArgs, RelayStepArgs, StepArgs
 from zero_ray.core.batching import Batch, batch_size, split_batch, split_sizes
 from zero_ray.core.tensor_parallel_ranks import TensorParallelRanks
 from zero_ray.errors import ConfigError
@@ -93,6 +93,24 @@ class StepCommand:
         """The request to the relay tree's top, for every rank (``driver/relay_plane.py``)."""
         return RelayStepArgs.of(self.step, ranks=range(self.out.world_size), counts=self.out.counts,
                                 indices=self.out.indices, timeout_s=timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateCommand:
+    """One evaluation as the owners are asked to run it: what every owner runs (``evaluate``,
+    its piece ``out.piece``) and the batch cut for them (``out``)."""
+
+    evaluate: EvaluateArgs
+    out: Outgoing
+
+    def per_rank(self) -> list[EvaluateArgs]:
+        """Every owner's own request, in rank order (the direct path)."""
+        return [dataclasses.replace(self.evaluate, piece=p) for p in self.out.pieces]
+
+    def relayed(self, *, timeout_s: float) -> RelayEvaluateArgs:
+        """The request to the relay tree's top, for every rank (``driver/relay_plane.py``)."""
+        return RelayEvaluateArgs.of(self.evaluate, ranks=range(self.out.world_size), counts=self.out.counts,
+                                    indices=self.out.indices, timeout_s=timeout_s)
 
 
 @dataclass(frozen=True)

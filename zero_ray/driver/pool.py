@@ -26,8 +26,6 @@ from zero_ray.control.auth import Credentials
 from zero_ray.control.client import OwnerClient
 from zero_ray.control.rank_watch import RankHealthWatch, SubtreeHealthMonitor
 from zero_ray.control.handlers import (
-    EvaluateArgs,
-    EvaluateResult,
     Flight,
     LoadResult,
     OwnerStats,
@@ -37,7 +35,7 @@ from zero_ray.control.handlers import (
     SaveResult,
 )
 from zero_ray.core.placement import NodeRoom, Target, place_groups
-from zero_ray.core.reply_combine import CombinedStep, combine_steps
+from zero_ray.core.reply_combine import CombinedStep, CombinedTotals, combine_steps
 from zero_ray.core.reshard_plan import backup_peers
 from zero_ray.core.restore_plan import (
     Peers,
@@ -47,10 +45,11 @@ from zero_ray.core.restore_plan import (
     TransferDescription,
     restore_to_data,
 )
-from zero_ray.driver.batch_staging import Outgoing, StepCommand
+from zero_ray.driver.batch_staging import EvaluateCommand, Outgoing, StepCommand
 from zero_ray.driver.fanout import FanOut, Members, StepFlight
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.driver.model_view import Adopted, ModelView
+from zero_ray.driver.owner_names import NAMESPACE, actor_alive, owner_name
 from zero_ray.driver.relay_plane import RelayPlane
 from zero_ray.driver.reports import comm_row
 from zero_ray.driver.pool_spec import PoolSpec, await_room, check_resources, cluster_is_local
@@ -62,31 +61,6 @@ from zero_ray.owner.service.actor import OwnerOptions, RemotePartitionOwner
 from zero_ray.owner.step.run_spec import EngineSpec
 
 log = logging.getLogger(__name__)
-
-
-
-NAMESPACE = "zero_ray"  # owners are named actors here, so that a new driver can find a detached run
-
-
-def owner_name(run_id: str, rank: int, generation: int, start: int = 0) -> str:
-    """An owner's actor name. ``start`` tells apart replacements started ahead of a grow from
-    owners of the same rank and generation started before or after (an ended actor's name may
-    still be taken for a moment)."""
-    return f"zero_ray-{run_id}-rank{rank}-g{generation}" + (f"-s{start}" if start else "")
-
-
-def actor_alive(name: str | None) -> bool:
-    """Whether Ray still has the named owner actor. Ray frees a named actor's name the moment
-    it knows the actor dead (ray.kill, a crash, its node lost), before the process is gone;
-    the registry lives in the GCS, so this works without the dashboard that ray.util.state
-    needs. An owner without a name (unknown) counts as alive: gRPC probes it next."""
-    if not name:
-        return True
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        return False
-    return True
 
 
 class OwnerPool:
@@ -291,10 +265,16 @@ class OwnerPool:
             return self.relays.collect(flight.calls)
         return combine_steps(CombinedStep.of(r) for r in self.fan.collect(flight.calls))
 
-    def evaluate(self, args: Sequence[EvaluateArgs], *, timeout_s: float) -> list[EvaluateResult]:
-        """A forward-only pass on every owner over gRPC (all take part: stage 3 gathers)."""
-        return self.fan.grpc(self.clients, "evaluate", lambda c, r: c.evaluate(args[r], timeout_s=timeout_s),
-                             staged=self._staged(args[0].piece.batch_key if args else ""))
+    def evaluate(self, command: EvaluateCommand, *, timeout_s: float) -> CombinedTotals:
+        """A forward-only pass on every owner (all take part: stage 3 gathers), their loss totals
+        combined: down the relay tree when the pool has one, else to each owner directly."""
+        staged = self._staged(command.evaluate.piece.batch_key)
+        if self.relays.active:
+            return self.relays.evaluate(command, timeout_s=timeout_s, staged=staged).totals
+        args = command.per_rank()
+        return sum((CombinedTotals.of(r.totals, rank=r.rank) for r in self.fan.grpc(
+            self.clients, "evaluate", lambda c, r: c.evaluate(args[r], timeout_s=timeout_s), staged=staged)),
+                   CombinedTotals())
 
     def _staged(self, key: str) -> dict[int, ray.ObjectRef]:
         """The staging calls of the batch staged as ``key`` (none for a dataset's pieces), by rank."""
@@ -371,18 +351,21 @@ class OwnerPool:
             out.append(None if isinstance(result, Exception) else result)
         return out
 
+    def _all_stats(self, timeout_s: float) -> list[OwnerStats]:  # through the relay tree when the pool has one
+        if self.relays.active:
+            return self.relays.stats(timeout_s=timeout_s)
+        return self.fan.grpc(self.clients, "stats", lambda c, r: c.stats(timeout_s=timeout_s), watch=False)
+
     def memory_reports(self, *, timeout_s: float) -> list[dict[str, int]]:
         """Per rank, its memory report (``Stats``), with its rank."""
-        stats = self.fan.grpc(self.clients, "stats", lambda c, r: c.stats(timeout_s=timeout_s), watch=False)
-        return [{"rank": s.rank, **s.memory_bytes} for s in stats]
+        return [{"rank": s.rank, **s.memory_bytes} for s in self._all_stats(timeout_s)]
 
     def comm_reports(self, *, timeout_s: float) -> list[dict[str, int]]:
         """Per rank, bytes sent in the last step by collective, their total, the tensor-parallel
         layers' part (``tensor_parallel``: every ``tp_*`` count) and ZeRO's (``data_parallel``: the
         rest), and how much went to owners on the same node and to others (``inside_node`` /
         ``cross_node``)."""
-        stats = self.fan.grpc(self.clients, "stats", lambda c, r: c.stats(timeout_s=timeout_s), watch=False)
-        return [comm_row(s) for s in stats]
+        return [comm_row(s) for s in self._all_stats(timeout_s)]
 
     def flights(self, *, timeout_s: float) -> tuple[list[Flight], list[int]]:
         """Every owner's flight record (served on gRPC threads: a rank blocked in a collective or

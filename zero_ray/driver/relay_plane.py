@@ -1,4 +1,5 @@
-"""RelayPlane: a pool's steps sent down the relay tree (issue 44) instead of to every owner.
+"""RelayPlane: a pool's steps and evaluations sent down the relay tree (issue 44) instead of to
+every owner.
 
 The tree is planned from the owners' nodes alone (``core/relay_tree.py``: a relay per node,
 relays above them while there are more than ``fan_out``, each on the lowest rank under it) and
@@ -31,10 +32,13 @@ from zero_ray.control.client import ClientConfig, RelayClient
 from zero_ray.control.client_channel import Pending
 from zero_ray.control.handlers import HostRelaysArgs
 from zero_ray.control.relay_hop import DEFAULT_MARGIN_S, HopChild, RelayHop, close_relays, hop_children
+from zero_ray.control.client_channel import header_of
+from zero_ray.control.handlers import OwnerStats
+from zero_ray.control.relay_calls import forwarded_args, forwarded_results
 from zero_ray.control.relay_host import host_plans
 from zero_ray.core.relay_tree import RelayConfig, RelayTree, plan_relays
-from zero_ray.core.reply_combine import CombinedStep
-from zero_ray.driver.batch_staging import StepCommand
+from zero_ray.core.reply_combine import CombinedEvaluation, CombinedStep, RankFailure, RankSpans
+from zero_ray.driver.batch_staging import EvaluateCommand, StepCommand
 from zero_ray.driver.fanout import FanOut, InFlight, Members
 from zero_ray.errors import RelayError
 
@@ -132,15 +136,49 @@ class RelayPlane:
     def collect(self, flight: RelayFlight) -> CombinedStep:
         """The combined reply of the step ``flight`` sent; a rank's failure raised as its error."""
         reply = self._fan.collect(flight)[0]
-        failure = reply.failure
+        self._check(reply.failure, reply.ranks)
+        return reply
+
+    def evaluate(self, command: EvaluateCommand, *, timeout_s: float, staged: dict[int, Any]) -> CombinedEvaluation:
+        """An evaluation down the tree, packed as a step is (``EvaluateCommand.relayed``), every
+        owner's loss totals combined on the way up; waited for as a step is (the health monitor
+        and the staging calls looked at meanwhile), a rank's failure raised as its error."""
+        top = self._top
+        if top is None:
+            raise RelayError("the relay tree is not planned: the pool evaluates on its owners directly below "
+                             f"RelayConfig.min_owners={self._config.min_owners}")
+        relayed = command.relayed(timeout_s=timeout_s)
+        flight = FanOut.start([top], "evaluate", lambda hop, _: cast(
+            Pending[CombinedEvaluation], self._executor.submit(hop.relay_evaluate, relayed)), staged=staged)
+        reply = self._fan.collect(flight)[0]
+        self._check(reply.failure, reply.ranks)
+        return reply
+
+    def stats(self, *, timeout_s: float) -> list[OwnerStats]:
+        """Every owner's counters (``Stats``, for ``memory_report`` / ``comm_report``), in rank
+        order, through the tree as one forwarded call (``Relay.RelayCall``): the driver sends one
+        request per top relay and reads one reply from each, every rank's reply inside unparsed
+        until here. A rank that did not answer raises its error, as the direct path does."""
+        top = self._top
+        if top is None:
+            raise RelayError("the relay tree is not planned: the pool asks its owners directly below "
+                             f"RelayConfig.min_owners={self._config.min_owners}")
+        world = len(self._members.clients)
+        header = header_of(self._client_config(self._members.nodes[0]["control_address"]))
+        reply = top.relay_call(forwarded_args("Stats", header, ranks=range(world), timeout_s=timeout_s))
+        self._check(reply.failure, reply.ranks)
+        return forwarded_results("Stats", reply)
+
+    def _check(self, failure: RankFailure | None, ranks: RankSpans) -> None:
+        """Raise a rank's failure as its own domain error (named by its rank and node, as the
+        direct fan-out names it), or RelayError for a reply that is not the whole pool's."""
         if failure is not None:
             where = self._members.where(failure.rank)
             raise failure.detail.error(where, rank=failure.rank)
         world = len(self._members.clients)
-        if not reply.ranks.covers(world):
-            raise RelayError(f"the relay tree's reply covers ranks {reply.ranks.spans}, not the pool's 0-{world - 1}: "
+        if not ranks.covers(world):
+            raise RelayError(f"the relay tree's reply covers ranks {ranks.spans}, not the pool's 0-{world - 1}: "
                              "the tree was planned over another membership")
-        return reply
 
     def close(self) -> None:
         top, hosts = self._top, list(self._hosts.values())

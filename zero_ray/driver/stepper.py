@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from zero_ray.config import ZeroConfig
-from zero_ray.control.handlers import EvaluateArgs, combine
-from zero_ray.driver.batch_staging import GlobalBatch
+from zero_ray.control.handlers import EvaluateArgs
+from zero_ray.driver.batch_staging import EvaluateCommand, GlobalBatch
 from zero_ray.driver.callbacks import Callbacks
 from zero_ray.driver.controller import Call, Controller
 from zero_ray.driver.lifecycle import Lifecycle
@@ -102,10 +102,11 @@ class Stepper:
                 out = work.split(world_size=self.world_size, key=f"{generation}:eval{self._evaluations}",
                                  tensor_parallel=self._pool.tensor_parallel)
                 held = (out, self._pool.stage(out))
-                results = self._pool.evaluate([EvaluateArgs(piece=p, generation=generation) for p in out.pieces],
-                                              timeout_s=cfg.step_timeout_s)
+                totals = self._pool.evaluate(EvaluateCommand(
+                    evaluate=EvaluateArgs(piece=out.piece, generation=generation), out=out),
+                    timeout_s=cfg.step_timeout_s)
                 del held
-                return combine([r.totals for r in results])
+                return totals.figures()
 
             return self._controller.run(Call(name="evaluate", attempt=attempt, collective=True))
 

@@ -188,3 +188,63 @@ class RelayStepReply(_message.Message):
     nonfinite_grad_ranks: _containers.RepeatedScalarFieldContainer[int]
     failure: FailedRank
     def __init__(self, ranks: _Optional[_Iterable[_Union[RankSpan, _Mapping]]] = ..., totals: _Optional[_Union[SubtreeTotals, _Mapping]] = ..., agreed: _Optional[_Union[StepAgreed, _Mapping]] = ..., compute_seconds: _Optional[float] = ..., data_seconds: _Optional[float] = ..., data_seconds_sum: _Optional[_Union[ExactSumValue, _Mapping]] = ..., bytes_sent: _Optional[_Mapping[str, int]] = ..., nonfinite_loss_ranks: _Optional[_Iterable[int]] = ..., nonfinite_grad_ranks: _Optional[_Iterable[int]] = ..., failure: _Optional[_Union[FailedRank, _Mapping]] = ...) -> None: ...
+
+class RelayEvaluateRequest(_message.Message):
+    __slots__ = ("header", "timeout_s", "relay", "evaluate", "ranks", "counts", "indices")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    timeout_s: float
+    relay: int
+    evaluate: _owner_pb2.EvaluateRequest
+    ranks: _containers.RepeatedCompositeFieldContainer[RankSpan]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., timeout_s: _Optional[float] = ..., relay: _Optional[int] = ..., evaluate: _Optional[_Union[_owner_pb2.EvaluateRequest, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankSpan, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RelayEvaluateReply(_message.Message):
+    __slots__ = ("ranks", "totals", "failure")
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[RankSpan]
+    totals: SubtreeTotals
+    failure: FailedRank
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankSpan, _Mapping]]] = ..., totals: _Optional[_Union[SubtreeTotals, _Mapping]] = ..., failure: _Optional[_Union[FailedRank, _Mapping]] = ...) -> None: ...
+
+class RelayCallRequest(_message.Message):
+    __slots__ = ("header", "timeout_s", "relay", "method", "request", "ranks")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    timeout_s: float
+    relay: int
+    method: str
+    request: bytes
+    ranks: _containers.RepeatedCompositeFieldContainer[RankSpan]
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., timeout_s: _Optional[float] = ..., relay: _Optional[int] = ..., method: _Optional[str] = ..., request: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[RankSpan, _Mapping]]] = ...) -> None: ...
+
+class RankReply(_message.Message):
+    __slots__ = ("rank", "reply", "failure")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    reply: bytes
+    failure: FailedRank
+    def __init__(self, rank: _Optional[int] = ..., reply: _Optional[bytes] = ..., failure: _Optional[_Union[FailedRank, _Mapping]] = ...) -> None: ...
+
+class RelayCallReply(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[RankReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[RankReply, _Mapping]]] = ...) -> None: ...

@@ -46,6 +46,16 @@ class RelayStub:
                 request_serializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayStepRequest.SerializeToString,
                 response_deserializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayStepReply.FromString,
                 _registered_method=True)
+        self.RelayEvaluate = channel.unary_unary(
+                '/zero_ray.v1.Relay/RelayEvaluate',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayEvaluateRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayEvaluateReply.FromString,
+                _registered_method=True)
+        self.RelayCall = channel.unary_unary(
+                '/zero_ray.v1.Relay/RelayCall',
+                request_serializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayCallRequest.SerializeToString,
+                response_deserializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayCallReply.FromString,
+                _registered_method=True)
         self.HostRelays = channel.unary_unary(
                 '/zero_ray.v1.Relay/HostRelays',
                 request_serializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.HostRelaysRequest.SerializeToString,
@@ -77,6 +87,23 @@ class RelayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RelayEvaluate(self, request, context):
+        """A forward-only pass on every rank of the subtree (PartitionOwner.Evaluate); the reply is
+        their loss totals combined, a child's failure the reply's as for RelayStep.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RelayCall(self, request, context):
+        """A PartitionOwner method whose request is the same for every rank (a report: Stats, Flight,
+        Status) called on every rank of the subtree; the reply is every rank's reply, in rank order,
+        unparsed. A child's failure is its ranks' failure in the reply, never the call's status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def HostRelays(self, request, context):
         """Serve these relays from now on, in place of any served before (the driver sends it after
         every membership change: zero_ray/driver/relay_plane.py). An empty list serves none.
@@ -103,6 +130,16 @@ def add_RelayServicer_to_server(servicer, server):
                     servicer.RelayStep,
                     request_deserializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayStepRequest.FromString,
                     response_serializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayStepReply.SerializeToString,
+            ),
+            'RelayEvaluate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RelayEvaluate,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayEvaluateRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayEvaluateReply.SerializeToString,
+            ),
+            'RelayCall': grpc.unary_unary_rpc_method_handler(
+                    servicer.RelayCall,
+                    request_deserializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayCallRequest.FromString,
+                    response_serializer=zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayCallReply.SerializeToString,
             ),
             'HostRelays': grpc.unary_unary_rpc_method_handler(
                     servicer.HostRelays,
@@ -149,6 +186,60 @@ class Relay:
             '/zero_ray.v1.Relay/RelayStep',
             zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayStepRequest.SerializeToString,
             zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayStepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RelayEvaluate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zero_ray.v1.Relay/RelayEvaluate',
+            zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayEvaluateRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayEvaluateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RelayCall(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zero_ray.v1.Relay/RelayCall',
+            zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayCallRequest.SerializeToString,
+            zero__ray_dot_control_dot___generated_dot_relay__pb2.RelayCallReply.FromString,
             options,
             channel_credentials,
             insecure,
