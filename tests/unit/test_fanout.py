@@ -201,3 +201,24 @@ def test_an_abort_does_not_wait_for_a_rank_lost_while_it_is_out() -> None:
     assert took < ENTER_S, took
     assert [c.aborts for c in members.clients[:3]] == [[("partition", 2)], [], [("partition", 2)]]  # type: ignore[attr-defined]
     fan.close()
+
+
+def test_an_abort_skips_the_ranks_its_caller_knows_are_lost() -> None:
+    # Ray may report a cut node's actors dead (its GCS declared the node dead) before their
+    # heartbeats have stalled for health_timeout_s: the recovery names them.
+    import time
+
+    release = threading.Event()
+    members = Members(generation=5)
+    far = _Unreachable(release)
+    members.clients = [_Client(), far, _Client()]  # type: ignore[list-item]
+    fan = FanOut(world_size=3, members=members)
+    try:
+        t0 = time.monotonic()
+        fan.abort("node dead", lost=[1])
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    assert took < ENTER_S and not far.entered.is_set()
+    assert [c.aborts for c in members.clients] == [[("node dead", 5)], [], [("node dead", 5)]]  # type: ignore[attr-defined]
+    fan.close()

@@ -207,17 +207,19 @@ class FanOut:
             self.abort(reason)
             raise OwnerLostError(reason, rank=rank)
 
-    def abort(self, reason: str) -> None:
-        """Abort the current generation's collectives on every owner that still answers (those
-        the health monitor has not lost), on the pool no step occupies. Never raises."""
+    def abort(self, reason: str, *, lost: Collection[int] = ()) -> None:
+        """Abort the current generation's collectives on every owner that still answers (neither
+        in ``lost``, the ranks the caller knows are gone, nor lost by the health monitor), on the
+        pool no step occupies. Never raises."""
         members = self._members
-        lost = members.lost()
+        known = set(lost)
+        gone = {*members.lost(), *known}
         generation = members.generation
         # A rank lost while the abort is out is not waited for: behind a cut link the abort
         # cannot arrive, and waiting out its timeout delayed every partition's recovery by 5 s.
-        got = self.urgent({r: c for r, c in enumerate(members.clients) if r not in lost},
+        got = self.urgent({r: c for r, c in enumerate(members.clients) if r not in gone},
                           lambda c: c.abort(reason, generation, timeout_s=5.0), timeout_s=10.0,
-                          skip=lambda: members.lost().keys())
+                          skip=lambda: {*members.lost(), *known})
         for rank, result in got.items():
             if isinstance(result, Exception):  # an owner that cannot take the abort is found lost next
                 log.debug("abort did not reach rank %d: %s", rank, result)
