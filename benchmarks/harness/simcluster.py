@@ -255,6 +255,7 @@ class SimCluster:
     link_mbit: float
     delay_ms: float
     start_ray: bool = True  # False: the namespaces and links only (to test the network itself)
+    ray_env: dict[str, str] = field(default_factory=dict)  # more environment for every node (RAY_health_check_*)
     token: str = field(default_factory=lambda: secrets.token_hex(32))
     members: list[SimNode] = field(default_factory=list)
     _pids: set[int] = field(default_factory=set)
@@ -373,6 +374,7 @@ class SimCluster:
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
         env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_USAGE_STATS_ENABLED": "0",
                     "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": IFNAME})
+        env.update(self.ray_env)
         return env
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import sys
 import threading
@@ -41,6 +42,8 @@ def main() -> None:
     other_ns, head_ip, long_cut_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
     fn = functools.partial(GPT, GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=64))
     opt = zr.SGD(lr=0.1)
+    logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d %(name)s %(message)s")
+    logging.getLogger("zero_ray").setLevel(logging.INFO)  # the recovery's and grow's steps, on stderr
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     cfg = zr.ZeroConfig(stage=2, world_size=4, device="cpu", bucket_bytes=1 << 16,
                         health_timeout_s=HEALTH_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
@@ -99,8 +102,13 @@ def main() -> None:
                                     "replay_s": r.replay_s, "before": r.world_size_before, "after": r.world_size_after}
                                    for r in trainer.recoveries]}
         # Grow back: steps go on until the run is at four owners again (or the bound).
+        free: list[tuple[float, float, int]] = []  # (s since the restore, free CPUs, replacements' slots)
         while trainer.world_size < 4 and time.perf_counter() - t_restore < GROW_BACK_WITHIN_S:
             step(trainer)
+            if not free or time.perf_counter() - t_restore - free[-1][0] >= 1.0:
+                free.append((round(time.perf_counter() - t_restore, 1), ray.available_resources().get("CPU", 0.0),
+                             trainer._pool.replacements.slots))
+        out["long"]["free_after_restore"] = free
         out["long"]["probe_after"] = reachable(other_ns, head_ip, GCS_PORT, timeout_s=5.0)
         out["long"]["node_alive_after"] = node_alive(other)
         out["long"]["grow_back_s"] = time.perf_counter() - t_restore if trainer.world_size == 4 else None

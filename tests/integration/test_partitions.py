@@ -29,7 +29,8 @@ def test_a_short_cut_is_ridden_through_and_a_long_one_loses_the_far_side_then_gr
                                   extra_env={"PYTHONPATH": REPO_ROOT})
     assert got.returncode == 0, got.stderr[-4000:]
     out = json.loads(got.stdout.strip().splitlines()[-1])
-    print(json.dumps(out, indent=1))
+    print(json.dumps(out))
+    print("\n".join(line for line in got.stderr.splitlines() if " zero_ray" in line))
     short, long = out["short"], out["long"]
     assert out["dev"] <= 1e-6
     # Each cut fired: nothing crossed the link while it was down, and it opened after.
