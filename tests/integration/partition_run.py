@@ -26,7 +26,7 @@ from zero_ray.testing import single_process
 
 SHORT_CUT_S = 5.0
 HEALTH_TIMEOUT_S = 12.0
-COLLECTIVE_TIMEOUT_S = 20.0
+COLLECTIVE_TIMEOUT_S = 15.0
 GROW_BACK_WITHIN_S = 120.0  # bound on the wait for the run to be back at four owners
 
 
@@ -64,7 +64,7 @@ def main() -> None:
         nodes = [r["node_id"] for r in ray.get([a.node.remote() for a in trainer._pool.actors])]
         head = ray.get_runtime_context().get_node_id()
         other = next(n for n in nodes if n != head)
-        out["nodes"] = nodes
+        out["nodes"], out["head"] = nodes, head
 
         # (a) a short cut: the step sent into it waits for the link and completes.
         cut_link(other_ns)
