@@ -19,6 +19,8 @@ delay line forwards only between the nodes' addresses, and no route leads out. R
 ``ray start`` inside each namespace with ``--node-ip-address`` (head in n0, token auth, no
 dashboard) and ``GLOO_SOCKET_IFNAME=zrsim0`` in its environment (the owners inherit it), since
 gloo would otherwise bind by hostname to 127.0.0.1. Drivers run inside n0 (``run_in_head``).
+A link cut (``cut_link``, ``SimCluster.cut``) sets a node's ``zrsim0`` down inside its namespace
+while every process on it runs; ``restore_link`` sets it up again.
 Cross-node bytes are counted by the kernel: everything node k sends to another node leaves
 through its ``zrsim0`` (its tx counter; ``cross_node_bytes``).
 
@@ -164,6 +166,36 @@ def kill_node(namespace: str) -> list[int]:
     return pids
 
 
+def cut_link(namespace: str) -> None:
+    """Cut a simulated node off the others while every process on it lives: its only link set
+    down inside its namespace. Its own sends fail at once (no route); what the others send it
+    is lost on the way, as over a cut cable. ``restore_link`` ends the cut."""
+    _ns(namespace, "ip", "link", "set", IFNAME, "down")
+
+
+def restore_link(namespace: str) -> None:
+    """End ``cut_link``: the link up again (its address and route come back with it, and any
+    qdisc shaping it stays as it was)."""
+    _ns(namespace, "ip", "link", "set", IFNAME, "up")
+
+
+def link_up(namespace: str) -> bool:
+    """Whether the node's only link is administratively up (read inside its namespace)."""
+    got = _ns(namespace, "ip", "-o", "link", "show", IFNAME)
+    flags = re.search(r"<([^>]*)>", got.stdout)
+    return flags is not None and "UP" in flags.group(1).split(",")
+
+
+def reachable(namespace: str, ip: str, port: int, *, timeout_s: float = 2.0) -> bool:
+    """Whether a TCP connection from inside ``namespace`` to ``ip:port`` opens within
+    ``timeout_s`` (bash's /dev/tcp: no interpreter to start, so it is cheap on a loaded machine)."""
+    try:
+        got = _ns(namespace, "timeout", f"{timeout_s:g}", "bash", "-c", f"exec 3<>/dev/tcp/{ip}/{port}", check=False)
+    except subprocess.TimeoutExpired:
+        return False
+    return got.returncode == 0
+
+
 def _remove(tag: str, namespaces: list[str], temp_dirs: list[Path], pids: set[int]) -> None:
     """Stop the processes, then delete namespaces and links by name (never raises)."""
     for d in temp_dirs:
@@ -223,6 +255,7 @@ class SimCluster:
     link_mbit: float
     delay_ms: float
     start_ray: bool = True  # False: the namespaces and links only (to test the network itself)
+    ray_env: dict[str, str] = field(default_factory=dict)  # more environment for every node (RAY_health_check_*)
     token: str = field(default_factory=lambda: secrets.token_hex(32))
     members: list[SimNode] = field(default_factory=list)
     _pids: set[int] = field(default_factory=set)
@@ -324,6 +357,14 @@ class SimCluster:
             _ns(n.namespace, "ip", "link", "set", name, "name", IFNAME)
             _ns(n.namespace, "ip", "link", "set", IFNAME, "mtu", str(TUN_MTU))
 
+    def cut(self, index: int) -> None:
+        """Cut node ``index``'s link (``cut_link``); every process on it goes on running."""
+        cut_link(self.members[index].namespace)
+
+    def restore(self, index: int) -> None:
+        """Restore node ``index``'s link (``restore_link``)."""
+        restore_link(self.members[index].namespace)
+
     def cross_node_bytes(self) -> int:
         """Bytes every node has sent to the others so far (see the module function)."""
         return cross_node_bytes([n.namespace for n in self.members])
@@ -333,6 +374,7 @@ class SimCluster:
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
         env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_USAGE_STATS_ENABLED": "0",
                     "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": IFNAME})
+        env.update(self.ray_env)
         return env
 
     @property

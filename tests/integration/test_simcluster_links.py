@@ -1,7 +1,8 @@
 """The simulated cluster's links without Ray: a TCP round trip between two nodes takes at least
 twice the delay asked for (netem, or the delay line where the kernel has no netem), a transfer
 is held to the link's rate, the kernel's counters count what crossed, and nothing the cluster
-made is left after it closes. Skips, with the reason, where namespaces cannot be made."""
+made is left after it closes; a node's link cut (``SimCluster.cut``) refuses new connections
+until it is restored, and a connection open across the cut carries its round trip after it. Skips, with the reason, where namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 
 import pytest
 
-from benchmarks.harness.simcluster import SimCluster, available
+from benchmarks.harness.simcluster import SimCluster, available, link_up, reachable
 
 WHY = available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no simulated cluster here: {WHY}")
@@ -80,3 +81,59 @@ def test_links_delay_rate_counters_and_teardown(delay_ms: float) -> None:
     assert not any(ns in left for ns in names)
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=20).stdout
     assert f"zrs{cluster.tag}" not in links
+
+
+ECHO = r"""
+import socket, sys, threading
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 5556)); s.listen(8)
+print("LISTENING", flush=True)
+def serve(c):
+    while d := c.recv(1 << 16):
+        c.sendall(d)
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+"""
+
+HELD = r"""
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], 5556), timeout=60)
+c.sendall(b"a"); assert c.recv(1) == b"a"
+print("OPEN", flush=True)
+sys.stdin.readline()  # the link is cut now: this round trip is sent into the cut
+t = time.perf_counter(); c.sendall(b"b"); got = c.recv(1)
+print(got.decode(), f"{time.perf_counter() - t:.3f}", flush=True)
+"""
+
+
+def test_a_cut_link_refuses_connections_until_restored_and_an_open_one_rides_it_out() -> None:
+    with SimCluster(nodes=2, cpus_per_node=1, link_mbit=1000, delay_ms=0.0, start_ray=False) as cluster:
+        a, b = cluster.members
+        server = subprocess.Popen(["ip", "netns", "exec", b.namespace, sys.executable, "-c", ECHO, b.ip],
+                                  stdout=subprocess.PIPE, text=True)
+        procs = [server]
+        try:
+            assert server.stdout is not None and server.stdout.readline().strip() == "LISTENING"
+            held = subprocess.Popen(["ip", "netns", "exec", a.namespace, sys.executable, "-c", HELD, b.ip],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            procs.append(held)
+            assert held.stdout is not None and held.stdin is not None
+            assert held.stdout.readline().strip() == "OPEN"
+            assert reachable(a.namespace, b.ip, 5556)
+            cluster.cut(1)
+            assert not link_up(b.namespace) and link_up(a.namespace)
+            # Both ways: neither node opens a connection to the other during the cut.
+            assert not reachable(a.namespace, b.ip, 5556, timeout_s=2)
+            assert not reachable(b.namespace, a.ip, 5556, timeout_s=2)
+            held.stdin.write("go\n")
+            held.stdin.flush()
+            cluster.restore(1)
+            assert link_up(b.namespace)
+            assert reachable(a.namespace, b.ip, 5556, timeout_s=10)
+            out, _ = held.communicate(timeout=60)
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait(timeout=20)
+    echoed, seconds = out.split()
+    print(f"round trip sent into the cut came back {float(seconds):.3f} s later")
+    assert echoed == "b" and held.returncode == 0

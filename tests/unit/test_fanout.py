@@ -163,3 +163,73 @@ def test_a_loss_seen_while_waiting_aborts_the_survivors_of_the_members_generatio
     reasons = [c.aborts for c in members.clients]  # type: ignore[attr-defined]
     assert reasons[1] == [] and reasons[0] == reasons[2] == [(str(info.value), 4)]
     fan.close()
+
+
+class _Unreachable(_Client):
+    """An owner behind a cut link: its abort never arrives (held until the test releases it)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self._release = release
+
+    def abort(self, reason: str, generation: int, *, timeout_s: float) -> bool:
+        self.entered.set()
+        self._release.wait(WAIT_S)
+        return True
+
+
+class _LosesWhenEntered:
+    """The health monitor loses the unreachable rank once its abort is out, as a partition's
+    second rank is lost a moment after the first."""
+
+    def __init__(self, first: int, late: int, entered: threading.Event) -> None:
+        self._first, self._late, self._entered = first, late, entered
+
+    def lost(self) -> dict[int, str]:
+        lost = {self._first: "stalled"}
+        if self._entered.is_set():
+            lost[self._late] = "stalled"
+        return lost
+
+
+def test_an_abort_does_not_wait_for_a_rank_lost_while_it_is_out() -> None:
+    import time
+
+    release = threading.Event()
+    members = Members(generation=2)
+    far = _Unreachable(release)
+    members.clients = [_Client(), _Client(), _Client(), far]  # type: ignore[list-item]
+    members.health = _LosesWhenEntered(1, 3, far.entered)  # type: ignore[assignment]
+    fan = FanOut(world_size=4, members=members)
+    try:
+        t0 = time.monotonic()
+        fan.abort("partition")
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    # Before: the abort waited for rank 3's call to time out (5 s over gRPC; here the test's bound).
+    assert took < ENTER_S, took
+    assert [c.aborts for c in members.clients[:3]] == [[("partition", 2)], [], [("partition", 2)]]  # type: ignore[attr-defined]
+    fan.close()
+
+
+def test_an_abort_skips_the_ranks_its_caller_knows_are_lost() -> None:
+    # Ray may report a cut node's actors dead (its GCS declared the node dead) before their
+    # heartbeats have stalled for health_timeout_s: the recovery names them.
+    import time
+
+    release = threading.Event()
+    members = Members(generation=5)
+    far = _Unreachable(release)
+    members.clients = [_Client(), far, _Client()]  # type: ignore[list-item]
+    fan = FanOut(world_size=3, members=members)
+    try:
+        t0 = time.monotonic()
+        fan.abort("node dead", lost=[1])
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    assert took < ENTER_S and not far.entered.is_set()
+    assert [c.aborts for c in members.clients] == [[("node dead", 5)], [], [("node dead", 5)]]  # type: ignore[attr-defined]
+    fan.close()

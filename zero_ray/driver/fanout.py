@@ -31,9 +31,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -208,14 +207,19 @@ class FanOut:
             self.abort(reason)
             raise OwnerLostError(reason, rank=rank)
 
-    def abort(self, reason: str) -> None:
-        """Abort the current generation's collectives on every owner that still answers (those
-        the health monitor has not lost), on the pool no step occupies. Never raises."""
+    def abort(self, reason: str, *, lost: Collection[int] = ()) -> None:
+        """Abort the current generation's collectives on every owner that still answers (neither
+        in ``lost``, the ranks the caller knows are gone, nor lost by the health monitor), on the
+        pool no step occupies. Never raises."""
         members = self._members
-        lost = members.lost()
+        known = set(lost)
+        gone = {*members.lost(), *known}
         generation = members.generation
-        got = self.urgent({r: c for r, c in enumerate(members.clients) if r not in lost},
-                          lambda c: c.abort(reason, generation, timeout_s=5.0), timeout_s=10.0)
+        # A rank lost while the abort is out is not waited for: behind a cut link the abort
+        # cannot arrive, and waiting out its timeout delayed every partition's recovery by 5 s.
+        got = self.urgent({r: c for r, c in enumerate(members.clients) if r not in gone},
+                          lambda c: c.abort(reason, generation, timeout_s=5.0), timeout_s=10.0,
+                          skip=lambda: {*members.lost(), *known})
         for rank, result in got.items():
             if isinstance(result, Exception):  # an owner that cannot take the abort is found lost next
                 log.debug("abort did not reach rank %d: %s", rank, result)
@@ -331,17 +335,27 @@ class FanOut:
         return [results[i] for i in range(len(calls))]
 
     def urgent(self, targets: Mapping[int, OwnerClient], call: Callable[[OwnerClient], T], *,
-               timeout_s: float) -> dict[int, T | Exception]:
+               timeout_s: float, skip: Callable[[], Collection[int]] | None = None) -> dict[int, T | Exception]:
         """``call(client)`` on each target (by rank) at once, on the pool that no step occupies;
-        each result, or the exception it raised (TimeoutError past ``timeout_s``). Never raises."""
+        each result, or the exception it raised (TimeoutError past ``timeout_s``; OwnerLostError
+        for a rank in ``skip()``, looked at every ``POLL_S``, which is no longer waited for).
+        Never raises."""
         futures = {rank: self._submit(True, call, client) for rank, client in targets.items()}
         deadline = time.monotonic() + timeout_s
+        pending = dict(futures)
+        while pending and time.monotonic() < deadline:
+            wait(pending.values(), timeout=min(POLL_S, max(0.0, deadline - time.monotonic())),
+                 return_when=FIRST_COMPLETED)
+            gone = set(skip()) if skip is not None else set()
+            pending = {r: f for r, f in pending.items() if not f.done() and r not in gone}
         out: dict[int, T | Exception] = {}
         for rank, fut in futures.items():
+            if not fut.done():
+                out[rank] = (TimeoutError(f"no answer within {timeout_s:g}s") if rank in pending else
+                             OwnerLostError(f"rank {rank} was lost before it answered", rank=rank))
+                continue
             try:
-                out[rank] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                out[rank] = TimeoutError(f"no answer within {timeout_s:g}s")
+                out[rank] = fut.result()
             except Exception as err:  # reported to the caller, who decides
                 out[rank] = err
         return out

@@ -380,9 +380,10 @@ class OwnerPool:
         return self.fan.ray(self.actors, "master_fragments", timeout_s=timeout_s)
 
     # -- failures -------------------------------------------------------------------------------------
-    def abort(self, reason: str) -> None:
-        """Abort the current generation's collectives on every owner that still answers."""
-        self.fan.abort(reason)
+    def abort(self, reason: str, *, lost: Sequence[int] = ()) -> None:
+        """Abort the current generation's collectives on every owner that still answers (not
+        waiting for the ``lost`` ranks: Ray may know one dead before its heartbeats stop)."""
+        self.fan.abort(reason, lost=lost)
 
     def find_lost(self, *, timeout_s: float) -> dict[int, str]:
         """Ranks that are gone: those the health monitor lost, and those that do not answer a

@@ -208,7 +208,7 @@ class RecoveryController:
         abort the survivors' collectives."""
         if lost:
             self._pool.kill(sorted(lost))
-        self._pool.abort(reason)
+        self._pool.abort(reason, lost=sorted(lost))
 
     def recover(self, err: ZeroRayError, *, failed_step: int, step_started: float,
                 load_checkpoint: Callable[[], int], replay: Replay, until: int, keep: int,
