@@ -9,10 +9,13 @@ run's credentials; the driver's hop over the top relays is called in process.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import pytest
 from control_fakes import WAIT_S, FakeOwner, server_config
 
 from zero_ray.control.auth import Credentials
@@ -36,6 +39,8 @@ from zero_ray.control.server import ControlServer
 from zero_ray.core.relay_tree import RelayConfig, RelayTree, plan_relays
 
 MARGIN_S = 0.2  # each hop gives the relays below it this much less time than it has
+WORLD = 8
+NODES = tuple(f"node-{n}" for n in "abcd" for _ in range(2))  # two ranks a node: four node relays, two above them
 PER_RANK = 4  # indices in each rank's piece
 
 
@@ -198,3 +203,22 @@ def serve_tree(credentials: Credentials, nodes: Sequence[str], fan_out: int, *, 
     return ServedTree(tree=tree, credentials=credentials, owners=owners, owner_clients=owner_clients,
                       relay_servers=relay_servers, relay_clients=relay_clients, driver=driver, servers=servers,
                       hops=[*hops, driver])
+
+
+def tree_fixtures(job_id: str, nodes: Sequence[str] = NODES) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """A test module's ``served`` (one tree over ``nodes``, fan-out 2, for the module) and ``tree``
+    (that tree reset before and after each test) fixtures: ``served, tree = tree_fixtures(...)``."""
+
+    @pytest.fixture(scope="module")
+    def served() -> Iterator[ServedTree]:
+        tree = serve_tree(Credentials(job_id=job_id, token=secrets.token_urlsafe(32)), list(nodes), fan_out=2)
+        yield tree
+        tree.close()
+
+    @pytest.fixture
+    def tree(served: ServedTree) -> Iterator[ServedTree]:
+        served.reset()
+        yield served
+        served.reset()
+
+    return served, tree

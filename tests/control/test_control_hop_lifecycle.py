@@ -8,18 +8,15 @@ from __future__ import annotations
 import gc
 import json
 import os
-import secrets
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from control_fakes import WAIT_S
-from relay_stand_ins import ServedTree, relay_args, serve_tree
+from relay_stand_ins import ServedTree, relay_args, tree_fixtures
 
-from zero_ray.control.auth import Credentials
 from zero_ray.control.relay_hop import RelayHop, hop_children
 from zero_ray.core.reply_combine import CombinedStep
 from zero_ray.errors import RelayError
@@ -28,19 +25,7 @@ HOP_THREAD = "zero_ray-relay-hop"
 CLOSE_S = 2.0  # closing takes milliseconds (channels closed, gRPC's tasks drained)
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[ServedTree]:
-    tree = serve_tree(Credentials(job_id="job-hop-life", token=secrets.token_urlsafe(32)), ["node-a"] * 2,
-                      fan_out=2)
-    yield tree
-    tree.close()
-
-
-@pytest.fixture
-def tree(served: ServedTree) -> Iterator[ServedTree]:
-    served.reset()
-    yield served
-    served.reset()
+served, tree = tree_fixtures("job-hop-life", ["node-a"] * 2)
 
 
 def _hop(tree: ServedTree) -> RelayHop:

@@ -8,11 +8,10 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
-from collections.abc import Iterator
 
 import pytest
 from control_fakes import WAIT_S
-from relay_stand_ins import MARGIN_S, ServedTree, relay_args, serve_tree, step_args
+from relay_stand_ins import MARGIN_S, NODES, WORLD, ServedTree, relay_args, serve_tree, step_args, tree_fixtures
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient, RelayClient
@@ -21,22 +20,8 @@ from zero_ray.core.reply_combine import CombinedStep, combine_steps
 from zero_ray.driver.reports import StepMetrics
 from zero_ray.errors import AuthError, ConfigError, ModelError, RemoteFailure
 
-WORLD = 8
-NODES = [f"node-{n}" for n in "abcd" for _ in range(2)]  # two ranks a node: four node relays, two above them
 
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[ServedTree]:
-    tree = serve_tree(Credentials(job_id="job-relay", token=secrets.token_urlsafe(32)), NODES, fan_out=2)
-    yield tree
-    tree.close()
-
-
-@pytest.fixture
-def tree(served: ServedTree) -> Iterator[ServedTree]:
-    served.reset()
-    yield served
-    served.reset()
+served, tree = tree_fixtures("job-relay")
 
 
 def _direct(tree: ServedTree, step: int, skip: tuple[int, ...] = ()) -> list:

@@ -7,11 +7,19 @@ step still goes through the same hops after an evaluation."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
 from fractions import Fraction
 
 import pytest
-from relay_stand_ins import ServedTree, evaluate_args, relay_args, relay_evaluate_args, serve_tree
+from relay_stand_ins import (
+    NODES,
+    WORLD,
+    ServedTree,
+    evaluate_args,
+    relay_args,
+    relay_evaluate_args,
+    serve_tree,
+    tree_fixtures,
+)
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import RelayClient
@@ -19,22 +27,8 @@ from zero_ray.control.handlers import EvaluateArgs, Piece, RelayEvaluateArgs, co
 from zero_ray.core.reply_combine import CombinedEvaluation, combine_evaluations
 from zero_ray.errors import ConfigError, ModelError, RemoteFailure
 
-WORLD = 8
-NODES = [f"node-{n}" for n in "abcd" for _ in range(2)]  # two ranks a node: four node relays, two above them
 
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[ServedTree]:
-    tree = serve_tree(Credentials(job_id="job-relay-eval", token=secrets.token_urlsafe(32)), NODES, fan_out=2)
-    yield tree
-    tree.close()
-
-
-@pytest.fixture
-def tree(served: ServedTree) -> Iterator[ServedTree]:
-    served.reset()
-    yield served
-    served.reset()
+served, tree = tree_fixtures("job-relay-eval")
 
 
 def _direct(tree: ServedTree, batch: int, skip: tuple[int, ...] = ()) -> list:

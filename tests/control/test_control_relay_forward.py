@@ -6,10 +6,9 @@ while the others' replies are kept, and only report methods forwarded."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
 
 import pytest
-from relay_stand_ins import ServedTree, serve_tree
+from relay_stand_ins import NODES, WORLD, ServedTree, serve_tree, tree_fixtures
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import RelayClient
@@ -18,22 +17,8 @@ from zero_ray.control.handlers import RelayCallArgs
 from zero_ray.control.relay_calls import forwarded_args, forwarded_results
 from zero_ray.errors import ConfigError, ModelError, RemoteFailure
 
-WORLD = 8
-NODES = [f"node-{n}" for n in "abcd" for _ in range(2)]  # two ranks a node: four node relays, two above them
 
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[ServedTree]:
-    tree = serve_tree(Credentials(job_id="job-relay-call", token=secrets.token_urlsafe(32)), NODES, fan_out=2)
-    yield tree
-    tree.close()
-
-
-@pytest.fixture
-def tree(served: ServedTree) -> Iterator[ServedTree]:
-    served.reset()
-    yield served
-    served.reset()
+served, tree = tree_fixtures("job-relay-call")
 
 
 def _stats_args(tree: ServedTree, timeout_s: float = 5.0) -> RelayCallArgs:
