@@ -187,3 +187,26 @@ def test_activation_checkpointing_with_offload_on_cuda_trains_identically(ray_se
     finally:
         plain.shutdown()
         ckpt.shutdown()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="tensor parallelism of 2 needs 2 GPUs: NCCL takes one rank per device")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_tensor_parallel_2_over_nccl_matches_single_process_cuda(ray_session: None, stage: int) -> None:
+    """Issue 45's device check: a GQA Llama under its own plan, split over 2 GPUs (T = 2, D = 1),
+    the TP layers' all-reduces and ZeRO's rounds on NCCL, against one process on one GPU."""
+    from tp_llama import CLIP, OPTIMIZERS, batches, llama, lm_loss
+
+    steps = batches(3)
+    params, _ = single_process(lambda: llama().cuda(), lambda m, b: lm_loss(m, b.cuda()), OPTIMIZERS["adamw"], steps,
+                               max_grad_norm=CLIP)
+    ref = {k: v.cpu() for k, v in params.items()}
+    trainer = zr.ZeroTrainer(llama, lm_loss, optimizer=OPTIMIZERS["adamw"],
+                             config=zr.ZeroConfig(stage=stage, world_size=2, device="cuda", backend="nccl",
+                                                  max_grad_norm=CLIP, tensor_parallel=zr.TensorParallel(size=2)))
+    try:
+        for batch in steps:
+            trainer.step(batch)
+        assert _max_dev(trainer.full_state_dict(), ref) <= 1e-5
+        assert all(c["tensor_parallel"] > 0 for c in trainer.comm_report())
+    finally:
+        trainer.shutdown()
