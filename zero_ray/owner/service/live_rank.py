@@ -72,6 +72,7 @@ class LiveRank:
         self.step_lock = threading.Lock()  # held by a step; recovery waits for it
         self._aborted = -1  # the newest generation an abort was asked for
         self._forming: threading.Event | None = None  # set to abort the group formation in progress
+        self._teardown: threading.Thread | None = None  # an abort's teardown of the last group, on its own thread
 
     def _group_name(self) -> str:
         return f"{self._settings.group_prefix}-g{self.generation}"
@@ -80,6 +81,17 @@ class LiveRank:
         if self._aborted >= self.generation:
             raise CollectiveError(f"rank {self.rank}: generation {self.generation} was aborted before it formed")
         o = self._settings
+        teardown = self._teardown
+        if teardown is not None:
+            # An abort's teardown ends torch's default group and resets its group counter: run
+            # alongside this formation, it hit the new group (a Reform 0.5 s after the Abort failed
+            # with torch's "group name has already been created", test_control, once under load).
+            teardown.join(timeout=o.settle_timeout_s)
+            if teardown.is_alive():
+                raise CollectiveError(f"rank {self.rank}: the last group's teardown did not end within "
+                                      f"settle_timeout_s={o.settle_timeout_s:g}s; generation {self.generation} "
+                                      "cannot form beside it")
+            self._teardown = None
         if not self._device_ready:  # before any group: NCCL forms on the current device
             setup_device(device=self._spec.device, backend=o.backend, rank=self.rank)
             self._device_ready = True
@@ -134,7 +146,8 @@ class LiveRank:
         busy = self._engine is not None and self._engine.phase.value != "idle"
         # Tearing down may block while this rank's own compute thread waits inside the group;
         # the point is to close its sockets for the peers, so do it without holding the caller.
-        threading.Thread(target=self._group.abort, name="zero_ray-abort", daemon=True).start()
+        self._teardown = threading.Thread(target=self._group.abort, name="zero_ray-abort", daemon=True)
+        self._teardown.start()
         return busy
 
     def reform(self, generation: int) -> bool:
