@@ -213,13 +213,17 @@ class FanOut:
         pool no step occupies. Never raises."""
         members = self._members
         known = set(lost)
-        gone = {*members.lost(), *known}
+
+        def gone() -> set[int]:
+            return {*members.lost(), *known}
+
         generation = members.generation
+        skipped = gone()
         # A rank lost while the abort is out is not waited for: behind a cut link the abort
         # cannot arrive, and waiting out its timeout delayed every partition's recovery by 5 s.
-        got = self.urgent({r: c for r, c in enumerate(members.clients) if r not in gone},
+        got = self.urgent({r: c for r, c in enumerate(members.clients) if r not in skipped},
                           lambda c: c.abort(reason, generation, timeout_s=5.0), timeout_s=10.0,
-                          skip=lambda: {*members.lost(), *known})
+                          skip=gone)
         for rank, result in got.items():
             if isinstance(result, Exception):  # an owner that cannot take the abort is found lost next
                 log.debug("abort did not reach rank %d: %s", rank, result)

@@ -51,10 +51,9 @@ from zero_ray.driver.health import HealthMonitor
 from zero_ray.driver.model_view import Adopted, ModelView
 from zero_ray.driver.owner_names import NAMESPACE, actor_alive, owner_name
 from zero_ray.driver.relay_plane import RelayPlane
-from zero_ray.driver.reports import comm_row
 from zero_ray.driver.pool_spec import PoolSpec, await_room, check_resources, cluster_is_local
 from zero_ray.driver.replacements import Replacements
-from zero_ray.driver.reports import ResizeReport
+from zero_ray.driver.reports import ResizeReport, comm_row
 from zero_ray.driver.terminate import end_process
 from zero_ray.errors import ConfigError, OwnerLostError, ResourceError
 from zero_ray.owner.service.actor import OwnerOptions, RemotePartitionOwner
