@@ -229,6 +229,7 @@ def test_llama_tp_traffic_is_one_all_reduce_per_rowwise_forward_and_colwise_inpu
     attention = models[0].model.layers[0].self_attn
     assert attention.q_proj.shared is attention.k_proj.shared is attention.v_proj.shared is not None
     assert attention.o_proj.shared is None  # rowwise: its g is its own
+    assert attention.q_proj.shared._open is None  # the forward's inputs are not held after it
 
 
 def test_size_one_changes_nothing() -> None:
