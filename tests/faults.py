@@ -192,6 +192,10 @@ class _Faulty:
         return (_arrive, (self.model_fn, self.faults))
 
     def __call__(self) -> torch.nn.Module:
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is None:
+            # The driver builds the model too (on the meta device: tensor parallelism's plan and
+            # counts, driver/tp_consolidation.py); faults fire in owners only.
+            return self.model_fn()
         _install()
         state = hooks()
         state.faults = list(self.faults)

@@ -6,10 +6,13 @@ stage 3 AdamW and (2, 2) stage 2 SGD, the latter resized D 2 -> 3 -> 2 at T = 2 
 still within 1e-6 of the uninterrupted run; every TP rank of a data-parallel rank reads its samples
 (one staged object each; fit's indices alike: a fit over token files continues the (2, 2) run
 within 1e-5 of one process reading the documented block order), the step's loss counts each
-sample once, and what is not built on Ray yet is refused by name. The (2, 2) run saves a
-checkpoint (each owner its TP slice, consolidated to the run's weights exactly), then an owner's
-process is SIGKILLed between calls: fit restores the surviving whole TP group from that checkpoint
-and still ends within 1e-5 of one process. The full matrix runs on thread ranks
+sample once, and what is not built on Ray yet is refused by name. The (2, 2) run keeps peer
+snapshots: TP rank 1 of data-parallel rank 1 is SIGKILLed in its second step's backward, and its
+shard comes back from its data-parallel peer's copy (the surviving whole TP group goes on, the
+step replayed) still within 1e-6 of the uninterrupted run. It then saves a checkpoint (each owner
+its TP slice, consolidated to the run's weights exactly), and both owners of TP shard 1 (each
+other's backups) are SIGKILLed between calls: no peer holds that shard any more, so fit restores
+from the checkpoint and still ends within 1e-5 of one process. The full matrix runs on thread ranks
 (tests/unit/test_tensor_parallel_engine_threads.py); the placement plan is tested purely
 (tests/unit/test_placement.py: on this one-node machine every group is on one node anyway)."""
 
@@ -26,6 +29,7 @@ import safetensors.torch
 import torch
 
 import zero_ray as zr
+from faults import Fault, assert_fired, faulty
 from fit_order import reference_block_indices, token_windows
 from tp_llama import CLIP, OPTIMIZERS, VOCAB, batches, first_norm, llama, lm_loss, reference
 from zero_ray.checkpoint.tools import consolidate
@@ -58,15 +62,26 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
     ref, ref_losses = reference(optimizer, data_parallel, STEPS)
     fitted = token_corpus(tmp_path) if data_parallel > 1 else []
     resizes = data_parallel > 1
+    # With D > 1: peer snapshots, and TP rank 1 of data-parallel rank 1 (owner 3) SIGKILLed as its
+    # second step's backward runs (mid-step: the other owners are inside that step's collectives).
+    kill = Fault(point="backward", rank=3, after=1, dir=str(tmp_path)) if data_parallel > 1 else None
     cfg = zr.ZeroConfig(stage=stage, world_size=size * data_parallel, max_grad_norm=CLIP,
                         tensor_parallel=zr.TensorParallel(size=size),
+                        elastic=zr.ElasticConfig(redundancy="peer" if kill else "none"),
                         checkpoint=zr.CheckpointConfig(dir=str(tmp_path / "ckpt")))
-    with zr.ZeroTrainer(llama, lm_loss, optimizer=OPTIMIZERS[optimizer], config=cfg) as trainer:
+    model_fn = faulty(llama, kill) if kill else llama
+    with zr.ZeroTrainer(model_fn, lm_loss, optimizer=OPTIMIZERS[optimizer], config=cfg) as trainer:
         metrics = []
         for k, b in enumerate(batches(STEPS)):
             if resizes and k in (2, 4):  # D 2 -> 3 -> 2 at T = 2: a whole TP group joins, then leaves
                 assert trainer.resize(size * (3 if k == 2 else 2))["bytes_sent"] > 0
             metrics.append(trainer.step(b))
+        if kill:
+            assert_fired(kill)
+            peer = trainer.recoveries[0]
+            # the shard came back from owner 1's copy (its DP peer), onto the surviving whole TP group
+            assert 3 in peer.lost and str(peer.source) == "peer" and peer.world_size_after == size, peer
+            assert peer.resume_step == 1 and peer.replayed_steps == 1, peer
         got = trainer.full_state_dict()
         num_params = trainer.num_params, trainer.num_trainable_params
         evaluated = trainer.evaluate(batches(1)[0])
@@ -77,20 +92,25 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
             trainer.resize(5)
         assert trainer.world_size == size * data_parallel
         if fitted:  # fit's indices: each data-parallel rank's, sent to both its owners
-            # An owner of TP group 1 SIGKILLed between calls: fit finds it lost and restores every
-            # TP shard from the checkpoint just saved, at a multiple of T.
-            pid = ray.get(trainer.actors[3].node.remote(), timeout=60)["pid"]
-            os.kill(pid, signal.SIGKILL)
+            # Both owners of TP shard 1 (each the other's backup) SIGKILLed between calls: no peer
+            # copy of that shard is left, so fit restores every shard from the checkpoint just
+            # saved, at a multiple of T.
+            pids = [ray.get(trainer.actors[r].node.remote(), timeout=60)["pid"] for r in (1, 3)]
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
             source = zr.data.TokenFiles(str(tmp_path / "train-*.bin"), seq_len=SEQ, block_tokens=64, window=WINDOW)
             result = trainer.fit(source, global_batch_size=FIT_BATCH, steps=STEPS + FIT_STEPS, seed=SEED,
                                  progress=False)
             assert result["steps_run"] == FIT_STEPS
             after_fit = trainer.full_state_dict()
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)  # the kill fired
-            (recovery,) = trainer.recoveries
-            assert 3 in recovery.lost and str(recovery.source) == "checkpoint", recovery
-            # restored onto the surviving whole TP group (3 survivors round down to T = 2 owners), the
+            for pid in pids:
+                with pytest.raises(ProcessLookupError):
+                    os.kill(pid, 0)  # the kill fired
+            recovery = trainer.recoveries[-1]
+            assert len(trainer.recoveries) == 2 and {1, 3} <= set(recovery.lost), trainer.recoveries
+            assert str(recovery.source) == "checkpoint" and "no surviving peer holds" in "; ".join(recovery.notes), \
+                recovery
+            # restored onto the 2 survivors (a whole TP group again: positions 0 and 1), the
             # replacements joining as a whole group once up
             assert recovery.world_size_after == size and trainer.world_size % size == 0
     if fitted:
@@ -139,9 +159,6 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
 
 
 def test_what_is_not_built_on_ray_is_refused_by_name() -> None:
-    with pytest.raises(zr.ConfigError, match=r"redundancy='peer'\) with tensor_parallel size=2"):
-        zr.ZeroTrainer(llama, lm_loss, config=zr.ZeroConfig(world_size=2, tensor_parallel=zr.TensorParallel(size=2),
-                                                            elastic=zr.ElasticConfig(redundancy="peer")))
     with pytest.raises(zr.ConfigError, match=r"STRICT_SPREAD.*tensor_parallel size=2"):
         zr.ZeroTrainer(llama, lm_loss, config=zr.ZeroConfig(world_size=2, tensor_parallel=zr.TensorParallel(size=2),
                                                             placement_strategy="STRICT_SPREAD"))

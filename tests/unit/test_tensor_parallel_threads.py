@@ -216,15 +216,20 @@ def test_sharded_loss_and_gradients_equal_single_process_torch(name: str, size: 
                                        else (out_full, in_full // size))
 
 
-def test_llama_tp_traffic_is_one_all_reduce_per_rowwise_forward_and_colwise_backward() -> None:
-    # 2 blocks x (o_proj, down_proj) in forward + 2 x (q, k, v, gate, up) in backward, each over
-    # the batch's activations; the ring's 2 (T-1)/T of them per all-reduce. (q, k and v share an
-    # input: one summed gradient would do for the three; a later optimisation.)
+def test_llama_tp_traffic_is_one_all_reduce_per_rowwise_forward_and_colwise_input_backward() -> None:
+    # 2 blocks x (o_proj, down_proj) in forward + 2 x (q/k/v's input, gate/up's input) in backward,
+    # each over the batch's activations; the ring's 2 (T-1)/T of them per all-reduce. Megatron's
+    # count: q, k and v share one f (SharedInput), their gradients added before the one sum (with
+    # an f per layer it was 4 + 10 all-reduces).
     size = 2
     state, _, _ = _reference(CASES["llama-gqa-sdpa"])
-    ranks, _ = _sharded(CASES["llama-gqa-sdpa"], size, state)
+    ranks, models = _sharded(CASES["llama-gqa-sdpa"], size, state)
     activations = BATCH * SEQ * 32 * 4
-    assert [sent for *_, sent in ranks] == [(4 + 10) * 2 * (size - 1) * activations // size] * size
+    assert [sent for *_, sent in ranks] == [(4 + 4) * 2 * (size - 1) * activations // size] * size
+    attention = models[0].model.layers[0].self_attn
+    assert attention.q_proj.shared is attention.k_proj.shared is attention.v_proj.shared is not None
+    assert attention.o_proj.shared is None  # rowwise: its g is its own
+    assert attention.q_proj.shared._open is None  # the forward's inputs are not held after it
 
 
 def test_size_one_changes_nothing() -> None:

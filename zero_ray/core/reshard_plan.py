@@ -112,12 +112,26 @@ def bytes_moved(moves: list[Move], *, element_bytes: int) -> dict[int, int]:
     return out
 
 
-def backup_peers(nodes: Sequence[str]) -> list[int]:
+def backup_peers(nodes: Sequence[str], *, tensor_parallel: int = 1) -> list[int]:
     """For in-memory redundancy: the rank that keeps a copy of each rank's shard (a bijection, so
     every rank keeps exactly one peer's). Ranks are ordered by node and each backed up by the rank
     ``g`` places further on (``g`` the largest number of ranks on one node), which lands on
-    another node whenever the cluster has more than one; with one rank, itself."""
+    another node whenever the cluster has more than one; with one rank, itself.
+
+    With ``tensor_parallel`` T > 1 the pairing is made within each TP shard's data-parallel
+    owners (ranks ``t, t + T, ...``, ``core/tensor_parallel_ranks.py``): only they hold the same
+    shard's layout, so only they can keep, and later restore, each other's state. At D = 1 every
+    rank is its own backup (nothing to restore from: the checkpoint is the source)."""
     n = len(nodes)
+    if tensor_parallel < 1 or n % tensor_parallel:
+        raise ConfigError(f"{n} ranks are not whole tensor_parallel groups of {tensor_parallel}")
+    if tensor_parallel > 1:
+        backup = [0] * n
+        for t in range(tensor_parallel):
+            members = list(range(t, n, tensor_parallel))
+            for i, b in enumerate(backup_peers([nodes[r] for r in members])):
+                backup[members[i]] = members[b]
+        return backup
     order = sorted(range(n), key=lambda r: (nodes[r], r))
     most = max((sum(1 for x in nodes if x == node) for node in set(nodes)), default=1)
     shift = most if most < n else 1

@@ -19,6 +19,7 @@ Pure: imports neither ray nor grpc nor torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zero_ray.errors import ConfigError
@@ -83,3 +84,34 @@ class TensorParallelRanks:
         """What ``rank`` adds to the world's sum of loss items: the TP ranks of one
         data-parallel rank read the same samples, so only TP rank 0 counts them."""
         return count if self.tp_rank(rank) == 0 else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardMoves:
+    """TP shard ``shard``'s part of a transfer between two layouts of the same T (a resize of D,
+    or a restore from peer snapshots): a transfer plan over data-parallel ranks, carried out
+    among the actors that hold or take this shard. ``senders[d]`` is the position of the actor
+    holding old data-parallel rank d's state of the shard, ``receivers[j]`` the position taking
+    new data-parallel rank j; ``old_ranks[d]`` the old world rank whose state that is."""
+
+    shard: int
+    old_ranks: tuple[int, ...]
+    senders: tuple[int, ...]
+    receivers: tuple[int, ...]
+
+
+def shard_moves(*, size: int, old_world: int, new_world: int,
+                holders: Sequence[int] | None = None) -> tuple[ShardMoves, ...]:
+    """Every TP shard's part of a transfer from ``old_world`` to ``new_world`` ranks at T =
+    ``size``. ``holders[i]``: the position holding old world rank i's state (a peer's copy after
+    a loss); None for a live resize, where actor i holds old rank i. Shard t's old ranks are
+    ``t, t + T, ...``, so moves only ever go between owners of one shard: another shard's
+    layout has other elements (with T = 1 this is the plain transfer over every rank)."""
+    for world in (old_world, new_world):
+        TensorParallelRanks(world_size=world, size=size)  # whole TP groups, or a ConfigError naming them
+    held = tuple(range(old_world)) if holders is None else tuple(holders)
+    if len(held) != old_world:
+        raise ConfigError(f"a transfer from {old_world} ranks names {len(held)} holders")
+    return tuple(ShardMoves(shard=t, old_ranks=tuple(range(t, old_world, size)),
+                            senders=tuple(held[r] for r in range(t, old_world, size)),
+                            receivers=tuple(range(t, new_world, size))) for t in range(size))

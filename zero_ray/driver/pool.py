@@ -419,10 +419,12 @@ class OwnerPool:
     # -- changing the size --------------------------------------------------------------------------------
     def peers(self, count: int) -> Peers | None:
         """Which peer keeps each of the first ``count`` owners' snapshots (another node when there
-        is one) and whose each keeps; None without peer redundancy."""
+        is one) and whose each keeps, among the owners of one TP shard; None without peer
+        redundancy."""
         if not self.spec.snapshot_every:
             return None
-        return Peers.of(backup_peers([n.get("node_id", "") for n in self.nodes[:count]]))
+        return Peers.of(backup_peers([n.get("node_id", "") for n in self.nodes[:count]],
+                                     tensor_parallel=self.tensor_parallel))
 
     def assign_peers(self, count: int | None = None, *, after_transfer: bool = False) -> list[int]:
         """Tell the first ``count`` owners (all) which peer keeps their snapshots. After a resize

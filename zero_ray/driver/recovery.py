@@ -370,18 +370,25 @@ class RecoveryController:
         if len(taken) != 1:
             raise CheckpointError(f"peer snapshots disagree on (step, world size): {sorted(taken)}, or none were taken")
         step, old_world = taken.pop()  # the layout they were taken in (a resize may have been cut short)
+        # Fewer owners than survive go on (whole TP or shard groups): the highest leave, so the
+        # copies must be held by those kept.
+        leaving = self.scaling.leavers(survivors=survivors, target=target)
+        kept = [r for r in survivors if r not in leaving]
         holder: dict[int, int] = {}
-        for position, old in enumerate(survivors):
+        for position, old in enumerate(kept):
             for rank in held[old]:
                 holder.setdefault(rank, position)
         missing = sorted(set(range(old_world)) - set(holder))
         if missing:
             raise CheckpointError(f"no surviving peer holds a snapshot of ranks {missing} (their backups were lost "
-                                  "too); restore from a checkpoint instead")
-        description = next(iter(held[survivors[0]].values())).description  # the layout, the merged table
+                                  f"too{', or leave: ' + str(leaving) if leaving else ''}); restore from a "
+                                  "checkpoint instead")
+        description = next(i for r in kept for i in held[r].values()).description  # layout, merged table
         plan = PeerRestore(old_world=old_world, holders=tuple(holder[r] for r in range(old_world)),
                            description=description)
-        pool.rebuild(survivors, target, restore=lambda position: plan)
+        if leaving:
+            pool.kill(leaving)
+        pool.rebuild(kept, target, restore=lambda position: plan)
         return step + 1
 
     def _start_replacements(self, notes: list[str]) -> None:

@@ -41,10 +41,6 @@ def pool_spec(cfg: ZeroConfig, *, device: str, backend: str, optimizer: Optimize
         raise ConfigError(f"placement_strategy='STRICT_SPREAD' puts every owner on a node of its own, but "
                           f"tensor_parallel size={tp} keeps each group of {tp} owners on one node; use 'PACK' "
                           "or 'SPREAD' (TP groups are pinned to a node each) or 'STRICT_PACK'")
-    if tp > 1 and elastic.redundancy == "peer":
-        raise ConfigError(f"ElasticConfig(redundancy='peer') with tensor_parallel size={tp}: restoring a lost "
-                          "owner from its data-parallel peers' copies of its TP shard is not built yet (issue 45, "
-                          "docs/tensor_parallel.md); use redundancy='none' and checkpoints")
     return PoolSpec(world_size=cfg.world_size, tensor_parallel=tp, use_gpu=device == "cuda",
                     num_cpus_per_owner=cfg.num_cpus_per_owner, backend=backend,
                     placement_strategy=cfg.placement_strategy, collective_timeout_s=cfg.collective_timeout_s,

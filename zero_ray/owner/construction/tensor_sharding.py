@@ -7,7 +7,9 @@ do not change:
 
 - colwise (Megatron's column-parallel layer): the weight's rows (output features) and the bias
   are split; forward is the identity on the input and backward sums the input's gradient over
-  the group (Megatron's ``f``).
+  the group (Megatron's ``f``). Colwise layers under one parent (q/k/v of an attention, gate/up
+  of an MLP) share one ``f`` per input tensor within the parent's forward (``SharedInput``), so
+  their gradients are added locally and summed over the group once, as Megatron does.
 - rowwise (row-parallel): the weight's columns (input features) are split; forward sums the
   partial outputs over the group and adds the whole bias once (``g``); backward is the identity.
 
@@ -16,6 +18,7 @@ Why modules over ``Collective`` and not ``torch.distributed.tensor``: docs/tenso
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -79,6 +82,42 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
+class SharedInput:
+    """One ``f`` per input tensor for the colwise layers of one parent module: within the
+    parent's forward (opened and closed by its forward hooks, so nothing outlives it, and a
+    recomputation under checkpointing opens it again), the first layer to see a tensor wraps it
+    and the others take the same wrapped tensor. Backward then adds their input gradients
+    locally and all-reduces the sum once: q/k/v three sums become one, gate/up two one. The
+    same on every TP rank (they run the same forward), so the collectives stay in step."""
+
+    group: Collective
+    _open: list[tuple[torch.Tensor, torch.Tensor]] | None
+
+    def __init__(self, group: Collective) -> None:
+        self.group = group
+        self._open = None  # (input, its f) pairs of the parent's forward in progress; None outside
+
+    def attach(self, parent: nn.Module) -> None:
+        parent.register_forward_pre_hook(lambda module, args: self._begin())
+        parent.register_forward_hook(lambda module, args, out: self._end(), always_call=True)
+
+    def _begin(self) -> None:
+        self._open = []
+
+    def _end(self) -> None:
+        self._open = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._open is None:  # called outside its parent's forward: an f of its own
+            return _CopyToGroup.apply(x, self.group)
+        for seen, wrapped in self._open:  # by identity: tensors compare element-wise
+            if seen is x:
+                return wrapped
+        wrapped = _CopyToGroup.apply(x, self.group)
+        self._open.append((x, wrapped))
+        return wrapped
+
+
 class ShardedLinear(nn.Linear):
     """This rank's slice of a linear layer (an ``nn.Linear`` still, for wrap policies and
     compilation). ``in_features`` / ``out_features`` are the local sizes; ``full_shape`` the
@@ -90,9 +129,12 @@ class ShardedLinear(nn.Linear):
     tp_size: int
     full_shape: tuple[int, int]
     group: Collective
+    shared: SharedInput | None  # colwise: the f it shares with its siblings (None: its own)
 
-    def __init__(self, source: nn.Linear, shard: ModuleShard, group: Collective) -> None:
+    def __init__(self, source: nn.Linear, shard: ModuleShard, group: Collective,
+                 shared: SharedInput | None = None) -> None:
         nn.Module.__init__(self)  # nn.Linear's own __init__ would allocate a whole weight
+        self.shared = shared
         self.style, self.shard_dim = shard.style, shard.dim
         self.tp_rank, self.tp_size, self.group = group.rank, group.world_size, group
         self.full_shape = (source.out_features, source.in_features)
@@ -109,7 +151,8 @@ class ShardedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style == COLWISE:
-            return F.linear(_CopyToGroup.apply(x, self.group), self.weight, self.bias)
+            copied = self.shared(x) if self.shared is not None else _CopyToGroup.apply(x, self.group)
+            return F.linear(copied, self.weight, self.bias)
         out = _ReduceFromGroup.apply(F.linear(x, self.weight), self.group)
         return out if self.bias is None else out + self.bias
 
@@ -164,10 +207,17 @@ def shard_model(model: nn.Module, tp: TensorParallel, group: Collective) -> Tens
     if tp.size == 1:
         return plan
     modules = dict(model.named_modules())
+    colwise = Counter(s.name.rpartition(".")[0] for s in plan.shards if s.style == COLWISE)
+    shared: dict[str, SharedInput] = {}
+    for name, count in colwise.items():
+        if count > 1:  # siblings that may read one input: one f between them
+            shared[name] = SharedInput(group)
+            shared[name].attach(modules[name])
     for shard in plan.shards:
         parent_name, _, child = shard.name.rpartition(".")
         parent = modules[parent_name]
-        setattr(parent, child, ShardedLinear(modules[shard.name], shard, group))
+        setattr(parent, child, ShardedLinear(modules[shard.name], shard, group,
+                                             shared=shared.get(parent_name) if shard.style == COLWISE else None))
     for name in {s.name.rpartition(".")[0] for s in plan.shards}:
         _divide_head_counts(modules[name], tp.size)
     return plan

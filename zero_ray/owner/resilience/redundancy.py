@@ -53,9 +53,11 @@ def _tensors(state: RankState) -> list[torch.Tensor]:
 
 
 def _slices(engine: OwnerEngine, rank: int, kinds: list[list[str]], *, clone: bool) -> list[OptimizerSlice]:
-    """``rank``'s shard range of every bucket with the state names ``kinds`` lists: cloned from
-    this engine's state (``clone``; a name it never created is zeros), or zeroed buffers of the
-    same shape to receive into."""
+    """World rank ``rank``'s shard range of every bucket with the state names ``kinds`` lists:
+    cloned from this engine's state (``clone``; a name it never created is zeros), or zeroed
+    buffers of the same shape to receive into. The layout is over the data-parallel group (with
+    tensor parallelism, the D owners of this rank's TP shard), so the range is its DP rank's."""
+    rank = engine.fabric.ranks.dp_rank(rank)
     out = []
     live = {s.bucket.index: s for s in engine.state.optimizer_slices()}
     files = engine.state.state_files  # offloaded: the copies live in files too, not in memory
@@ -103,7 +105,8 @@ class PeerSnapshots:
     def take(self, engine: OwnerEngine, group: Collective, *, step: int, backup: int, ward: int,
              timeout_s: float) -> int:
         """Snapshot after driver step ``step``: clone own state, send it to ``backup`` while
-        receiving ``ward``'s. Returns bytes sent."""
+        receiving ``ward``'s (world ranks; with tensor parallelism both hold this rank's TP
+        shard: ``core/reshard_plan.backup_peers``). Returns bytes sent."""
         import torch.distributed as dist
 
         rank, n = engine.rank, engine.world_size
@@ -121,7 +124,7 @@ class PeerSnapshots:
         sent = 0
         if backup != rank:
             ward_whole: WholeState = {}
-            for p in whole_plan.assigned_to(ward):
+            for p in whole_plan.assigned_to(engine.fabric.ranks.dp_rank(ward)):  # assignees: DP ranks
                 for key, desc in table.get(p, {}).get("whole", {}).items():
                     ward_whole.setdefault(p, {})[key] = torch.zeros(desc["shape"], dtype=getattr(torch, desc["dtype"]))
             theirs = Snapshot(rank=ward, step=step, world_size=n, description=description,
