@@ -67,7 +67,7 @@ class ScaleRow:
     loss_to_decision_s: float  # SIGKILL of one owner's process -> FanOut raising OwnerLostError
     step_wall_ms: float
     dispatch_ms: float  # the step's start on the driver -> the last owner began computing
-    compute_ms: float  # the first owner began -> the last owner ended
+    compute_ms: float  # the first owner began -> the last owner ended (stand-ins: the last began)
     collect_ms: float  # the last owner ended -> the fan-out returned on the driver
     driver_cpu_ms_per_step: float
     driver_cpu_us_per_owner: float
@@ -289,13 +289,12 @@ class Driver:
         return self.fan.start(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=STEP_TIMEOUT_S))
 
     def _collect(self, flight: Any) -> list[Any]:
-        if self.relays is not None:
-            self.relays.collect(flight)
-            return []  # combined: no owner's compute window
+        if self.relays is not None:  # combined: a stand-in subtree's window in it (control_standin)
+            return [self.relays.collect(flight)]
         return self.fan.collect(flight)
 
     def step(self, step: int) -> tuple[float, float, list[Any]]:
-        """One step on every owner: (wall s, driver CPU s, results; none through the tree)."""
+        """One step on every owner: (wall s, driver CPU s, [(start, replies)]: each owner's, or the tree's combined)."""
         t0, c0 = time.monotonic(), time.process_time()
         results = self._collect(self._start(_step_args(step, self.owners)))
         wall, cpu = time.monotonic() - t0, time.process_time() - c0
@@ -411,7 +410,12 @@ def measure(owners: int, settings: ScaleSettings, log: Callable[[str], None] = p
             walls.append(wall)
             cpus.append(cpu)
             added.append(wall - settings.compute_s)
-            if results:  # each owner's compute window (a relayed step's reply is combined: none)
+            if results and stand_in:  # the last subtree's start and end, maxima over the stand-ins
+                [reply] = results
+                dispatch.append(reply.data_seconds - t0)
+                compute.append(reply.compute_seconds - reply.data_seconds)
+                collect.append(t0 + wall - reply.compute_seconds)
+            elif results and driver.relays is None:  # each owner's compute window
                 t_end = t0 + wall
                 starts, ends = [r.totals.loss_sum for r in results], [r.grad_norm for r in results]
                 dispatch.append(max(starts) - t0)

@@ -8,7 +8,8 @@ conversions, the combining, the ``Relay.Watch`` feed reading its children's stre
 in is everything below them: each child of a top relay (a relay one level down, with its whole
 subtree) is a :class:`StandInSubtrees` server that answers ``RelayStep`` with the combined reply
 its ranks would send (built once, at start, by the real ``core/reply_combine`` over one
-``StepResult`` per rank: the same size and fields), ``--compute-ms`` after the step may begin
+``StepResult`` per rank: the same size and fields; ``data_seconds`` and ``compute_seconds`` carry
+when it began and ended the step, on the machine's monotonic clock), ``--compute-ms`` after the step may begin
 (after the one before it on that subtree: a step sent ahead waits, as ``StepOrder`` makes an
 owner wait), and answers ``Relay.Watch`` with every rank's beat once, then an empty message each
 interval (what an idle relay sends). ``HostRelays`` is answered and ignored: the stand-ins serve
@@ -107,7 +108,13 @@ class StandInSubtrees(relay_pb2_grpc.RelayServicer):
         time.sleep(max(0.0, end - time.monotonic()))
         with self._lock:
             self.steps += 1
-        return self._replies[relay]
+        # When this subtree began and ended the step (this machine's monotonic clock, which the
+        # driver shares), in fields the top relay combines as maxima: the driver splits its wait
+        # into dispatch, compute and collection with them, as control_sim's owners let it.
+        reply = relay_pb2.RelayStepReply()
+        reply.CopyFrom(self._replies[relay])
+        reply.data_seconds, reply.compute_seconds = start, time.monotonic()
+        return reply
 
     def HostRelays(self, request: relay_pb2.HostRelaysRequest, context: grpc.ServicerContext) -> Any:
         return relay_pb2.HostRelaysReply(relays=sorted(r.relay for r in request.relays))
