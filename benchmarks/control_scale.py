@@ -133,7 +133,11 @@ def render_markdown(results: dict[str, Any]) -> str:
     extra = "\n".join(f"- {n}" for n in results["notes"])
     threads = "\n".join(f"- {r.owners} owners: per step (ms) {_top(r.step_cpu_by_thread)}; heartbeats (cores) "
                         f"{_top(r.heartbeat_cpu_by_thread)}" for r in rows)
-    return head + body + "\n\n" + extra + "\n\nDriver CPU by thread group:\n\n" + threads + "\n"
+    # Other runs of the same command (--render of a JSON given "other_runs"): the spread on a shared machine.
+    others = "".join(f"\n{run['label']}:\n\n{table([ScaleRow.from_json(r) for r in run['rows']])}\n"
+                     for run in results.get("other_runs", []))
+    return (head + body + "\n\n" + extra + "\n\nDriver CPU by thread group:\n\n" + threads + "\n"
+            + (f"\nOther runs of the same command, for the spread:\n{others}" if others else ""))
 
 
 def _top(groups: dict[str, float], count: int = 5) -> str:

@@ -143,3 +143,11 @@ def test_render_recomputes_the_notes_from_the_rows(tmp_path: Path) -> None:
     assert ScaleRow.from_json(json.loads((out / "control_scale.json").read_text())["rows"][0]) == slow
     text = (out / "control_scale.md").read_text()
     assert "| 1024 | direct | 400.0 | 3.0, 0.90 | 1.20 |" in text and "2048 owners: no row" in text and "zero_ray-rpc 300" in text
+    assert "Other runs" not in text
+    # the spread: other runs' rows rendered after the notes, each under its label
+    data = json.loads(source.read_text())
+    data["other_runs"] = [{"label": "run 2 (load 9)", "rows": [replace(slow, driver_added_ms_per_step=7.5).as_json()]}]
+    source.write_text(json.dumps(data))
+    main(["--render", str(source), "--results-dir", str(out)])
+    text = (out / "control_scale.md").read_text()
+    assert "run 2 (load 9):" in text and "| 1024 | direct | 7.5 |" in text.split("Other runs")[1]
