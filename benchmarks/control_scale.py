@@ -129,6 +129,13 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"{s['compute_ms']:g} ms per step, up to {s['per_process']} per worker process, on this one machine "
             f"(shared with other work while measured: {s['shared']}); heartbeats every {s['health_interval_s']:g} s; "
             f"{s['steps']} timed steps after {s['warmup']} warm-up.\n\n")
+    if s.get("stand_in"):
+        head += ("Stand-in subtrees (--stand-in, benchmarks/control_standin.py): the driver's path and the top relays "
+                 "are real (each a ControlServer serving RelayHost / RelayHop in its own process); every child of a "
+                 "top relay, with its subtree, is a stand-in answering RelayStep with the combined reply of its "
+                 "ranks after the compute time and Watch with their beats. Rows of depth 1 (the top relays call "
+                 "owners) are the full simulation. Loss: the SIGKILL of the last stand-in relay (alone in its "
+                 "process) inside a held step.\n\n")
     body = table(rows)
     extra = "\n".join(f"- {n}" for n in results["notes"])
     threads = "\n".join(f"- {r.owners} owners: per step (ms) {_top(r.step_cpu_by_thread)}; heartbeats (cores) "
