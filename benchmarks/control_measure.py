@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.control_sim import DATASET, SimSettings, worker_main
+from benchmarks.control_standin import StandInCluster, stand_in_tree
 from zero_ray.control._generated import owner_pb2
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient
@@ -51,6 +52,8 @@ class ScaleSettings:
     probe_calls: int
     relay_fan_out: int = 0  # steps down a relay tree of this fan-out (0: to every owner directly)
     owners_per_node: int = 8  # the simulated nodes the tree is planned over
+    # The top relays real, every subtree below them stood in (benchmarks/control_standin.py)
+    stand_in: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +67,7 @@ class ScaleRow:
     loss_to_decision_s: float  # SIGKILL of one owner's process -> FanOut raising OwnerLostError
     step_wall_ms: float
     dispatch_ms: float  # the step's start on the driver -> the last owner began computing
-    compute_ms: float  # the first owner began -> the last owner ended
+    compute_ms: float  # the first owner began -> the last owner ended (stand-ins: the last began)
     collect_ms: float  # the last owner ended -> the fan-out returned on the driver
     driver_cpu_ms_per_step: float
     driver_cpu_us_per_owner: float
@@ -91,6 +94,12 @@ class ScaleRow:
     relay_fan_out: int = 0
     relay_depth: int = 0
     owners_per_node: int = 0
+    # what ran below the driver: "simulated owners" (every owner a real server over a stand-in
+    # engine, every relay real) or "stand-in subtrees" (the top relays real, below them stood in)
+    below_driver: str = "simulated owners"
+    top_relays: int = 0
+    top_relays_cpu_ms_per_step: float = float("nan")  # the top relays' processes, stand-in rows only
+    loadavg: tuple[float, float] = (float("nan"), float("nan"))  # 1-minute load at the row's start and end
 
     def as_json(self) -> dict[str, Any]:
         """The row as JSON-ready numbers."""
@@ -99,7 +108,7 @@ class ScaleRow:
     @classmethod
     def from_json(cls, row: dict[str, Any]) -> ScaleRow:
         """A row :meth:`as_json` wrote."""
-        return cls(**row)
+        return cls(**{**row, "loadavg": tuple(row.get("loadavg", (float("nan"),) * 2))})
 
 
 def _recv(conn: Any, timeout_s: float, what: str) -> Any:
@@ -129,6 +138,7 @@ class SimCluster:
             self.conns.append(parent)
             self.procs.append(proc)
         self.addresses = [a for conn in self.conns for a in _recv(conn, START_TIMEOUT_S, "addresses")]
+        self.victim_rank = owners - 1
 
     @property
     def victim(self) -> Any:
@@ -279,13 +289,12 @@ class Driver:
         return self.fan.start(self.clients, "step", lambda c, r: c.step_async(args[r], timeout_s=STEP_TIMEOUT_S))
 
     def _collect(self, flight: Any) -> list[Any]:
-        if self.relays is not None:
-            self.relays.collect(flight)
-            return []  # combined: no owner's compute window
+        if self.relays is not None:  # combined: a stand-in subtree's window in it (control_standin)
+            return [self.relays.collect(flight)]
         return self.fan.collect(flight)
 
     def step(self, step: int) -> tuple[float, float, list[Any]]:
-        """One step on every owner: (wall s, driver CPU s, results; none through the tree)."""
+        """One step on every owner: (wall s, driver CPU s, [(start, replies)]: each owner's, or the tree's combined)."""
         t0, c0 = time.monotonic(), time.process_time()
         results = self._collect(self._start(_step_args(step, self.owners)))
         wall, cpu = time.monotonic() - t0, time.process_time() - c0
@@ -337,7 +346,12 @@ def measure(owners: int, settings: ScaleSettings, log: Callable[[str], None] = p
     if owners < 2:
         raise ValueError(f"owners={owners}: the loss measurement needs a survivor (at least 2)")
     t_start = time.monotonic()
-    cluster = SimCluster(owners, settings)
+    load_start = os.getloadavg()[0]
+    stand_in = settings.stand_in and settings.relay_fan_out and not stand_in_tree(
+        owners, fan_out=settings.relay_fan_out, owners_per_node=settings.owners_per_node).driver_children[0].ranks
+    cluster: SimCluster | StandInCluster = (
+        StandInCluster(owners, fan_out=settings.relay_fan_out, owners_per_node=settings.owners_per_node,
+                       compute_s=settings.compute_s) if stand_in else SimCluster(owners, settings))
     driver = Driver(cluster, settings)
     log(f"  {owners} owners up in {time.monotonic() - t_start:.1f} s ({len(cluster.procs)} processes)")
     try:
@@ -361,22 +375,25 @@ def measure(owners: int, settings: ScaleSettings, log: Callable[[str], None] = p
             false_losses.append(f"{len(lost)} during the heartbeat window, e.g. {next(iter(lost.values()))}")
             log(f"  {false_losses[-1]}")
             driver.restart_monitor()
-        try:
-            stats_fanout_s = driver.stats_fanout_s(5)
-        except ZeroRayError as err:  # reported, not fatal: the steps are what the row is about
-            log(f"  the Stats fan-out failed: {err}")
-            false_losses.append(f"the Stats fan-out failed: {err}")
-            stats_fanout_s = float("nan")
-        probe = driver.clients[: max(1, min(owners - 1, settings.probe_calls))]
-        grpc_us = _cpu_us_per(len(probe), lambda it=iter(probe): next(it).stats(timeout_s=10.0))
+        stats_fanout_s = grpc_us = float("nan")  # stand-ins serve no owner: no Stats to time
+        if not stand_in:
+            try:
+                stats_fanout_s = driver.stats_fanout_s(5)
+            except ZeroRayError as err:  # reported, not fatal: the steps are what the row is about
+                log(f"  the Stats fan-out failed: {err}")
+                false_losses.append(f"the Stats fan-out failed: {err}")
+            probe = driver.clients[: max(1, min(owners - 1, settings.probe_calls))]
+            grpc_us = _cpu_us_per(len(probe), lambda it=iter(probe): next(it).stats(timeout_s=10.0))
         handoff_us = _cpu_us_per(settings.probe_calls, lambda: driver.fan.urgent({0: None}, lambda c: c,
                                                                                  timeout_s=10.0))
         walls, cpus, added, dispatch, compute, collect, ages = [], [], [], [], [], [], []
         k = 0
         cluster.usage()  # resets the owners' heartbeat gaps
+        top0 = 0.0
         while len(walls) < settings.steps:
             if k == settings.warmup:
                 th0 = thread_cpu()
+                top0 = cluster.top_cpu_s() if isinstance(cluster, StandInCluster) else 0.0
             try:
                 wall, cpu, [(t0, results)] = driver.step(k)
             except OwnerLostError as err:  # every owner is alive: the monitor missed their beats
@@ -393,12 +410,19 @@ def measure(owners: int, settings: ScaleSettings, log: Callable[[str], None] = p
             walls.append(wall)
             cpus.append(cpu)
             added.append(wall - settings.compute_s)
-            if results:  # each owner's compute window (a relayed step's reply is combined: none)
+            if results and stand_in:  # the last subtree's start and end, maxima over the stand-ins
+                [reply] = results
+                dispatch.append(reply.data_seconds - t0)
+                compute.append(reply.compute_seconds - reply.data_seconds)
+                collect.append(t0 + wall - reply.compute_seconds)
+            elif results and driver.relays is None:  # each owner's compute window
                 t_end = t0 + wall
                 starts, ends = [r.totals.loss_sum for r in results], [r.grad_norm for r in results]
                 dispatch.append(max(starts) - t0)
                 compute.append(max(ends) - min(starts))
                 collect.append(t_end - max(ends))
+        top_ms = ((cluster.top_cpu_s() - top0) * 1e3 / settings.steps if isinstance(cluster, StandInCluster)
+                  else float("nan"))
         step_threads = {g: round(v * 1e3 / settings.steps, 3) for g, v in cpu_by_group(th0, thread_cpu()).items()}
         log(f"  steps: median wall {_median(walls) * 1e3:.1f} ms, CPU {_median(cpus) * 1e3:.1f} ms")
         piped_wall, piped_cpu = driver.pipelined(k, settings.steps)
@@ -422,13 +446,16 @@ def measure(owners: int, settings: ScaleSettings, log: Callable[[str], None] = p
             pipelined_added_ms_per_step=(piped_wall / settings.steps - settings.compute_s) * 1e3,
             pipelined_cpu_cores=piped_cpu / piped_wall, relay_fan_out=settings.relay_fan_out,
             relay_depth=driver.relays.tree.depth if driver.relays is not None and driver.relays.tree else 0,
-            owners_per_node=settings.owners_per_node if settings.relay_fan_out else 0)
+            owners_per_node=settings.owners_per_node if settings.relay_fan_out else 0,
+            below_driver="stand-in subtrees" if stand_in else "simulated owners",
+            top_relays=len(driver.relays.top_children) if driver.relays is not None else 0,
+            top_relays_cpu_ms_per_step=top_ms, loadavg=(load_start, os.getloadavg()[0]))
     finally:
         driver.close()
         cluster.stop()
 
 
-def _loss(cluster: SimCluster, driver: Driver, step: int) -> dict[str, Any]:
+def _loss(cluster: SimCluster | StandInCluster, driver: Driver, step: int) -> dict[str, Any]:
     """Kill the victim's process while every owner is inside a step (the survivors blocked as in
     a collective on it); time the monitor's detection, FanOut's OwnerLostError and the abort."""
     owners = driver.owners
@@ -446,7 +473,7 @@ def _loss(cluster: SimCluster, driver: Driver, step: int) -> dict[str, Any]:
     _wait_until(lambda: sum(cluster.ask("entered")) == owners, 60.0, 0.01, "every owner inside the held step")
     monitor = driver.monitor
     assert monitor is not None
-    victim = owners - 1
+    victim = cluster.victim_rank
     killed = time.monotonic()
     cluster.victim.kill()  # SIGKILL, our own worker process
     health_s = _wait_until(lambda: victim in monitor.lost(), 60.0, 0.001, "the monitor losing the victim")
@@ -455,6 +482,11 @@ def _loss(cluster: SimCluster, driver: Driver, step: int) -> dict[str, Any]:
     if error is None:
         raise TimeoutError("the step did not fail within 60 s of its owner's loss")
     t_abort = time.monotonic()
-    driver.abort("control_scale: an owner was lost")
-    return {"decision_s": outcome["at"] - killed, "health_s": health_s, "abort_s": time.monotonic() - t_abort,
+    if isinstance(cluster, StandInCluster):  # no owner to abort: the stand-ins' held steps end
+        cluster.ask("release", survivors_only=True)
+        abort_s = float("nan")
+    else:
+        driver.abort("control_scale: an owner was lost")
+        abort_s = time.monotonic() - t_abort
+    return {"decision_s": outcome["at"] - killed, "health_s": health_s, "abort_s": abort_s,
             "rank_ok": isinstance(error, OwnerLostError) and error.rank == victim}

@@ -9,6 +9,11 @@ after ``--compute-ms``, many per worker process on this machine. The driver side
 one (``benchmarks/control_measure.py``): an ``OwnerClient`` per owner, ``FanOut.grpc`` for the
 step, ``HealthMonitor`` heartbeat streams at ZeroConfig's default interval running throughout.
 
+With ``--relays 8 --stand-in`` (``benchmarks/control_standin.py``) the top relays are real relay
+servers and every subtree below them a stand-in answering with its combined reply: the driver's
+side measured at 1,024 and 8,192 owners, where simulating every owner would swamp the machine
+(``benchmarks/results/control_scale_tree.{json,md}``).
+
 Per owner count it reports the driver's added latency per step (wall time minus the compute
 time), the driver process's CPU (cores, over the timed steps), the driver's CPU for heartbeats
 alone (steps idle), heartbeat traffic, and the time from one owner's SIGKILL to the fan-out's
@@ -34,16 +39,22 @@ from benchmarks.harness.runner import loadavg, machine_info
 from zero_ray.config import ZeroConfig
 from zero_ray.errors import ZeroRayError
 
-# The issue's goals, at GOAL_OWNERS owners for the step and per 100 owners for heartbeats.
+# The issue's goals (issue 44, "What must show"): at GOAL_OWNERS owners the driver adds at most
+# GOAL_STEP_MS to a step() and GOAL_FIT_MS to fit's, on at most GOAL_CPU_MS of its CPU a step; at
+# GOAL_OWNERS_LARGE at most GOAL_FIT_LARGE_MS to fit's; heartbeats per 100 owners.
 GOAL_OWNERS = 1024
-GOAL_ADDED_MS = 5.0
-GOAL_CPU_CORES = 1.0
+GOAL_STEP_MS = 10.0
+GOAL_FIT_MS = 5.0
+GOAL_CPU_MS = 5.0
+GOAL_OWNERS_LARGE = 8192
+GOAL_FIT_LARGE_MS = 10.0
 GOAL_HEARTBEAT_CORES_PER_100 = 0.01
 BUSY_CORES = 0.9  # a Python driver this busy is bound by its one GIL
 
 COLUMNS = ("owners", "path", "added ms/step", "fit (pipelined): added ms/step, CPU cores", "driver CPU cores", "CPU ms/step", "µs CPU/owner", "dispatch ms",
            "collect ms", "oldest beat s (driver / owner)", "heartbeat cores", "≤ 1%/100 owners", "beats/s",
-           "loss → decision s", "monitor s")
+           "loss → decision s", "monitor s", "below the driver",
+           "load (1 min) start → end", "top relays CPU ms/step")
 
 
 def _cells(r: ScaleRow) -> list[str]:
@@ -56,7 +67,9 @@ def _cells(r: ScaleRow) -> list[str]:
             f"{r.collect_ms:.1f}", f"{r.max_beat_age_s:.1f} / {r.owners_max_beat_gap_s:.1f}",
             f"{r.heartbeat_cpu_cores:.4f}",
             "yes" if r.heartbeat_cpu_cores <= budget else f"no ({budget:.4f})", f"{r.heartbeats_per_s:.0f}",
-            f"{r.loss_to_decision_s:.3f}", f"{r.health_detect_s:.3f}"]
+            f"{r.loss_to_decision_s:.3f}", f"{r.health_detect_s:.3f}",
+            r.below_driver + (f", {r.top_relays} top relays" if r.top_relays else ""),
+            f"{r.loadavg[0]:.1f} → {r.loadavg[1]:.1f}", f"{r.top_relays_cpu_ms_per_step:.1f}"]
 
 
 def table(rows: Sequence[ScaleRow]) -> str:
@@ -81,21 +94,23 @@ def notes(rows: Sequence[ScaleRow]) -> list[str]:
                        f"{r.false_loss_reason[:300]}")
         if not r.lost_rank_ok:
             out.append(f"{r.owners} owners: the loss decision did not name the killed owner")
+        piped = f"added latency with fit's pipelined steps {r.pipelined_added_ms_per_step:.1f} ms/step"
+        if r.owners == GOAL_OWNERS_LARGE:
+            ok = r.pipelined_added_ms_per_step <= GOAL_FIT_LARGE_MS
+            out.append(f"{r.owners} owners: {piped} (goal ≤ {GOAL_FIT_LARGE_MS:g}): {'met' if ok else 'MISS'}")
         if r.owners != GOAL_OWNERS:
             continue
-        for ok, what in ((r.driver_added_ms_per_step <= GOAL_ADDED_MS,
-                          f"added latency {r.driver_added_ms_per_step:.1f} ms/step (goal ≤ {GOAL_ADDED_MS:g})"),
-                         (r.pipelined_added_ms_per_step <= GOAL_ADDED_MS,
-                          f"added latency with fit's pipelined steps {r.pipelined_added_ms_per_step:.1f} ms/step "
-                          f"(goal ≤ {GOAL_ADDED_MS:g})"),
-                         (r.driver_cpu_cores <= GOAL_CPU_CORES,
-                          f"driver CPU {r.driver_cpu_cores:.2f} cores (goal ≤ {GOAL_CPU_CORES:g})")):
+        for ok, what in ((r.driver_added_ms_per_step <= GOAL_STEP_MS,
+                          f"added latency {r.driver_added_ms_per_step:.1f} ms/step (goal ≤ {GOAL_STEP_MS:g})"),
+                         (r.pipelined_added_ms_per_step <= GOAL_FIT_MS, f"{piped} (goal ≤ {GOAL_FIT_MS:g})"),
+                         (r.driver_cpu_ms_per_step <= GOAL_CPU_MS,
+                          f"driver CPU {r.driver_cpu_ms_per_step:.1f} ms/step (goal ≤ {GOAL_CPU_MS:g})")):
             out.append(f"{r.owners} owners: {what}: {'met' if ok else 'MISS'}")
         if r.driver_cpu_cores >= BUSY_CORES:
             out.append(f"{r.owners} owners: the driver is CPU-bound ({r.driver_cpu_cores:.2f} cores): one Python "
                        f"process runs Python code on about one core at a time (the GIL), so the CPU figure is "
                        f"capped, not within budget; the added latency is what it costs")
-        if r.driver_added_ms_per_step > GOAL_ADDED_MS:
+        if r.driver_added_ms_per_step > GOAL_STEP_MS:
             out.append(f"{r.owners} owners, where the time goes: dispatch {r.dispatch_ms:.1f} ms (the step's start "
                        f"to the last owner starting), compute span {r.compute_ms:.1f} ms, collection "
                        f"{r.collect_ms:.1f} ms; driver CPU {r.driver_cpu_ms_per_step:.1f} ms/step = "
@@ -114,11 +129,22 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"{s['compute_ms']:g} ms per step, up to {s['per_process']} per worker process, on this one machine "
             f"(shared with other work while measured: {s['shared']}); heartbeats every {s['health_interval_s']:g} s; "
             f"{s['steps']} timed steps after {s['warmup']} warm-up.\n\n")
+    if s.get("stand_in"):
+        head += ("Stand-in subtrees (--stand-in, benchmarks/control_standin.py): the driver's path and the top relays "
+                 "are real (each a ControlServer serving RelayHost / RelayHop in its own process); every child of a "
+                 "top relay, with its subtree, is a stand-in answering RelayStep with the combined reply of its "
+                 "ranks after the compute time and Watch with their beats. Rows of depth 1 (the top relays call "
+                 "owners) are the full simulation. Loss: the SIGKILL of the last stand-in relay (alone in its "
+                 "process) inside a held step.\n\n")
     body = table(rows)
     extra = "\n".join(f"- {n}" for n in results["notes"])
     threads = "\n".join(f"- {r.owners} owners: per step (ms) {_top(r.step_cpu_by_thread)}; heartbeats (cores) "
                         f"{_top(r.heartbeat_cpu_by_thread)}" for r in rows)
-    return head + body + "\n\n" + extra + "\n\nDriver CPU by thread group:\n\n" + threads + "\n"
+    # Other runs of the same command (--render of a JSON given "other_runs"): the spread on a shared machine.
+    others = "".join(f"\n{run['label']}:\n\n{table([ScaleRow.from_json(r) for r in run['rows']])}\n"
+                     for run in results.get("other_runs", []))
+    return (head + body + "\n\n" + extra + "\n\nDriver CPU by thread group:\n\n" + threads + "\n"
+            + (f"\nOther runs of the same command, for the spread:\n{others}" if others else ""))
 
 
 def _top(groups: dict[str, float], count: int = 5) -> str:
@@ -150,6 +176,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="steps down the relay tree of this fan-out (RelayPlane, as OwnerPool from "
                              "RelayConfig.min_owners on), relays hosted in the simulated owners' servers; 0: to "
                              "every owner directly. Results go to control_scale_relays.{json,md}")
+    parser.add_argument("--stand-in", action="store_true",
+                        help="with --relays: the top relays real, every subtree below them stood in "
+                             "(benchmarks/control_standin.py), so that the driver's side is measured at 1,024 and "
+                             "8,192 owners; rows of depth 1 (top relays calling owners) are the full simulation. "
+                             "Results go to control_scale_tree.{json,md}")
     parser.add_argument("--owners-per-node", type=int, default=8, help="the simulated nodes the tree is planned over")
     parser.add_argument("--shared", default="yes", help="say whether other work ran on the machine meanwhile")
     parser.add_argument("--results-dir", default=os.path.join("benchmarks", "results"))
@@ -162,13 +193,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             results = json.load(f)
         results["notes"] = (notes([ScaleRow.from_json(r) for r in results["rows"]])
                             + [f"{f['owners']} owners: no row: {f['error']}" for f in results.get("failed", [])])
-        _write(results, args.results_dir, args.json_out, relays=bool(results["settings"].get("relays")))
+        _write(results, args.results_dir, args.json_out, name=_name(results["settings"]))
         return results
     settings = ScaleSettings(compute_s=args.compute_ms / 1e3, steps=args.steps, warmup=args.warmup,
                              per_process=args.per_process, heartbeat_window_s=args.heartbeat_window_s,
                              health_interval_s=args.health_interval_s, health_timeout_s=args.health_timeout_s,
                              probe_calls=args.probe_calls, relay_fan_out=args.relays,
-                             owners_per_node=args.owners_per_node)
+                             owners_per_node=args.owners_per_node, stand_in=args.stand_in)
     # Each false loss is counted in the row; the monitor's own error line per rank would flood the output.
     logging.getLogger("zero_ray.driver.health").setLevel(logging.CRITICAL)
     machine = machine_info()
@@ -189,20 +220,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             "per_process": args.per_process, "heartbeat_window_s": args.heartbeat_window_s,
                             "health_interval_s": args.health_interval_s, "health_timeout_s": args.health_timeout_s,
                             "shared": args.shared, "owners": args.owners, "relays": args.relays,
-                            "owners_per_node": args.owners_per_node},
+                            "owners_per_node": args.owners_per_node, "stand_in": args.stand_in},
                "rows": [r.as_json() for r in rows], "failed": failed,
                "notes": notes(rows) + [f"{f['owners']} owners: no row: {f['error']}" for f in failed]}
     print(table(rows))
     for n in results["notes"]:
         print(f"- {n}")
-    _write(results, args.results_dir, args.json_out, relays=bool(args.relays))
+    _write(results, args.results_dir, args.json_out, name=_name(results["settings"]))
     return results
 
 
-def _write(results: dict[str, Any], results_dir: str, json_out: str | None, *, relays: bool) -> None:
+def _name(settings: dict[str, Any]) -> str:
+    """The results' file name: each path kept beside the others, to compare."""
+    if not settings.get("relays"):
+        return "control_scale"
+    return "control_scale_tree" if settings.get("stand_in") else "control_scale_relays"
+
+
+def _write(results: dict[str, Any], results_dir: str, json_out: str | None, *, name: str) -> None:
     text = json.dumps(results, indent=2) + "\n"
     os.makedirs(results_dir, exist_ok=True)
-    name = "control_scale_relays" if relays else "control_scale"  # both kept, to compare
     with open(os.path.join(results_dir, f"{name}.json"), "w", encoding="utf-8") as f:
         f.write(text)
     with open(os.path.join(results_dir, f"{name}.md"), "w", encoding="utf-8") as f:

@@ -4,6 +4,7 @@ requests the driver sends each owner directly, for contiguous and interleaved ra
 
 from __future__ import annotations
 
+import enum
 import random
 
 import pytest
@@ -70,3 +71,40 @@ def test_a_pack_that_does_not_add_up_is_refused() -> None:
                       ranks=spans, timeout_s=1.0)
     with pytest.raises(ConfigError, match="ascending, each once"):
         RelayStepArgs.of(step, ranks=[2, 1], timeout_s=1.0)
+
+
+def test_spans_are_the_fewest_for_every_shape_of_ranks() -> None:
+    # a range and a consecutive run take the fast paths; the rest the loop: all must agree
+    from zero_ray.control.handlers import _spans_of
+
+    def spans(ranks: object) -> list[tuple[int, int]]:
+        return [(s.start, s.stop) for s in _spans_of(ranks)]  # type: ignore[arg-type]
+
+    assert spans(range(3, 9)) == [(3, 9)] == spans(tuple(range(3, 9))) == spans(list(range(3, 9)))
+    assert spans(range(0)) == [] == spans(())
+    assert spans((4,)) == [(4, 5)]
+    assert spans((0, 1, 2, 5, 6, 9)) == [(0, 3), (5, 7), (9, 10)]
+    # first and last a run apart, but out of order or repeated inside: refused, not one span
+    with pytest.raises(ConfigError, match="ascending"):
+        _spans_of((0, 2, 1, 3))
+    with pytest.raises(ConfigError, match="ascending"):
+        _spans_of((0, 1, 1, 3))
+
+
+def test_repeated_scalars_convert_in_one_call_and_enum_members_by_value() -> None:
+    from zero_ray.control._generated import relay_pb2
+    from zero_ray.control.conversion import to_message
+
+    step = StepArgs(step=0, piece=Piece(dataset="train"), global_samples=3)
+    args = RelayStepArgs(step=step, ranks=(RankSpan(start=0, stop=3),), counts=(1, 1, 1), indices=(7, 8, 9),
+                         timeout_s=1.0)
+    message = to_message(args, relay_pb2.RelayStepRequest)
+    assert list(message.counts) == [1, 1, 1] and list(message.indices) == [7, 8, 9]
+
+    class Relay(enum.Enum):  # not an int: protobuf refuses the members, their values go instead
+        A = 4
+        B = 2
+
+    from zero_ray.control.handlers import HostRelaysResult
+    reply = to_message(HostRelaysResult(relays=(Relay.A, Relay.B)), relay_pb2.HostRelaysReply)  # type: ignore[arg-type]
+    assert list(reply.relays) == [4, 2]

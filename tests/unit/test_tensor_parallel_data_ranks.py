@@ -46,3 +46,18 @@ def test_down_the_relay_tree_each_tp_rank_reads_back_its_data_parallel_rank_s_in
     assert [relayed.rank_step(r) for r in range(6)] == command.per_rank()
     node = relayed.for_ranks([2, 3], timeout_s=0.5, relay=2)  # one TP group's node
     assert [node.rank_step(r).piece.indices for r in (2, 3)] == [(54, 55, 56)] * 2
+
+
+def test_sizes_and_per_owner_values_match_their_per_rank_definitions() -> None:
+    # split_sizes and per_owner at T = 1 skip their per-part loops (the driver's, every step)
+    from zero_ray.core.batching import split_sizes
+    from zero_ray.core.tensor_parallel_ranks import TensorParallelRanks
+    from zero_ray.driver.batch_staging import per_owner
+
+    for total, parts in [(0, 1), (5, 5), (13, 5), (4096, 1024), (7, 3), (2, 8)]:
+        base, extra = divmod(total, parts)
+        assert split_sizes(total, parts) == [base + (1 if i < extra else 0) for i in range(parts)]
+    for world, t in [(8, 1), (8, 2), (12, 4), (1, 1)]:
+        ranks = TensorParallelRanks(world_size=world, size=t)
+        values = list(range(100, 100 + world // t))
+        assert per_owner(values, ranks) == [values[r // t] for r in range(world)]

@@ -43,6 +43,7 @@ import enum
 import functools
 import itertools
 import math
+import operator
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -326,6 +327,12 @@ class RelayCallArgs(_relay_records.RelayCallArgs):
 
 def _spans_of(ranks: Sequence[int]) -> tuple[RankSpan, ...]:
     """Ascending ``ranks`` as the fewest spans."""
+    if isinstance(ranks, range) and ranks.step == 1:
+        return (RankSpan(start=ranks.start, stop=ranks.stop),) if ranks else ()
+    # One run of consecutive ranks (a subtree's, mostly) checked at C speed: the loop below
+    # cost the driver 0.8 ms a step per top relay at 8,192 owners.
+    if ranks and ranks[-1] - ranks[0] == len(ranks) - 1 and all(map(operator.lt, ranks, ranks[1:])):
+        return (RankSpan(start=ranks[0], stop=ranks[-1] + 1),)
     spans: list[list[int]] = []
     for r in ranks:
         if spans and r == spans[-1][1]:

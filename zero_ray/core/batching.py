@@ -21,7 +21,7 @@ def split_sizes(total: int, parts: int) -> list[int]:
     if parts < 1:
         raise ConfigError(f"{parts=} must be at least 1")
     base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+    return [base + 1] * extra + [base] * (parts - extra)  # no per-part loop: the driver's, every step
 
 
 def _leaves(batch: Batch) -> list[torch.Tensor]:

@@ -1,0 +1,299 @@
+"""Stand-in subtrees for ``benchmarks.control_scale --stand-in``: the driver's side of the relay
+tree measured at 1,024 and 8,192 owners on one machine.
+
+The driver only ever talks to the top relays (2 at 1,024 and at 8,192 owners with fan-out 8 and
+8 owners a node; 4 at 256). So the top relays are real: each a ``ControlServer`` in its own
+process serving the real ``RelayHost`` and ``RelayHop`` (token checks, request and reply
+conversions, the combining, the ``Relay.Watch`` feed reading its children's streams). What stands
+in is everything below them: each child of a top relay (a relay one level down, with its whole
+subtree) is a :class:`StandInSubtrees` server that answers ``RelayStep`` with the combined reply
+its ranks would send (built once, at start, by the real ``core/reply_combine`` over one
+``StepResult`` per rank: the same size and fields; ``data_seconds`` and ``compute_seconds`` carry
+when it began and ended the step, on the machine's monotonic clock), ``--compute-ms`` after the step may begin
+(after the one before it on that subtree: a step sent ahead waits, as ``StepOrder`` makes an
+owner wait), and answers ``Relay.Watch`` with every rank's beat once, then an empty message each
+interval (what an idle relay sends). ``HostRelays`` is answered and ignored: the stand-ins serve
+whatever the driver's plan names.
+
+The driver (``RelayPlane`` + ``SubtreeHealthMonitor``, unchanged) plans the whole tree and tells
+every hosting rank what to serve; the ranks that host a top relay are the real servers, which
+keep only their top relay and send its child it hosts itself to the stand-ins (what
+:class:`TopRelayHost` changes, and only at planning). The last top relay's last child is alone in
+its own process: the victim of the loss measurement, its SIGKILL a relay's.
+
+Not measured here: the relays below the top (each node's relay: ``benchmarks/relay_hop.py``) and
+the owners; compose them (driver + depth x hop + node) as docs/performance.md does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import resource
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from zero_ray.control import handlers as h
+from zero_ray.control._generated import owner_pb2, relay_pb2, relay_pb2_grpc
+from zero_ray.control.auth import Credentials
+from zero_ray.control.client_channel import ClientConfig
+from zero_ray.control.conversion import to_message
+from zero_ray.control.relay_host import RelayHost
+from zero_ray.control.relay_wire import to_wire
+from zero_ray.control.server import ControlServer, ServerConfig
+from zero_ray.core.relay_tree import RelayConfig, RelayTree, plan_relays
+from zero_ray.core.reply_combine import CombinedStep, combine_steps
+
+START_TIMEOUT_S = 300.0
+HOLD_LIMIT_S = 60.0  # a held step ends by itself after this, so a failed measurement never hangs
+STUB_THREADS = 256  # every Watch stream holds a thread, and two steps per subtree may be in flight
+
+
+def _recv(conn: Any, timeout_s: float, what: str) -> Any:
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"a stand-in process did not answer {what!r} within {timeout_s:g}s")
+    return conn.recv()
+
+
+def combined_reply(ranks: Sequence[int]) -> CombinedStep:
+    """What a subtree over ``ranks`` answers a step with: each rank's result (a loss of its own,
+    the norm all share) combined by the real combining, as the relays below would."""
+    return combine_steps(CombinedStep.of(h.StepResult(
+        totals=h.LossTotals(loss_sum=float(r), samples=1, items=1.0), grad_norm=1.0, skipped=False, loss_scale=1.0,
+        compute_seconds=0.0, rank=r)) for r in ranks)
+
+
+class StandInSubtrees(relay_pb2_grpc.RelayServicer):
+    """The relays one stand-in process serves, by relay id: each a whole subtree answering at
+    once (after the compute time) with its precomputed combined reply."""
+
+    _replies: dict[int, relay_pb2.RelayStepReply]
+    _ranks: dict[int, tuple[int, ...]]
+    _compute_s: float
+    _busy_until: dict[int, float]  # per relay: when its last step ends (a step sent ahead waits for it)
+    _lock: threading.Lock
+    hold: bool
+    released: threading.Event
+    entered: int  # ranks inside held steps
+    steps: int
+    messages: int  # Watch messages sent
+
+    def __init__(self, subtrees: Mapping[int, Sequence[int]], *, compute_s: float) -> None:
+        self._ranks = {relay: tuple(ranks) for relay, ranks in subtrees.items()}
+        self._replies = {relay: to_message(to_wire(combined_reply(ranks)), relay_pb2.RelayStepReply)
+                         for relay, ranks in self._ranks.items()}
+        self._compute_s = compute_s
+        self._busy_until = dict.fromkeys(self._ranks, 0.0)
+        self._lock = threading.Lock()
+        self.hold, self.released, self.entered, self.steps, self.messages = False, threading.Event(), 0, 0, 0
+
+    def RelayStep(self, request: relay_pb2.RelayStepRequest, context: grpc.ServicerContext) -> Any:
+        relay = request.relay
+        if relay not in self._replies:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"the stand-in serves relays {sorted(self._replies)}, not {relay}")
+        if self.hold:  # as owners blocked in a collective on a dead peer
+            with self._lock:
+                self.entered += len(self._ranks[relay])
+            self.released.wait(HOLD_LIMIT_S)
+            context.abort(grpc.StatusCode.ABORTED, "the stand-in's held step was released")
+        with self._lock:
+            start = max(time.monotonic(), self._busy_until[relay])
+            end = self._busy_until[relay] = start + self._compute_s
+        time.sleep(max(0.0, end - time.monotonic()))
+        with self._lock:
+            self.steps += 1
+        # When this subtree began and ended the step (this machine's monotonic clock, which the
+        # driver shares), in fields the top relay combines as maxima: the driver splits its wait
+        # into dispatch, compute and collection with them, as control_sim's owners let it.
+        reply = relay_pb2.RelayStepReply()
+        reply.CopyFrom(self._replies[relay])
+        reply.data_seconds, reply.compute_seconds = start, time.monotonic()
+        return reply
+
+    def HostRelays(self, request: relay_pb2.HostRelaysRequest, context: grpc.ServicerContext) -> Any:
+        return relay_pb2.HostRelaysReply(relays=sorted(r.relay for r in request.relays))
+
+    def Watch(self, request: relay_pb2.WatchRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        ranks = self._ranks.get(request.relay, ())
+        interval_s = max(request.interval_ms, 10) / 1e3
+        yield relay_pb2.SubtreeBeats(beats=[owner_pb2.Heartbeat(rank=r, step=0, state="idle", timestamp=time.time(),
+                                                                rss_bytes=1 << 30) for r in ranks])
+        while context.is_active():
+            time.sleep(interval_s)
+            with self._lock:
+                self.messages += 1
+            yield relay_pb2.SubtreeBeats()
+
+
+def stub_main(conn: Any, subtrees: dict[int, tuple[int, ...]], compute_s: float) -> None:
+    """A stand-in process: serve ``subtrees`` (relay id -> its ranks) on loopback, send the
+    address, then answer "usage", "hold", "entered", "release", "stop"."""
+    servicer = StandInSubtrees(subtrees, compute_s=compute_s)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=STUB_THREADS))
+    relay_pb2_grpc.add_RelayServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    conn.send([f"127.0.0.1:{port}"])
+    while True:
+        command = conn.recv()
+        if command == "usage":
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            conn.send({"touches": servicer.messages + servicer.steps, "steps": servicer.steps,
+                       "cpu_s": ru.ru_utime + ru.ru_stime, "max_beat_gap": 0.0})
+        elif command == "hold":
+            servicer.hold = True
+            conn.send(True)
+        elif command == "entered":
+            conn.send(servicer.entered)
+        elif command == "release":
+            servicer.released.set()
+            conn.send(True)
+        elif command == "stop":
+            servicer.released.set()
+            server.stop(0.0)
+            conn.send(True)
+            return
+
+
+class TopRelayHost(RelayHost):
+    """The real ``RelayHost`` of a process hosting a top relay, told at planning to serve only
+    its top relays (``keep``), its children that the plan puts in this process (``own`` address)
+    sent to the stand-ins (``stand_in``) instead. Every call after planning is RelayHost's own."""
+
+    _keep: frozenset[int]
+    own: str
+    _stand_in: str
+
+    def __init__(self, *, rank: int, template: ClientConfig, keep: frozenset[int], stand_in: str) -> None:
+        super().__init__(rank=rank, template=template)
+        self._keep = keep
+        self.own = ""  # the server's address, set once it listens
+        self._stand_in = stand_in
+
+    def host_relays(self, args: h.HostRelaysArgs) -> h.HostRelaysResult:
+        def seat(s: h.RelayChildSeat) -> h.RelayChildSeat:
+            return dataclasses.replace(s, address=self._stand_in) if s.address == self.own else s
+
+        kept = tuple(dataclasses.replace(r, children=tuple(seat(s) for s in r.children))
+                     for r in args.relays if r.relay in self._keep)
+        return super().host_relays(dataclasses.replace(args, relays=kept))
+
+
+def top_main(conn: Any, rank: int, keep: frozenset[int], stand_in: str, job_id: str, token: str) -> None:
+    """A top relay's process: the real relay server (``ControlServer`` + :class:`TopRelayHost`),
+    until "stop"; "usage" answers its CPU seconds."""
+    credentials = Credentials(job_id=job_id, token=token)
+    template = ClientConfig(address="127.0.0.1:1", credentials=credentials, timeout_s=60.0)
+    host = TopRelayHost(rank=rank, template=template, keep=keep, stand_in=stand_in)
+    server = ControlServer(ServerConfig(host="127.0.0.1", credentials=credentials, threads=32, max_streams=12))
+    server.add_relay(host)
+    host.own = server.start()
+    conn.send([host.own])
+    while True:
+        command = conn.recv()
+        if command == "usage":
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            conn.send({"touches": 0, "steps": 0, "cpu_s": ru.ru_utime + ru.ru_stime, "max_beat_gap": 0.0})
+        elif command in ("hold", "release"):
+            conn.send(True)
+        elif command == "entered":
+            conn.send(0)
+        elif command == "stop":
+            server.stop(0.0)
+            host.close()
+            conn.send(True)
+            return
+
+
+def stand_in_tree(owners: int, *, fan_out: int, owners_per_node: int) -> RelayTree:
+    """The tree the driver will plan over ``owners`` simulated owners (``Driver``'s node ids)."""
+    return plan_relays([f"sim-{r // owners_per_node}" for r in range(owners)],
+                       RelayConfig(fan_out=fan_out, min_owners=1))
+
+
+class StandInCluster:
+    """The processes of a stand-in run, with ``SimCluster``'s interface: the top relays' real
+    servers (first), the stand-ins for every other subtree, and the victim stand-in alone (last);
+    ``addresses`` by rank as the driver's members name them."""
+
+    credentials: Credentials
+    tree: RelayTree
+    conns: list[Any]
+    procs: list[Any]
+    addresses: list[str]
+    victim_rank: int  # the host rank of the victim's relay: the rank its SIGKILL loses
+    tops: int
+
+    def __init__(self, owners: int, *, fan_out: int, owners_per_node: int, compute_s: float) -> None:
+        self.credentials = Credentials(job_id=f"control-scale-{owners}", token=secrets.token_urlsafe(32))
+        self.tree = tree = stand_in_tree(owners, fan_out=fan_out, owners_per_node=owners_per_node)
+        top = tree.driver_children
+        if top[0].ranks:
+            raise ValueError(f"{owners} owners: the top relays are node relays (depth 1), whose children are owners; "
+                             "nothing stands in: measure the full simulation")
+        below = [c for t in top for c in tree.children(t.id)]
+        victim = below[-1]
+        self.victim_rank = victim.host
+        ctx = mp.get_context("spawn")  # never fork a process that has gRPC threads
+        self.conns, self.procs = [], []
+
+        def start(target: Any, *args: Any) -> str:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+            return _recv(parent, START_TIMEOUT_S, "address")[0]
+
+        # The stand-ins first (the tops need their address), then moved behind the tops.
+        shared = start(stub_main, {c.id: tree.ranks_under(c.id) for c in below[:-1]}, compute_s)
+        lone = start(stub_main, {victim.id: tree.ranks_under(victim.id)}, compute_s)
+        hosts = {t.host: start(top_main, t.host, frozenset(x.id for x in top if x.host == t.host), shared,
+                               self.credentials.job_id, self.credentials.token) for t in top}
+        self.conns, self.procs = self.conns[2:] + self.conns[:2], self.procs[2:] + self.procs[:2]
+        self.tops = len(hosts)
+        self.addresses = [hosts.get(r, lone if r == victim.host else shared) for r in range(owners)]
+
+    @property
+    def victim(self) -> Any:
+        return self.procs[-1]
+
+    def ask(self, command: str, *, survivors_only: bool = False) -> list[Any]:
+        conns = self.conns[:-1] if survivors_only else self.conns
+        for conn in conns:
+            conn.send(command)
+        return [_recv(conn, 60.0, command) for conn in conns]
+
+    def usage(self) -> dict[str, float]:
+        got = self.ask("usage", survivors_only=not self.victim.is_alive())
+        out = {k: sum(u[k] for u in got) for k in ("touches", "steps", "cpu_s")}
+        out["max_beat_gap"] = 0.0
+        return out
+
+    def top_cpu_s(self) -> float:
+        """The top relays' processes' CPU seconds so far."""
+        return sum(u["cpu_s"] for u in [self._ask_one(c, "usage") for c in self.conns[:self.tops]])
+
+    @staticmethod
+    def _ask_one(conn: Any, command: str) -> Any:
+        conn.send(command)
+        return _recv(conn, 60.0, command)
+
+    def stop(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive():
+                try:
+                    conn.send("stop")
+                    _recv(conn, 30.0, "stop")
+                except (OSError, EOFError, TimeoutError):
+                    pass
+            proc.join(timeout=10.0)
+            if proc.is_alive():
+                proc.kill()  # only our own process, by its handle
+                proc.join(timeout=5.0)
