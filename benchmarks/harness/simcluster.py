@@ -192,6 +192,11 @@ def shape_link(namespace: str, *, mbit: float, delay_ms: float, netem: bool) -> 
         str(burst), "latency", "100ms")
 
 
+def link_shape(namespace: str) -> str:
+    """The root qdisc on the node's link, as ``tc`` prints it (the proof a reshape took)."""
+    return _ns(namespace, "tc", "qdisc", "show", "dev", IFNAME).stdout.strip().splitlines()[0]
+
+
 def link_up(namespace: str) -> bool:
     """Whether the node's only link is administratively up (read inside its namespace)."""
     got = _ns(namespace, "ip", "-o", "link", "show", IFNAME)

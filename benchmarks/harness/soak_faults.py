@@ -20,7 +20,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.harness.simcluster import GCS_PORT, cut_link, reachable, restore_link, shape_link
+from benchmarks.harness.simcluster import GCS_PORT, cut_link, link_shape, reachable, restore_link, shape_link
 
 OWNER_SIGKILL = "owner_sigkill"
 OWNER_SIGSTOP = "owner_sigstop"
@@ -239,7 +239,8 @@ class Injector:
         delay = 20.0 if self.cluster.netem else 0.0
         shape_link(ns, mbit=mbit, delay_ms=delay, netem=self.cluster.netem)
         rec.target = f"node 1's link at {mbit:g} Mbit/s, {delay:g} ms for {self.degrade_s:g}s"
-        rec.fired, rec.evidence = True, "the link's qdisc changed (tc)"
+        shown = link_shape(ns)
+        rec.fired, rec.evidence = f"rate {mbit:g}Mbit" in shown, f"tc: {shown}"
         done = threading.Event()
 
         def back() -> None:
