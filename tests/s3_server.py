@@ -100,8 +100,8 @@ class _Steering:
 class _Server(ThreadedMotoServer):
     """moto's threaded server with ``_Steering`` in front of its application."""
 
-    def __init__(self, steering: Callable[[Any], _Steering]) -> None:
-        super().__init__(ip_address="127.0.0.1", port=0, verbose=False)
+    def __init__(self, steering: Callable[[Any], _Steering], host: str, port: int) -> None:
+        super().__init__(ip_address=host, port=port, verbose=False)
         self._steering_factory = steering
         self.steering: _Steering | None = None
 
@@ -114,11 +114,13 @@ class _Server(ThreadedMotoServer):
 
 
 class S3Server:
-    """moto's S3 on 127.0.0.1:<free port>, with the environment to reach it and test hooks."""
+    """moto's S3 on 127.0.0.1:<free port>, with the environment to reach it and test hooks.
+    ``host`` / ``port``: another address, for owners on other (simulated) nodes, which must
+    have the endpoint in their environment before their Ray starts (benchmarks/soak.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0) -> None:
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-        self._server = _Server(_Steering)
+        self._server = _Server(_Steering, host, port)
         self._server.start()
         host, port = self._server.get_host_and_port()
         self.endpoint = f"http://{host}:{port}"

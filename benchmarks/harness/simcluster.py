@@ -179,6 +179,24 @@ def restore_link(namespace: str) -> None:
     _ns(namespace, "ip", "link", "set", IFNAME, "up")
 
 
+def shape_link(namespace: str, *, mbit: float, delay_ms: float, netem: bool) -> None:
+    """Reshape a node's link as ``SimCluster`` shapes it at the start (netem's delay and rate
+    where the kernel has netem, else a token bucket at the rate, no delay): a degraded link,
+    and back."""
+    if netem:
+        _ns(namespace, "tc", "qdisc", "replace", "dev", IFNAME, "root", "netem", "delay", f"{delay_ms:g}ms",
+            "rate", f"{mbit:g}mbit", "limit", "100000")
+        return
+    burst = max(TUN_MTU + 1024, int(mbit * 1e6 / 8 / 100))
+    _ns(namespace, "tc", "qdisc", "replace", "dev", IFNAME, "root", "tbf", "rate", f"{mbit:g}mbit", "burst",
+        str(burst), "latency", "100ms")
+
+
+def link_shape(namespace: str) -> str:
+    """The root qdisc on the node's link, as ``tc`` prints it (the proof a reshape took)."""
+    return _ns(namespace, "tc", "qdisc", "show", "dev", IFNAME).stdout.strip().splitlines()[0]
+
+
 def link_up(namespace: str) -> bool:
     """Whether the node's only link is administratively up (read inside its namespace)."""
     got = _ns(namespace, "ip", "-o", "link", "show", IFNAME)

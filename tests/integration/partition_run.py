@@ -1,7 +1,7 @@
 """Run by test_partitions.py inside the head node's namespace of a simulated 2-node cluster (two
 owners a node, stage 2 with peer redundancy, SGD, the driver on the head): the other node's
 link is cut while every process lives, first for SHORT_CUT_S (shorter than health_timeout_s and
-collective_timeout_s), then for longer than both. Prints one JSON line: the deviation from the
+collective_timeout_s), then for longer than both; after the grow back an owner is SIGKILLed. Prints one JSON line: the deviation from the
 single process over every step taken, what each cut did (steps' seconds, the recoveries, whether
 a probe across the link failed during the cut and opened after it, Ray's view of the node) and
 when the run was back at four owners."""
@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -36,6 +37,14 @@ def batch(k: int) -> torch.Tensor:
 
 def node_alive(node_id: str) -> bool:
     return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def main() -> None:
@@ -113,6 +122,17 @@ def main() -> None:
         out["long"]["node_alive_after"] = node_alive(other)
         out["long"]["grow_back_s"] = time.perf_counter() - t_restore if trainer.world_size == 4 else None
         step(trainer)
+
+        # (c) then an owner's SIGKILL (a fault of another kind, in the same run): the grown-back
+        # owner on the other node, restored from its peer's copy, the run going on at three.
+        seen, rank = len(trainer.recoveries), 1 if trainer.world_size > 1 else 0
+        pid = ray.get(trainer.actors[rank].node.remote(), timeout=60)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(2):
+            step(trainer)
+        out["kill"] = {"rank": rank, "pid_gone": not _alive(pid),
+                       "reports": [{"lost": sorted(r.lost), "source": r.source and r.source.value,
+                                    "after": r.world_size_after} for r in trainer.recoveries[seen:]]}
         out["world_size_end"] = trainer.world_size
         out["nodes_end"] = [r["node_id"] for r in ray.get([a.node.remote() for a in trainer._pool.actors])]
         got = trainer.full_state_dict()

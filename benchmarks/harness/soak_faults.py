@@ -1,0 +1,277 @@
+"""The soak's faults (benchmarks/soak.py): a seeded schedule of kinds and times, the injector that
+fires each one into a live ``ZeroTrainer`` on the simulated cluster, and the typed record of
+what each did. Injection reuses what the tests and harness already have: SIGKILL / SIGSTOP of
+an owner's process (tests/faults.py's signals, by the pid its ``node`` call reports),
+``simcluster.cut_link`` / ``restore_link`` / ``shape_link``, and tests/s3_server.py's injected
+S3 errors; nothing here is known to the library.
+
+A fault fires only when the one before it has settled (its link restored, the run back at its
+size), so each fault's time lost is its own; the delay is recorded (``held_s``)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.harness.simcluster import GCS_PORT, cut_link, link_shape, reachable, restore_link, shape_link
+
+OWNER_SIGKILL = "owner_sigkill"
+OWNER_SIGSTOP = "owner_sigstop"
+LINK_CUT_SHORT = "link_cut_short"  # shorter than health_timeout_s: ridden through
+LINK_CUT_LONG = "link_cut_long"  # longer than collective_timeout_s: the far side is lost, then grows back
+DEGRADED_LINK = "degraded_link"  # the far node's link slowed (rate, and delay where netem exists)
+RESIZE = "resize"
+S3_READ_ERRORS = "s3_read_errors"  # 503 SlowDown on the corpus' GETs: the readers' retries ride them
+S3_SAVE_ERRORS = "s3_save_errors"  # 503 SlowDown on a save's PUTs: the uploads' retries ride them
+KINDS = (OWNER_SIGKILL, OWNER_SIGSTOP, LINK_CUT_SHORT, LINK_CUT_LONG, DEGRADED_LINK, RESIZE, S3_READ_ERRORS,
+         S3_SAVE_ERRORS)
+# Asked for by issue 46 and not injected (docs/elastic.md, "Soak"): a node killed whole (no one
+# restarts its Ray here), a full disk (the checkpoints go to S3), the driver's SIGKILL.
+NOT_INJECTED = ("node_killed_whole", "full_disk", "driver_sigkill")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Planned:
+    """One fault of the schedule: when (seconds into the soak) and what."""
+
+    at_s: float
+    kind: str
+
+
+def schedule(*, seed: int, duration_s: float, interval_s: float, kinds: tuple[str, ...] = KINDS) -> list[Planned]:
+    """About one fault every ``interval_s`` (each time jittered by up to a quarter interval), the
+    kinds drawn from shuffled rounds of ``kinds`` so that every kind comes up once a round."""
+    rng = random.Random(seed)
+    out: list[Planned] = []
+    bag: list[str] = []
+    k = 1
+    while (at := k * interval_s + rng.uniform(-0.25, 0.25) * interval_s) < duration_s - interval_s / 2:
+        if not bag:
+            bag = list(kinds)
+            rng.shuffle(bag)
+        out.append(Planned(at_s=round(at, 1), kind=bag.pop()))
+        k += 1
+    return out
+
+
+@dataclass(kw_only=True)
+class FaultRecord:
+    """What one fault did. Times are seconds; ``at_s`` from the soak's start. ``detect_s``,
+    ``decide_s`` (the abort and the policy's decision: RecoveryReport.abort_s), ``restore_s``,
+    ``replay_s`` and ``steps_lost`` (steps replayed) sum the recoveries that followed it;
+    ``lost_s`` is its window's wall time (until the next fault) less the fault-free time of the
+    steps taken in it."""
+
+    kind: str
+    planned_s: float
+    at_s: float = 0.0
+    held_s: float = 0.0  # fired this much after its planned time (the fault before had not settled)
+    at_step: int = 0
+    target: str = ""
+    fired: bool = False
+    evidence: str = ""
+    recoveries: list[str] = field(default_factory=list)
+    detect_s: float = 0.0
+    decide_s: float = 0.0
+    restore_s: float = 0.0
+    replay_s: float = 0.0
+    steps_lost: int = 0
+    window_s: float = 0.0
+    window_steps: int = 0
+    lost_s: float = 0.0
+    settled_s: float | None = None  # from firing until the run was back at its size and links
+
+
+@dataclass(kw_only=True)
+class Cluster:
+    """What the injector touches outside the trainer: the far node's namespace, the head's
+    address, the S3 server and the corpus / checkpoint key patterns."""
+
+    far_namespace: str
+    head_ip: str
+    s3: Any  # tests/s3_server.S3Server
+    corpus_pattern: str
+    checkpoint_pattern: str
+    link_mbit: float
+    netem: bool
+
+
+class Injector:
+    """Fires the planned faults from fit's callback (between steps) and keeps their records."""
+
+    trainer: Any
+    cluster: Cluster
+    rng: random.Random
+    sizes: tuple[int, ...]
+    short_cut_s: float
+    long_cut_s: float
+    degrade_s: float
+    records: list[FaultRecord]
+    pending: list[Planned]
+    _timers: list[threading.Timer]
+    _unsettled: list[Callable[[], bool]]
+    _stack: ExitStack
+    _rules: list[tuple[FaultRecord, Any]]  # S3 error rules armed, with the record each fired for
+    _recoveries_seen: int
+    _size: int
+
+    def __init__(self, trainer: Any, cluster: Cluster, plan: list[Planned], *, seed: int, sizes: tuple[int, ...],
+                 short_cut_s: float, long_cut_s: float, degrade_s: float) -> None:
+        self.trainer, self.cluster, self.rng, self.sizes = trainer, cluster, random.Random(seed + 1), sizes
+        self.short_cut_s, self.long_cut_s, self.degrade_s = short_cut_s, long_cut_s, degrade_s
+        self.records, self.pending = [], list(plan)
+        self._timers, self._unsettled, self._stack, self._rules = [], [], ExitStack(), []
+        self._recoveries_seen = len(trainer.recoveries)
+        self._size = trainer.world_size
+
+    # -- called between steps ---------------------------------------------------------------------
+    def tick(self, elapsed_s: float, step: int) -> None:
+        """Fire the next fault if it is due and the last one has settled."""
+        if self.records and self.records[-1].settled_s is None and self._settled():
+            self.records[-1].settled_s = round(elapsed_s - self.records[-1].at_s, 2)
+        if not self.pending or elapsed_s < self.pending[0].at_s or not self._settled():
+            return
+        planned = self.pending.pop(0)
+        rec = FaultRecord(kind=planned.kind, planned_s=planned.at_s, at_s=round(elapsed_s, 2),
+                          held_s=round(elapsed_s - planned.at_s, 2), at_step=step)
+        self._end_rules()  # an S3 error rule from the fault before ends here
+        self._stack = ExitStack()
+        getattr(self, f"_{planned.kind}")(rec)
+        self.records.append(rec)
+
+    def _end_rules(self) -> None:
+        for rec, rule in self._rules:
+            rec.fired, rec.evidence = rule.hits > 0, rec.evidence + f"; {rule.hits} errors answered"
+        self._rules = []
+        self._stack.close()
+
+    def _settled(self) -> bool:
+        self._unsettled = [check for check in self._unsettled if not check()]
+        return not self._unsettled and self.trainer.world_size == self._size
+
+    def close(self) -> None:
+        for t in self._timers:
+            t.join(timeout=120)
+        self._end_rules()
+        restore_link(self.cluster.far_namespace)
+        shape_link(self.cluster.far_namespace, mbit=self.cluster.link_mbit, delay_ms=0.0, netem=self.cluster.netem)
+
+    def attribute(self, step_times: list[tuple[float, int]], end_s: float, fault_free_step_s: float) -> None:
+        """Each record's recoveries (those reported after it fired and before the next) and its
+        window's time lost; ``step_times``: (seconds into the soak, step) after every step."""
+        reports = self.trainer.recoveries[self._recoveries_seen:]
+        for i, rec in enumerate(self.records):
+            until = self.records[i + 1].at_step if i + 1 < len(self.records) else None
+            mine = [r for r in reports if r.failed_step >= rec.at_step and (until is None or r.failed_step < until)]
+            rec.recoveries = [r.summary() for r in mine]
+            rec.detect_s = round(sum(r.detect_s for r in mine), 2)
+            rec.decide_s = round(sum(r.abort_s for r in mine), 2)
+            rec.restore_s = round(sum(r.restore_s for r in mine), 2)
+            rec.replay_s = round(sum(max(r.replay_s, 0.0) for r in mine), 2)
+            rec.steps_lost = sum(r.replayed_steps for r in mine)
+            end = self.records[i + 1].at_s if i + 1 < len(self.records) else end_s
+            steps = [s for t, s in step_times if rec.at_s < t <= end]
+            rec.window_s = round(end - rec.at_s, 2)
+            rec.window_steps = len(steps)
+            rec.lost_s = round(rec.window_s - len(steps) * fault_free_step_s, 2)
+
+    # -- the faults ---------------------------------------------------------------------------------
+    def _owner(self) -> tuple[int, int]:
+        import ray  # here, so that the schedule is read without Ray (tests/unit/test_bench_soak.py)
+
+        rank = self.rng.randrange(self.trainer.world_size)
+        return rank, int(ray.get(self.trainer.actors[rank].node.remote(), timeout=60)["pid"])
+
+    def _signal(self, rec: FaultRecord, sig: signal.Signals) -> None:
+        rank, pid = self._owner()
+        rec.target = f"rank {rank} of {self.trainer.world_size} (pid {pid})"
+        os.kill(pid, sig)
+        gone = threading.Event()
+
+        def ended() -> bool:  # the owner's process is gone (the run SIGKILLs a frozen one itself)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                gone.set()
+            return gone.is_set()
+
+        self._unsettled.append(ended)
+        rec.fired, rec.evidence = True, f"{sig.name} delivered to pid {pid}"
+
+    def _owner_sigkill(self, rec: FaultRecord) -> None:
+        self._signal(rec, signal.SIGKILL)
+
+    def _owner_sigstop(self, rec: FaultRecord) -> None:
+        self._signal(rec, signal.SIGSTOP)
+
+    def _cut(self, rec: FaultRecord, seconds: float) -> None:
+        ns = self.cluster.far_namespace
+        cut_link(ns)
+        rec.target = f"node 1's link for {seconds:g}s"
+        rec.fired = not reachable(ns, self.cluster.head_ip, GCS_PORT, timeout_s=1.0)
+        restored = threading.Event()
+
+        def restore() -> None:
+            restore_link(ns)
+            restored.set()
+
+        timer = threading.Timer(max(0.0, seconds - 1.0), restore)  # the probe above took about a second
+        timer.start()
+        self._timers.append(timer)
+        self._unsettled.append(restored.is_set)
+        rec.evidence = "a probe across the link " + ("failed" if rec.fired else "opened") + " during the cut"
+
+    def _link_cut_short(self, rec: FaultRecord) -> None:
+        self._cut(rec, self.short_cut_s)
+
+    def _link_cut_long(self, rec: FaultRecord) -> None:
+        self._cut(rec, self.long_cut_s)
+
+    def _degraded_link(self, rec: FaultRecord) -> None:
+        ns, mbit = self.cluster.far_namespace, self.cluster.link_mbit / 50
+        delay = 20.0 if self.cluster.netem else 0.0
+        shape_link(ns, mbit=mbit, delay_ms=delay, netem=self.cluster.netem)
+        rec.target = f"node 1's link at {mbit:g} Mbit/s, {delay:g} ms for {self.degrade_s:g}s"
+        shown = link_shape(ns)
+        rec.fired, rec.evidence = f"rate {mbit:g}Mbit" in shown, f"tc: {shown}"
+        done = threading.Event()
+
+        def back() -> None:
+            shape_link(ns, mbit=self.cluster.link_mbit, delay_ms=0.0, netem=self.cluster.netem)
+            done.set()
+
+        timer = threading.Timer(self.degrade_s, back)
+        timer.start()
+        self._timers.append(timer)
+        self._unsettled.append(done.is_set)
+
+    def _resize(self, rec: FaultRecord) -> None:
+        size = next(s for s in self.sizes if s != self.trainer.world_size)
+        before = self.trainer.world_size
+        self.trainer.resize(size)
+        self._size = self.trainer.world_size
+        rec.target = f"{before} -> {size} owners"
+        rec.fired, rec.evidence = self._size == size, f"world size {self._size} after the resize"
+
+    def _s3_errors(self, rec: FaultRecord, pattern: str, methods: tuple[str, ...], what: str) -> Any:
+        rule = self._stack.enter_context(self.cluster.s3.failing(pattern, count=3, methods=methods))
+        rec.target = f"3 x 503 SlowDown on {what}"
+        self._rules.append((rec, rule))
+        return rule
+
+    def _s3_read_errors(self, rec: FaultRecord) -> None:
+        self._s3_errors(rec, self.cluster.corpus_pattern, ("GET",), "the corpus' reads")
+        # The errors answer the next reads that reach the store (the owners' block caches are
+        # smaller than the corpus); the rule's hits are read when the next fault fires.
+        rec.evidence = "rule armed until the next fault"
+
+    def _s3_save_errors(self, rec: FaultRecord) -> None:
+        self._s3_errors(rec, self.cluster.checkpoint_pattern, ("PUT", "POST"), "a save's uploads")
+        rec.evidence = f"{self.trainer.save_checkpoint(wait=True)} committed"
