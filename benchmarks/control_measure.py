@@ -22,6 +22,7 @@ from typing import Any
 
 from benchmarks.control_sim import DATASET, SimSettings, worker_main
 from benchmarks.control_standin import StandInCluster, stand_in_tree
+from benchmarks.harness.worker_fleet import WorkerFleet, recv
 from zero_ray.control._generated import owner_pb2
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient
@@ -111,13 +112,7 @@ class ScaleRow:
         return cls(**{**row, "loadavg": tuple(row.get("loadavg", (float("nan"),) * 2))})
 
 
-def _recv(conn: Any, timeout_s: float, what: str) -> Any:
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"a simulated-owner worker did not answer {what!r} within {timeout_s:g}s")
-    return conn.recv()
-
-
-class SimCluster:
+class SimCluster(WorkerFleet):
     """The worker processes hosting N simulated owners, and their addresses in rank order."""
 
     def __init__(self, owners: int, settings: ScaleSettings) -> None:
@@ -137,37 +132,8 @@ class SimCluster:
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
-        self.addresses = [a for conn in self.conns for a in _recv(conn, START_TIMEOUT_S, "addresses")]
+        self.addresses = [a for conn in self.conns for a in recv(conn, START_TIMEOUT_S, "addresses")]
         self.victim_rank = owners - 1
-
-    @property
-    def victim(self) -> Any:
-        return self.procs[-1]
-
-    def ask(self, command: str, *, survivors_only: bool = False) -> list[Any]:
-        conns = self.conns[:-1] if survivors_only else self.conns
-        for conn in conns:
-            conn.send(command)
-        return [_recv(conn, 60.0, command) for conn in conns]
-
-    def usage(self) -> dict[str, float]:
-        got = self.ask("usage", survivors_only=not self.victim.is_alive())
-        out = {k: sum(u[k] for u in got) for k in ("touches", "steps", "cpu_s")}
-        out["max_beat_gap"] = max(u["max_beat_gap"] for u in got)
-        return out
-
-    def stop(self) -> None:
-        for conn, proc in zip(self.conns, self.procs):
-            if proc.is_alive():
-                try:
-                    conn.send("stop")
-                    _recv(conn, 30.0, "stop")
-                except (OSError, EOFError, TimeoutError):
-                    pass
-            proc.join(timeout=10.0)
-            if proc.is_alive():
-                proc.kill()  # only our own worker, by its handle
-                proc.join(timeout=5.0)
 
 
 def _wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float, what: str) -> float:

@@ -39,6 +39,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks.harness.worker_fleet import WorkerFleet, recv
 from zero_ray.control import handlers as h
 from zero_ray.control._generated import owner_pb2, relay_pb2, relay_pb2_grpc
 from zero_ray.control.auth import Credentials
@@ -53,12 +54,6 @@ from zero_ray.core.reply_combine import CombinedStep, combine_steps
 START_TIMEOUT_S = 300.0
 HOLD_LIMIT_S = 60.0  # a held step ends by itself after this, so a failed measurement never hangs
 STUB_THREADS = 256  # every Watch stream holds a thread, and two steps per subtree may be in flight
-
-
-def _recv(conn: Any, timeout_s: float, what: str) -> Any:
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"a stand-in process did not answer {what!r} within {timeout_s:g}s")
-    return conn.recv()
 
 
 def combined_reply(ranks: Sequence[int]) -> CombinedStep:
@@ -217,7 +212,7 @@ def stand_in_tree(owners: int, *, fan_out: int, owners_per_node: int) -> RelayTr
                        RelayConfig(fan_out=fan_out, min_owners=1))
 
 
-class StandInCluster:
+class StandInCluster(WorkerFleet):
     """The processes of a stand-in run, with ``SimCluster``'s interface: the top relays' real
     servers (first), the stand-ins for every other subtree, and the victim stand-in alone (last);
     ``addresses`` by rank as the driver's members name them."""
@@ -249,7 +244,7 @@ class StandInCluster:
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
-            return _recv(parent, START_TIMEOUT_S, "address")[0]
+            return recv(parent, START_TIMEOUT_S, "address")[0]
 
         # The stand-ins first (the tops need their address), then moved behind the tops.
         shared = start(stub_main, {c.id: tree.ranks_under(c.id) for c in below[:-1]}, compute_s)
@@ -260,22 +255,6 @@ class StandInCluster:
         self.tops = len(hosts)
         self.addresses = [hosts.get(r, lone if r == victim.host else shared) for r in range(owners)]
 
-    @property
-    def victim(self) -> Any:
-        return self.procs[-1]
-
-    def ask(self, command: str, *, survivors_only: bool = False) -> list[Any]:
-        conns = self.conns[:-1] if survivors_only else self.conns
-        for conn in conns:
-            conn.send(command)
-        return [_recv(conn, 60.0, command) for conn in conns]
-
-    def usage(self) -> dict[str, float]:
-        got = self.ask("usage", survivors_only=not self.victim.is_alive())
-        out = {k: sum(u[k] for u in got) for k in ("touches", "steps", "cpu_s")}
-        out["max_beat_gap"] = 0.0
-        return out
-
     def top_cpu_s(self) -> float:
         """The top relays' processes' CPU seconds so far."""
         return sum(u["cpu_s"] for u in [self._ask_one(c, "usage") for c in self.conns[:self.tops]])
@@ -283,17 +262,4 @@ class StandInCluster:
     @staticmethod
     def _ask_one(conn: Any, command: str) -> Any:
         conn.send(command)
-        return _recv(conn, 60.0, command)
-
-    def stop(self) -> None:
-        for conn, proc in zip(self.conns, self.procs):
-            if proc.is_alive():
-                try:
-                    conn.send("stop")
-                    _recv(conn, 30.0, "stop")
-                except (OSError, EOFError, TimeoutError):
-                    pass
-            proc.join(timeout=10.0)
-            if proc.is_alive():
-                proc.kill()  # only our own process, by its handle
-                proc.join(timeout=5.0)
+        return recv(conn, 60.0, command)
