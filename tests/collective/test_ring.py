@@ -19,6 +19,9 @@ class Rank:
     def __init__(self, rank: int, world_size: int, name: str, timeout_s: float) -> None:
         self.rank, self.world_size, self.name, self.timeout_s = rank, world_size, name, timeout_s
 
+    def ready(self) -> None:
+        """Answers once the actor's process is up."""
+
     def join(self) -> None:
         self.group = form_group(backend="gloo", group_name=self.name, rank=self.rank,
                                 world_size=self.world_size, timeout_s=self.timeout_s)
@@ -75,6 +78,9 @@ class Rank:
 def _group(n: int, timeout_s: float = 30.0) -> list:
     name = f"test-{uuid.uuid4().hex[:8]}"
     ranks = [Rank.remote(r, n, name, timeout_s) for r in range(n)]
+    # Every process up first: the formation's timeout_s then bounds the rendezvous, not the skew
+    # between two actors' starts (seconds on a loaded machine, past a short timeout_s).
+    ray.get([a.ready.remote() for a in ranks], timeout=120)
     ray.get([a.join.remote() for a in ranks], timeout=120)
     return ranks
 
@@ -125,9 +131,11 @@ def test_small_buffers_sent_to_every_peer_at_once_give_the_rings_bits(n: int) ->
 
 
 def test_a_collective_whose_peer_never_comes_times_out_with_a_domain_error() -> None:
-    ranks = _group(2, timeout_s=1.5)
+    # 5 s: the formation's rendezvous is bounded by the same timeout, and on a loaded machine
+    # (load 25-35 on 2 cores) it took longer than 1.5 s.
+    ranks = _group(2, timeout_s=5.0)
     try:
         message = ray.get(ranks[0].lonely_reduce_scatter.remote(), timeout=60)
-        assert "timed out after 1.5s" in message and "rank 0 of 2" in message
+        assert "timed out after 5s" in message and "rank 0 of 2" in message
     finally:
         _stop(ranks)
