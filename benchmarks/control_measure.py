@@ -9,7 +9,6 @@ SIGKILL ends exactly one owner, as a dead actor's process does.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import re
 import secrets
@@ -22,7 +21,7 @@ from typing import Any
 
 from benchmarks.control_sim import DATASET, SimSettings, worker_main
 from benchmarks.control_standin import StandInCluster, stand_in_tree
-from benchmarks.harness.worker_fleet import WorkerFleet, recv
+from benchmarks.harness.worker_fleet import WorkerFleet, helper_context, recv
 from zero_ray.control._generated import owner_pb2
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient
@@ -123,7 +122,7 @@ class SimCluster(WorkerFleet):
         survivors = list(range(owners - 1))
         chunks = [survivors[i:i + settings.per_process] for i in range(0, len(survivors), settings.per_process)]
         chunks.append([owners - 1])  # the victim, alone
-        ctx = mp.get_context("spawn")  # never fork a process that has gRPC threads
+        ctx = helper_context()
         self.conns: list[Any] = []
         self.procs: list[Any] = []
         for ranks in chunks:

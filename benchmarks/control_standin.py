@@ -28,7 +28,6 @@ the owners; compose them (driver + depth x hop + node) as docs/performance.md do
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import resource
 import secrets
 import threading
@@ -39,7 +38,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.harness.worker_fleet import WorkerFleet, recv
+from benchmarks.harness.worker_fleet import WorkerFleet, helper_context, recv
 from zero_ray.control import handlers as h
 from zero_ray.control._generated import owner_pb2, relay_pb2, relay_pb2_grpc
 from zero_ray.control.auth import Credentials
@@ -235,7 +234,7 @@ class StandInCluster(WorkerFleet):
         below = [c for t in top for c in tree.children(t.id)]
         victim = below[-1]
         self.victim_rank = victim.host
-        ctx = mp.get_context("spawn")  # never fork a process that has gRPC threads
+        ctx = helper_context()
         self.conns, self.procs = [], []
 
         def start(target: Any, *args: Any) -> str:

@@ -4,7 +4,21 @@ owners' workers (``control_measure.SimCluster``) and the stand-in run's relays a
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from typing import Any
+
+# What every helper process runs, imported once by the fork server: each spawned helper imported
+# zero_ray (torch, Ray) itself, 1.6 CPU-s apiece, the stand-in's four one after another.
+HELPER_MODULES = ["benchmarks.control_sim", "benchmarks.control_standin"]
+
+
+def helper_context() -> Any:
+    """The multiprocessing context helpers start in: children forked from a fork server that has
+    imported :data:`HELPER_MODULES` and started no thread (the benchmark's own process has gRPC
+    threads, which a fork must never copy, hence no plain fork)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(HELPER_MODULES)
+    return ctx
 
 
 def recv(conn: Any, timeout_s: float, what: str) -> Any:

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ISSUE_KEYS = {"owners", "driver_added_ms_per_step", "driver_cpu_cores", "heartbeat_cpu_cores", "loss_to_decision_s"}
 
 
-# About 20 s on a loaded two-core machine, most of it two worker processes importing torch.
+# About 7 s on a quiet two-core machine, most of it this process and the fork server importing torch.
 def test_two_owners_three_steps_write_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     command = [sys.executable, "-m", "benchmarks.control_scale", "--owners", "2", "--steps", "3", "--warmup", "1",
