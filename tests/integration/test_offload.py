@@ -26,44 +26,55 @@ from zero_ray.testing import single_process
 pytestmark = pytest.mark.usefixtures("ray_session")
 STEPS, SAVE_AT = 4, 2
 OPT = zr.AdamW(lr=1e-2, weight_decay=0.1)
-BATCHES = token_batches(steps=STEPS, n=6)
+BATCHES = token_batches(steps=SAVE_AT + 4, n=6)  # the tiers' test: saved at 2, resumed to 4, saved, resumed to 6
 
 
-def _save(tmp_path: Path, name: str, *, before: zr.Offload, stage: int) -> str:
-    """The first two steps at ``stage`` on 2 owners with the state where ``before`` puts it, then a save."""
+def _peer_copies_where_the_state_is(trainer: zr.ZeroTrainer, offload: zr.Offload) -> None:
+    for r in trainer.memory_report():
+        if offload.optimizer_on_nvme:
+            assert r["nvme"] > 0 and r["redundancy_nvme"] > 0 and r["redundancy_host"] == 0, r
+        else:
+            assert r["nvme"] == r["redundancy_nvme"] == 0 < r["redundancy_host"], r
+
+
+def _save(tmp_path: Path, name: str, *, before: zr.Offload) -> str:
+    """The first two steps at stage 2 on 2 owners with the state where ``before`` puts it, then a save."""
     trainer = zr.ZeroTrainer(gpt2_lm, causal_lm_loss, optimizer=OPT,
-                             config=zr.ZeroConfig(stage=stage, world_size=2, device="cpu", offload=before,
+                             config=zr.ZeroConfig(stage=2, world_size=2, device="cpu", offload=before,
                                                   elastic=zr.ElasticConfig(redundancy="peer")))
     try:
         for batch in BATCHES[:SAVE_AT]:
             trainer.step(batch)
-        for r in trainer.memory_report():  # the peer copies live where the state does
-            if before.optimizer_on_nvme:
-                assert r["nvme"] > 0 and r["redundancy_nvme"] > 0 and r["redundancy_host"] == 0, r
-            else:
-                assert r["nvme"] == r["redundancy_nvme"] == 0 < r["redundancy_host"], r
+        _peer_copies_where_the_state_is(trainer, before)
         return str(trainer.save_checkpoint(tmp_path / name, wait=True))
     finally:
         trainer.shutdown()
 
 
-def _resume(saved: list[str], *, stage: int, after: zr.Offload) -> list[dict[str, torch.Tensor]]:
-    """Each checkpoint in ``saved`` resumed at ``stage`` on 3 owners with the state where ``after``
-    puts it, and the last two steps run: the first through ``from_checkpoint``, each next one
-    loaded into the same trainer (one pool's start for several checkpoints: this test's cost)."""
+def _resume(saved: list[str], *, at: int, stage: int, world_size: int, after: zr.Offload,
+            save: Path | None = None) -> tuple[list[dict[str, torch.Tensor]], str | None]:
+    """Each checkpoint in ``saved`` (all at step ``at``) resumed at ``stage`` on ``world_size``
+    owners with the state where ``after`` puts it, and two steps run: the first through
+    ``from_checkpoint``, each next one loaded into the same trainer (one pool's start for several
+    checkpoints: this test's cost). With ``save``, the last one's state is saved there too, the
+    next resume's source (a pool that both resumes and saves: fewer pools started)."""
     resumed = zr.ZeroTrainer.from_checkpoint(saved[0], gpt2_lm, causal_lm_loss, optimizer=OPT,
-                                             config=zr.ZeroConfig(stage=stage, world_size=3, device="cpu",
-                                                                  offload=after))
+                                             config=zr.ZeroConfig(stage=stage, world_size=world_size, device="cpu",
+                                                                  offload=after,
+                                                                  elastic=zr.ElasticConfig(redundancy="peer")))
     out = []
     try:
         for k, path in enumerate(saved):
             if k:
-                assert resumed.load_checkpoint(path) == SAVE_AT
-            for batch in BATCHES[SAVE_AT:]:
+                assert resumed.load_checkpoint(path) == at
+            for batch in BATCHES[at:at + 2]:
                 resumed.step(batch)
             assert all((r["nvme"] > 0) == after.any_on_nvme for r in resumed.memory_report())
             out.append(resumed.full_state_dict())
-        return out
+        if save is None:
+            return out, None
+        _peer_copies_where_the_state_is(resumed, after)
+        return out, str(resumed.save_checkpoint(save, wait=True))
     finally:
         resumed.shutdown()
 
@@ -73,15 +84,19 @@ def test_a_checkpoint_resumes_across_tiers(tmp_path: Path) -> None:
     disk = zr.Offload(optimizer="nvme", path=str(tmp_path / "nvme"))
     everything = zr.Offload(optimizer="nvme", params="nvme", path=str(tmp_path / "nvme"))  # stage 3's shards too
     memory = zr.Offload()
-    memory2 = _save(tmp_path, "memory2", before=memory, stage=2)
-    disk2 = _save(tmp_path, "disk2", before=disk, stage=2)
-    memory3 = _save(tmp_path, "memory3", before=memory, stage=3)
-    everything3 = _save(tmp_path, "everything3", before=everything, stage=3)
+    memory2 = _save(tmp_path, "memory2", before=memory)
+    disk2 = _save(tmp_path, "disk2", before=disk)
     # A checkpoint saved from disk goes through from_checkpoint (the path under test); the run that
-    # never offloaded is loaded into the same pool after it, its reference.
-    disk_to_memory, ref_23 = _resume([disk2, memory2], stage=3, after=memory)
-    everything_to_memory, ref_32 = _resume([everything3, memory3], stage=2, after=memory)
-    (memory_to_everything,) = _resume([memory2], stage=3, after=everything)
+    # never offloaded is loaded into the same pool after it, its reference. The stage-3 pools on 3
+    # owners then save step 4, in memory and with everything on disk, and those two resume at
+    # stage 2 on 2 owners: five pools, not seven.
+    (disk_to_memory, ref_23), memory3 = _resume([disk2, memory2], at=SAVE_AT, stage=3, world_size=3, after=memory,
+                                                save=tmp_path / "memory3")
+    (memory_to_everything,), everything3 = _resume([memory2], at=SAVE_AT, stage=3, world_size=3, after=everything,
+                                                   save=tmp_path / "everything3")
+    assert memory3 is not None and everything3 is not None
+    (everything_to_memory, ref_32), _ = _resume([everything3, memory3], at=SAVE_AT + 2, stage=2, world_size=2,
+                                                after=memory)
     for got, ref, what in ((disk_to_memory, ref_23, "optimizer on disk at stage 2 -> memory at stage 3"),
                            (memory_to_everything, ref_23, "memory at stage 2 -> everything on disk at stage 3"),
                            (everything_to_memory, ref_32, "everything on disk at stage 3 -> memory at stage 2")):
