@@ -12,7 +12,7 @@ import zero_ray as zr
 from zero_ray.control.auth import read_token_file
 from zero_ray.control.client import ClientConfig, CoordinatorClient
 from zero_ray.models import GPT, GPTConfig, lm_loss, mlp, mse_loss
-from zero_ray.testing import DDPRun, single_process
+from zero_ray.testing import single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -73,15 +73,10 @@ def test_resize_adamw_gpt_as_close_as_ddp() -> None:
     batches = [torch.randint(0, GPT_CFG.vocab_size, (12, 17), generator=g) for _ in range(6)]
     got, _, _ = train_resizing(GPT_FN, lm_loss, opt, batches, 2)
     ref, _ = single_process(GPT_FN, lm_loss, opt, batches)
-    ddp_dev = 0.0
-    for n in (2, 4, 3):
-        run = DDPRun(GPT_FN, lm_loss, opt, world_size=n)
-        try:
-            for b in batches:
-                run.step(b)
-            ddp_dev = max(ddp_dev, max_dev(run.state_dict(), ref))
-        finally:
-            run.shutdown()
+    # DDP's distance from one process at each size, as its split of every batch in one process
+    # (test_optimizers' measure; 5.4e-6 here against 5.0e-6 from DDP on actors): nine actor starts
+    # fewer. DDP itself on actors is test_parity's and test_stage3's.
+    ddp_dev = max(max_dev(single_process(GPT_FN, lm_loss, opt, batches, pieces=(n, 1))[0], ref) for n in (2, 4, 3))
     print(f"AdamW GPT resized 2 -> 4 -> 3: {max_dev(got, ref):.2e} vs one process; DDP at 2/4/3: {ddp_dev:.2e}")
     assert max_dev(got, ref) <= max(2 * ddp_dev, 1e-6)
 
