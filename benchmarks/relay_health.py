@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import resource
 import secrets
 import time
@@ -41,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.control_sim import SimSettings, worker_main
+from benchmarks.harness.worker_fleet import helper_context
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient, RelayClient
 from zero_ray.control.heartbeats import HeartbeatReader
@@ -112,7 +112,7 @@ def measure(nodes: int = 16, per_node: int = 8, fan_out: int = 8, interval_s: fl
     owners = nodes * per_node
     credentials = Credentials(job_id="relay-health-bench", token=secrets.token_urlsafe(32))
     tree = plan_relays([f"node-{r // per_node}" for r in range(owners)], RelayConfig(fan_out=fan_out))
-    ctx = mp.get_context("spawn")  # never fork a process that has gRPC threads
+    ctx = helper_context()
     owners_conn, child = ctx.Pipe()
     owners_proc = ctx.Process(target=worker_main, args=(child, list(range(owners)), SimSettings(
         world_size=owners, job_id=credentials.job_id, token=credentials.token, compute_s=0.0)), daemon=True)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import resource
 import secrets
 import statistics
@@ -40,6 +39,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.control_sim import DATASET, SimSettings, worker_main
+from benchmarks.harness.worker_fleet import helper_context
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client import ClientConfig, OwnerClient, RelayClient
 from zero_ray.control.handlers import Piece, RelayStepArgs, StepArgs
@@ -90,7 +90,7 @@ def _args(step: int, owners: int) -> list[StepArgs]:
 def measure(owners: int = 8, calls: int = 200) -> dict[str, float]:
     """The hop's added latency (median) and CPU per RelayStep over ``calls`` calls."""
     credentials = Credentials(job_id="relay-hop-bench", token=secrets.token_urlsafe(32))
-    ctx = mp.get_context("spawn")  # never fork a process that has gRPC threads
+    ctx = helper_context()
     owners_conn, child = ctx.Pipe()
     owners_proc = ctx.Process(target=worker_main, args=(child, list(range(owners)), SimSettings(
         world_size=owners, job_id=credentials.job_id, token=credentials.token, compute_s=0.0, timestamps=False)),

@@ -8,7 +8,8 @@ import multiprocessing as mp
 from typing import Any
 
 # What every helper process runs, imported once by the fork server: each spawned helper imported
-# zero_ray (torch, Ray) itself, 1.6 CPU-s apiece, the stand-in's four one after another.
+# zero_ray (torch, Ray) itself, 1.6 CPU-s apiece, the stand-in's four one after another. (relay_hop's
+# and relay_health's helpers start here too; their own modules import in milliseconds after these.)
 HELPER_MODULES = ["benchmarks.control_sim", "benchmarks.control_standin"]
 
 
