@@ -16,6 +16,7 @@ from finetune_models import compiled_by_hand
 from thread_ranks import run_tp_ranks
 from tp_llama import BATCH, CLIP, OPTIMIZERS, SEQ, batches, llama, lm_loss, reference
 from zero_ray.compat.torch_private import compiled_frames
+from zero_ray.config import ActivationCheckpointing
 from zero_ray.testing import single_process
 
 STEPS = 3
@@ -64,3 +65,21 @@ def test_compiled_tp_run_equals_the_uncompiled_run_and_one_process(stage: int, d
     # compiles the rest of the forward as a frame of its own). Each rank's group is a constant of
     # its graph, so each thread rank compiles its own; on Ray an owner is a process.
     assert one_process >= 1 and frames == size * data_parallel * one_process, (frames, one_process)
+
+
+def test_a_compiled_checkpointed_block_recomputes_whole_with_p_a() -> None:
+    """With activation checkpointing (P_a on, T = 2) the compiled run still follows torch, but a
+    compiled block's recomputation runs its whole graph: down_proj's sum runs again, 6 all-reduces
+    per block where eager recomputation stops early at 5 (docs/tensor_parallel.md, P_a)."""
+    ac = ActivationCheckpointing(wrap_policy=(BLOCK,))
+    torch.compiler.reset()  # under the recompile limit whatever compiled before
+    got, losses, engines, _ = run_tp_ranks(2, 1, llama, lm_loss, OPTIMIZERS["adamw"], batches(STEPS), stage=1,
+                                           clip=CLIP, compile=zr.Compile(), checkpointing=ac)
+    ref, ref_losses = reference("adamw", 1, STEPS)
+    assert _max_dev(got, ref) <= 1e-5 and max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    state = engines[0].state
+    assert state.checkpointed == state.compiled and len(state.compiled) == 2
+    per_reduce = 2 * (2 - 1) * (BATCH * SEQ * HIDDEN * 4) // 2
+    for e in engines:
+        assert e.last_bytes["tp_all_reduce"] == 2 * 6 * per_reduce  # eager: 2 * 5
+        assert e.last_bytes["tp_activation"] == 2 * per_reduce // 2  # P_a: a gather, half an all-reduce, per block
