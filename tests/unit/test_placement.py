@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero_ray.core.placement import NodeRoom, Target, place, place_groups
+from zero_ray.core.placement import GroupedSurvivors, NodeRoom, Target, group_survivors, place, place_groups
 from zero_ray.errors import ResourceError
 
 CPU = {"CPU": 1.0}
@@ -85,3 +85,50 @@ def test_strategies_that_cannot_keep_groups_whole_are_named_and_size_one_is_plac
     # STRICT_PACK: every owner on one node already, groups included
     assert {t.node for t in place_groups("STRICT_PACK", ranks=range(4), group_size=2, demand=CPU, nodes=NODES,
                                          occupied=[])} == {"b"}
+
+
+# -- after a loss: which survivors go on, in which positions (group_survivors) -----------------------
+def _check_node_local(grouped: GroupedSurvivors, nodes: list[str], size: int) -> None:
+    """Every group of kept survivors is on one node; at most the last is short (new owners, pinned
+    to its node by place_groups, complete it)."""
+    groups = [grouped.kept[i:i + size] for i in range(0, len(grouped.kept), size)]
+    assert all(len({nodes[r] for r in g}) == 1 for g in groups), groups
+    assert all(len(g) == size for g in groups[:-1])
+
+
+def test_a_restore_never_joins_two_old_groups_remainders_across_nodes() -> None:
+    # (T, D) = (2, 3), one TP group per node; TP rank 1 of group 0 lost. Kept in order, owners 0
+    # (node a) and 2 (node b) would form the first new group.
+    nodes = ["a", "a", "b", "b", "c", "c"]
+    survivors = [0, 2, 3, 4, 5]
+    on_survivors = group_survivors(survivors, nodes, group_size=2, target=4)
+    assert on_survivors == GroupedSurvivors(kept=(2, 3, 4, 5), leaving=(0,))
+    _check_node_local(on_survivors, nodes, 2)
+    # with a replacement: owner 0's group completed by the new owner at position 5, on node a;
+    # intact groups keep their owners' TP ranks (position parity)
+    grown = group_survivors(survivors, nodes, group_size=2, target=6)
+    assert grown == GroupedSurvivors(kept=(2, 3, 4, 5, 0), leaving=())
+    assert all(p % 2 == r % 2 for p, r in enumerate(grown.kept))
+    _check_node_local(grown, nodes, 2)
+
+
+def test_remainders_beyond_one_leave_and_the_fullest_remainder_stays() -> None:
+    # T = 4, two groups per node: node a lost two owners of group 0, node b one of group 3
+    nodes = ["a"] * 8 + ["b"] * 8
+    survivors = [0, 1, *range(4, 15)]  # 2, 3 and 15 lost
+    got = group_survivors(survivors, nodes, group_size=4, target=16)
+    # whole groups (4-7 on a, 8-11 on b) first; b's remainder 12-14 (3 survivors) beats a's 0, 1
+    assert got == GroupedSurvivors(kept=(4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14), leaving=(0, 1))
+    _check_node_local(got, nodes, 4)
+    # on one node, survivors of two groups do form one (the node holds them all), after the
+    # intact group's positions are settled: here every owner keeps its TP rank
+    one_node = group_survivors([0, 2, 3, 5], ["n"] * 6, group_size=2, target=4)
+    assert one_node == GroupedSurvivors(kept=(0, 5, 2, 3), leaving=())
+    assert all(p % 2 == r % 2 for p, r in enumerate(one_node.kept))
+
+
+def test_size_one_keeps_the_lowest_ranks_and_a_target_of_part_groups_is_refused() -> None:
+    assert group_survivors([0, 2, 3, 5], ["a", "a", "b", "b", "c", "c"], group_size=1, target=3) == \
+        GroupedSurvivors(kept=(0, 2, 3), leaving=(5,))
+    with pytest.raises(ResourceError, match="3 owners are not whole tensor-parallel groups of 2"):
+        group_survivors([0, 1, 2], ["a"] * 4, group_size=2, target=3)

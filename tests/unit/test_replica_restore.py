@@ -114,6 +114,8 @@ def test_checkpoint_restore_keeps_whole_groups():
     calls = []
 
     class Pool:
+        tensor_parallel = 1
+
         def kill(self, ranks):
             calls.append(("kill", list(ranks)))
 

@@ -93,3 +93,47 @@ def test_a_lost_tp_rank_or_whole_group_comes_back_from_its_shards_peers(lost: se
 def test_losing_every_copy_of_a_shard_is_found_in_the_plan() -> None:
     with pytest.raises(AssertionError, match="a copy of every old rank survives"):
         restore(2, 2, {1, 3}, 2)  # shard 1's two owners hold each other's copy: the checkpoint restores
+
+
+def test_the_recovery_rebuilds_tp_groups_on_one_node_each() -> None:
+    """The driver's re-plan after a loss at (T, D) = (2, 3), one TP group per node: owner 1 (node
+    a) lost, the 4 owners that go on are the two intact groups in their old TP positions
+    (core/placement.group_survivors), not owners 0 and 2 of nodes a and b as one group; and the
+    peer restore takes every old rank's copy from the survivors kept."""
+    from zero_ray.core.elastic_policy import FailurePolicy, ScalingPolicy
+    from zero_ray.core.restore_plan import SnapshotRecord
+    from zero_ray.core.topology import Topology
+    from zero_ray.driver.recovery import RecoveryController
+
+    size, world = 2, 6
+    nodes = ["a", "a", "b", "b", "c", "c"]
+    backup = backup_peers(nodes, tensor_parallel=size)
+    copies = {r: {r} | {w for w, b in enumerate(backup) if b == r} for r in range(world)}
+    calls: list[tuple[str, object]] = []
+
+    class Pool:
+        tensor_parallel = size
+        nodes = [{"node_id": n} for n in ["a", "a", "b", "b", "c", "c"]]
+
+        def snapshot_info(self, ranks: list[int], committed: int) -> dict[int, dict[int, SnapshotRecord]]:
+            return {r: {c: SnapshotRecord(step=3, world_size=world, description=None)  # type: ignore[arg-type]
+                        for c in copies[r]} for r in ranks}
+
+        def kill(self, ranks: list[int]) -> None:
+            calls.append(("kill", list(ranks)))
+
+        def rebuild(self, kept: list[int], world_size: int, *, restore: object) -> None:
+            calls.append(("rebuild", (list(kept), world_size, restore(None))))  # type: ignore[operator]
+
+    rc = RecoveryController(Pool(), failure=FailurePolicy(), scaling=ScalingPolicy(), desired=world,  # type: ignore[arg-type]
+                            peer_redundancy=True, checkpoint_root=lambda: None, topology=Topology())
+    survivors = [0, 2, 3, 4, 5]
+    assert backup[1] == 3  # the lost owner's copy is on another node's owner, which is kept
+    assert rc._restore_from_peers(survivors, 4, 3) == 4
+    (kill, rebuilt) = calls
+    assert kill == ("kill", [0])
+    kept, target, plan = rebuilt[1]  # type: ignore[misc]
+    assert (kept, target) == ([2, 3, 4, 5], 4)
+    assert [nodes[kept[p]] for p in range(0, 4, 2)] == [nodes[kept[p + 1]] for p in range(0, 4, 2)]
+    for old, position in enumerate(plan.holders):
+        assert old in copies[kept[position]]  # each old rank's copy from a survivor kept

@@ -121,3 +121,55 @@ def place_groups(strategy: str, *, ranks: Sequence[int], group_size: int, demand
         homes[group] = home
         load[home] += need
     return [Target(node=homes[r // group_size]) for r in ranks]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedSurvivors:
+    """The owners that go on after a loss, in their new positions (``kept[p]`` is the old rank
+    at position p), and those that leave."""
+
+    kept: tuple[int, ...]
+    leaving: tuple[int, ...]
+
+
+def group_survivors(survivors: Sequence[int], nodes: Sequence[str], *, group_size: int,
+                    target: int) -> GroupedSurvivors:
+    """Which ``survivors`` (old ranks; ``nodes[r]``: old rank r's node) go on at ``target`` owners
+    (a multiple of ``group_size``), and in which positions, so that every tensor-parallel group
+    (``group_size`` consecutive positions) is on one node. The pool rebuilds with the kept
+    survivors in this order and starts the new owners after them (``pool.rebuild``), so:
+
+    - whole groups of survivors on one node come first, in rank order: intact old groups (their
+      owners keep their TP ranks) and groups of one node's other survivors;
+    - then at most one node's remainder, the one with the most survivors, as the last group
+      (its missing members are the first new owners, which ``place_groups`` pins to its node);
+    - every other survivor leaves: kept in order, two old groups' remainders would form a TP
+      group straddling nodes.
+
+    ``group_size`` 1: the lowest ``target`` ranks, the rest leave (``ScalingPolicy.leavers``)."""
+    ordered = sorted(survivors)
+    if group_size == 1:
+        return GroupedSurvivors(kept=tuple(ordered[:target]), leaving=tuple(ordered[target:]))
+    if target % group_size:
+        raise ResourceError(f"{target} owners are not whole tensor-parallel groups of {group_size}")
+    on: dict[str, list[int]] = {}
+    for r in ordered:
+        on.setdefault(nodes[r], []).append(r)
+    whole: list[list[int]] = []
+    rest: list[list[int]] = []
+    for members in on.values():
+        # intact old groups first (their owners keep their TP ranks: no state moves between
+        # shards), then the node's other survivors in groups of their own
+        old = {r // group_size: [m for m in members if m // group_size == r // group_size] for r in members}
+        intact = [g for g in old.values() if len(g) == group_size]
+        others = [r for r in members if len(old[r // group_size]) < group_size]
+        cut = len(others) - len(others) % group_size
+        whole += intact + [others[i:i + group_size] for i in range(0, cut, group_size)]
+        if cut < len(others):
+            rest.append(others[cut:])
+    groups = target // group_size
+    chosen = sorted(whole, key=lambda g: g[0])[:groups]
+    if len(chosen) < groups and rest:
+        chosen.append(min(rest, key=lambda g: (-len(g), g[0])))
+    kept = tuple(r for g in chosen for r in g)
+    return GroupedSurvivors(kept=kept, leaving=tuple(r for r in ordered if r not in set(kept)))

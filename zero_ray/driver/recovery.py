@@ -26,6 +26,7 @@ from zero_ray.checkpoint import store
 from zero_ray.checkpoint.location import open_location
 from zero_ray.core.stall_diagnosis import diagnose, where
 from zero_ray.core.elastic_policy import Action, Decision, FailurePolicy, ScalingPolicy, Source
+from zero_ray.core.placement import group_survivors
 from zero_ray.core.restore_plan import PeerRestore
 from zero_ray.core.topology import Topology
 from zero_ray.driver.batch_staging import GlobalBatch
@@ -355,10 +356,9 @@ class RecoveryController:
                                         timeout_s=self._pool.spec.settle_timeout_s + 30)
         if source is Source.PEER:
             return self._restore_from_peers(survivors, target, committed_step)
-        leaving = self.scaling.leavers(survivors=survivors, target=target)  # shard groups: a multiple of G
+        survivors, leaving = self._kept(survivors, target)  # shard groups: a multiple of G
         if leaving:
             self._pool.kill(leaving)
-            survivors = [r for r in survivors if r not in leaving]
         self._pool.rebuild(survivors, target, restore=lambda position: None)
         return int(load_checkpoint())
 
@@ -370,10 +370,9 @@ class RecoveryController:
         if len(taken) != 1:
             raise CheckpointError(f"peer snapshots disagree on (step, world size): {sorted(taken)}, or none were taken")
         step, old_world = taken.pop()  # the layout they were taken in (a resize may have been cut short)
-        # Fewer owners than survive go on (whole TP or shard groups): the highest leave, so the
-        # copies must be held by those kept.
-        leaving = self.scaling.leavers(survivors=survivors, target=target)
-        kept = [r for r in survivors if r not in leaving]
+        # Fewer owners than survive go on (whole TP or shard groups): the highest leave, or with
+        # TP those that cannot form a group on one node, so the copies must be held by those kept.
+        kept, leaving = self._kept(survivors, target)
         holder: dict[int, int] = {}
         for position, old in enumerate(kept):
             for rank in held[old]:
@@ -390,6 +389,19 @@ class RecoveryController:
             pool.kill(leaving)
         pool.rebuild(kept, target, restore=lambda position: plan)
         return step + 1
+
+    def _kept(self, survivors: list[int], target: int) -> tuple[list[int], list[int]]:
+        """The survivors that go on at ``target`` owners, in their new positions, and those that
+        leave: the highest ranks beyond ``target``; with tensor parallelism, positions that put
+        every TP group on one node (core/placement.group_survivors: after a loss, keeping the
+        survivors' order could join two old groups' remainders on two nodes)."""
+        pool = self._pool
+        if pool.tensor_parallel == 1:
+            leaving = self.scaling.leavers(survivors=survivors, target=target)
+            return [r for r in survivors if r not in leaving], leaving
+        nodes = [n.get("node_id", "") for n in pool.nodes]
+        grouped = group_survivors(survivors, nodes, group_size=pool.tensor_parallel, target=target)
+        return list(grouped.kept), list(grouped.leaving)
 
     def _start_replacements(self, notes: list[str]) -> None:
         """Continuing on the survivors: start the owners that bring the run back towards its

@@ -38,6 +38,7 @@ from zero_ray.core.tensor_parallel_plan import (
     resolve_plan,
 )
 from zero_ray.core.reshard_plan import Block
+from zero_ray.owner.construction.group_ops import register_group, tp_all_reduce
 
 # Attributes some attention modules keep their head counts in (older transformers read
 # ``self.num_heads`` in forward's views); divided by T where a module holds them. Transformers
@@ -46,36 +47,25 @@ from zero_ray.core.reshard_plan import Block
 HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_key_value_heads")
 
 
-def all_reduce_sum(group: Collective, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` summed over ``group`` (a new tensor of its shape). The Collective reduces flat
-    buffers a multiple of the group's size long, so the values travel zero-padded."""
-    flat = tensor.detach().reshape(-1)
-    n, size = flat.numel(), group.world_size
-    buf = torch.zeros(n + (-n) % size, dtype=tensor.dtype, device=tensor.device)
-    buf[:n].copy_(flat)
-    group.all_reduce_(buf)
-    return buf[:n].view(tensor.shape)
-
-
 class _CopyToGroup(torch.autograd.Function):
     """Megatron's ``f``: the identity forward; the input gradient summed over the group."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Collective) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, handle: int) -> torch.Tensor:
+        ctx.handle = handle
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_reduce_sum(ctx.group, grad), None
+        return tp_all_reduce(grad, ctx.handle), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
     """Megatron's ``g``: the partial outputs summed over the group; the identity backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Collective) -> torch.Tensor:
-        return all_reduce_sum(group, x)
+    def forward(ctx: Any, x: torch.Tensor, handle: int) -> torch.Tensor:
+        return tp_all_reduce(x, handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -91,10 +81,12 @@ class SharedInput:
     same on every TP rank (they run the same forward), so the collectives stay in step."""
 
     group: Collective
+    handle: int  # the group's, for the custom op (group_ops)
     _open: list[tuple[torch.Tensor, torch.Tensor]] | None
 
     def __init__(self, group: Collective) -> None:
         self.group = group
+        self.handle = register_group(group)
         self._open = None  # (input, its f) pairs of the parent's forward in progress; None outside
 
     def attach(self, parent: nn.Module) -> None:
@@ -109,11 +101,11 @@ class SharedInput:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._open is None:  # called outside its parent's forward: an f of its own
-            return _CopyToGroup.apply(x, self.group)
+            return _CopyToGroup.apply(x, self.handle)
         for seen, wrapped in self._open:  # by identity: tensors compare element-wise
             if seen is x:
                 return wrapped
-        wrapped = _CopyToGroup.apply(x, self.group)
+        wrapped = _CopyToGroup.apply(x, self.handle)
         self._open.append((x, wrapped))
         return wrapped
 
@@ -129,6 +121,7 @@ class ShardedLinear(nn.Linear):
     tp_size: int
     full_shape: tuple[int, int]
     group: Collective
+    handle: int  # the group's, for the custom op (group_ops): compiled forwards keep it in the graph
     shared: SharedInput | None  # colwise: the f it shares with its siblings (None: its own)
 
     def __init__(self, source: nn.Linear, shard: ModuleShard, group: Collective,
@@ -137,6 +130,7 @@ class ShardedLinear(nn.Linear):
         self.shared = shared
         self.style, self.shard_dim = shard.style, shard.dim
         self.tp_rank, self.tp_size, self.group = group.rank, group.world_size, group
+        self.handle = register_group(group)
         self.full_shape = (source.out_features, source.in_features)
         weight = source.weight.detach().chunk(self.tp_size, dim=shard.dim)[self.tp_rank]
         self.weight = nn.Parameter(weight.clone(), requires_grad=source.weight.requires_grad)
@@ -151,9 +145,9 @@ class ShardedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style == COLWISE:
-            copied = self.shared(x) if self.shared is not None else _CopyToGroup.apply(x, self.group)
+            copied = self.shared(x) if self.shared is not None else _CopyToGroup.apply(x, self.handle)
             return F.linear(copied, self.weight, self.bias)
-        out = _ReduceFromGroup.apply(F.linear(x, self.weight), self.group)
+        out = _ReduceFromGroup.apply(F.linear(x, self.weight), self.handle)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

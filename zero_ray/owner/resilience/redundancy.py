@@ -22,12 +22,13 @@ import torch
 
 from zero_ray.collective.collective_api import Collective
 from zero_ray.core.optim_state import bucket_kinds, merge_tables
-from zero_ray.core.restore_plan import SnapshotRecord, TransferDescription
+from zero_ray.core.restore_plan import PeerRestore, SnapshotRecord, TransferDescription
+from zero_ray.core.tensor_parallel_ranks import shard_moves
 from zero_ray.owner.step.engine import OwnerEngine
 from zero_ray.owner.tensors.host_copy import host_copies
 from zero_ray.owner.tensors.state_files import StateFiles
 from zero_ray.owner.step.param_group import OptimizerSlice
-from zero_ray.owner.resilience.resize import RankState, WholeState, run_p2p
+from zero_ray.owner.resilience.resize import RankState, Staged, TransferPlan, WholeState, exchange, run_p2p
 
 
 @dataclass(kw_only=True)
@@ -224,3 +225,23 @@ class PeerSnapshots:
     def _held(self) -> list[Snapshot]:
         held = [self.own, self.ward, *(self._pending or ()), *(self._layout or ())[:2]]
         return [s for s in held if s is not None]
+
+
+def restore_from_peers(restore: PeerRestore, *, position: int, world_size: int, tensor_parallel: int,
+                       sources: dict[int, RankState], group: Collective, timeout_s: float
+                       ) -> tuple[TransferPlan, Staged, int]:
+    """This actor's part of a restore from peer snapshots, as position ``position`` of a new
+    ``world_size``-rank pool: ``sources`` are the snapshots it holds, by old world rank. Per TP
+    shard (T = 1: one, over every rank) its DP owners' snapshots go to the positions taking that
+    shard, a plan over D ranks, one shard after another on every actor (a holder may send one
+    shard and take another). Returns the plan, what was staged for this position (to
+    ``resize.install``) and the bytes sent."""
+    tp = tensor_parallel
+    plan = TransferPlan.of(restore.description, old_world=restore.old_world // tp, new_world=world_size // tp)
+    staged = plan.staging(position // tp, world_size // tp)
+    sent = 0
+    for shard in shard_moves(size=tp, old_world=restore.old_world, new_world=world_size, holders=restore.holders):
+        held = {d: sources[r] for d, r in enumerate(shard.old_ranks) if r in sources}
+        sent += exchange(plan, me=position, sources=held, senders=list(shard.senders), staged=staged, group=group,
+                         timeout_s=timeout_s, receivers=list(shard.receivers))
+    return plan, staged, sent

@@ -27,10 +27,9 @@ from zero_ray.collective.flight_recorder import FlightRecorder, RecordedGroup
 from zero_ray.collective.collective_api import Collective
 from zero_ray.collective.ray_group import destroy_group, form_group
 from zero_ray.core.restore_plan import Peers, ReplicaRestore, ReshardPlan, RestorePlan, SnapshotRecord, TransferDescription
-from zero_ray.core.tensor_parallel_ranks import shard_moves
 from zero_ray.errors import CollectiveError, OwnerError
 from zero_ray.owner.resilience.checkpointing import ShardSaver
-from zero_ray.owner.resilience.redundancy import PeerSnapshots
+from zero_ray.owner.resilience.redundancy import PeerSnapshots, restore_from_peers
 from zero_ray.owner.resilience.replica_transfer import live_state, restore_replica
 from zero_ray.owner.resilience.resize import RankState, TransferPlan, exchange, install
 from zero_ray.owner.service.batch_source import PieceSource
@@ -234,19 +233,10 @@ class LiveRank:
                 plan, staged, sent = restore_replica(restore, me=position, sources=sources, group=group,
                                                      timeout_s=self._settings.collective_timeout_s)
             elif restore is not None:
-                # Per TP shard (T = 1: one, over every rank): its DP owners' snapshots go to the
-                # positions taking that shard, a plan over D ranks, one shard after another on
-                # every actor (a holder may send one shard and take another).
-                tp = self._spec.tensor_parallel.size
-                plan = TransferPlan.of(restore.description, old_world=restore.old_world // tp,
-                                       new_world=world_size // tp)
-                staged = plan.staging(position // tp, world_size // tp)
-                for shard in shard_moves(size=tp, old_world=restore.old_world, new_world=world_size,
-                                         holders=restore.holders):
-                    held = {d: sources[r] for d, r in enumerate(shard.old_ranks) if r in sources}
-                    sent += exchange(plan, me=position, sources=held, senders=list(shard.senders), staged=staged,
-                                     group=group, timeout_s=self._settings.collective_timeout_s,
-                                     receivers=list(shard.receivers))
+                plan, staged, sent = restore_from_peers(restore, position=position, world_size=world_size,
+                                                        tensor_parallel=self._spec.tensor_parallel.size,
+                                                        sources=sources, group=group,
+                                                        timeout_s=self._settings.collective_timeout_s)
             engine = self._new_engine(group)
             if staged is not None and plan is not None and restore is not None:
                 install(staged, engine.state, plan.table)
