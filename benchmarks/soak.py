@@ -7,13 +7,14 @@ Two simulated nodes (benchmarks/harness/simcluster.py: network namespaces, 2 CPU
 driver on the head), four owners at stage 2 with peer redundancy, SGD. The workload is the main
 job's GPT trained by ``fit`` on token files on a local S3 server (tests/s3_server.py, moto, bound
 to the head's address so the far node's owners read it too), checkpoints to the same S3 every
-CHECKPOINT_EVERY steps. After a fault-free baseline, the soak fires a seeded schedule of faults
+CHECKPOINT_EVERY steps. After fault-free baselines, the soak fires a seeded schedule of faults
 (benchmarks/harness/soak_faults.py) for ``--minutes``; fit runs in chunks of CHUNK steps
 throughout (the baseline in the same chunks, so both pay the same per-call cost).
 
 Measured: each fault's detect / decide / restore / replay seconds and steps lost (the run's
-RecoveryReports), its time lost; goodput = the fault-free time of the soak's steps (the
-baseline's seconds a step times the steps) / the soak's wall time. Checked at the end: the final
+RecoveryReports), its time lost; goodput = the sum over world sizes of (soak steps taken at that
+size x its fault-free seconds a step, from baselines at 4, 3 and 2 owners before the soak) / the
+soak's wall time (benchmarks/harness/goodput.py). Checked at the end: the final
 parameters against one process trained on the documented order (tests/fit_order.py: SGD, 1e-6),
 every epoch's samples read once each, every committed checkpoint verified (every block checksum
 and file hash) with its step and samples. Writes the JSON (with ``goodput``) and a Markdown table
@@ -218,7 +219,8 @@ def _rest(faults: list[dict[str, Any]]) -> float:
 def markdown(r: dict[str, Any]) -> str:
     """The results' table: faults by kind with time lost, goodput, samples and checkpoints."""
     soak, base = r["soak"], r["baseline"]
-    lines = [f"# Soak: {r['minutes']:g} min at one fault every {r['fault_interval_s']:g} s (seed {r['seed']})", "",
+    lines = [f"# Soak: {r['minutes']:g} min at one fault every {r['fault_interval_s']:g} s (seed {r['seed']}, kinds: "
+             f"{r.get('kinds', 'all')})", "",
              f"{r['machine']}. {r['cluster']}.", "",
              f"**Goodput {100 * r['goodput']:.1f}%** ({r.get('goodput_definition', '')}): {soak['steps']} steps in "
              f"{soak['s']:.0f} s; fault-free at the sizes they were taken at they take {soak['fault_free_s']:.0f} s. "

@@ -2,8 +2,9 @@
 fires each one into a live ``ZeroTrainer`` on the simulated cluster, and the typed record of
 what each did. Injection reuses what the tests and harness already have: SIGKILL / SIGSTOP of
 an owner's process (tests/faults.py's signals, by the pid its ``node`` call reports),
-``simcluster.cut_link`` / ``restore_link`` / ``shape_link``, and tests/s3_server.py's injected
-S3 errors; nothing here is known to the library.
+``simcluster.cut_link`` / ``restore_link`` / ``shape_link``, ``simcluster.kill_node`` and
+``start_node`` (a node lost whole, then started again), a filled tmpfs (harness/full_disk.py), and
+tests/s3_server.py's injected S3 errors; nothing here is known to the library.
 
 A fault fires only when the one before it has settled (its link restored, the run back at its
 size), so each fault's time lost is its own; the delay is recorded (``held_s``)."""
