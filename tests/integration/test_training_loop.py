@@ -1,7 +1,7 @@
 """The training loop on Ray actors: token-exact loss on padded batches with a Hugging Face Llama,
 evaluate(), fit() over a dataset the owners hold (against single-process SGD on the documented
-order, through a live resize and a killed owner), the data path's object store use, and the
-export that from_pretrained opens."""
+order, through a live resize and a killed owner, and an owner frozen as fit registers its data),
+the data path's object store use, and the export that from_pretrained opens."""
 
 from __future__ import annotations
 
