@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 SIGNALS = ("SIGKILL", "SIGSTOP")
 POINTS = ("backward", "group_formation", "resize_transfer", "restore_transfer", "peer_snapshot", "checkpoint_save",
-          "checkpoint_commit", "set_peers")
+          "checkpoint_commit", "set_peers", "dataset_registration")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +143,7 @@ def _wrap(owner: Any, name: str, before: Callable[..., None]) -> None:
 def _install() -> None:
     """Hook the points in this process (once)."""
     from zero_ray.owner.resilience import checkpointing, redundancy
-    from zero_ray.owner.service import live_rank
+    from zero_ray.owner.service import batch_source, live_rank
 
     state = hooks()
     if state.installed:
@@ -171,12 +171,16 @@ def _install() -> None:
     def confirming(*args: Any, **kwargs: Any) -> None:  # every SetPeers confirms (or finds nothing to)
         state.reach("set_peers", state.rank)
 
+    def registering(*args: Any, **kwargs: Any) -> None:  # fit's dataset registration, before it builds
+        state.reach("dataset_registration", state.rank)
+
     _wrap(live_rank, "form_group", forming)
     _wrap(live_rank, "exchange", transfer)
     _wrap(redundancy.PeerSnapshots, "take", snapshot)
     _wrap(checkpointing, "write_shard", writing)
     _wrap(checkpointing.ShardSaver, "wait", reporting)
     _wrap(redundancy.PeerSnapshots, "confirm_layout", confirming)
+    _wrap(batch_source.PieceSource, "register", registering)
 
 
 @dataclass(frozen=True)

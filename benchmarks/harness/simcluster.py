@@ -166,6 +166,18 @@ def kill_node(namespace: str) -> list[int]:
     return pids
 
 
+def start_node(namespace: str, *, ip: str, address: str, cpus: int, env: dict[str, str],
+               log: str) -> subprocess.Popen[bytes]:
+    """``ray start`` a worker node in ``namespace`` again (after ``kill_node``), joining the head
+    at ``address``: what a node's supervisor does. Its processes live in the namespace, so the
+    cluster's teardown stops them with the rest."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "ray.scripts.scripts",
+                                 "start", "--block", f"--address={address}", f"--node-ip-address={ip}",
+                                 f"--num-cpus={cpus}", "--num-gpus=0", "--disable-usage-stats"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def cut_link(namespace: str) -> None:
     """Cut a simulated node off the others while every process on it lives: its only link set
     down inside its namespace. Its own sends fail at once (no route); what the others send it

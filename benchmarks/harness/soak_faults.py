@@ -2,8 +2,9 @@
 fires each one into a live ``ZeroTrainer`` on the simulated cluster, and the typed record of
 what each did. Injection reuses what the tests and harness already have: SIGKILL / SIGSTOP of
 an owner's process (tests/faults.py's signals, by the pid its ``node`` call reports),
-``simcluster.cut_link`` / ``restore_link`` / ``shape_link``, and tests/s3_server.py's injected
-S3 errors; nothing here is known to the library.
+``simcluster.cut_link`` / ``restore_link`` / ``shape_link``, ``simcluster.kill_node`` and
+``start_node`` (a node lost whole, then started again), a filled tmpfs (harness/full_disk.py), and
+tests/s3_server.py's injected S3 errors; nothing here is known to the library.
 
 A fault fires only when the one before it has settled (its link restored, the run back at its
 size), so each fault's time lost is its own; the delay is recorded (``held_s``)."""
@@ -20,7 +21,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.harness.simcluster import GCS_PORT, cut_link, link_shape, reachable, restore_link, shape_link
+from benchmarks.harness.full_disk import fill, visible
+from benchmarks.harness.goodput import StepAt, window_fault_free_s
+from benchmarks.harness.simcluster import (GCS_PORT, cut_link, kill_node, link_shape, reachable, restore_link,
+                                           shape_link, start_node)
 
 OWNER_SIGKILL = "owner_sigkill"
 OWNER_SIGSTOP = "owner_sigstop"
@@ -30,11 +34,13 @@ DEGRADED_LINK = "degraded_link"  # the far node's link slowed (rate, and delay w
 RESIZE = "resize"
 S3_READ_ERRORS = "s3_read_errors"  # 503 SlowDown on the corpus' GETs: the readers' retries ride them
 S3_SAVE_ERRORS = "s3_save_errors"  # 503 SlowDown on a save's PUTs: the uploads' retries ride them
+NODE_KILLED = "node_killed"  # every process of the far node SIGKILLed; its Ray started again once dead
+FULL_DISK = "full_disk"  # a save to a local disk with no room: refused, never visible, the run goes on
 KINDS = (OWNER_SIGKILL, OWNER_SIGSTOP, LINK_CUT_SHORT, LINK_CUT_LONG, DEGRADED_LINK, RESIZE, S3_READ_ERRORS,
-         S3_SAVE_ERRORS)
-# Asked for by issue 46 and not injected (docs/elastic.md, "Soak"): a node killed whole (no one
-# restarts its Ray here), a full disk (the checkpoints go to S3), the driver's SIGKILL.
-NOT_INJECTED = ("node_killed_whole", "full_disk", "driver_sigkill")
+         S3_SAVE_ERRORS, NODE_KILLED, FULL_DISK)
+# Asked for by issue 46 and not injected (docs/elastic.md, "Soak"): the driver's SIGKILL with a
+# supervisor attaching a new driver (the soak's driver is the run that measures).
+NOT_INJECTED = ("driver_sigkill",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +93,7 @@ class FaultRecord:
     window_steps: int = 0
     lost_s: float = 0.0
     settled_s: float | None = None  # from firing until the run was back at its size and links
+    invariant_ok: bool | None = None  # full_disk: the refused save left nothing visible
 
 
 @dataclass(kw_only=True)
@@ -101,6 +108,10 @@ class Cluster:
     checkpoint_pattern: str
     link_mbit: float
     netem: bool
+    far_ip: str
+    cpus_per_node: int
+    disk: str  # a small tmpfs every node sees (mounted before the nodes started): the full disk
+    disk_leave_bytes: int
 
 
 class Injector:
@@ -115,7 +126,7 @@ class Injector:
     degrade_s: float
     records: list[FaultRecord]
     pending: list[Planned]
-    _timers: list[threading.Timer]
+    _timers: list[threading.Thread]
     _unsettled: list[Callable[[], bool]]
     _stack: ExitStack
     _rules: list[tuple[FaultRecord, Any]]  # S3 error rules armed, with the record each fired for
@@ -163,9 +174,10 @@ class Injector:
         restore_link(self.cluster.far_namespace)
         shape_link(self.cluster.far_namespace, mbit=self.cluster.link_mbit, delay_ms=0.0, netem=self.cluster.netem)
 
-    def attribute(self, step_times: list[tuple[float, int]], end_s: float, fault_free_step_s: float) -> None:
+    def attribute(self, step_times: list[StepAt], end_s: float, baseline: dict[int, float]) -> None:
         """Each record's recoveries (those reported after it fired and before the next) and its
-        window's time lost; ``step_times``: (seconds into the soak, step) after every step."""
+        window's time lost, each step valued at its own size's fault-free time (``baseline``:
+        seconds a step by world size); ``step_times``: every soak step as it was reported."""
         reports = self.trainer.recoveries[self._recoveries_seen:]
         for i, rec in enumerate(self.records):
             until = self.records[i + 1].at_step if i + 1 < len(self.records) else None
@@ -177,10 +189,10 @@ class Injector:
             rec.replay_s = round(sum(max(r.replay_s, 0.0) for r in mine), 2)
             rec.steps_lost = sum(r.replayed_steps for r in mine)
             end = self.records[i + 1].at_s if i + 1 < len(self.records) else end_s
-            steps = [s for t, s in step_times if rec.at_s < t <= end]
+            steps = [s for s in step_times if rec.at_s < s.t_s <= end]
             rec.window_s = round(end - rec.at_s, 2)
             rec.window_steps = len(steps)
-            rec.lost_s = round(rec.window_s - len(steps) * fault_free_step_s, 2)
+            rec.lost_s = round(rec.window_s - window_fault_free_s(steps, baseline), 2)
 
     # -- the faults ---------------------------------------------------------------------------------
     def _owner(self) -> tuple[int, int]:
@@ -275,3 +287,72 @@ class Injector:
     def _s3_save_errors(self, rec: FaultRecord) -> None:
         self._s3_errors(rec, self.cluster.checkpoint_pattern, ("PUT", "POST"), "a save's uploads")
         rec.evidence = f"{self.trainer.save_checkpoint(wait=True)} committed"
+
+    def _node_killed(self, rec: FaultRecord) -> None:
+        """SIGKILL every process of the far node (its raylet, Ray workers, owners), as a machine
+        that dies; then what a node's supervisor (KubeRay, systemd) does: once Ray's GCS has
+        declared the node dead, ``ray start`` there again, so the run can grow back."""
+        import ray
+
+        ns, ip = self.cluster.far_namespace, self.cluster.far_ip
+        node_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == ip]
+        t0 = time.monotonic()
+        pids = kill_node(ns)
+        deadline = t0 + 30
+        while time.monotonic() < deadline and [p for p in pids if _running(p)]:
+            time.sleep(0.05)
+        left = [p for p in pids if _running(p)]
+        rec.target = f"node 1 ({ip}: {len(pids)} processes, {len(node_ids)} Ray node)"
+        rec.fired = bool(pids) and bool(node_ids) and not left
+        rec.evidence = f"SIGKILL to {len(pids)} processes, {len(left)} still running"
+        back = threading.Event()
+
+        def supervisor() -> None:
+            try:
+                while time.monotonic() - t0 < 180 and any(
+                        n["Alive"] for n in ray.nodes() if n["NodeID"] in node_ids):
+                    time.sleep(0.5)
+                dead_s = time.monotonic() - t0
+                env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+                start_node(ns, ip=ip, address=f"{self.cluster.head_ip}:{GCS_PORT}", cpus=self.cluster.cpus_per_node,
+                           env=env, log=f"/tmp/zrsoak-{os.getpid()}-restart.log")
+                rec.evidence += f"; Ray declared it dead after {dead_s:.1f} s, started there again"
+            finally:
+                back.set()
+
+        thread = threading.Thread(target=supervisor, name="soak-node-supervisor", daemon=True)
+        thread.start()
+        self._timers.append(thread)
+        self._unsettled.append(back.is_set)
+
+    def _full_disk(self, rec: FaultRecord) -> None:
+        """A save to a local checkpoint root on a disk with no room left (the run's own
+        checkpoints go on to S3): refused with a CheckpointError, nothing of it visible (no
+        committed checkpoint, ``latest`` unchanged, no unfinished directory), the run going on."""
+        from zero_ray.errors import CheckpointError
+
+        root = os.path.join(self.cluster.disk, "run")
+        filler = fill(self.cluster.disk, leave_bytes=self.cluster.disk_leave_bytes)
+        before = visible(root)
+        rec.target = f"a save to {root} with {self.cluster.disk_leave_bytes >> 10} KiB free"
+        try:
+            got = self.trainer.save_checkpoint(root, wait=True)
+            rec.evidence = f"the save committed {got}: the disk was not full"
+        except CheckpointError as err:
+            after = visible(root)
+            rec.fired = "No space left on device" in str(err)
+            rec.invariant_ok = after == before
+            rec.evidence = (f"CheckpointError ({'ENOSPC' if rec.fired else str(err)[:200]}); visible after: "
+                            f"{len(after.committed)} committed, latest {after.latest}, others {list(after.others)}")
+        finally:
+            filler.unlink()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed process whose parent was killed too may stay one)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2] != "Z"

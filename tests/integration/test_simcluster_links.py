@@ -10,10 +10,11 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
-from benchmarks.harness.simcluster import SimCluster, available, link_up, reachable
+from benchmarks.harness.simcluster import SimCluster, available, kill_node, link_up, reachable
 
 WHY = available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no simulated cluster here: {WHY}")
@@ -137,3 +138,22 @@ def test_a_cut_link_refuses_connections_until_restored_and_an_open_one_rides_it_
     echoed, seconds = out.split()
     print(f"round trip sent into the cut came back {float(seconds):.3f} s later")
     assert echoed == "b" and held.returncode == 0
+
+
+def test_a_node_killed_whole_loses_every_process_in_it_and_only_those() -> None:
+    """The soak's ``node_killed`` fault on the cheapest setup: ``kill_node`` SIGKILLs what runs in
+    the node's namespace (there: its raylet and owners), nothing outside it."""
+    with SimCluster(nodes=2, cpus_per_node=1, link_mbit=1000, delay_ms=0.0, start_ray=False) as cluster:
+        inside = [subprocess.Popen(["ip", "netns", "exec", cluster.members[1].namespace, "sleep", "60"])
+                  for _ in range(2)]
+        beside = subprocess.Popen(["ip", "netns", "exec", cluster.members[0].namespace, "sleep", "60"])
+        try:
+            deadline, killed = time.monotonic() + 10, set()
+            while len(killed) < 2 and time.monotonic() < deadline:  # until both have entered the namespace
+                killed |= set(kill_node(cluster.members[1].namespace))
+            assert killed == {p.pid for p in inside}
+            assert [p.wait(timeout=10) for p in inside] == [-9, -9]
+            assert beside.poll() is None
+        finally:
+            beside.kill()
+            beside.wait(timeout=10)

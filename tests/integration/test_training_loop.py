@@ -1,7 +1,7 @@
 """The training loop on Ray actors: token-exact loss on padded batches with a Hugging Face Llama,
 evaluate(), fit() over a dataset the owners hold (against single-process SGD on the documented
-order, through a live resize and a killed owner), the data path's object store use, and the
-export that from_pretrained opens."""
+order, through a live resize and a killed owner, and an owner frozen as fit registers its data),
+the data path's object store use, and the export that from_pretrained opens."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import ray
@@ -19,6 +20,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import zero_ray as zr
+from faults import Fault, assert_fired, faulty
 from finetune_models import llama, padded_token_batches, token_mean_loss, token_sum_loss
 from fit_order import reference_batches
 from zero_ray.models import mse_loss
@@ -147,6 +149,30 @@ def test_fit_continues_the_order_through_a_resize_and_a_killed_owner() -> None:
     finally:
         trainer.shutdown()
     assert recovered == ["restored"]
+    assert max_dev(got, ref) <= 1e-6
+
+
+def test_an_owner_frozen_as_fit_registers_its_dataset_is_lost_within_the_health_timeout(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The soak's SIGSTOP at the start of a fit chunk waited out init_timeout_s (120 s) there.
+    opt = zr.SGD(lr=0.1, momentum=0.9)
+    dataset = _dataset()
+    ref, _ = single_process(_linear, mse_loss, opt, reference_batches(
+        dataset, global_batch_size=FIT_BATCH, steps=FIT_STEPS, seed=FIT_SEED))
+    health_timeout_s = 3.0
+    freeze = Fault(point="dataset_registration", rank=1, after=1, dir=str(tmp_path), sig="SIGSTOP")  # 2nd fit's
+    config = zr.ZeroConfig(stage=2, world_size=2, health_interval_s=0.2, health_timeout_s=health_timeout_s,
+                           elastic=zr.ElasticConfig(redundancy="peer"))
+    with zr.ZeroTrainer(faulty(_linear, freeze), mse_loss, optimizer=opt, config=config) as trainer:
+        trainer.fit(dataset, global_batch_size=FIT_BATCH, steps=3, seed=FIT_SEED, progress=False)
+        trainer.fit(dataset, global_batch_size=FIT_BATCH, steps=FIT_STEPS, seed=FIT_SEED, progress=False)
+        done = time.time()
+        got, recoveries = trainer.full_state_dict(), list(trainer.recoveries)
+    stopped = assert_fired(freeze)
+    assert [(r.call, sorted(r.lost), r.outcome.value) for r in recoveries] == [
+        ("registering the train dataset", [1], "restored")], [r.summary() for r in recoveries]
+    # lost by its stalled heartbeats, not after init_timeout_s (120 s); room for a loaded machine
+    assert recoveries[0].detect_s <= 2 * health_timeout_s, recoveries[0].summary()
+    assert done - stopped <= health_timeout_s + 30, f"fit ended {done - stopped:.1f}s after the SIGSTOP"
     assert max_dev(got, ref) <= 1e-6
 
 

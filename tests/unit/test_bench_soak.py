@@ -21,3 +21,10 @@ def test_the_schedule_is_a_function_of_its_seed_and_covers_every_kind_each_round
 def test_a_subset_of_kinds_is_drawn_from_alone() -> None:
     plan = schedule(seed=1, duration_s=600, interval_s=20, kinds=("resize",))
     assert {p.kind for p in plan} == {"resize"} and len(plan) == 29
+
+
+def test_every_kind_has_its_injector_and_the_new_kinds_are_drawn() -> None:
+    from benchmarks.harness.soak_faults import FULL_DISK, NODE_KILLED, NOT_INJECTED, Injector
+
+    assert {NODE_KILLED, FULL_DISK} <= set(KINDS) and not set(KINDS) & set(NOT_INJECTED)
+    assert all(callable(getattr(Injector, f"_{kind}", None)) for kind in KINDS)

@@ -311,13 +311,16 @@ class OwnerPool:
     def register_dataset(self, name: str, source: Any, *, factory: bool, collate: Any) -> int:
         """Have every owner (and every owner started later) hold dataset ``name``; its length."""
         self.datasets[name] = (source, factory, collate)
-        return self._register_datasets(self.actors, {name: self.datasets[name]})[0]
+        # Watched: on a formed pool a frozen owner is lost within health_timeout_s (the soak's
+        # SIGSTOP here waited out init_timeout_s, 120 s). _connect's registration stays unwatched.
+        return self._register_datasets(self.actors, {name: self.datasets[name]}, watch=True)[0]
 
-    def _register_datasets(self, actors: Sequence[Any], datasets: dict[str, tuple[Any, bool, Any]]) -> list[int]:
+    def _register_datasets(self, actors: Sequence[Any], datasets: dict[str, tuple[Any, bool, Any]], *,
+                           watch: bool = False) -> list[int]:
         lengths: list[int] = []
         for name, (source, factory, collate) in datasets.items():
             got = self.fan.ray(actors, "register_dataset", name, source, timeout_s=self.spec.init_timeout_s,
-                               kwargs=[{"factory": factory, "collate": collate}] * len(actors), watch=False)
+                               kwargs=[{"factory": factory, "collate": collate}] * len(actors), watch=watch)
             if len(set(got)) > 1:
                 raise ConfigError(f"dataset {name!r} has different lengths on the owners: {got}; a factory must "
                                   "build the same dataset everywhere")

@@ -24,7 +24,7 @@ from zero_ray.control.server import ControlServer
 from zero_ray.core.stall_diagnosis import IDLE
 from zero_ray.core.run_position import Position
 from zero_ray.core.restore_plan import reshard_from_data, restore_from_data
-from zero_ray.errors import CollectiveError
+from zero_ray.errors import CheckpointError, CollectiveError
 from zero_ray.owner.resilience.checkpointing import restore, shard_record_json
 from zero_ray.owner.service.live_rank import LiveRank
 from zero_ray.owner.step.engine import OwnerEngine
@@ -132,6 +132,19 @@ class OwnerControl:
                                   f"which is at generation {owner.generation}")
 
     def save(self, path: str, step: int, phase: h.SavePhase) -> h.SaveResult:
+        try:
+            return self._save(path, step, phase)
+        except TimeoutError:
+            raise  # a writer that hangs is the owner's trouble, as before (TimeoutError is an OSError)
+        except OSError as err:
+            # The storage refused (a full disk, no permission, the store's errors): a CheckpointError,
+            # which the driver's policy does not recover from (nothing on the owners changed), so
+            # the save is abandoned and the run goes on, instead of re-forming a healthy group.
+            raise CheckpointError(f"rank {self._owner.rank} could not write its checkpoint file under {path}: "
+                                  f"{type(err).__name__}: {err}; free room on that storage or save elsewhere"
+                                  ) from err
+
+    def _save(self, path: str, step: int, phase: h.SavePhase) -> h.SaveResult:
         owner = self._owner
         written = 0
         if phase is not h.SavePhase.AWAIT:

@@ -1,0 +1,90 @@
+"""The soak's goodput, fair to a run whose size changes (benchmarks/soak.py, docs/elastic.md "Soak").
+
+On 2 shared cores fewer owners step faster (less contention), so crediting every soak step with
+the 4-owner fault-free time overstates a soak that spends its time at 3 (the first soak measured
+102%). Instead each size the soak passes through has its own fault-free seconds a step, measured
+on the same cluster, workload and batch right before the soak, and
+
+    goodput = sum over sizes n of (steps taken at n x fault-free seconds a step at n) / soak wall time
+
+i.e. the time a fault-free run at the same sizes would have needed for the same steps, over the
+time the soak took. Pure: no Ray, no torch (tests/unit/test_soak_goodput.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFINITION = ("sum over world sizes n of (soak steps taken at n x fault-free seconds a step at n, measured on "
+              "the same cluster and workload before the soak) / soak wall seconds")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepAt:
+    """One soak step done: seconds into the soak when it was reported, its step number, and the
+    owners that took it."""
+
+    t_s: float
+    step: int
+    size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizeShare:
+    """What the soak did at one world size: steps, wall seconds spent there (each step's
+    interval since the step before), the fault-free seconds a step there and what those steps
+    are worth fault-free. ``measured`` False: no baseline at this size, so the fastest measured
+    size's time is used (the smallest credit: goodput is never flattered by a missing size)."""
+
+    size: int
+    steps: int
+    s: float
+    fault_free_step_s: float
+    fault_free_s: float
+    measured: bool
+
+
+def fault_free_step_s(size: int, baseline: dict[int, float]) -> tuple[float, bool]:
+    """Seconds a step at ``size`` fault-free, and whether that size was measured (else the
+    fastest measured size's)."""
+    if not baseline:
+        raise ValueError("no fault-free baseline at any size: measure at least one before the soak")
+    if any(s <= 0 for s in baseline.values()):
+        raise ValueError(f"fault-free seconds a step must be positive, got {baseline}")
+    if size in baseline:
+        return baseline[size], True
+    return min(baseline.values()), False
+
+
+def shares(steps: list[StepAt], *, end_s: float, baseline: dict[int, float]) -> list[SizeShare]:
+    """Each size's steps and wall seconds over a soak of ``end_s`` seconds: the interval before
+    each step goes to the size that took it, the tail after the last step to the last size
+    (a soak ending mid-recovery still charges its time)."""
+    if any(b.t_s < a.t_s for a, b in zip(steps, steps[1:])):
+        raise ValueError("steps must be in the order they were taken")
+    count: dict[int, int] = {}
+    wall: dict[int, float] = {}
+    last = 0.0
+    for s in steps:
+        count[s.size] = count.get(s.size, 0) + 1
+        wall[s.size] = wall.get(s.size, 0.0) + s.t_s - last
+        last = s.t_s
+    if steps:
+        wall[steps[-1].size] += max(0.0, end_s - last)
+    out = []
+    for size in sorted(count):
+        per, measured = fault_free_step_s(size, baseline)
+        out.append(SizeShare(size=size, steps=count[size], s=wall[size], fault_free_step_s=per,
+                             fault_free_s=count[size] * per, measured=measured))
+    return out
+
+
+def goodput(parts: list[SizeShare], *, wall_s: float) -> float:
+    """The fault-free time of the soak's steps, each at its size, over the soak's wall time."""
+    if wall_s <= 0:
+        raise ValueError(f"the soak's wall time must be positive, got {wall_s}")
+    return sum(p.fault_free_s for p in parts) / wall_s
+
+
+def window_fault_free_s(steps: list[StepAt], baseline: dict[int, float]) -> float:
+    """What ``steps`` (a fault's window) take fault-free, each at its own size."""
+    return sum(fault_free_step_s(s.size, baseline)[0] for s in steps)
