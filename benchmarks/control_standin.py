@@ -12,8 +12,9 @@ its ranks would send (built once, at start, by the real ``core/reply_combine`` o
 when it began and ended the step, on the machine's monotonic clock), ``--compute-ms`` after the step may begin
 (after the one before it on that subtree: a step sent ahead waits, as ``StepOrder`` makes an
 owner wait), and answers ``Relay.Watch`` with every rank's beat once, then an empty message each
-interval (what an idle relay sends). ``HostRelays`` is answered and ignored: the stand-ins serve
-whatever the driver's plan names.
+interval (what an idle relay sends), and ``Relay.RelayCall`` of ``Abort`` (the survivors' abort
+after the loss, ``RelayPlane.abort``) with every rank's reply, counting the ranks it reached.
+``HostRelays`` is answered and ignored: the stand-ins serve whatever the driver's plan names.
 
 The driver (``RelayPlane`` + ``SubtreeHealthMonitor``, unchanged) plans the whole tree and tells
 every hosting rank what to serve; the ranks that host a top relay are the real servers, which
@@ -43,13 +44,14 @@ from benchmarks.harness.worker_fleet import WorkerFleet, recv
 from zero_ray.control import handlers as h
 from zero_ray.control._generated import owner_pb2, relay_pb2, relay_pb2_grpc
 from zero_ray.control.auth import Credentials
+from zero_ray.control.client import RelayClient
 from zero_ray.control.client_channel import ClientConfig
 from zero_ray.control.conversion import to_message
 from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.relay_wire import to_wire
 from zero_ray.control.server import ControlServer, ServerConfig
 from zero_ray.core.relay_tree import RelayConfig, RelayTree, plan_relays
-from zero_ray.core.reply_combine import CombinedStep, combine_steps
+from zero_ray.core.reply_combine import CombinedReplies, CombinedStep, combine_steps
 
 START_TIMEOUT_S = 300.0
 HOLD_LIMIT_S = 60.0  # a held step ends by itself after this, so a failed measurement never hangs
@@ -78,6 +80,7 @@ class StandInSubtrees(relay_pb2_grpc.RelayServicer):
     entered: int  # ranks inside held steps
     steps: int
     messages: int  # Watch messages sent
+    aborted: int  # ranks an Abort reached through RelayCall (the survivors' after the loss)
 
     def __init__(self, subtrees: Mapping[int, Sequence[int]], *, compute_s: float) -> None:
         self._ranks = {relay: tuple(ranks) for relay, ranks in subtrees.items()}
@@ -87,6 +90,7 @@ class StandInSubtrees(relay_pb2_grpc.RelayServicer):
         self._busy_until = dict.fromkeys(self._ranks, 0.0)
         self._lock = threading.Lock()
         self.hold, self.released, self.entered, self.steps, self.messages = False, threading.Event(), 0, 0, 0
+        self.aborted = 0
 
     def RelayStep(self, request: relay_pb2.RelayStepRequest, context: grpc.ServicerContext) -> Any:
         relay = request.relay
@@ -111,6 +115,23 @@ class StandInSubtrees(relay_pb2_grpc.RelayServicer):
         reply.data_seconds, reply.compute_seconds = start, time.monotonic()
         return reply
 
+    def RelayCall(self, request: relay_pb2.RelayCallRequest, context: grpc.ServicerContext) -> Any:
+        """``Abort`` on every rank of the subtree (``RelayPlane.abort``, the survivors' after the
+        loss), answered per rank as the owners below would; other forwarded calls are not stood in."""
+        relay = request.relay
+        if relay not in self._ranks:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"the stand-in serves relays {sorted(self._ranks)}, not {relay}")
+        if request.method != "Abort":
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, f"the stand-in forwards Abort only, not {request.method}")
+        ranks = self._ranks[relay]
+        asked = [r for span in request.ranks for r in range(span.start, span.stop)]
+        if asked != list(ranks):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"relay {relay}'s subtree is ranks {ranks[0]}-{ranks[-1]}")
+        reply = owner_pb2.AbortReply(aborted=True).SerializeToString()
+        with self._lock:
+            self.aborted += len(ranks)
+        return relay_pb2.RelayCallReply(replies=[relay_pb2.RankReply(rank=r, reply=reply) for r in ranks])
+
     def HostRelays(self, request: relay_pb2.HostRelaysRequest, context: grpc.ServicerContext) -> Any:
         return relay_pb2.HostRelaysReply(relays=sorted(r.relay for r in request.relays))
 
@@ -128,7 +149,7 @@ class StandInSubtrees(relay_pb2_grpc.RelayServicer):
 
 def stub_main(conn: Any, subtrees: dict[int, tuple[int, ...]], compute_s: float) -> None:
     """A stand-in process: serve ``subtrees`` (relay id -> its ranks) on loopback, send the
-    address, then answer "usage", "hold", "entered", "release", "stop"."""
+    address, then answer "usage", "hold", "entered", "aborted", "release", "stop"."""
     servicer = StandInSubtrees(subtrees, compute_s=compute_s)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=STUB_THREADS))
     relay_pb2_grpc.add_RelayServicer_to_server(servicer, server)
@@ -146,6 +167,8 @@ def stub_main(conn: Any, subtrees: dict[int, tuple[int, ...]], compute_s: float)
             conn.send(True)
         elif command == "entered":
             conn.send(servicer.entered)
+        elif command == "aborted":
+            conn.send(servicer.aborted)
         elif command == "release":
             servicer.released.set()
             conn.send(True)
@@ -164,12 +187,14 @@ class TopRelayHost(RelayHost):
     _keep: frozenset[int]
     own: str
     _stand_in: str
+    _below: RelayClient | None  # the stand-ins', for a relay below the top this process would serve
 
     def __init__(self, *, rank: int, template: ClientConfig, keep: frozenset[int], stand_in: str) -> None:
         super().__init__(rank=rank, template=template)
         self._keep = keep
         self.own = ""  # the server's address, set once it listens
         self._stand_in = stand_in
+        self._below = None
 
     def host_relays(self, args: h.HostRelaysArgs) -> h.HostRelaysResult:
         def seat(s: h.RelayChildSeat) -> h.RelayChildSeat:
@@ -178,6 +203,24 @@ class TopRelayHost(RelayHost):
         kept = tuple(dataclasses.replace(r, children=tuple(seat(s) for s in r.children))
                      for r in args.relays if r.relay in self._keep)
         return super().host_relays(dataclasses.replace(args, relays=kept))
+
+    def relay_call(self, args: h.RelayCallArgs) -> CombinedReplies:
+        """A relay this process would serve below its top one (the driver calls one directly to
+        abort around a lost relay: ``RelayPlane.abort``) is the stand-ins': forwarded to them."""
+        if args.relay in self._keep:
+            return super().relay_call(args)
+        with self._lock:
+            if self._below is None:
+                self._below = RelayClient(dataclasses.replace(self._template, address=self._stand_in))
+            below = self._below
+        return below.relay_call(args, timeout_s=args.timeout_s)
+
+    def close(self) -> None:
+        with self._lock:
+            below, self._below = self._below, None
+        if below is not None:
+            below.close()
+        super().close()
 
 
 def top_main(conn: Any, rank: int, keep: frozenset[int], stand_in: str, job_id: str, token: str) -> None:
@@ -197,7 +240,7 @@ def top_main(conn: Any, rank: int, keep: frozenset[int], stand_in: str, job_id: 
             conn.send({"touches": 0, "steps": 0, "cpu_s": ru.ru_utime + ru.ru_stime, "max_beat_gap": 0.0})
         elif command in ("hold", "release"):
             conn.send(True)
-        elif command == "entered":
+        elif command in ("entered", "aborted"):  # its subtrees' stand-ins count them
             conn.send(0)
         elif command == "stop":
             server.stop(0.0)

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import ray
 
@@ -148,6 +148,14 @@ class _Aborting:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+class SubtreeAbort(Protocol):
+    """The survivors' abort through the relay tree (``RelayPlane``): one call per live subtree,
+    around the relays that ran in a lost rank's process; the ranks that took it."""
+
+    def abort(self, reason: str, generation: int, *, gone: Callable[[], Collection[int]],
+              timeout_s: float) -> set[int]: ...
+
+
 class Members:
     """The owners of a pool as a fan-out reaches them, in rank order: each one's control client
     and node record (``node`` at start-up: ip, pid, name, node id, control address), the health
@@ -159,6 +167,7 @@ class Members:
         self.clients: list[OwnerClient] = []
         self.nodes: list[dict[str, Any]] = []
         self.health: RankHealthWatch | None = None
+        self.relays: SubtreeAbort | None = None  # while steps take the relay tree
         self.generation = generation
 
     def lost(self) -> dict[int, str]:
@@ -181,6 +190,7 @@ class FanOut:
         self._lock = threading.Lock()
         self._size = 0
         self._aborting: _Aborting | None = None  # the last abort check() began
+        self._closed = False
         self._calls = self._urgent = ThreadPoolExecutor(max_workers=1)  # replaced by fit()
         self.fit(world_size)
 
@@ -244,7 +254,7 @@ class FanOut:
         try:
             aborting.answered.update(self._abort_all(reason, aborting.generation, lambda: aborting.known))
         except BaseException as err:  # never raises: the recovery's abort sends to every survivor again
-            log.warning("aborting the survivors failed: %r", err)
+            (log.debug if self._closed else log.warning)("aborting the survivors failed: %r", err)
         finally:
             aborting.done.set()
 
@@ -273,13 +283,19 @@ class FanOut:
         def gone() -> set[int]:
             return {*members.lost(), *skip()}
 
-        skipped = gone()
+        answered: set[int] = set()
+        tree = members.relays
+        if tree is not None:  # the live subtrees first: a call each, not one per survivor
+            try:
+                answered = tree.abort(reason, generation, gone=gone, timeout_s=_ABORT_CALL_S)
+            except Exception as err:  # the direct calls below reach every survivor instead
+                log.warning("aborting the survivors through the relay tree failed: %r", err)
+        skipped = gone() | answered
         # A rank lost while the abort is out is not waited for: behind a cut link the abort
         # cannot arrive, and waiting out its timeout delayed every partition's recovery by 5 s.
         got = self.urgent({r: c for r, c in enumerate(members.clients) if r not in skipped},
                           lambda c: c.abort(reason, generation, timeout_s=_ABORT_CALL_S), timeout_s=_ABORT_WAIT_S,
                           skip=gone)
-        answered = set()
         for rank, result in got.items():
             if isinstance(result, Exception):  # an owner that cannot take the abort is found lost next
                 log.debug("abort did not reach rank %d: %s", rank, result)
@@ -425,6 +441,7 @@ class FanOut:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             executors = (self._calls, self._urgent)
         for executor in executors:
             executor.shutdown(wait=False, cancel_futures=True)
