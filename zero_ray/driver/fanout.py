@@ -285,7 +285,9 @@ class FanOut:
 
         answered: set[int] = set()
         tree = members.relays
-        if tree is not None:  # the live subtrees first: a call each, not one per survivor
+        # The live subtrees first: a call each, not one per survivor. A rank that took an earlier
+        # abort of this generation counts as gone there too, so no subtree holding one is called again.
+        if tree is not None:
             try:
                 answered = tree.abort(reason, generation, gone=gone, timeout_s=_ABORT_CALL_S)
             except Exception as err:  # the direct calls below reach every survivor instead
