@@ -98,8 +98,8 @@ def notes(rows: Sequence[ScaleRow]) -> list[str]:
             out.append(f"{r.owners} owners: the loss decision did not name the killed owner")
         if r.owners >= GOAL_OWNERS:
             ok = r.loss_to_decision_s < GOAL_DECISION_S
-            out.append(f"{r.owners} owners: loss → decision {r.loss_to_decision_s:.2f} s (goal < {GOAL_DECISION_S:g}): "
-                       f"{'met' if ok else 'MISS'}")
+            out.append(f"{r.owners} owners: loss → decision {r.loss_to_decision_s:.2f} s "
+                       f"(goal < {GOAL_DECISION_S:g}): {'met' if ok else 'MISS'}")
         piped = f"added latency with fit's pipelined steps {r.pipelined_added_ms_per_step:.1f} ms/step"
         if r.owners == GOAL_OWNERS_LARGE:
             ok = r.pipelined_added_ms_per_step <= GOAL_FIT_LARGE_MS

@@ -209,7 +209,8 @@ def test_the_loss_is_decided_before_the_survivors_abort_is_answered_and_the_reco
         assert not recovery.is_alive()
     finally:
         release.set()
-    assert [c.aborts for c in members.clients] == [[(str(info.value), 7)], [], [(str(info.value), 7)]]  # type: ignore[attr-defined]
+    taken = [c.aborts for c in members.clients]  # type: ignore[attr-defined]
+    assert taken == [[(str(info.value), 7)], [], [(str(info.value), 7)]]
     fan.close()
 
 
