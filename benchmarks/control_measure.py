@@ -79,7 +79,9 @@ class ScaleRow:
     heartbeat_bytes_per_s: float  # protobuf payload only (no HTTP/2 or TCP framing)
     owners_heartbeat_cpu_cores: float  # the worker processes' CPU over the heartbeat window
     health_detect_s: float  # SIGKILL -> the HealthMonitor reporting the owner lost
-    abort_survivors_s: float  # Abort to every survivor on FanOut's urgent pool
+    # the decision -> every survivor's Abort answered (FanOut.check begins it, FanOut.abort waits for
+    # it and completes it); before issue 44's abort fix, a second abort after the check's own
+    abort_survivors_s: float
     lost_rank_ok: bool  # the decision named the killed owner
     max_beat_age_s: float  # the oldest last heartbeat the monitor held after a timed step
     owners_max_beat_gap_s: float  # the longest an owner went without serving a heartbeat, over the steps
@@ -100,6 +102,8 @@ class ScaleRow:
     top_relays: int = 0
     top_relays_cpu_ms_per_step: float = float("nan")  # the top relays' processes, stand-in rows only
     loadavg: tuple[float, float] = (float("nan"), float("nan"))  # 1-minute load at the row's start and end
+    # the Abort calls the survivors took (stand-ins: through the tree only; they refuse a direct one)
+    aborted_ranks: int = -1
 
     def as_json(self) -> dict[str, Any]:
         """The row as JSON-ready numbers."""
@@ -405,7 +409,8 @@ def measure(owners: int, settings: ScaleSettings, log: Callable[[str], None] = p
             stats_fanout_ms=stats_fanout_s * 1e3, driver_threads=driver.threads_seen,
             heartbeats_per_s=beats / elapsed, heartbeat_bytes_per_s=beats / elapsed * _heartbeat_payload_bytes(),
             owners_heartbeat_cpu_cores=owners_cpu, health_detect_s=loss["health_s"],
-            abort_survivors_s=loss["abort_s"], lost_rank_ok=loss["rank_ok"], heartbeat_cpu_by_thread=beat_threads,
+            abort_survivors_s=loss["abort_s"], aborted_ranks=loss["aborted"], lost_rank_ok=loss["rank_ok"],
+            heartbeat_cpu_by_thread=beat_threads,
             step_cpu_by_thread=step_threads, max_beat_age_s=max(ages), owners_max_beat_gap_s=owner_gap,
             false_losses=len(false_losses), false_loss_reason=false_losses[0] if false_losses else "",
             pipelined_added_ms_per_step=(piped_wall / settings.steps - settings.compute_s) * 1e3,
@@ -446,12 +451,12 @@ def _loss(cluster: SimCluster | StandInCluster, driver: Driver, step: int) -> di
     error = outcome.get("error")
     if error is None:
         raise TimeoutError("the step did not fail within 60 s of its owner's loss")
-    t_abort = time.monotonic()
-    if isinstance(cluster, StandInCluster):  # no owner to abort: the stand-ins' held steps end
+    # The decision began the survivors' abort (FanOut.check); the recovery's abort waits for it
+    # and completes it: from the decision to every survivor having taken it.
+    driver.abort("control_scale: an owner was lost")
+    abort_s = time.monotonic() - outcome["at"]
+    aborted = sum(cluster.ask("aborted", survivors_only=True))  # the Abort calls the survivors took
+    if isinstance(cluster, StandInCluster):  # the stand-ins' held steps end
         cluster.ask("release", survivors_only=True)
-        abort_s = float("nan")
-    else:
-        driver.abort("control_scale: an owner was lost")
-        abort_s = time.monotonic() - t_abort
     return {"decision_s": outcome["at"] - killed, "health_s": health_s, "abort_s": abort_s,
-            "rank_ok": isinstance(error, OwnerLostError) and error.rank == victim}
+            "rank_ok": isinstance(error, OwnerLostError) and error.rank == victim, "aborted": aborted}

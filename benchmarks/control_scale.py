@@ -49,11 +49,12 @@ GOAL_CPU_MS = 5.0
 GOAL_OWNERS_LARGE = 8192
 GOAL_FIT_LARGE_MS = 10.0
 GOAL_HEARTBEAT_CORES_PER_100 = 0.01
+GOAL_DECISION_S = 1.0  # a relay's (here) or an owner's SIGKILL -> OwnerLostError
 BUSY_CORES = 0.9  # a Python driver this busy is bound by its one GIL
 
 COLUMNS = ("owners", "path", "added ms/step", "fit (pipelined): added ms/step, CPU cores", "driver CPU cores", "CPU ms/step", "µs CPU/owner", "dispatch ms",
            "collect ms", "oldest beat s (driver / owner)", "heartbeat cores", "≤ 1%/100 owners", "beats/s",
-           "loss → decision s", "monitor s", "below the driver",
+           "loss → decision s", "monitor s", "decision → survivors aborted s", "below the driver",
            "load (1 min) start → end", "top relays CPU ms/step")
 
 
@@ -68,6 +69,7 @@ def _cells(r: ScaleRow) -> list[str]:
             f"{r.heartbeat_cpu_cores:.4f}",
             "yes" if r.heartbeat_cpu_cores <= budget else f"no ({budget:.4f})", f"{r.heartbeats_per_s:.0f}",
             f"{r.loss_to_decision_s:.3f}", f"{r.health_detect_s:.3f}",
+            f"{r.abort_survivors_s:.3f}" + (f" ({r.aborted_ranks} took it)" if r.aborted_ranks >= 0 else ""),
             r.below_driver + (f", {r.top_relays} top relays" if r.top_relays else ""),
             f"{r.loadavg[0]:.1f} → {r.loadavg[1]:.1f}", f"{r.top_relays_cpu_ms_per_step:.1f}"]
 
@@ -94,6 +96,10 @@ def notes(rows: Sequence[ScaleRow]) -> list[str]:
                        f"{r.false_loss_reason[:300]}")
         if not r.lost_rank_ok:
             out.append(f"{r.owners} owners: the loss decision did not name the killed owner")
+        if r.owners >= GOAL_OWNERS:
+            ok = r.loss_to_decision_s < GOAL_DECISION_S
+            out.append(f"{r.owners} owners: loss → decision {r.loss_to_decision_s:.2f} s "
+                       f"(goal < {GOAL_DECISION_S:g}): {'met' if ok else 'MISS'}")
         piped = f"added latency with fit's pipelined steps {r.pipelined_added_ms_per_step:.1f} ms/step"
         if r.owners == GOAL_OWNERS_LARGE:
             ok = r.pipelined_added_ms_per_step <= GOAL_FIT_LARGE_MS
@@ -135,7 +141,8 @@ def render_markdown(results: dict[str, Any]) -> str:
                  "top relay, with its subtree, is a stand-in answering RelayStep with the combined reply of its "
                  "ranks after the compute time and Watch with their beats. Rows of depth 1 (the top relays call "
                  "owners) are the full simulation. Loss: the SIGKILL of the last stand-in relay (alone in its "
-                 "process) inside a held step.\n\n")
+                 "process) inside a held step; the survivors' abort goes down the tree (RelayCall of Abort, "
+                 "which the stand-ins answer per rank and count: 'took it').\n\n")
     body = table(rows)
     extra = "\n".join(f"- {n}" for n in results["notes"])
     threads = "\n".join(f"- {r.owners} owners: per step (ms) {_top(r.step_cpu_by_thread)}; heartbeats (cores) "

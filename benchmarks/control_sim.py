@@ -109,6 +109,7 @@ class SimHost:
         self.step_lock = threading.Lock()
         self.flight = FlightRecorder()
         self.touches = 0  # every control call and heartbeat served
+        self.aborts = 0  # Abort calls taken (each survivor's once, after the loss)
         self.last_beat = 0.0  # when a heartbeat (or Stats) last read engine_or_none
         self.max_beat_gap = 0.0  # the longest time between two, since the driver last asked
         self._engine = SimEngine(rank, settings.compute_s, timestamps=settings.timestamps)
@@ -129,6 +130,7 @@ class SimHost:
         return None
 
     def abort(self, *, reason: str, generation: int) -> bool:
+        self.aborts += 1
         self._engine.aborted.set()
         return True
 
@@ -190,6 +192,8 @@ def worker_main(conn: Any, ranks: list[int], settings: SimSettings) -> None:
             conn.send(True)
         elif command == "entered":
             conn.send(sum(x.engine.entered for x in hosts))
+        elif command == "aborted":
+            conn.send(sum(x.aborts for x in hosts))
         elif command == "stop":
             for s, relays in served:
                 s.stop(0.0)

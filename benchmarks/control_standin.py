@@ -12,8 +12,11 @@ its ranks would send (built once, at start, by the real ``core/reply_combine`` o
 when it began and ended the step, on the machine's monotonic clock), ``--compute-ms`` after the step may begin
 (after the one before it on that subtree: a step sent ahead waits, as ``StepOrder`` makes an
 owner wait), and answers ``Relay.Watch`` with every rank's beat once, then an empty message each
-interval (what an idle relay sends). ``HostRelays`` is answered and ignored: the stand-ins serve
-whatever the driver's plan names.
+interval (what an idle relay sends), and ``Relay.RelayCall`` of ``Abort`` (the survivors' abort
+after the loss, ``RelayPlane.abort``; also for the relays inside the victim's subtree that live
+ranks host, as they would) with every rank's reply, and ``PartitionOwner.Abort`` (a survivor the
+lost relay called itself), counting the ranks the abort reached.
+``HostRelays`` is answered and ignored: the stand-ins serve whatever the driver's plan names.
 
 The driver (``RelayPlane`` + ``SubtreeHealthMonitor``, unchanged) plans the whole tree and tells
 every hosting rank what to serve; the ranks that host a top relay are the real servers, which
@@ -40,15 +43,16 @@ import grpc
 
 from benchmarks.harness.worker_fleet import WorkerFleet, helper_context, recv
 from zero_ray.control import handlers as h
-from zero_ray.control._generated import owner_pb2, relay_pb2, relay_pb2_grpc
+from zero_ray.control._generated import owner_pb2, owner_pb2_grpc, relay_pb2, relay_pb2_grpc
 from zero_ray.control.auth import Credentials
+from zero_ray.control.client import RelayClient
 from zero_ray.control.client_channel import ClientConfig
 from zero_ray.control.conversion import to_message
 from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.relay_wire import to_wire
 from zero_ray.control.server import ControlServer, ServerConfig
 from zero_ray.core.relay_tree import RelayConfig, RelayTree, plan_relays
-from zero_ray.core.reply_combine import CombinedStep, combine_steps
+from zero_ray.core.reply_combine import CombinedReplies, CombinedStep, combine_steps
 
 START_TIMEOUT_S = 300.0
 HOLD_LIMIT_S = 60.0  # a held step ends by itself after this, so a failed measurement never hangs
@@ -77,15 +81,21 @@ class StandInSubtrees(relay_pb2_grpc.RelayServicer):
     entered: int  # ranks inside held steps
     steps: int
     messages: int  # Watch messages sent
+    aborted: int  # ranks an Abort reached through RelayCall (the survivors' after the loss)
 
-    def __init__(self, subtrees: Mapping[int, Sequence[int]], *, compute_s: float) -> None:
+    def __init__(self, subtrees: Mapping[int, Sequence[int]], *, compute_s: float,
+                 below: Mapping[int, Sequence[int]] | None = None) -> None:
         self._ranks = {relay: tuple(ranks) for relay, ranks in subtrees.items()}
+        # Every relay a RelayCall may name here: the subtrees', and the relays inside them that
+        # live ranks host (an abort routed around the lost relay calls them: RelayPlane.abort).
+        self._callable = {**{relay: tuple(ranks) for relay, ranks in (below or {}).items()}, **self._ranks}
         self._replies = {relay: to_message(to_wire(combined_reply(ranks)), relay_pb2.RelayStepReply)
                          for relay, ranks in self._ranks.items()}
         self._compute_s = compute_s
         self._busy_until = dict.fromkeys(self._ranks, 0.0)
         self._lock = threading.Lock()
         self.hold, self.released, self.entered, self.steps, self.messages = False, threading.Event(), 0, 0, 0
+        self.aborted = 0
 
     def RelayStep(self, request: relay_pb2.RelayStepRequest, context: grpc.ServicerContext) -> Any:
         relay = request.relay
@@ -110,6 +120,28 @@ class StandInSubtrees(relay_pb2_grpc.RelayServicer):
         reply.data_seconds, reply.compute_seconds = start, time.monotonic()
         return reply
 
+    def RelayCall(self, request: relay_pb2.RelayCallRequest, context: grpc.ServicerContext) -> Any:
+        """``Abort`` on every rank of the subtree (``RelayPlane.abort``, the survivors' after the
+        loss), answered per rank as the owners below would; other forwarded calls are not stood in."""
+        relay = request.relay
+        if relay not in self._callable:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"the stand-in serves relays {sorted(self._ranks)}, not {relay}")
+        if request.method != "Abort":
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, f"the stand-in forwards Abort only, not {request.method}")
+        ranks = self._callable[relay]
+        asked = [r for span in request.ranks for r in range(span.start, span.stop)]
+        if asked != list(ranks):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"relay {relay}'s subtree is ranks {ranks[0]}-{ranks[-1]}")
+        reply = owner_pb2.AbortReply(aborted=True).SerializeToString()
+        with self._lock:
+            self.aborted += len(ranks)
+        return relay_pb2.RelayCallReply(replies=[relay_pb2.RankReply(rank=r, reply=reply) for r in ranks])
+
+    def abort_one(self) -> None:
+        """An owner's Abort called directly (a rank the lost relay called itself)."""
+        with self._lock:
+            self.aborted += 1
+
     def HostRelays(self, request: relay_pb2.HostRelaysRequest, context: grpc.ServicerContext) -> Any:
         return relay_pb2.HostRelaysReply(relays=sorted(r.relay for r in request.relays))
 
@@ -125,12 +157,26 @@ class StandInSubtrees(relay_pb2_grpc.RelayServicer):
             yield relay_pb2.SubtreeBeats()
 
 
-def stub_main(conn: Any, subtrees: dict[int, tuple[int, ...]], compute_s: float) -> None:
+class StandInOwners(owner_pb2_grpc.PartitionOwnerServicer):
+    """The owners of the stand-in subtrees as far as the driver calls them directly: Abort only
+    (the survivors a lost relay called itself), counted with the relayed ones."""
+
+    def __init__(self, subtrees: StandInSubtrees) -> None:
+        self._subtrees = subtrees
+
+    def Abort(self, request: owner_pb2.AbortRequest, context: grpc.ServicerContext) -> Any:
+        self._subtrees.abort_one()
+        return owner_pb2.AbortReply(aborted=True)
+
+
+def stub_main(conn: Any, subtrees: dict[int, tuple[int, ...]], compute_s: float,
+              below: dict[int, tuple[int, ...]] | None = None) -> None:
     """A stand-in process: serve ``subtrees`` (relay id -> its ranks) on loopback, send the
-    address, then answer "usage", "hold", "entered", "release", "stop"."""
-    servicer = StandInSubtrees(subtrees, compute_s=compute_s)
+    address, then answer "usage", "hold", "entered", "aborted", "release", "stop"."""
+    servicer = StandInSubtrees(subtrees, compute_s=compute_s, below=below)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=STUB_THREADS))
     relay_pb2_grpc.add_RelayServicer_to_server(servicer, server)
+    owner_pb2_grpc.add_PartitionOwnerServicer_to_server(StandInOwners(servicer), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     conn.send([f"127.0.0.1:{port}"])
@@ -145,6 +191,8 @@ def stub_main(conn: Any, subtrees: dict[int, tuple[int, ...]], compute_s: float)
             conn.send(True)
         elif command == "entered":
             conn.send(servicer.entered)
+        elif command == "aborted":
+            conn.send(servicer.aborted)
         elif command == "release":
             servicer.released.set()
             conn.send(True)
@@ -163,12 +211,14 @@ class TopRelayHost(RelayHost):
     _keep: frozenset[int]
     own: str
     _stand_in: str
+    _below: RelayClient | None  # the stand-ins', for a relay below the top this process would serve
 
     def __init__(self, *, rank: int, template: ClientConfig, keep: frozenset[int], stand_in: str) -> None:
         super().__init__(rank=rank, template=template)
         self._keep = keep
         self.own = ""  # the server's address, set once it listens
         self._stand_in = stand_in
+        self._below = None
 
     def host_relays(self, args: h.HostRelaysArgs) -> h.HostRelaysResult:
         def seat(s: h.RelayChildSeat) -> h.RelayChildSeat:
@@ -177,6 +227,24 @@ class TopRelayHost(RelayHost):
         kept = tuple(dataclasses.replace(r, children=tuple(seat(s) for s in r.children))
                      for r in args.relays if r.relay in self._keep)
         return super().host_relays(dataclasses.replace(args, relays=kept))
+
+    def relay_call(self, args: h.RelayCallArgs) -> CombinedReplies:
+        """A relay this process would serve below its top one (the driver calls one directly to
+        abort around a lost relay: ``RelayPlane.abort``) is the stand-ins': forwarded to them."""
+        if args.relay in self._keep:
+            return super().relay_call(args)
+        with self._lock:
+            if self._below is None:
+                self._below = RelayClient(dataclasses.replace(self._template, address=self._stand_in))
+            below = self._below
+        return below.relay_call(args, timeout_s=args.timeout_s)
+
+    def close(self) -> None:
+        with self._lock:
+            below, self._below = self._below, None
+        if below is not None:
+            below.close()
+        super().close()
 
 
 def top_main(conn: Any, rank: int, keep: frozenset[int], stand_in: str, job_id: str, token: str) -> None:
@@ -196,7 +264,7 @@ def top_main(conn: Any, rank: int, keep: frozenset[int], stand_in: str, job_id: 
             conn.send({"touches": 0, "steps": 0, "cpu_s": ru.ru_utime + ru.ru_stime, "max_beat_gap": 0.0})
         elif command in ("hold", "release"):
             conn.send(True)
-        elif command == "entered":
+        elif command in ("entered", "aborted"):  # its subtrees' stand-ins count them
             conn.send(0)
         elif command == "stop":
             server.stop(0.0)
@@ -246,7 +314,11 @@ class StandInCluster(WorkerFleet):
             return recv(parent, START_TIMEOUT_S, "address")[0]
 
         # The stand-ins first (the tops need their address), then moved behind the tops.
-        shared = start(stub_main, {c.id: tree.ranks_under(c.id) for c in below[:-1]}, compute_s)
+        # The shared stand-in also answers an abort for the relays inside the victim's subtree
+        # that live ranks host: only the victim's host rank is lost (its relays with it).
+        inside = {r.id: tree.ranks_under(r.id) for r in tree.relays
+                  if r.host != victim.host and r.id not in {t.id for t in top}}
+        shared = start(stub_main, {c.id: tree.ranks_under(c.id) for c in below[:-1]}, compute_s, inside)
         lone = start(stub_main, {victim.id: tree.ranks_under(victim.id)}, compute_s)
         hosts = {t.host: start(top_main, t.host, frozenset(x.id for x in top if x.host == t.host), shared,
                                self.credentials.job_id, self.credentials.token) for t in top}

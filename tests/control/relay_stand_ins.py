@@ -156,6 +156,7 @@ class ServedTree:
             owner.steps.clear()
             owner.evaluations.clear()
             owner.calls.clear()
+            owner.aborts.clear()
             owner.step_entered.clear()
             owner.release_step = threading.Event()
 

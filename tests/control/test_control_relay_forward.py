@@ -1,7 +1,8 @@
 """A report forwarded through the relay tree over gRPC (issue 44, ``Relay.RelayCall``): one
 serialized request for every rank, each rank's reply kept unparsed and returned in rank order
 (what asking each owner gives), a failing or unreachable child's ranks carrying its failure
-while the others' replies are kept, and only report methods forwarded."""
+while the others' replies are kept, and only report methods forwarded, and Abort (the survivors'
+after a loss: one call per subtree reaches each of its ranks once)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from zero_ray.control.auth import Credentials
 from zero_ray.control.client import RelayClient
 from zero_ray.control.client_channel import header_of
 from zero_ray.control.handlers import RelayCallArgs
-from zero_ray.control.relay_calls import forwarded_args, forwarded_results
+from zero_ray.control.relay_calls import abort_args, forwarded_args, forwarded_results
 from zero_ray.errors import ConfigError, ModelError, RemoteFailure
 
 
@@ -71,3 +72,18 @@ def test_a_served_relay_forwards_over_grpc_and_refuses_other_methods(tree: Serve
             client.relay_call(RelayCallArgs.of("Stats", args.request, ranks=[5], timeout_s=5.0, relay=node_a.id))
     with pytest.raises(ConfigError, match="forwards only"):
         RelayCallArgs.of("Reshard", b"", ranks=[0], timeout_s=5.0)
+
+
+def test_an_abort_reaches_every_rank_of_a_subtree_once_through_its_relay(tree: ServedTree) -> None:
+    # RelayPlane.abort calls a subtree's relay on its host (here one above two node relays);
+    # the ranks outside it are not its to abort.
+    upper = tree.tree.driver_children[0]
+    ranks = tree.tree.ranks_under(upper.id)
+    assert 1 < len(ranks) < WORLD
+    header = header_of(tree.owner_clients[0].config)
+    with RelayClient(tree.client_config(tree.relay_servers[upper.id])) as client:
+        reply = client.relay_call(abort_args(header, reason="rank 7 lost", generation=3, ranks=ranks, timeout_s=5.0,
+                                             relay=upper.id))
+    assert [o.rank for o in reply.replies] == list(ranks) and reply.failure is None
+    assert [tree.owners[r].aborts for r in ranks] == [[("rank 7 lost", 3)]] * len(ranks)
+    assert [o.aborts for o in tree.owners if o.rank not in ranks] == [[]] * (WORLD - len(ranks))

@@ -42,6 +42,7 @@ def test_two_owners_three_steps_write_every_figure(tmp_path: Path) -> None:
     assert 0 < row["pipelined_cpu_cores"] < 2.5
     assert row["loss_to_decision_s"] < 10.0  # a killed process's sockets close: no heartbeat timeout
     assert row["lost_rank_ok"] is True and row["false_losses"] == 0
+    assert row["aborted_ranks"] == 1 and row["abort_survivors_s"] >= 0  # the survivor took the abort once
     assert 0 < row["max_beat_age_s"] < 10.0
     assert 1.0 <= row["heartbeats_per_s"] <= 4.0  # 2 owners, one beat a second each
 
@@ -61,6 +62,9 @@ def test_steps_down_the_relay_tree_write_their_rows_beside_the_direct_ones(tmp_p
     assert (row["relay_fan_out"], row["relay_depth"], row["owners_per_node"]) == (2, 1, 2)
     assert row["step_wall_ms"] >= 20.0 and math.isnan(row["dispatch_ms"])
     assert row["lost_rank_ok"] is True and row["false_losses"] == 0 and row["loss_to_decision_s"] < 10.0
+    # the survivors' abort: ranks 0-1 through node 0's relay, rank 2 directly (its node relay is
+    # on the lost rank 3's path); each took it once, none twice
+    assert row["aborted_ranks"] == 3
     assert "tree: fan-out 2, depth 1, 2/node" in (tmp_path / "control_scale_relays.md").read_text()
 
 
@@ -80,6 +84,10 @@ def test_stand_in_subtrees_put_real_top_relays_over_stand_ins(tmp_path: Path) ->
     assert row["step_wall_ms"] >= 20.0 and row["top_relays_cpu_ms_per_step"] > 0
     # the victim stand-in's host rank (6: the last node relay's) is the one the decision names
     assert row["lost_rank_ok"] is True and row["false_losses"] == 0 and row["loss_to_decision_s"] < 10.0
+    # the survivors' abort went around the lost relay (rank 6's): the first top relay's subtree
+    # through it, ranks 4-5 through their own relay, called directly, rank 7 (the lost relay's
+    # own child) directly: every survivor once, none twice
+    assert row["aborted_ranks"] == 7
     assert math.isnan(row["stats_fanout_ms"]) and len(row["loadavg"]) == 2
     # the stand-ins' own window: they compute the 20 ms, the rest is before and after it
     assert 15.0 <= row["compute_ms"] <= row["step_wall_ms"] and row["dispatch_ms"] > 0 and row["collect_ms"] > 0
@@ -102,7 +110,8 @@ def _row(owners: int, *, added: float, cpu: float, beats: float, piped: float = 
 def test_notes_name_the_misses_at_1024_owners_and_the_heartbeat_budget() -> None:
     fine = _row(1024, added=4.0, cpu=0.1, beats=0.05)
     slow = _row(1024, added=400.0, cpu=1.2, beats=0.2, piped=300.0)
-    assert notes([fine]) == ["1024 owners: added latency 4.0 ms/step (goal ≤ 10): met",
+    assert notes([fine]) == ["1024 owners: loss → decision 0.02 s (goal < 1): met",
+                             "1024 owners: added latency 4.0 ms/step (goal ≤ 10): met",
                              "1024 owners: added latency with fit's pipelined steps 3.0 ms/step (goal ≤ 5): met",
                              "1024 owners: driver CPU 2.4 ms/step (goal ≤ 5): met"]
     got = notes([slow])
@@ -110,9 +119,13 @@ def test_notes_name_the_misses_at_1024_owners_and_the_heartbeat_budget() -> None
     assert any("added latency 400.0 ms/step" in n and n.endswith("MISS") for n in got)
     assert any("pipelined steps 300.0 ms/step" in n and n.endswith("MISS") for n in got)
     assert any("driver CPU 504.0 ms/step" in n and n.endswith("MISS") for n in got)
-    # At 8,192 owners only fit's latency has a goal (and the heartbeat budget).
+    # At 8,192 owners only fit's latency and the decision have goals (and the heartbeat budget).
     large = notes([replace(fine, owners=8192, heartbeat_cpu_cores=0.001, pipelined_added_ms_per_step=12.0)])
-    assert large == ["8192 owners: added latency with fit's pipelined steps 12.0 ms/step (goal ≤ 10): MISS"]
+    assert large == ["8192 owners: loss → decision 0.02 s (goal < 1): met",
+                     "8192 owners: added latency with fit's pipelined steps 12.0 ms/step (goal ≤ 10): MISS"]
+    # A relay's loss decided after the survivors' abort (3.2-4.9 s at 8,192 before issue 44's fix).
+    assert "8192 owners: loss → decision 3.20 s (goal < 1): MISS" in notes([replace(fine, owners=8192,
+                                                                                    loss_to_decision_s=3.2)])
     assert any("where the time goes" in n and "dispatch 320.0 ms" in n for n in got)
     assert any("CPU-bound (1.20 cores)" in n for n in got)
     # Below 1024 owners only the heartbeat budget is judged.

@@ -235,3 +235,37 @@ def test_ranks_under_a_relay_are_its_subtree_s() -> None:
         below = relay.ranks + tuple(r for c in tree.children(relay.id) for r in tree.ranks_under(c.id))
         assert tree.ranks_under(relay.id) == tuple(sorted(below)) and relay.host == min(below)
 
+
+
+def _around_reaches(tree: RelayTree, lost: set[int]) -> tuple[list[int], set[int]]:
+    relays, direct = tree.around(lost)
+    reached = [r for relay in relays for r in tree.ranks_under(relay.id)] + list(direct)
+    hosts = {relay.host for relay in relays}
+    return sorted(reached), hosts
+
+
+def test_around_a_lost_relay_host_the_survivors_are_reached_once_by_few_calls_none_through_it() -> None:
+    # rank 7680 hosts node-960's relay and the two above it, up to a top relay's child (8,192
+    # owners, depth 4; control_scale's stand-in victim): the survivors' abort must not pass through it.
+    tree = plan_relays(_nodes(8192))
+    victim = 7680
+    assert [r.level for r in tree.hosted_by(victim)] == [1, 2, 3]
+    relays, direct = tree.around({victim})
+    reached, hosts = _around_reaches(tree, {victim})
+    assert reached == [r for r in range(8192) if r != victim]  # every survivor, once
+    assert victim not in hosts and not {r.id for r in tree.hosted_by(victim)} & {r.id for r in relays}
+    assert direct == tuple(range(7681, 7688))  # the lost node relay's own owners
+    assert len(relays) <= (8 - 1) * tree.depth + 1  # siblings along the path, not O(owners)
+    assert tree.around(set()) == (tree.driver_children, ())  # no loss: the driver's children whole
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_around_random_losses_reaches_every_other_live_rank_once_through_no_lost_rank(seed: int) -> None:
+    rng = random.Random(seed)
+    nodes = _nodes(rng.choice([9, 64, 300]), rng.choice([1, 4, 8]))
+    tree = plan_relays(nodes, RelayConfig(fan_out=rng.randint(2, 9)))
+    lost = set(rng.sample(range(len(nodes)), rng.randint(1, 5))) | {len(nodes) + 3}  # one not in the tree
+    reached, hosts = _around_reaches(tree, lost)
+    assert reached == [r for r in range(len(nodes)) if r not in lost]
+    relays, _ = tree.around(lost)
+    assert all(not set(tree.ranks_under(relay.id)) & lost for relay in relays) and not hosts & lost

@@ -292,8 +292,11 @@ class RelayEvaluateArgs(_PackedRanks, _relay_records.RelayEvaluateArgs):
 
 # The PartitionOwner methods a relay forwards as they are (RelayCall): a request that is the same
 # for every rank and a reply that is wanted per rank. Any other method is refused, so that the
-# relay's generic path cannot reach a rank's state-changing calls.
-FORWARDED_METHODS = frozenset({"Stats", "Flight", "Status"})
+# relay's generic path cannot reach a rank's state-changing calls; Abort is the one that changes
+# state, let through because it is the same for every rank, changes nothing twice (an owner
+# aborts a generation once, never an older one) and must reach thousands of survivors fast
+# (RelayPlane.abort: one call per live subtree instead of one per survivor).
+FORWARDED_METHODS = frozenset({"Stats", "Flight", "Status", "Abort"})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,8 +45,8 @@ from zero_ray.core.reply_combine import (
 )
 from zero_ray.errors import RelayError
 
-__all__ = ["EVALUATE", "FORWARDED", "STEP", "ForwardedCall", "PackedCall", "RelayedCall", "forwarded_args",
-           "forwarded_results"]
+__all__ = ["EVALUATE", "FORWARDED", "STEP", "ForwardedCall", "PackedCall", "RelayedCall", "abort_args",
+           "forwarded_args", "forwarded_results"]
 
 C = TypeVar("C", CombinedStep, CombinedEvaluation, CombinedReplies)
 Args = RelayStepArgs | RelayEvaluateArgs | RelayCallArgs
@@ -184,6 +184,15 @@ def forwarded_args(method: str, header: common_pb2.RequestHeader, *, ranks: Iter
     request_type = _FORWARDED_TYPES[method][0]
     return RelayCallArgs.of(method, request_type(header=header).SerializeToString(), ranks=list(ranks),
                             timeout_s=timeout_s)
+
+
+def abort_args(header: common_pb2.RequestHeader, *, reason: str, generation: int, ranks: Iterable[int],
+               timeout_s: float, relay: int) -> RelayCallArgs:
+    """The RelayCall of ``Abort`` (``generation``'s collectives, for ``reason``) on every rank of
+    relay ``relay``'s subtree, ``ranks``: its request serialized once for all of them."""
+    request = owner_pb2.AbortRequest(header=header, reason=reason, generation=generation)
+    return RelayCallArgs.of("Abort", request.SerializeToString(), ranks=list(ranks), timeout_s=timeout_s,
+                            relay=relay)
 
 
 def forwarded_results(method: str, replies: CombinedReplies) -> list[Any]:

@@ -20,7 +20,7 @@ Pure: imports neither ray nor grpc nor torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -181,6 +181,30 @@ class RelayTree:
     def hosted_by(self, rank: int) -> tuple[Relay, ...]:
         """The relays that run in ``rank``'s process (lowest level first)."""
         return tuple(sorted((r for r in self.relays if r.host == rank), key=lambda r: (r.level, r.id)))
+
+    def around(self, lost: Collection[int]) -> tuple[tuple[Relay, ...], tuple[int, ...]]:
+        """How a call reaches every live rank not in ``lost`` without passing through a lost
+        rank's relays: the relays whose subtrees hold no rank of ``lost`` (each called whole), and
+        the ranks left to call directly (those a relay on a lost rank's path calls itself). A lost
+        rank's process runs only relays on its own path (a relay runs on a rank under it), so no
+        relay returned is a lost one; a call of ``fan_out`` x ``depth`` relays at most per loss
+        (the abort of the survivors: ``RelayPlane.abort``)."""
+        known = set(lost)
+        tainted = {relay.id for r in known if r in self._caller for relay in self.path(r)}
+        relays: list[Relay] = []
+        direct: list[int] = []
+
+        def visit(relay: Relay) -> None:
+            if relay.id not in tainted:
+                relays.append(relay)
+                return
+            for child in relay.relays:
+                visit(self._by_id[child])
+            direct.extend(r for r in relay.ranks if r not in known)
+
+        for top in self.driver_children:
+            visit(top)
+        return tuple(relays), tuple(sorted(direct))
 
     def _whereabouts(self, rank: int) -> str:
         if rank in self.lost:

@@ -2,9 +2,12 @@
 and the bootstrap only, through Ray).
 
 Every wait is bounded. While waiting, the health monitor is watched: when it reports an owner
-lost, the survivors' collectives of the current generation are aborted at once (so that none
-of them waits out ``collective_timeout_s`` on the dead one, whatever the operation: a step, a
-resize transfer, a rebuild, a peer snapshot) and ``OwnerLostError`` is raised. The first
+lost, ``OwnerLostError`` is raised at once and the survivors' collectives of the current
+generation are aborted meanwhile on a thread of its own (so that none of them waits out
+``collective_timeout_s`` on the dead one, whatever the operation: a step, a resize transfer, a
+rebuild, a peer snapshot). The decision does not wait for that abort (one call per survivor:
+seconds at 8,192 owners); the recovery's ``abort`` joins it, completes it, and returns only once
+every survivor that answers has taken it, before anything re-forms. The first
 failure of any owner is raised at once too: the others may be blocked on the failed one. A
 step's staging calls (the Ray calls handing each owner its piece) are watched as well: one
 that fails fails the step at once with its own error, instead of the owner waiting for a piece
@@ -34,7 +37,7 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import ray
 
@@ -56,6 +59,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 POLL_S = 0.2  # how often a wait looks at the health monitor and the staging calls
+_ABORT_CALL_S = 5.0  # one owner's Abort call
+_ABORT_WAIT_S = 10.0  # the survivors' aborts, all of them
 
 # The only actor methods the driver calls on an owner through Ray (tests/unit/test_control_rule.py
 # checks the sources): the bootstrap before gRPC can be spoken, and the data path, which carries
@@ -132,6 +137,25 @@ class StepFlight:
         self.calls.cancel()
 
 
+@dataclass(kw_only=True)
+class _Aborting:
+    """A generation's abort begun by ``FanOut.check``: the ranks known lost meanwhile (not
+    waited for), those that took it, and whether it is done."""
+
+    generation: int
+    known: tuple[int, ...] = ()  # replaced, never changed in place: the abort's thread reads it
+    answered: set[int] = field(default_factory=set)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class SubtreeAbort(Protocol):
+    """The survivors' abort through the relay tree (``RelayPlane``): one call per live subtree,
+    around the relays that ran in a lost rank's process; the ranks that took it."""
+
+    def abort(self, reason: str, generation: int, *, gone: Callable[[], Collection[int]],
+              timeout_s: float) -> set[int]: ...
+
+
 class Members:
     """The owners of a pool as a fan-out reaches them, in rank order: each one's control client
     and node record (``node`` at start-up: ip, pid, name, node id, control address), the health
@@ -143,6 +167,7 @@ class Members:
         self.clients: list[OwnerClient] = []
         self.nodes: list[dict[str, Any]] = []
         self.health: RankHealthWatch | None = None
+        self.relays: SubtreeAbort | None = None  # while steps take the relay tree
         self.generation = generation
 
     def lost(self) -> dict[int, str]:
@@ -164,6 +189,8 @@ class FanOut:
         self._where = members.where
         self._lock = threading.Lock()
         self._size = 0
+        self._aborting: _Aborting | None = None  # the last abort check() began
+        self._closed = False
         self._calls = self._urgent = ThreadPoolExecutor(max_workers=1)  # replaced by fit()
         self.fit(world_size)
 
@@ -199,34 +226,84 @@ class FanOut:
 
     # -- waiting -----------------------------------------------------------------------------------------
     def check(self, what: str) -> None:
-        """Raise (after aborting the survivors) when the health monitor has lost an owner."""
+        """Raise ``OwnerLostError`` when the health monitor has lost an owner, the survivors'
+        abort sent meanwhile (:meth:`abort_soon`): the decision does not wait for one call per
+        survivor (seconds at 8,192 owners); :meth:`abort` joins it before anything re-forms."""
         lost = self._members.lost()
         if lost:
             rank = min(lost)
             reason = f"partition owner {self._where(rank)} stopped answering during {what}: {lost[rank]}"
-            self.abort(reason)
+            self.abort_soon(reason)
             raise OwnerLostError(reason, rank=rank)
+
+    def abort_soon(self, reason: str) -> None:
+        """Begin aborting the current generation's collectives on every survivor, on a thread of
+        its own, and return at once; a generation's abort is sent once (a second loss seen
+        before it is out joins it). :meth:`abort` waits for it and completes it."""
+        generation = self._members.generation
+        with self._lock:
+            if self._aborting is not None and self._aborting.generation == generation:
+                return
+            aborting = _Aborting(generation=generation)
+            self._aborting = aborting
+        thread = threading.Thread(target=self._abort_in_background, args=(aborting, reason),
+                                  name="zero_ray-abort-survivors", daemon=True)
+        thread.start()
+
+    def _abort_in_background(self, aborting: _Aborting, reason: str) -> None:
+        try:
+            aborting.answered.update(self._abort_all(reason, aborting.generation, lambda: aborting.known))
+        except BaseException as err:  # never raises: the recovery's abort sends to every survivor again
+            (log.debug if self._closed else log.warning)("aborting the survivors failed: %r", err)
+        finally:
+            aborting.done.set()
 
     def abort(self, reason: str, *, lost: Collection[int] = ()) -> None:
         """Abort the current generation's collectives on every owner that still answers (neither
         in ``lost``, the ranks the caller knows are gone, nor lost by the health monitor), on the
-        pool no step occupies. Never raises."""
+        pool no step occupies; when it returns, every survivor that answers has taken it (an
+        abort begun by :meth:`check` is waited for, and not sent again to those that took it).
+        Never raises."""
+        generation = self._members.generation
+        with self._lock:
+            aborting = self._aborting
+        answered: set[int] = set()
+        if aborting is not None and aborting.generation == generation:
+            aborting.known = (*aborting.known, *lost)  # not waited for there either
+            if aborting.done.wait(_ABORT_WAIT_S + _ABORT_CALL_S):
+                answered = set(aborting.answered)
+        skip = {*lost, *answered}
+        self._abort_all(reason, generation, lambda: skip)
+
+    def _abort_all(self, reason: str, generation: int, skip: Callable[[], Collection[int]]) -> set[int]:
+        """Abort ``generation`` on every owner neither in ``skip()`` (looked at again while the
+        calls are out) nor lost by the health monitor; the ranks that took it."""
         members = self._members
-        known = set(lost)
 
         def gone() -> set[int]:
-            return {*members.lost(), *known}
+            return {*members.lost(), *skip()}
 
-        generation = members.generation
-        skipped = gone()
+        answered: set[int] = set()
+        tree = members.relays
+        # The live subtrees first: a call each, not one per survivor. A rank that took an earlier
+        # abort of this generation counts as gone there too, so no subtree holding one is called again.
+        if tree is not None:
+            try:
+                answered = tree.abort(reason, generation, gone=gone, timeout_s=_ABORT_CALL_S)
+            except Exception as err:  # the direct calls below reach every survivor instead
+                log.warning("aborting the survivors through the relay tree failed: %r", err)
+        skipped = gone() | answered
         # A rank lost while the abort is out is not waited for: behind a cut link the abort
         # cannot arrive, and waiting out its timeout delayed every partition's recovery by 5 s.
         got = self.urgent({r: c for r, c in enumerate(members.clients) if r not in skipped},
-                          lambda c: c.abort(reason, generation, timeout_s=5.0), timeout_s=10.0,
+                          lambda c: c.abort(reason, generation, timeout_s=_ABORT_CALL_S), timeout_s=_ABORT_WAIT_S,
                           skip=gone)
         for rank, result in got.items():
             if isinstance(result, Exception):  # an owner that cannot take the abort is found lost next
                 log.debug("abort did not reach rank %d: %s", rank, result)
+            else:
+                answered.add(rank)
+        return answered
 
     def _check_staged(self, staged: dict[int, Any]) -> None:
         """Raise the error of a staging call that failed; forget those that succeeded."""
@@ -366,6 +443,7 @@ class FanOut:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             executors = (self._calls, self._urgent)
         for executor in executors:
             executor.shutdown(wait=False, cancel_futures=True)

@@ -11,8 +11,10 @@ call per top relay, made on the hop's loop thread; the reply is every owner's co
 way up, so the driver's work per step grows with the top relays, not the owners.
 
 The driver keeps watching each owner's health as before (the fan-out's wait looks at the
-health monitor every ``POLL_S``): a loss aborts the survivors and fails the step at once,
-whether the tree has answered or not. A rank's failure inside the tree comes back as the
+health monitor every ``POLL_S``): a loss fails the step at once, whether the tree has
+answered or not, and the survivors are aborted down the tree (:meth:`RelayPlane.abort`: one
+call per live subtree, routed around a lost rank's relays, whose own children are called
+directly). A rank's failure inside the tree comes back as the
 reply's ``failure`` and is raised here as its own domain error, named by its rank and node;
 a relay that died is its host rank's OwnerLostError, so every recovery path is the one a
 direct fan-out takes, and the recovery's membership change re-plans the tree.
@@ -24,8 +26,9 @@ one hop costs more than calling the owners directly (``python -m benchmarks.cont
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Callable, Collection
 from typing import Any, cast
 
 from zero_ray.control.client import ClientConfig, RelayClient
@@ -34,12 +37,12 @@ from zero_ray.control.handlers import HostRelaysArgs
 from zero_ray.control.relay_hop import DEFAULT_MARGIN_S, HopChild, RelayHop, close_relays, hop_children
 from zero_ray.control.client_channel import header_of
 from zero_ray.control.handlers import OwnerStats
-from zero_ray.control.relay_calls import forwarded_args, forwarded_results
+from zero_ray.control.relay_calls import abort_args, forwarded_args, forwarded_results
 from zero_ray.control.relay_host import host_plans
 from zero_ray.core.relay_tree import RelayConfig, RelayTree, plan_relays
 from zero_ray.core.reply_combine import CombinedEvaluation, CombinedStep, RankFailure, RankSpans
 from zero_ray.driver.batch_staging import EvaluateCommand, StepCommand
-from zero_ray.driver.fanout import FanOut, InFlight, Members
+from zero_ray.driver.fanout import POLL_S, FanOut, InFlight, Members
 from zero_ray.errors import RelayError
 
 log = logging.getLogger(__name__)
@@ -102,6 +105,7 @@ class RelayPlane:
         hosts = {r: old.pop(addresses[r], None) or RelayClient(self._client_config(addresses[r])) for r in told}
         old_top = self._top
         self.tree, self._top, self._hosts = None, None, {}
+        self._members.relays = None
         close_relays([old_top] if old_top is not None else [], old.values())  # the clients of processes no longer members
         try:
             ranks = list(told)
@@ -117,6 +121,7 @@ class RelayPlane:
             self._top = RelayHop(host=None, children=hop_children(tree, None, owners={}, relays=tops),
                                  margin_s=self._margin_s)
             self.tree = tree
+            self._members.relays = self  # the survivors' abort takes the tree too (FanOut.abort)
             log.info("relay tree over %d owners on %d nodes: %d relays, depth %d, %d top relays", world,
                      len(set(tree.nodes)), len(tree.relays), tree.depth, len(tree.driver_children))
 
@@ -180,9 +185,54 @@ class RelayPlane:
             raise RelayError(f"the relay tree's reply covers ranks {ranks.spans}, not the pool's 0-{world - 1}: "
                              "the tree was planned over another membership")
 
+    def abort(self, reason: str, generation: int, *, gone: Callable[[], Collection[int]],
+              timeout_s: float) -> set[int]:
+        """Abort ``generation``'s collectives down the tree (``Relay.RelayCall`` of ``Abort``):
+        one call per subtree holding no rank of ``gone()`` (``RelayTree.around``: none passes
+        through a relay in a lost rank's process, so a lost relay host does not cut its subtree
+        off), each on the relay's own host, all at once. Returns the ranks that took it; the
+        caller (``FanOut.abort``) calls the others directly: the ranks a lost rank's relays
+        called themselves, and those of a subtree that failed. A subtree call is given up (its
+        ranks left to the caller) once one of its ranks is lost meanwhile, as a direct abort
+        stops waiting for a lost rank; the rest are bounded by ``timeout_s`` and the margin."""
+        tree, hosts = self.tree, dict(self._hosts)
+        if tree is None or not self._members.nodes:
+            return set()
+        relays, _ = tree.around(set(gone()))
+        header = header_of(self._client_config(self._members.nodes[0]["control_address"]))
+        calls: dict[Future[Any], tuple[int, ...]] = {}
+        executor = ThreadPoolExecutor(max_workers=max(1, len(relays)), thread_name_prefix="zero_ray-relay-abort")
+        try:
+            for relay in relays:
+                client = hosts.get(relay.host)
+                if client is None:  # not hosted (a replan under way): its ranks are called directly
+                    continue
+                ranks = tree.ranks_under(relay.id)
+                args = abort_args(header, reason=reason, generation=generation, ranks=ranks, timeout_s=timeout_s,
+                                  relay=relay.id)
+                calls[executor.submit(client.relay_call, args, timeout_s=timeout_s + self._margin_s)] = ranks
+            deadline = time.monotonic() + timeout_s + 2 * self._margin_s
+            pending = set(calls)
+            while pending and time.monotonic() < deadline:
+                _, pending = wait(pending, timeout=min(POLL_S, max(0.0, deadline - time.monotonic())),
+                                  return_when=FIRST_COMPLETED)
+                lost = set(gone())
+                pending = {f for f in pending if lost.isdisjoint(calls[f])}
+        finally:
+            executor.shutdown(wait=False)
+        answered: set[int] = set()
+        for future in calls:
+            if future.done() and future.exception() is None:
+                answered.update(o.rank for o in future.result().replies if o.failure is None)
+            elif future.done():
+                log.debug("the abort of ranks %d-%d through the tree failed: %s", calls[future][0],
+                          calls[future][-1], future.exception())
+        return answered
+
     def close(self) -> None:
         top, hosts = self._top, list(self._hosts.values())
         self.tree, self._top, self._hosts = None, None, {}
+        self._members.relays = None
         close_relays([top] if top is not None else [], hosts)
         self._executor.shutdown(wait=False, cancel_futures=True)
 

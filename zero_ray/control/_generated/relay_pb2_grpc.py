@@ -97,8 +97,8 @@ class RelayServicer:
 
     def RelayCall(self, request, context):
         """A PartitionOwner method whose request is the same for every rank (a report: Stats, Flight,
-        Status) called on every rank of the subtree; the reply is every rank's reply, in rank order,
-        unparsed. A child's failure is its ranks' failure in the reply, never the call's status.
+        Status; or Abort, the survivors' after a loss) called on every rank of the subtree; the reply
+        is every rank's reply, in rank order, unparsed. A child's failure is its ranks' failure in the reply, never the call's status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
