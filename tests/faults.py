@@ -107,7 +107,10 @@ class _Hooks:
             os.kill(os.getpid(), getattr(signal, f.sig))
 
 
-_TRANSFER_CALLERS = ("rebuild", "_reshard")  # zero_ray.owner.service.live_rank's callers of exchange
+# exchange's callers: a peer restore's (redundancy, for LiveRank.rebuild) and a resize's
+# (live_rank._reshard)
+_RESTORE_CALLERS = ("restore_from_peers",)
+_TRANSFER_CALLERS = (*_RESTORE_CALLERS, "_reshard")
 _STATE = "zero_ray_test_faults"  # a module of this name holds each process's hooks
 
 
@@ -154,10 +157,10 @@ def _install() -> None:
         state.reach("group_formation", kwargs["rank"])
 
     def transfer(*args: Any, me: int, **kwargs: Any) -> None:
-        caller = sys._getframe(2).f_code.co_name  # _reshard (a resize) or rebuild (a restore)
+        caller = sys._getframe(2).f_code.co_name  # _reshard (a resize) or a restore's
         if caller not in _TRANSFER_CALLERS:  # a renamed caller would file its kills under the wrong point
             raise AssertionError(f"exchange called from {caller!r}, not one of {_TRANSFER_CALLERS}")
-        state.reach("restore_transfer" if caller == "rebuild" else "resize_transfer", me)
+        state.reach("restore_transfer" if caller in _RESTORE_CALLERS else "resize_transfer", me)
 
     def snapshot(self: Any, engine_: Any, *args: Any, **kwargs: Any) -> None:
         state.reach("peer_snapshot", engine_.rank)
@@ -176,6 +179,7 @@ def _install() -> None:
 
     _wrap(live_rank, "form_group", forming)
     _wrap(live_rank, "exchange", transfer)
+    _wrap(redundancy, "exchange", transfer)
     _wrap(redundancy.PeerSnapshots, "take", snapshot)
     _wrap(checkpointing, "write_shard", writing)
     _wrap(checkpointing.ShardSaver, "wait", reporting)
