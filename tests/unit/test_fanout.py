@@ -354,7 +354,8 @@ def _lose_when_waiting(health: _Health, rank: int, lost_at: list[float]) -> thre
 
 
 @pytest.mark.parametrize("path", ["collect", "grpc"])
-def test_a_loss_wakes_the_wait_at_once_not_at_its_next_look(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_loss_wakes_the_wait_at_once_not_at_its_next_look(path: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     # The wait would look at the monitor only every POLL_S: set to 30 s, a loss that did not wake
     # it would be decided 30 s late (0.16 s of a relay loss's 0.19 s decision at POLL_S = 0.2).
     monkeypatch.setattr(fanout, "POLL_S", 30.0)
@@ -374,7 +375,9 @@ def test_a_loss_wakes_the_wait_at_once_not_at_its_next_look(path: str, monkeypat
         reporter = _lose_when_waiting(health, 1, lost_at)
         with pytest.raises(OwnerLostError, match="rank 1 stopped answering during step: relay stream closed"):
             if path == "collect":
-                fan.collect(FanOut.start(members.clients, "step", lambda c, i: never))  # type: ignore[arg-type,return-value]
+                flight = FanOut.start(members.clients, "step",  # type: ignore[arg-type]
+                                      lambda c, i: never)  # type: ignore[arg-type,return-value]
+                fan.collect(flight)
             else:
                 fan.grpc(members.clients, "step", step)  # type: ignore[arg-type]
         decided = time.monotonic() - lost_at[0]
@@ -410,6 +413,7 @@ def test_a_wait_stops_listening_when_it_returns_and_a_listener_failure_stops_nob
     assert fan.grpc(members.clients, "status", lambda c, i: i * 7 + 1) == [1]  # type: ignore[arg-type]
     done: Future[int] = Future()
     done.set_result(5)
-    assert fan.collect(FanOut.start(members.clients, "step", lambda c, i: done)) == [5]  # type: ignore[arg-type,return-value]
+    flight = FanOut.start(members.clients, "step", lambda c, i: done)  # type: ignore[arg-type,return-value]
+    assert fan.collect(flight) == [5]
     assert health._listeners._wakes == []  # nothing left to wake: no wait holds on
     fan.close()

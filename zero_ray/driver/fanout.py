@@ -2,16 +2,16 @@
 and the bootstrap only, through Ray).
 
 Every wait is bounded. While waiting, the health monitor is watched: when it reports an owner
-lost (it wakes the wait: ``RankHealthWatch.listen``), ``OwnerLostError`` is raised at once and the survivors' collectives of the current
-generation are aborted meanwhile on a thread of its own (so that none of them waits out
-``collective_timeout_s`` on the dead one, whatever the operation: a step, a resize transfer, a
-rebuild, a peer snapshot). The decision does not wait for that abort (one call per survivor:
-seconds at 8,192 owners); the recovery's ``abort`` joins it, completes it, and returns only once
-every survivor that answers has taken it, before anything re-forms. The first
-failure of any owner is raised at once too: the others may be blocked on the failed one. A
-step's staging calls (the Ray calls handing each owner its piece) are watched as well: one
-that fails fails the step at once with its own error, instead of the owner waiting for a piece
-that never comes.
+lost (it wakes the wait: ``RankHealthWatch.listen``), ``OwnerLostError`` is raised at once and
+the survivors' collectives of the current generation are aborted meanwhile on a thread of its
+own (so that none of them waits out ``collective_timeout_s`` on the dead one, whatever the
+operation: a step, a resize transfer, a rebuild, a peer snapshot). The decision does not wait
+for that abort (one call per survivor: seconds at 8,192 owners); the recovery's ``abort`` joins
+it, completes it, and returns only once every survivor that answers has taken it, before
+anything re-forms. The first failure of any owner is raised at once too: the others may be
+blocked on the failed one. A step's staging calls (the Ray calls handing each owner its piece)
+are watched as well: one that fails fails the step at once with its own error, instead of the
+owner waiting for a piece that never comes.
 
 Remote failures come back as domain errors: a handler's from the FailureDetail its status
 carried (its own type when zero_ray.errors has it, else OwnerError; rank, phase and remote
