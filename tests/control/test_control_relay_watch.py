@@ -129,11 +129,14 @@ def test_a_stopped_relay_is_its_hosts_loss_and_its_other_ranks_are_unwatched(ser
     node_c = served.tree.node_relay("node-c")
     assert node_c.ranks == (4, 5) and node_c.host == 4
     monitor = _monitor(_top(served) if level == "top relays" else _node_relays(served))
+    woken: list[set[int]] = []  # what lost() said when the monitor woke its listener (a fan-out's wait)
+    monitor.listen(lambda: woken.append(set(monitor.lost())))
     try:
         _until(lambda: all(h.last_beat > 0 for h in monitor.snapshot()))
         served.relay_servers[node_c.id].stop(0.0)
         _until(lambda: 4 in monitor.lost() and 5 in monitor.unwatched(), LOSS_BOUND_S)
         assert set(monitor.lost()) == {4} and set(monitor.unwatched()) == {5}
+        assert woken == [{4}]  # woken once, after the loss is readable; an unwatched rank wakes no one
         assert "Relay.Watch" in monitor.lost()[4] and "rank 4's process on node-c" in monitor.lost()[4]
         assert monitor.unwatched()[5].startswith(RELAY_LOST)
         five = monitor.snapshot()[5]

@@ -6,10 +6,15 @@ calls become domain errors from their fields."""
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
 
+from zero_ray.control.rank_watch import LossListeners
+from zero_ray.driver import fanout
 from zero_ray.driver.fanout import FanOut, Members, control_error
 from zero_ray.errors import (
     CallTimeout,
@@ -124,13 +129,25 @@ def test_ray_carries_only_the_bootstrap_and_the_data_path() -> None:
 
 
 class _Health:
-    """A health monitor that has lost the ranks it is given."""
+    """A health monitor that has lost the ranks it is given, and those it is told to lose later
+    (``lose``: its listeners woken, as the real monitors' reader threads wake them)."""
 
     def __init__(self, lost: dict[int, str]) -> None:
-        self._lost = lost
+        self._lost = dict(lost)
+        self._listeners = LossListeners()
 
     def lost(self) -> dict[int, str]:
         return dict(self._lost)
+
+    def lose(self, rank: int, reason: str) -> None:
+        self._lost[rank] = reason
+        self._listeners.ring()
+
+    def listen(self, wake: Callable[[], None]) -> None:
+        self._listeners.add(wake)
+
+    def unlisten(self, wake: Callable[[], None]) -> None:
+        self._listeners.discard(wake)
 
 
 class _Client:
@@ -270,6 +287,12 @@ class _LosesWhenEntered:
             lost[self._late] = "stalled"
         return lost
 
+    def listen(self, wake: Callable[[], None]) -> None:  # its losses are only ever polled
+        pass
+
+    def unlisten(self, wake: Callable[[], None]) -> None:
+        pass
+
 
 def test_an_abort_does_not_wait_for_a_rank_lost_while_it_is_out() -> None:
     import time
@@ -310,4 +333,87 @@ def test_an_abort_skips_the_ranks_its_caller_knows_are_lost() -> None:
         release.set()
     assert took < ENTER_S and not far.entered.is_set()
     assert [c.aborts for c in members.clients] == [[("node dead", 5)], [], [("node dead", 5)]]  # type: ignore[attr-defined]
+    fan.close()
+
+
+WOKEN_S = 1.0  # a woken wait's bound here: far below the POLL_S the tests below set, on a busy machine
+
+
+def _lose_when_waiting(health: _Health, rank: int, lost_at: list[float]) -> threading.Thread:
+    """Report ``rank`` lost a moment after the wait began, on a thread of its own (the
+    monitor's reader), noting when."""
+
+    def report() -> None:
+        time.sleep(0.05)  # not a synchronisation: only so the loss comes while the wait blocks
+        lost_at.append(time.monotonic())
+        health.lose(rank, "relay stream closed")
+
+    thread = threading.Thread(target=report, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("path", ["collect", "grpc"])
+def test_a_loss_wakes_the_wait_at_once_not_at_its_next_look(path: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # The wait would look at the monitor only every POLL_S: set to 30 s, a loss that did not wake
+    # it would be decided 30 s late (0.16 s of a relay loss's 0.19 s decision at POLL_S = 0.2).
+    monkeypatch.setattr(fanout, "POLL_S", 30.0)
+    members = Members(generation=3)
+    members.clients = [_Client() for _ in range(2)]  # type: ignore[list-item]
+    health = _Health({})
+    members.health = health  # type: ignore[assignment]
+    fan = FanOut(world_size=2, members=members)
+    release, lost_at = threading.Event(), []  # type: ignore[var-annotated]
+    never: Future[int] = Future()  # a reply that never comes while the test runs
+
+    def step(client: Any, rank: int) -> int:
+        release.wait(WAIT_S)
+        return rank
+
+    try:
+        reporter = _lose_when_waiting(health, 1, lost_at)
+        with pytest.raises(OwnerLostError, match="rank 1 stopped answering during step: relay stream closed"):
+            if path == "collect":
+                flight = FanOut.start(members.clients, "step",  # type: ignore[arg-type]
+                                      lambda c, i: never)  # type: ignore[arg-type,return-value]
+                fan.collect(flight)
+            else:
+                fan.grpc(members.clients, "step", step)  # type: ignore[arg-type]
+        decided = time.monotonic() - lost_at[0]
+        reporter.join(WAIT_S)
+    finally:
+        release.set()
+        never.cancel()
+    assert decided < WOKEN_S, decided
+    fan.abort("recovery")
+    assert [c.aborts for c in members.clients] == [[(_reason(1), 3)], []]  # type: ignore[attr-defined]
+    fan.close()
+
+
+def _reason(rank: int) -> str:
+    return f"partition owner rank {rank} stopped answering during step: relay stream closed"
+
+
+def test_a_wait_stops_listening_when_it_returns_and_a_listener_failure_stops_nobody() -> None:
+    listeners, woken = LossListeners(), []
+
+    def fails() -> None:
+        raise RuntimeError("a listener's bug")
+
+    listeners.add(fails)
+    listeners.add(lambda: woken.append("second"))
+    listeners.ring()
+    assert woken == ["second"]
+    health = _Health({})
+    members = Members()
+    members.clients = [_Client()]  # type: ignore[list-item]
+    members.health = health  # type: ignore[assignment]
+    fan = FanOut(world_size=1, members=members)
+    assert fan.grpc(members.clients, "status", lambda c, i: i * 7 + 1) == [1]  # type: ignore[arg-type]
+    done: Future[int] = Future()
+    done.set_result(5)
+    flight = FanOut.start(members.clients, "step", lambda c, i: done)  # type: ignore[arg-type,return-value]
+    assert fan.collect(flight) == [5]
+    assert health._listeners._wakes == []  # nothing left to wake: no wait holds on
     fan.close()

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,7 +26,7 @@ from zero_ray.control.handlers import Heartbeat
 from zero_ray.control.relay_hop import HopChild
 from zero_ray.control.subtree_watch import SubtreeReader
 
-__all__ = ["RankHealthWatch", "RankWatch", "SubtreeHealthMonitor"]
+__all__ = ["LossListeners", "RankHealthWatch", "RankWatch", "SubtreeHealthMonitor"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,40 @@ class RankWatch:
         return self.lost_reason is None
 
 
+class LossListeners:
+    """Who a monitor wakes the moment it loses a rank: a fan-out's wait blocks on its replies and
+    would otherwise see the loss only at its next look (``POLL_S``), which was most of a loss's
+    decision time. Nothing runs on the happy path: a wake is called only on a loss."""
+
+    _lock: threading.Lock
+    _wakes: list[Callable[[], None]]
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wakes = []
+
+    def add(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` on every loss from now on (on the monitor's thread: it must not block)."""
+        with self._lock:
+            self._wakes.append(wake)
+
+    def discard(self, wake: Callable[[], None]) -> None:
+        """Stop calling ``wake`` (nothing when it is not listening)."""
+        with self._lock:
+            if wake in self._wakes:
+                self._wakes.remove(wake)
+
+    def ring(self) -> None:
+        """Wake every listener: a rank was just lost."""
+        with self._lock:
+            wakes = list(self._wakes)
+        for wake in wakes:
+            try:
+                wake()
+            except Exception:  # a listener's failure must not stop the monitor's reader
+                log.exception("a loss listener failed")
+
+
 class RankHealthWatch(Protocol):
     """What the driver asks of its health monitor, whether it reads every owner's stream
     (driver/health.HealthMonitor) or the top relays' (SubtreeHealthMonitor)."""
@@ -60,6 +94,14 @@ class RankHealthWatch(Protocol):
 
     def snapshot(self) -> list[RankWatch]:
         """Every watched rank's health, by rank."""
+        ...
+
+    def listen(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (on the monitor's thread, so it must not block) each time a rank is lost."""
+        ...
+
+    def unlisten(self, wake: Callable[[], None]) -> None:
+        """Stop calling ``wake``."""
         ...
 
     def close(self) -> None:
@@ -74,12 +116,14 @@ class SubtreeHealthMonitor:
     _lock: threading.Lock
     _closed: threading.Event
     _ranks: dict[int, RankWatch]
+    _listeners: LossListeners
     _reader: SubtreeReader
 
     def __init__(self, children: Sequence[HopChild], *, interval_s: float, timeout_s: float) -> None:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._ranks = {r: RankWatch(rank=r) for c in children for r in c.ranks}
+        self._listeners = LossListeners()
         self._reader = SubtreeReader(children, interval_s=interval_s, stall_s=timeout_s, on_beat=self._beat,
                                      on_lost=self._lose, on_unwatched=self._unwatch)
 
@@ -89,6 +133,7 @@ class SubtreeHealthMonitor:
     def _lose(self, rank: int, reason: str) -> None:
         if not self._closed.is_set():
             self._set(rank, lost_reason=reason, unwatched_reason=None)
+            self._listeners.ring()
             log.error("rank %d lost: %s", rank, reason)
 
     def _unwatch(self, rank: int, reason: str) -> None:
@@ -114,6 +159,14 @@ class SubtreeHealthMonitor:
         """Every watched rank's health, by rank."""
         with self._lock:
             return [self._ranks[r] for r in sorted(self._ranks)]
+
+    def listen(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (on the reader's thread) each time a rank is lost."""
+        self._listeners.add(wake)
+
+    def unlisten(self, wake: Callable[[], None]) -> None:
+        """Stop calling ``wake``."""
+        self._listeners.discard(wake)
 
     def close(self) -> None:
         """End the streams; no loss is reported after this."""

@@ -2,16 +2,16 @@
 and the bootstrap only, through Ray).
 
 Every wait is bounded. While waiting, the health monitor is watched: when it reports an owner
-lost, ``OwnerLostError`` is raised at once and the survivors' collectives of the current
-generation are aborted meanwhile on a thread of its own (so that none of them waits out
-``collective_timeout_s`` on the dead one, whatever the operation: a step, a resize transfer, a
-rebuild, a peer snapshot). The decision does not wait for that abort (one call per survivor:
-seconds at 8,192 owners); the recovery's ``abort`` joins it, completes it, and returns only once
-every survivor that answers has taken it, before anything re-forms. The first
-failure of any owner is raised at once too: the others may be blocked on the failed one. A
-step's staging calls (the Ray calls handing each owner its piece) are watched as well: one
-that fails fails the step at once with its own error, instead of the owner waiting for a piece
-that never comes.
+lost (it wakes the wait: ``RankHealthWatch.listen``), ``OwnerLostError`` is raised at once and
+the survivors' collectives of the current generation are aborted meanwhile on a thread of its
+own (so that none of them waits out ``collective_timeout_s`` on the dead one, whatever the
+operation: a step, a resize transfer, a rebuild, a peer snapshot). The decision does not wait
+for that abort (one call per survivor: seconds at 8,192 owners); the recovery's ``abort`` joins
+it, completes it, and returns only once every survivor that answers has taken it, before
+anything re-forms. The first failure of any owner is raised at once too: the others may be
+blocked on the failed one. A step's staging calls (the Ray calls handing each owner its piece)
+are watched as well: one that fails fails the step at once with its own error, instead of the
+owner waiting for a piece that never comes.
 
 Remote failures come back as domain errors: a handler's from the FailureDetail its status
 carried (its own type when zero_ray.errors has it, else OwnerError; rank, phase and remote
@@ -34,7 +34,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -58,7 +59,11 @@ from zero_ray.errors import (
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-POLL_S = 0.2  # how often a wait looks at the health monitor and the staging calls
+# How often a wait looks at the health monitor and the staging calls when nothing wakes it: a
+# loss wakes collect and grpc at once (RankHealthWatch.listen), so this bounds only the staging
+# calls' failures, a monitor that loses a rank before the wait listens, and Ray's waits.
+POLL_S = 0.2
+_WOKEN = -1  # put in a flight's arrivals by the health monitor's loss: look at it now
 _ABORT_CALL_S = 5.0  # one owner's Abort call
 _ABORT_WAIT_S = 10.0  # the survivors' aborts, all of them
 
@@ -305,6 +310,18 @@ class FanOut:
                 answered.add(rank)
         return answered
 
+    @contextmanager
+    def _woken_by_loss(self, wake: Callable[[], None]) -> Iterator[None]:
+        """``wake`` called the moment the health monitor loses a rank, while the block runs."""
+        health = self._members.health
+        if health is not None:
+            health.listen(wake)
+        try:
+            yield
+        finally:
+            if health is not None:
+                health.unlisten(wake)
+
     def _check_staged(self, staged: dict[int, Any]) -> None:
         """Raise the error of a staging call that failed; forget those that succeeded."""
         if not staged:
@@ -363,17 +380,28 @@ class FanOut:
         staging = dict(staged or {})
         results: dict[int, T] = {}
         pending = set(futures)
-        while pending:
-            done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_EXCEPTION)
-            for fut in done:
-                i = futures[fut]
-                try:
-                    results[i] = fut.result()
-                except ControlError as err:
-                    raise control_error(err, self._where(names[i]), names[i], what) from err
-            self._check_staged(staging)
-            if watch:
-                self.check(what)
+        woken: Future[None] = Future()  # failed on a loss, so that the FIRST_EXCEPTION wait returns
+
+        def wake() -> None:  # only ever on the monitor's one reader thread
+            if not woken.done():
+                woken.set_exception(InterruptedError("the health monitor lost a rank"))
+
+        with self._woken_by_loss(wake):
+            while pending:
+                # Once woken, no longer waited on: a loss check() does not raise for (watch=False)
+                # would otherwise make every wait return at once.
+                waiting = pending if woken.done() else {*pending, woken}
+                done, pending = wait(waiting, timeout=POLL_S, return_when=FIRST_EXCEPTION)
+                pending.discard(woken)
+                for fut in done - {woken}:
+                    i = futures[fut]
+                    try:
+                        results[i] = fut.result()
+                    except ControlError as err:
+                        raise control_error(err, self._where(names[i]), names[i], what) from err
+                self._check_staged(staging)
+                if watch:
+                    self.check(what)
         return [results[i] for i in range(len(clients))]
 
     @staticmethod
@@ -390,29 +418,31 @@ class FanOut:
         return flight
 
     def collect(self, flight: InFlight[T]) -> list[T]:
-        """Every reply of ``flight`` in order, the health monitor and the staging calls looked at
-        every ``POLL_S``."""
+        """Every reply of ``flight`` in order; the health monitor looked at the moment it loses a
+        rank (it wakes the wait), and with the staging calls every ``POLL_S``."""
         what, calls, staging = flight.what, flight.calls, flight.staged
         results: dict[int, T] = {}
         checked = time.monotonic()
-        while len(results) < len(calls):
-            try:
-                i = flight.arrived.get(timeout=POLL_S)
-            except queue.Empty:
-                i = None
-            if i is not None:
+        with self._woken_by_loss(lambda: flight.arrived.put(_WOKEN)):
+            while len(results) < len(calls):
                 try:
-                    results[i] = calls[i].result()
-                except ControlError as err:
-                    raise control_error(err, self._where(i), i, what) from err
-            if i is None or time.monotonic() - checked >= POLL_S:  # not once per reply: O(owners) each
-                checked = time.monotonic()
-                self._check_staged(staging)
-                self.check(what)
-                if flight.deadline is not None and checked > flight.deadline and len(results) < len(calls):
-                    late = min(set(range(len(calls))) - set(results))
-                    raise CallTimeout(f"{self._where(late)} did not finish {what} within {flight.timeout_s:g}s",
-                                      rank=late)
+                    i = flight.arrived.get(timeout=POLL_S)
+                except queue.Empty:
+                    i = None
+                if i is not None and i != _WOKEN:
+                    try:
+                        results[i] = calls[i].result()
+                    except ControlError as err:
+                        raise control_error(err, self._where(i), i, what) from err
+                # Not once per reply (O(owners) each): on a loss, a silence, or every POLL_S.
+                if i is None or i == _WOKEN or time.monotonic() - checked >= POLL_S:
+                    checked = time.monotonic()
+                    self._check_staged(staging)
+                    self.check(what)
+                    if flight.deadline is not None and checked > flight.deadline and len(results) < len(calls):
+                        late = min(set(range(len(calls))) - set(results))
+                        raise CallTimeout(f"{self._where(late)} did not finish {what} within "
+                                          f"{flight.timeout_s:g}s", rank=late)
         return [results[i] for i in range(len(calls))]
 
     def urgent(self, targets: Mapping[int, OwnerClient], call: Callable[[OwnerClient], T], *,

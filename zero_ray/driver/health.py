@@ -10,11 +10,12 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from zero_ray.control.client import OwnerClient
 from zero_ray.control.handlers import Heartbeat
 from zero_ray.control.heartbeats import HeartbeatReader
-from zero_ray.control.rank_watch import RankWatch
+from zero_ray.control.rank_watch import LossListeners, RankWatch
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class HealthMonitor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ranks = [RankWatch(rank=r) for r in range(len(clients))]
+        self._listeners = LossListeners()
         self._reader = HeartbeatReader([c.config for c in clients], interval_s=interval_s, stall_s=timeout_s,
                                        on_beat=self._beat, on_lost=self._lose)
 
@@ -42,6 +44,7 @@ class HealthMonitor:
             return
         with self._lock:
             self._ranks[rank] = dataclasses.replace(self._ranks[rank], lost_reason=reason)
+        self._listeners.ring()
         log.error("rank %d lost: %s", rank, reason)
 
     def lost(self) -> dict[int, str]:
@@ -53,6 +56,14 @@ class HealthMonitor:
         """Every rank's health, by rank."""
         with self._lock:
             return list(self._ranks)
+
+    def listen(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (on the reader's thread) each time a rank is lost."""
+        self._listeners.add(wake)
+
+    def unlisten(self, wake: Callable[[], None]) -> None:
+        """Stop calling ``wake``."""
+        self._listeners.discard(wake)
 
     def close(self) -> None:
         """End the streams; no loss is reported after this."""

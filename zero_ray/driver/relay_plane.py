@@ -10,8 +10,8 @@ told to serve none) and builds the driver's own hop over the top relays. A step 
 call per top relay, made on the hop's loop thread; the reply is every owner's combined on the
 way up, so the driver's work per step grows with the top relays, not the owners.
 
-The driver keeps watching each owner's health as before (the fan-out's wait looks at the
-health monitor every ``POLL_S``): a loss fails the step at once, whether the tree has
+The driver keeps watching each owner's health as before (the monitor wakes the fan-out's
+wait the moment it loses a rank): a loss fails the step at once, whether the tree has
 answered or not, and the survivors are aborted down the tree (:meth:`RelayPlane.abort`: one
 call per live subtree, routed around a lost rank's relays, whose own children are called
 directly). A rank's failure inside the tree comes back as the
