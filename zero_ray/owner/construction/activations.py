@@ -20,7 +20,9 @@ the one saved. Only the unit's positional inputs pass through the hooks (torch k
 tensors, the mask and position embeddings every block shares, by reference): the hidden state.
 
 At stage 3 the recomputation runs while the unit is gathered for its backward (the scheduler
-gathers it when gradients reach its outputs, before autograd unpacks anything inside it).
+gathers it when gradients reach its outputs, before autograd unpacks anything inside it), and
+through ``reentry`` (UnitScheduler.recompute), which enters the unit as its forward's hooks did:
+a compiled unit recomputed otherwise recompiles and saves other tensors.
 """
 
 from __future__ import annotations
