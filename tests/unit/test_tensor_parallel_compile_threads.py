@@ -83,3 +83,18 @@ def test_a_compiled_checkpointed_block_recomputes_whole_with_p_a() -> None:
     for e in engines:
         assert e.last_bytes["tp_all_reduce"] == 2 * 6 * per_reduce  # eager: 2 * 5
         assert e.last_bytes["tp_activation"] == 2 * per_reduce // 2  # P_a: a gather, half an all-reduce, per block
+
+
+def test_stage3_compiled_checkpointed_blocks_follow_torch() -> None:
+    """Stage 3 with compiled and checkpointed blocks at T = 2 (P_a on): the recomputation enters
+    each unit as its forward did (UnitScheduler.recompute), so the compiled region is not
+    recompiled with other saved tensors (torch's CheckpointError before), and the run follows
+    torch within the TP bound."""
+    ac = ActivationCheckpointing(wrap_policy=(BLOCK,))
+    torch.compiler.reset()  # under the recompile limit whatever compiled before
+    got, losses, engines, _ = run_tp_ranks(2, 1, llama, lm_loss, OPTIMIZERS["adamw"], batches(STEPS), stage=3,
+                                           clip=CLIP, compile=zr.Compile(), checkpointing=ac, wrap_policy=(BLOCK,))
+    ref, ref_losses = reference("adamw", 1, STEPS)
+    assert _max_dev(got, ref) <= 1e-5 and max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    state = engines[0].state
+    assert state.checkpointed == state.compiled and len(state.compiled) == 2

@@ -20,7 +20,9 @@ the one saved. Only the unit's positional inputs pass through the hooks (torch k
 tensors, the mask and position embeddings every block shares, by reference): the hidden state.
 
 At stage 3 the recomputation runs while the unit is gathered for its backward (the scheduler
-gathers it when gradients reach its outputs, before autograd unpacks anything inside it).
+gathers it when gradients reach its outputs, before autograd unpacks anything inside it), and
+through ``reentry`` (UnitScheduler.recompute), which enters the unit as its forward's hooks did:
+a compiled unit recomputed otherwise recompiles and saves other tensors.
 """
 
 from __future__ import annotations
@@ -99,6 +101,15 @@ class PartitionedInputs(torch.autograd.graph.saved_tensors_hooks):
 
 
 Hooks = Callable[[], contextlib.AbstractContextManager[Any]]
+# Stage 3's call of a unit's forward, given (path, module, forward, args, kwargs): on the
+# recomputation (a call of ``forward``, bypassing the module's hooks) it runs the unit's hooks
+# as the forward did (UnitScheduler.recompute).
+Reentry = Callable[[str, nn.Module, Callable[..., Any], Any, Any], Any]
+
+
+def _reentered(forward: Callable[..., Any], reentry: Reentry, path: str, module: nn.Module,
+               *args: Any, **kwargs: Any) -> Any:
+    return reentry(path, module, forward, args, kwargs)
 
 
 def _run_checkpointed(forward: Callable[..., Any], hooks: Hooks | None, ledger: SavedInputs | None,
@@ -127,9 +138,10 @@ def _no_kv_cache(module: nn.Module) -> None:
 
 def apply_activation_checkpointing(module: nn.Module, paths: Sequence[str], *, offload: bool,
                                    partition: Collective | None = None,
-                                   ledger: SavedInputs | None = None) -> list[str]:
+                                   ledger: SavedInputs | None = None, reentry: Reentry | None = None) -> list[str]:
     """Checkpoint each submodule at ``paths`` (in place); returns the paths wrapped.
-    ``partition``: the TP group P_a splits the inputs over (``ledger`` counts what it keeps)."""
+    ``partition``: the TP group P_a splits the inputs over (``ledger`` counts what it keeps).
+    ``reentry``: stage 3's call of each recomputed forward (``Reentry``)."""
     _no_kv_cache(module)
     hooks: Hooks | None = offload_hooks if offload else None
     counted = ledger
@@ -138,5 +150,8 @@ def apply_activation_checkpointing(module: nn.Module, paths: Sequence[str], *, o
         counted = None
     for path in paths:
         sub = module.get_submodule(path)
-        sub.forward = functools.partial(_run_checkpointed, sub.forward, hooks, counted)  # type: ignore[method-assign]
+        forward = sub.forward
+        if reentry is not None:
+            forward = functools.partial(_reentered, forward, reentry, path, sub)
+        sub.forward = functools.partial(_run_checkpointed, forward, hooks, counted)  # type: ignore[method-assign]
     return list(paths)

@@ -215,7 +215,8 @@ class ModelState:
             partition = tp if tp is not None and ac.partition is not False else None  # P_a: on by default
             self.checkpointed = apply_activation_checkpointing(
                 module, self._unit_paths(ac.wrap_policy, infos, sites, numels, units, what="activation_checkpointing"),
-                offload=ac.offload, partition=partition, ledger=self.saved_inputs)
+                offload=ac.offload, partition=partition, ledger=self.saved_inputs,
+                reentry=self.scheduler.recompute if self.scheduler is not None else None)
         for g in self.groups:
             g.acquire_grads()  # counted by memory_report() before the first step
         if self.tp_plan is not None:

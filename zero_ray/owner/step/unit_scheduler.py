@@ -118,6 +118,19 @@ def _recomputing() -> bool:
     return in_backward()
 
 
+def _as_views(args: Any, kwargs: Any) -> Any:
+    """The inputs needing a gradient as views of themselves, as the forward's entering gave
+    them (``_EndOfBackward`` returns its inputs, which autograd makes views): a compiled
+    region guards on its inputs' bases when shapes are dynamic. None when there are none."""
+    flat, spec = tree_flatten((args, kwargs))
+    at = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not at:
+        return None
+    for k in at:
+        flat[k] = flat[k].view_as(flat[k])
+    return tree_unflatten(flat, spec)
+
+
 class _EndOfBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once backward has passed the unit (every
     gradient of the unit's parameters accumulated: autograd runs accumulation first)."""
@@ -162,10 +175,11 @@ class UnitScheduler:
         self._live_bytes = 0
         self.peak_gathered_bytes = 0
         self._saving: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._entering: dict[str, list[Unit]] = {}  # entry module path -> the units it enters
         self._pool_at = {b.tensor.untyped_storage().data_ptr(): pool for pool in pools for b in pool.buffers}
         root.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
         root.register_forward_hook(self._root_post_forward, always_call=True)
-        entering: dict[str, list[Unit]] = {}
+        entering = self._entering
         for u in units:
             if u.spec.path != "":
                 for path in u.spec.entries or (u.spec.path,):
@@ -287,6 +301,24 @@ class UnitScheduler:
             if u.calls == 0:
                 self._unit_post_forward(u, module, args, output)
 
+    def recompute(self, path: str, module: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        """Activation checkpointing's recomputation of the module at ``path``: its ``forward`` is
+        called again without its module hooks, so run the unit's enter and leave around it as
+        its forward did. A compiled unit traced the hooks of the entries below it (they only
+        count calls once the unit is entered) and its inputs as the views the entering made:
+        seeing the unit not entered or plain inputs, it would recompile and save other tensors
+        (torch's CheckpointError, "Recomputed values ... have different metadata")."""
+        these = self._entering.get(path)
+        if not these or not _recomputing():
+            return forward(*args, **kwargs)
+        threaded = self._enter(these, module, args, kwargs)
+        if threaded is not None:
+            args, kwargs = threaded
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self._leave(these, module, args, None)
+
     def _unit_pre_forward(self, u: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if _recomputing():
             # A unit inside a checkpointed one, run again by backward's recomputation: it needs
@@ -295,7 +327,7 @@ class UnitScheduler:
             self._request(u, Pass.BACKWARD)
             self._wait(u)
             u.recomputed = True
-            return None
+            return _as_views(args, kwargs)
         self._seen[Pass.FORWARD].append(u.index)
         u.users += 1
         self._request(u, Pass.FORWARD)
