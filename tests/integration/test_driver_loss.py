@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -69,15 +70,43 @@ def test_a_second_driver_attaches_and_finishes_the_run(tmp_path: Path) -> None:
                                     window=run.WINDOW)
     batches = [token_windows(tokens, run.SEQ, idx) for idx in order]
     ref, _ = single_process(run.model, run.token_mse, zr.SGD(lr=0.1, momentum=0.9), batches)
-    with ray_head(num_cpus=4) as head:
+    with ray_head(num_cpus=4) as head:  # CPUs for both runs' owners (2 each) at once
         first, info = _start_first(head, tmp_path / "a", orphan_s=120.0)
         _kill(first)
         listing = _status(head)
         assert info["run_id"] in listing, listing
-        second = subprocess.run([sys.executable, SCRIPT, "second", str(tmp_path / "a"), info["run_id"]],
-                                env=_env(head), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-        assert second.returncode == 0, f"{second.stdout[-3000:]}\n{second.stderr[-6000:]}"
-        summary = json.loads([line for line in second.stdout.splitlines() if line.startswith("{")][-1])
+        # The second driver finishes run a while run b is orphaned beside it: the two phases share
+        # the head and overlap, rather than one after the other (each driver start is mostly waits).
+        out, err = (tmp_path / "second.out").open("w+"), (tmp_path / "second.err").open("w+")
+        second = subprocess.Popen([sys.executable, SCRIPT, "second", str(tmp_path / "a"), info["run_id"]],
+                                  env=_env(head), cwd=REPO_ROOT, stdout=out, stderr=err, text=True)
+
+        try:
+            # A run no driver reattaches: its owners end themselves after orphan_timeout_s.
+            orphan, orphan_info = _start_first(head, tmp_path / "b", orphan_s=ORPHAN_S)
+            owners = [os.pidfd_open(pid) for pid in orphan_info["owner_pids"]]  # opened while the owners are alive
+            _kill(orphan)
+            killed = time.monotonic()
+            assert orphan_info["run_id"] in _status(head)
+            # A pidfd turns readable when its process ends: a wait bounded in time, without polling
+            # `zero-ray status` (each call a Python process that imports torch and joins the cluster).
+            while owners:
+                left = killed + ORPHAN_S + 60 - time.monotonic()
+                assert left > 0, f"the orphaned owners of {orphan_info['run_id']} are still alive"
+                ended, _, _ = select.select(owners, [], [], left)
+                for fd in ended:
+                    owners.remove(fd)
+                    os.close(fd)
+            gone = time.monotonic() - killed
+
+            second.wait(timeout=600)
+        finally:
+            if second.poll() is None:  # an assertion above failed: the head is torn down next
+                second.kill()
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+        assert second.returncode == 0, f"{stdout[-3000:]}\n{stderr[-6000:]}"
+        summary = json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
         print(json.dumps(summary, indent=1))
         got = torch.load(tmp_path / "a" / "final.pt")
         assert summary["step"] == run.STEPS and summary["resumed"] >= run.STEPS_BEFORE
@@ -85,16 +114,8 @@ def test_a_second_driver_attaches_and_finishes_the_run(tmp_path: Path) -> None:
         assert summary["resumed_samples"] == 12 * summary["resumed"] and summary["samples_seen"] == 12 * run.STEPS
         assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
         assert all(b > 0 for b in summary["nvme"])  # the attached owners' state was still in its files
-        assert info["run_id"] not in _status(head)  # the second driver shut the run down
-
-        # A run no driver reattaches: its owners end themselves after orphan_timeout_s.
-        orphan, info = _start_first(head, tmp_path / "b", orphan_s=ORPHAN_S)
-        _kill(orphan)
-        killed = time.monotonic()
-        assert info["run_id"] in _status(head)
-        deadline = killed + ORPHAN_S + 60
-        while info["run_id"] in _status(head):
-            assert time.monotonic() < deadline, f"the orphaned owners of {info['run_id']} are still alive"
-            time.sleep(1.0)  # polling another process's state
-        print(f"orphaned owners gone {time.monotonic() - killed:.1f}s after their driver was killed "
+        listing = _status(head)
+        assert info["run_id"] not in listing  # the second driver shut the run down
+        assert orphan_info["run_id"] not in listing  # its owners ended
+        print(f"orphaned owners gone {gone:.1f}s after their driver was killed "
               f"(orphan_timeout_s={ORPHAN_S:g})")
