@@ -55,7 +55,10 @@ def first(out: str, orphan_s: float) -> None:
     trainer.fit(source(out), global_batch_size=BATCH, steps=STEPS_BEFORE, seed=SEED, progress=False)
     tmp = os.path.join(out, "run.json.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump({"run_id": trainer.run_id, "step": trainer.step_count, "pid": os.getpid()}, fh)
+        # The owners' pids: the test waits on them to end rather than polling `zero-ray status`.
+        owner_pids = [ray.get(a.node.remote(), timeout=60)["pid"] for a in trainer.actors]
+        json.dump({"run_id": trainer.run_id, "step": trainer.step_count, "pid": os.getpid(), "owner_pids": owner_pids},
+                  fh)
     os.replace(tmp, os.path.join(out, "run.json"))
     # The test SIGKILLs this process meanwhile; it never shuts the run down.
     trainer.fit(source(out), global_batch_size=BATCH, steps=STEPS - 1, seed=SEED, progress=False)

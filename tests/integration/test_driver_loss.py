@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -32,18 +33,22 @@ def _env(head: Head) -> dict[str, str]:
     return env
 
 
-def _start_first(head: Head, out: Path, orphan_s: float) -> tuple[subprocess.Popen[bytes], dict]:
+def _launch_first(head: Head, out: Path, orphan_s: float) -> subprocess.Popen[bytes]:
     out.mkdir()
     log = (out / "first.log").open("wb")
-    proc = subprocess.Popen([sys.executable, SCRIPT, "first", str(out), str(orphan_s)], env=_env(head), cwd=REPO_ROOT,
+    return subprocess.Popen([sys.executable, SCRIPT, "first", str(out), str(orphan_s)], env=_env(head), cwd=REPO_ROOT,
                             stdout=log, stderr=subprocess.STDOUT)
+
+
+def _run_written(proc: subprocess.Popen[bytes], out: Path) -> dict:
+    """run.json, once the first driver has written it (its run stepping, detached)."""
     deadline = time.monotonic() + 240
     while not (out / "run.json").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"the first driver never wrote run.json:\n{(out / 'first.log').read_text()[-4000:]}")
         time.sleep(0.2)  # polling for a file another process writes
-    return proc, json.loads((out / "run.json").read_text())
+    return json.loads((out / "run.json").read_text())
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -69,15 +74,43 @@ def test_a_second_driver_attaches_and_finishes_the_run(tmp_path: Path) -> None:
                                     window=run.WINDOW)
     batches = [token_windows(tokens, run.SEQ, idx) for idx in order]
     ref, _ = single_process(run.model, run.token_mse, zr.SGD(lr=0.1, momentum=0.9), batches)
-    with ray_head(num_cpus=4) as head:
-        first, info = _start_first(head, tmp_path / "a", orphan_s=120.0)
-        _kill(first)
-        listing = _status(head)
-        assert info["run_id"] in listing, listing
-        second = subprocess.run([sys.executable, SCRIPT, "second", str(tmp_path / "a"), info["run_id"]],
-                                env=_env(head), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-        assert second.returncode == 0, f"{second.stdout[-3000:]}\n{second.stderr[-6000:]}"
-        summary = json.loads([line for line in second.stdout.splitlines() if line.startswith("{")][-1])
+    with ray_head(num_cpus=4) as head:  # CPUs for both runs' owners (2 each) at once
+        # Run a (attached again below) and run b (no driver reattaches: its owners end themselves
+        # after orphan_timeout_s) share the head and overlap: each driver start is mostly waits.
+        procs = [_launch_first(head, tmp_path / "a", orphan_s=120.0),
+                 _launch_first(head, tmp_path / "b", orphan_s=ORPHAN_S)]
+        try:
+            info = _run_written(procs[0], tmp_path / "a")
+            _kill(procs[0])
+            orphan_info = _run_written(procs[1], tmp_path / "b")
+            owners = [os.pidfd_open(pid) for pid in orphan_info["owner_pids"]]  # opened while the owners are alive
+            _kill(procs[1])
+            killed = time.monotonic()
+            listing = _status(head)
+            assert info["run_id"] in listing and orphan_info["run_id"] in listing, listing
+            out, err = (tmp_path / "second.out").open("w+"), (tmp_path / "second.err").open("w+")
+            procs.append(subprocess.Popen([sys.executable, SCRIPT, "second", str(tmp_path / "a"), info["run_id"]],
+                                          env=_env(head), cwd=REPO_ROOT, stdout=out, stderr=err, text=True))
+            # A pidfd turns readable when its process ends: a wait bounded in time, without polling
+            # `zero-ray status` (each call a Python process that imports torch and joins the cluster).
+            while owners:
+                left = killed + ORPHAN_S + 60 - time.monotonic()
+                assert left > 0, f"the orphaned owners of {orphan_info['run_id']} are still alive"
+                ended, _, _ = select.select(owners, [], [], left)
+                for fd in ended:
+                    owners.remove(fd)
+                    os.close(fd)
+            gone = time.monotonic() - killed
+            second = procs[-1]
+            second.wait(timeout=600)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:  # an assertion above failed: the head is torn down next
+                    proc.kill()
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+        assert second.returncode == 0, f"{stdout[-3000:]}\n{stderr[-6000:]}"
+        summary = json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
         print(json.dumps(summary, indent=1))
         got = torch.load(tmp_path / "a" / "final.pt")
         assert summary["step"] == run.STEPS and summary["resumed"] >= run.STEPS_BEFORE
@@ -85,16 +118,8 @@ def test_a_second_driver_attaches_and_finishes_the_run(tmp_path: Path) -> None:
         assert summary["resumed_samples"] == 12 * summary["resumed"] and summary["samples_seen"] == 12 * run.STEPS
         assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6
         assert all(b > 0 for b in summary["nvme"])  # the attached owners' state was still in its files
-        assert info["run_id"] not in _status(head)  # the second driver shut the run down
-
-        # A run no driver reattaches: its owners end themselves after orphan_timeout_s.
-        orphan, info = _start_first(head, tmp_path / "b", orphan_s=ORPHAN_S)
-        _kill(orphan)
-        killed = time.monotonic()
-        assert info["run_id"] in _status(head)
-        deadline = killed + ORPHAN_S + 60
-        while info["run_id"] in _status(head):
-            assert time.monotonic() < deadline, f"the orphaned owners of {info['run_id']} are still alive"
-            time.sleep(1.0)  # polling another process's state
-        print(f"orphaned owners gone {time.monotonic() - killed:.1f}s after their driver was killed "
+        listing = _status(head)
+        assert info["run_id"] not in listing  # the second driver shut the run down
+        assert orphan_info["run_id"] not in listing  # its owners ended
+        print(f"orphaned owners gone {gone:.1f}s after their driver was killed "
               f"(orphan_timeout_s={ORPHAN_S:g})")
