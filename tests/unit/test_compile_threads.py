@@ -132,17 +132,20 @@ def test_compile_options_are_checked() -> None:
         zr.ZeroConfig(stage=3, compile=zr.Compile(wrap_policy=("Block",)))
 
 
-def test_identical_blocks_share_one_compiled_graph() -> None:
-    """Compiled from scratch, a model of 8 blocks compiles as many frames as one of 2: one per
-    block code and input shape, whatever the number of blocks."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_identical_blocks_share_one_compiled_graph(stage: int) -> None:
+    """Compiled from scratch, a model of 10 blocks compiles as many frames as one of 2: one per
+    block code and input shape, whatever the number of blocks. At stage 3 a hook traced inside
+    a block is guarded by its id, so each block would compile its own frame, and past torch's
+    recompile_limit (8) the rest would silently run eagerly."""
     frames = {}
-    for layers in (2, 8):
+    for layers in (2, 10):
         torch.compiler.reset()  # forget what earlier tests compiled
         before = compiled_frames()
         run_ranks(1, lambda: gpt2(dropout=0.0, layers=layers), causal_lm_loss, zr.SGD(lr=0.1),  # noqa: B023
-                  token_batches(steps=2, n=4), stage=2, compile=zr.Compile())
+                  token_batches(steps=2, n=4), stage=stage, compile=zr.Compile(), **_units(stage, "GPT2Block"))
         frames[layers] = compiled_frames() - before
-    assert frames[2] == frames[8] >= 1, frames
+    assert frames[2] == frames[10] == 1, frames
 
 
 def test_evaluation_and_a_new_piece_size_each_compile_once() -> None:
@@ -170,10 +173,12 @@ def test_evaluation_and_a_new_piece_size_each_compile_once() -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_stage3_compiled_checkpointed_llama_follows_torch(world_size: int) -> None:
     """Stage 3, compiled and checkpointed Llama blocks: the recomputation calls a block's forward
-    without its module hooks, and the compiled region traced the hooks of the entries inside it
-    (RMSNorm, the projections), guarded on the unit being entered: the recomputation must see it
-    entered, or the region recompiles and saves other tensors (torch's CheckpointError, "Recomputed
-    values ... have different metadata"). No frame is compiled beyond the uncheckpointed run's."""
+    without its module hooks: the recomputation must enter the unit (gather its parameters, give
+    the compiled region its inputs as the entering's views), or the region recompiles and saves
+    other tensors (torch's CheckpointError, "Recomputed values ... have different metadata"). No
+    frame is compiled beyond the uncheckpointed run's (counted at world size 1: thread ranks in
+    one process share the blocks' frame, and their pieces of 4 and 3 rows recompile it for a
+    dynamic batch once or twice depending on which thread comes first; owners are processes)."""
     model_fn, block = MODELS["llama"]
     opt = zr.AdamW(lr=1e-2, weight_decay=0.1)
     batches = token_batches()
@@ -190,4 +195,4 @@ def test_stage3_compiled_checkpointed_llama_follows_torch(world_size: int) -> No
     assert _max_dev(got, ref) <= 1e-6 and _max_dev(got, eager) <= 1e-5
     state = engines[0].state
     assert state.checkpointed == state.compiled and len(state.compiled) == 2  # the compiled forward is recomputed
-    assert frames[True] == frames[False] >= 1, frames
+    assert frames[True] == frames[False] >= 1 or world_size > 1, frames

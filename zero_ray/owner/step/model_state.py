@@ -209,6 +209,8 @@ class ModelState:
         if spec.compile is not None:  # compiled first: checkpointing then recomputes the compiled forward
             self.compiled = apply_compile(module, self._compiled_paths(spec.compile, infos, sites, numels, units),
                                           spec.compile)
+            if self.scheduler is not None:
+                self.scheduler.compiled(self.compiled)
         ac = spec.activation_checkpointing
         if ac is not None:
             tp = self.fabric.tensor

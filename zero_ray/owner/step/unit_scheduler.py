@@ -10,7 +10,8 @@ before its forward, and again before its backward:
   marks the end of the unit's backward; the post-hook frees the parameters. The hooks sit on
   every entry module of the unit (``UnitSpec.entries``) and act on the outermost call only, so
   a unit whose own ``forward`` is bypassed (a wrapper whose parent calls its child directly) is
-  entered by the first module under it that runs, before any of its parameters is read.
+  entered by the first module under it that runs, before any of its parameters is read. A
+  compiled unit keeps its own hooks only (``compiled``): identical blocks then share one graph.
 - backward: a hook on the unit's outputs gathers it again (prefetching the next units in
   backward order) and queues its trainable group for reduction; when backward has passed the
   unit's inputs (or, for a unit one of whose entries had no input needing a gradient, when the
@@ -184,11 +185,26 @@ class UnitScheduler:
             if u.spec.path != "":
                 for path in u.spec.entries or (u.spec.path,):
                     entering.setdefault(path, []).append(u)
+        self._hooks: dict[str, list[torch.utils.hooks.RemovableHandle]] = {}
         for path, these in entering.items():
             these.sort(key=lambda u: u.spec.depth)  # enclosing units enter first and leave last
             module = root.get_submodule(path)
-            module.register_forward_pre_hook(functools.partial(self._enter, these), with_kwargs=True)
-            module.register_forward_hook(functools.partial(self._leave, these), always_call=True)
+            self._hooks[path] = [
+                module.register_forward_pre_hook(functools.partial(self._enter, these), with_kwargs=True),
+                module.register_forward_hook(functools.partial(self._leave, these), always_call=True)]
+
+    def compiled(self, paths: list[str]) -> None:
+        """The units at ``paths`` have a compiled ``forward``: unhook the entry modules inside
+        them. Dynamo guards on a traced hook's id, different in every block, so identical blocks
+        would each compile a frame (torch's recompile_limit, 8, then runs the rest eagerly).
+        Those hooks only count calls once the unit is entered, and a compiled unit is entered
+        by its own forward (a parent bypassing it would bypass the compilation too)."""
+        inside = tuple(f"{p}." for p in paths)
+        for path, these in self._entering.items():
+            if path.startswith(inside) and all(u.spec.path in paths and path.startswith(f"{u.spec.path}.")
+                                               for u in these):
+                for handle in self._hooks.pop(path, []):
+                    handle.remove()
 
     # -- gathering ------------------------------------------------------------------------------------
     def _request(self, u: Unit, phase: Pass, *, prefetch: bool = False) -> bool:
@@ -304,10 +320,9 @@ class UnitScheduler:
     def recompute(self, path: str, module: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         """Activation checkpointing's recomputation of the module at ``path``: its ``forward`` is
         called again without its module hooks, so run the unit's enter and leave around it as
-        its forward did. A compiled unit traced the hooks of the entries below it (they only
-        count calls once the unit is entered) and its inputs as the views the entering made:
-        seeing the unit not entered or plain inputs, it would recompile and save other tensors
-        (torch's CheckpointError, "Recomputed values ... have different metadata")."""
+        its forward did: the parameters are gathered, and a compiled unit sees its inputs as the
+        views the entering made (given plain inputs it would recompile and save other tensors:
+        torch's CheckpointError, "Recomputed values ... have different metadata")."""
         these = self._entering.get(path)
         if not these or not _recomputing():
             return forward(*args, **kwargs)
