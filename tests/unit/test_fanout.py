@@ -185,17 +185,19 @@ def test_a_loss_seen_while_waiting_aborts_the_survivors_of_the_members_generatio
 
 
 class _HeldAbort(_Client):
-    """An owner whose abort takes as long as the test holds it (one slow call of thousands)."""
+    """An owner whose abort takes as long as the test holds it (one slow call of thousands);
+    ``arrives=False``: behind a cut link, the abort is never taken (not recorded)."""
 
-    def __init__(self, release: threading.Event) -> None:
+    def __init__(self, release: threading.Event, *, arrives: bool = True) -> None:
         super().__init__()
         self.entered = threading.Event()
         self._release = release
+        self._arrives = arrives
 
     def abort(self, reason: str, generation: int, *, timeout_s: float) -> bool:
         self.entered.set()
         self._release.wait(WAIT_S)
-        return super().abort(reason, generation, timeout_s=timeout_s)
+        return super().abort(reason, generation, timeout_s=timeout_s) if self._arrives else True
 
 
 def test_the_loss_is_decided_before_the_survivors_abort_is_answered_and_the_recovery_abort_waits_for_it() -> None:
@@ -260,20 +262,6 @@ def test_the_recovery_abort_resends_to_a_survivor_the_first_abort_missed_and_a_n
     fan.close()
 
 
-class _Unreachable(_Client):
-    """An owner behind a cut link: its abort never arrives (held until the test releases it)."""
-
-    def __init__(self, release: threading.Event) -> None:
-        super().__init__()
-        self.entered = threading.Event()
-        self._release = release
-
-    def abort(self, reason: str, generation: int, *, timeout_s: float) -> bool:
-        self.entered.set()
-        self._release.wait(WAIT_S)
-        return True
-
-
 class _LosesWhenEntered:
     """The health monitor loses the unreachable rank once its abort is out, as a partition's
     second rank is lost a moment after the first."""
@@ -299,7 +287,7 @@ def test_an_abort_does_not_wait_for_a_rank_lost_while_it_is_out() -> None:
 
     release = threading.Event()
     members = Members(generation=2)
-    far = _Unreachable(release)
+    far = _HeldAbort(release, arrives=False)
     members.clients = [_Client(), _Client(), _Client(), far]  # type: ignore[list-item]
     members.health = _LosesWhenEntered(1, 3, far.entered)  # type: ignore[assignment]
     fan = FanOut(world_size=4, members=members)
@@ -322,7 +310,7 @@ def test_an_abort_skips_the_ranks_its_caller_knows_are_lost() -> None:
 
     release = threading.Event()
     members = Members(generation=5)
-    far = _Unreachable(release)
+    far = _HeldAbort(release, arrives=False)
     members.clients = [_Client(), far, _Client()]  # type: ignore[list-item]
     fan = FanOut(world_size=3, members=members)
     try:
