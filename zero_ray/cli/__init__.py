@@ -8,6 +8,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from zero_ray.cli.command_parser import CommandParser
+
 # One module per subcommand (or family of subcommands); add new ones here.
 _COMMAND_MODULES: tuple[str, ...] = (
     "zero_ray.cli.estimate",
@@ -20,8 +22,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(prog="zero-ray", description="ZeRO data parallelism on Ray")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = CommandParser(prog="zero-ray", description="ZeRO data parallelism on Ray")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
     return parser

@@ -17,9 +17,9 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
-from zero_ray.checkpoint.tools import consolidate, export_pretrained, inspect_checkpoint, reshard
 from zero_ray.cli.estimate import positive_int
 from zero_ray.cli.subcommand_groups import SubParsers, subcommand_group
 from zero_ray.errors import ZeroRayError
@@ -59,11 +59,14 @@ def register(subparsers: SubParsers) -> None:
     export.set_defaults(func=_export, command_name="checkpoint export")
 
 
-def _run(args: argparse.Namespace, action: Callable[[], str]) -> int:
-    """Print what ``action`` returns; domain and file-system errors become one line on stderr
-    and exit status 1."""
+def _run(args: argparse.Namespace, action: Callable[[ModuleType], str]) -> int:
+    """Print what ``action`` returns, given ``zero_ray.checkpoint.tools``; domain and file-system
+    errors become one line on stderr and exit status 1."""
+    # Imported here, not above: it imports torch, which the other commands and --help do without.
+    from zero_ray.checkpoint import tools
+
     try:
-        output = action()
+        output = action(tools)
     except (ZeroRayError, OSError) as err:
         print(f"zero-ray {args.command_name}: error: {err}", file=sys.stderr)
         return 1
@@ -99,28 +102,28 @@ def format_inspection(info: dict[str, Any]) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    def action() -> str:
-        info = inspect_checkpoint(args.path, verify=args.verify)
+    def action(tools: ModuleType) -> str:
+        info = tools.inspect_checkpoint(args.path, verify=args.verify)
         return json.dumps(info, indent=1, sort_keys=True) if args.json else format_inspection(info)
 
     return _run(args, action)
 
 
 def _reshard(args: argparse.Namespace) -> int:
-    def action() -> str:
-        path = reshard(args.path, args.out, world_size=args.world_size, keep=args.keep)
+    def action(tools: ModuleType) -> str:
+        path = tools.reshard(args.path, args.out, world_size=args.world_size, keep=args.keep)
         return f"resharded for {args.world_size} ranks: {path}"
 
     return _run(args, action)
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    return _run(args, lambda: f"full fp32 state dict written to {consolidate(args.path, args.out)}")
+    return _run(args, lambda tools: f"full fp32 state dict written to {tools.consolidate(args.path, args.out)}")
 
 
 def _export(args: argparse.Namespace) -> int:
-    def action() -> str:
-        files = export_pretrained(args.path, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype)
+    def action(tools: ModuleType) -> str:
+        files = tools.export_pretrained(args.path, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype)
         return (f"{len(files)} file(s) written to {args.out}; add the model's config.json there and "
                 "from_pretrained() loads it")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -23,9 +23,10 @@ from zero_ray.control.handlers import ModelLayout, OwnerStatus
 from zero_ray.core.run_position import Position
 from zero_ray.driver.model_view import ModelView
 from zero_ray.driver.owner_names import NAMESPACE
-from zero_ray.driver.pool_spec import client_tls
 from zero_ray.errors import ConfigError, ControlError, ModelError, OwnerLostError
-from zero_ray.owner.step.run_spec import RunSpec
+
+if TYPE_CHECKING:  # run_spec imports torch, which `zero-ray status` does without until a run answers
+    from zero_ray.owner.step.run_spec import RunSpec
 
 _NAME = re.compile(r"^zero_ray-(?P<run>[0-9a-f]+)-rank(?P<rank>\d+)-g(?P<gen>\d+)(-s\d+)?$")
 
@@ -43,6 +44,8 @@ def _owner_names() -> dict[str, list[str]]:
 
 def _statuses(names: list[str], *, timeout_s: float) -> tuple[list[tuple[Any, OwnerStatus]], RunSpec | None]:
     """Each named owner's actor handle and Status, and the run spec they hold (read from one)."""
+    from zero_ray.driver.pool_spec import client_tls  # imports torch, as the run spec's unpickling does
+
     try:
         handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
         nodes = ray.get([h.node.remote() for h in handles], timeout=timeout_s)
