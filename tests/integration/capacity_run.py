@@ -1,9 +1,11 @@
-"""Run by test_capacity.py in its own process, on a local Ray of exactly 4 CPUs: placement
-follows membership. A run started at 3 with max_world_size=4 stays at 3; an owner SIGKILLed
-twice is replaced both times (the run continues on the survivors until the replacement, started
-meanwhile, joins); resize(4) fits; resize(2) gives 2 CPUs back.
+"""Run by test_capacity.py in its own process, on a local Ray of exactly 4 CPUs (the session's
+Ray may hold CPUs of other tests' actors a while after they end): placement follows membership.
+A run started at 3 with max_world_size=4 stays at 3; an owner SIGKILLed twice is replaced both
+times (the run continues on the survivors until the replacement, started meanwhile, joins);
+resize(4) fits; resize(2) gives 2 CPUs back. Then, on the same Ray once all 4 CPUs are free again,
+resize_after_loss_run.run at stages 1 and 3: one Ray and one interpreter start for both.
 
-Prints one JSON line with what it saw; the parent test asserts on it.
+Prints one JSON line per run with what it saw; the parent test asserts on them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import ray
 import torch
 
 import zero_ray as zr
+from resize_after_loss_run import run as resize_after_loss
 from zero_ray.models import mlp, mse_loss
 
 
@@ -31,8 +34,8 @@ def free_cpus(expect: float, timeout_s: float = 30.0) -> float:
         time.sleep(0.2)  # polling Ray's resource view
 
 
-def main() -> None:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+def slots() -> dict[str, object]:
+    """What placement did through a loss, a replacement, a grow and a shrink."""
     g = torch.Generator().manual_seed(3)
     batch = (torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g))
     cfg = zr.ZeroConfig(stage=2, world_size=3, health_interval_s=0.2, health_timeout_s=5.0,
@@ -68,8 +71,17 @@ def main() -> None:
     finally:
         trainer.shutdown()
     seen["free_after_shutdown"] = free_cpus(4.0)
-    ray.shutdown()
-    print(json.dumps(seen))
+    return seen
+
+
+def main() -> None:
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        print(json.dumps({"run": "slots", **slots()}), flush=True)
+        for stage in (1, 3):
+            print(json.dumps({"run": "resize_after_loss", **resize_after_loss(stage)}), flush=True)
+    finally:
+        ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,18 +1,12 @@
-"""Run by test_resize_after_loss.py in its own process, on a local Ray of exactly 4 CPUs (the
-session's Ray may hold CPUs of other tests' actors a while after they end): at each stage given,
-3 owners with peer redundancy and max_world_size=4, one owner SIGKILLed, three steps, then
-resize(4) while the loss's replacement is still starting.
-
-Prints one JSON line per stage with what it saw; the parent test asserts on it.
-"""
+"""Called by capacity_run.py (in test_capacity.py's own process, on a local Ray of exactly 4
+CPUs): at the stage given, 3 owners with peer redundancy and max_world_size=4, one owner
+SIGKILLed, three steps, then resize(4) while the loss's replacement is still starting."""
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
-import sys
 
 import ray
 import torch
@@ -57,15 +51,3 @@ def run(stage: int) -> dict[str, object]:
     seen["dev"] = max(float((got[k] - ref[k]).abs().max()) for k in ref)
     return seen
 
-
-def main() -> None:
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        for stage in map(int, sys.argv[1:]):
-            print(json.dumps(run(stage)), flush=True)
-    finally:
-        ray.shutdown()
-
-
-if __name__ == "__main__":
-    main()
