@@ -75,7 +75,7 @@ def test_resize_adamw_gpt_as_close_as_ddp() -> None:
     ref, _ = single_process(GPT_FN, lm_loss, opt, batches)
     # DDP's distance from one process at each size, as its split of every batch in one process
     # (test_optimizers' measure; 5.4e-6 here against 5.0e-6 from DDP on actors): nine actor starts
-    # fewer. DDP itself on actors is test_parity's and test_stage3's.
+    # fewer. DDP itself on actors is test_parity's.
     ddp_dev = max(max_dev(single_process(GPT_FN, lm_loss, opt, batches, pieces=(n, 1))[0], ref) for n in (2, 4, 3))
     print(f"AdamW GPT resized 2 -> 4 -> 3: {max_dev(got, ref):.2e} vs one process; DDP at 2/4/3: {ddp_dev:.2e}")
     assert max_dev(got, ref) <= max(2 * ddp_dev, 1e-6)
