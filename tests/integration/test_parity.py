@@ -83,7 +83,11 @@ def test_adamw_is_as_close_to_single_process_as_ddp(stage: int, world_size: int)
     ref, _ = single_process(MLP_FN, mse_loss, opt, batches, max_grad_norm=1.0)
     params, _ = train_zero(MLP_FN, mse_loss, opt, batches, stage=stage, world_size=world_size, max_grad_norm=1.0,
                            bucket_bytes=2048)
-    ddp = ddp_params(MLP_FN, mse_loss, opt, batches, world_size=world_size, max_grad_norm=1.0)
+    # DDP as its ranks' splits of every batch in one process: on this MLP it and DDP on actors
+    # both measured 1.49e-08 / 2.98e-08 / 1.49e-08 (3, 4, 2 ranks), far under 1e-6 / 2, so the
+    # bound is 1e-6 either way and world_size actors' starts are saved; DDP on actors is the GPT
+    # case's below.
+    ddp, _ = single_process(MLP_FN, mse_loss, opt, batches, max_grad_norm=1.0, pieces=(world_size, 1))
     zero_dev, ddp_dev = max_dev(params, ref), max_dev(ddp, ref)
     print(f"stage {stage} world {world_size} AdamW: zero_ray {zero_dev:.3g}, DDP {ddp_dev:.3g}")
     assert zero_dev <= max(2 * ddp_dev, 1e-6)
