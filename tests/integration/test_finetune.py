@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from zero_ray.checkpoint.tools import consolidate, reshard
 from zero_ray.core.memory_formulas import model_state_bytes, optimizer_bytes_per_param
-from zero_ray.testing import ddp_params, single_process
+from zero_ray.testing import single_process
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -124,7 +124,10 @@ def test_peft_lora_llama_with_adamw_is_as_close_as_ddp(stage: int) -> None:
     ref, _ = single_process(lora_llama, causal_lm_loss, opt, batches)
     got, _, _ = train(lora_llama, causal_lm_loss, opt, batches, stage=stage, world_size=2,
                       stage3=LLAMA_UNITS if stage == 3 else zr.Stage3Config())
-    ddp_dev = max_dev(ddp_params(lora_llama, causal_lm_loss, opt, batches, world_size=2), ref)
+    # DDP as its 2 ranks' splits of every batch in one process (test_checkpoint's measure): two
+    # actors importing transformers and peft fewer. DDP itself on actors is test_parity's.
+    ddp, _ = single_process(lora_llama, causal_lm_loss, opt, batches, pieces=(2, 1))
+    ddp_dev = max_dev(ddp, ref)
     zero_dev = max_dev(got, ref)
     print(f"LoRA Llama stage {stage} world 2 AdamW: zero_ray {zero_dev:.3g}, DDP {ddp_dev:.3g}")
     assert zero_dev <= max(2 * ddp_dev, 1e-6)
