@@ -106,13 +106,28 @@ def test_resume_at_any_stage_and_size_sgd(source: tuple[int, int], tmp_path: Pat
 def test_resume_adamw_gpt_as_close_as_ddp(tmp_path: Path) -> None:
     opt = zr.AdamW(lr=3e-3)
     batches = gpt_batches()
-    path, uninterrupted = save_midway(GPT_FN, lm_loss, opt, batches, tmp_path, 2, 2)
-    same = resume(path, GPT_FN, lm_loss, batches, 2, 2)  # the checkpoint's optimizer by default
+    trainer = zr.ZeroTrainer(GPT_FN, lm_loss, optimizer=opt, config=config(2, 2))
+    try:
+        for b in batches[:SAVE_AT]:
+            trainer.step(b)
+        path = trainer.save_checkpoint(tmp_path)
+        for b in batches[SAVE_AT:]:
+            trainer.step(b)
+        assert trainer.wait_for_checkpoint() == path
+        uninterrupted = trainer.full_state_dict()
+        # The same layout, bit for bit: loaded into the pool that saved it (one pool start fewer
+        # than a fresh pool; AdamW's moments and step counts must all come back for equality).
+        assert trainer.load_checkpoint(path) == SAVE_AT
+        for b in batches[SAVE_AT:]:
+            trainer.step(b)
+        same = trainer.full_state_dict()
+    finally:
+        trainer.shutdown()
     assert max_dev(same, uninterrupted) == 0.0
-    resumed = resume(path, GPT_FN, lm_loss, batches, 3, 3, opt=opt)
+    resumed = resume(path, GPT_FN, lm_loss, batches, 3, 3)  # the checkpoint's optimizer (AdamW, lr 3e-3) by default
     # DDP at 2 and 3 ranks, as their splits of every batch in one process (test_optimizers'
     # measure; 2.6e-5 apart here against 4.5e-5 from DDP on actors): five actor starts fewer. DDP
-    # itself on actors is test_parity's and test_stage3's.
+    # itself on actors is test_parity's.
     ddp = [single_process(GPT_FN, lm_loss, opt, batches, pieces=(n, 1))[0] for n in (2, 3)]
     dev, ddp_dev = max_dev(resumed, uninterrupted), max_dev(ddp[0], ddp[1])
     print(f"AdamW GPT stage 2 x 2 -> stage 3 x 3: {dev:.2e}; DDP 2 vs 3 ranks: {ddp_dev:.2e}")
