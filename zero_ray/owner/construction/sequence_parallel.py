@@ -64,9 +64,10 @@ def reduce_scatter_sequence(group: Collective, full: torch.Tensor) -> torch.Tens
 
 
 def chunk_sequence(group: Collective, full: torch.Tensor) -> torch.Tensor:
-    """This rank's chunk along dimension 1 (a copy, so the whole tensor can be freed)."""
+    """This rank's chunk along dimension 1 (a copy, so the whole tensor can be freed: with one
+    sequence in the batch the chunk is contiguous already, and a view would keep all of it)."""
     _check(full, group.world_size)
-    return full.chunk(group.world_size, dim=1)[group.rank].contiguous()
+    return full.chunk(group.world_size, dim=1)[group.rank].clone(memory_format=torch.contiguous_format)
 
 
 class _Split(torch.autograd.Function):
