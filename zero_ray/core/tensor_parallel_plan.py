@@ -47,7 +47,8 @@ def _plan(value: object) -> Plan | None:
                               "component (e.g. 'layers.*.self_attn.q_proj')")
         if style not in STYLES:
             raise ConfigError(f"plan[{pattern!r}]={style!r} is not a style zero_ray builds; use one of {STYLES} "
-                              "(sequence parallelism, embedding and loss sharding are not built yet)")
+                              "(sequence parallelism is TensorParallel(sequence_parallel=True); embedding and loss sharding are not "
+                          "built yet)")
         out.append((pattern, str(style)))
     if not out:
         raise ConfigError("plan={} shards nothing; pass None to use the model's own plan")
