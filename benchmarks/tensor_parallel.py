@@ -145,8 +145,9 @@ class KindBytes(RankBytes):
         super().__init__()
         self.stack, self.size, self.seq = stack, size, seq
         self.hidden, self.vocab = hidden, vocab
-        self.dims = {hidden: "hidden", vocab: "vocabulary", vocab // size: "vocabulary / T",
-                     intermediate // size: "intermediate / T", intermediate: "intermediate"}
+        # the whole sizes last, so that at T = 1 they name the dimension
+        self.dims = {vocab // size: "vocabulary / T", intermediate // size: "intermediate / T", hidden: "hidden",
+                     vocab: "vocabulary", intermediate: "intermediate"}
         self.live_by: dict[str, int] = {}
         self.at_peak: dict[str, int] = {}
         self._kind: dict[int, str] = {}
