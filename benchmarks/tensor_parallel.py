@@ -3,6 +3,7 @@ of ONE long sequence (which data parallelism cannot split), on this machine (iss
 
     python -m benchmarks.tensor_parallel                 # the table in docs/tensor_parallel.md
     python -m benchmarks.tensor_parallel --budget-mib 256 --layers 16
+    python -m benchmarks.tensor_parallel --kinds 6080 --cases "T=4 + P_a"   # the peak by kind
 
 Cases: T=1 (one owner) without and with activation checkpointing, T=4 with checkpointing (each TP
 rank keeps every block's whole input) and T=4 with P_a (each keeps 1/4 and all-gathers it before
@@ -51,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import zero_ray as zr
+from zero_ray.compat.torch_private import in_backward
 from zero_ray.core.stage3_units import WrapPolicy
 from zero_ray.owner.step.engine import OwnerEngine
 
@@ -64,18 +66,22 @@ MIB = 2**20
 
 @dataclass(frozen=True, kw_only=True)
 class Case:
-    """One row: TP size, checkpointing, P_a."""
+    """One row: TP size, checkpointing, P_a, sequence parallelism."""
 
     name: str
     size: int
     checkpointing: bool
     partition: bool
+    sequence_parallel: bool = False
 
 
 CASES = (Case(name="T=1", size=1, checkpointing=False, partition=False),
          Case(name="T=1 + checkpointing", size=1, checkpointing=True, partition=False),
          Case(name="T=4 + checkpointing", size=4, checkpointing=True, partition=False),
-         Case(name="T=4 + P_a", size=4, checkpointing=True, partition=True))
+         Case(name="T=4 + P_a", size=4, checkpointing=True, partition=True),
+         # sequence parallelism: the norms and residuals on 1/4 of the sequence; a block's input is
+         # then 1/4 already, kept as it is (P_a has nothing left to split)
+         Case(name="T=4 + P_a + SP", size=4, checkpointing=True, partition=True, sequence_parallel=True))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +129,112 @@ class RankBytes(TorchDispatchMode):
         return out
 
 
+class _ModuleStack(threading.local):
+    """The modules whose forward is running on this thread (global hooks push and pop them)."""
+
+    def __init__(self) -> None:
+        self.modules: list[torch.nn.Module] = []
+
+
+class KindBytes(RankBytes):
+    """RankBytes, each new storage counted under a kind (what made it: the module running, the
+    phase, the last dimension's meaning), and every kind's live bytes kept at the peak."""
+
+    def __init__(self, stack: _ModuleStack, *, hidden: int, vocab: int, intermediate: int, size: int,
+                 seq: int) -> None:
+        super().__init__()
+        self.stack, self.size, self.seq = stack, size, seq
+        self.hidden, self.vocab = hidden, vocab
+        # the whole sizes last, so that at T = 1 they name the dimension
+        self.dims = {vocab // size: "vocabulary / T", intermediate // size: "intermediate / T", hidden: "hidden",
+                     vocab: "vocabulary", intermediate: "intermediate"}
+        self.live_by: dict[str, int] = {}
+        self.at_peak: dict[str, int] = {}
+        self._kind: dict[int, str] = {}
+
+    def kind(self, t: torch.Tensor) -> str:
+        backward = in_backward()
+        slice_numel = -(-self.seq * self.hidden // self.size)
+        if t.dim() == 1 and self.size > 1 and t.numel() == slice_numel and not backward:
+            return "P_a: kept slices of the blocks' inputs"
+        if t.dim() == 1 and self.size > 1 and t.numel() == self.size * slice_numel and backward:
+            return "P_a: a block's input gathered for its recomputation"
+        if self.stack.modules:
+            module = self.stack.modules[-1]
+            name = type(module).__name__
+            if isinstance(module, torch.nn.Linear) and module.weight.shape[0] in (self.vocab, self.vocab // self.size):
+                name = "lm_head: logits"
+            elif name.endswith("ForCausalLM"):
+                name = "loss over the vocabulary"
+            elif name.endswith("DecoderLayer"):
+                name = "block outputs: residuals (the next block's checkpointed input)"
+            elif isinstance(module, torch.nn.Linear) and len(self.stack.modules) > 1:
+                name = f"{type(self.stack.modules[-2]).__name__}'s linear outputs"
+            return ("recomputation: " if backward else "forward: ") + name
+        if t.dim() <= 1:
+            return "flat buffers (gradients, staging) and scalars: fixed"
+        return ("gradients: " if backward else "outside modules: ") + self.dims.get(t.shape[-1], "other")
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+                with self._lock:
+                    if not nbytes or key in self._seen:
+                        continue
+                    self._seen.add(key)
+                    kind = self._kind[key] = self.kind(t)
+                    self.live += nbytes
+                    self.live_by[kind] = self.live_by.get(kind, 0) + nbytes
+                    if self.live > self.peak:
+                        self.peak, self.at_peak = self.live, dict(self.live_by)
+                weakref.finalize(storage, self._free, key, nbytes)
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            self._seen.discard(key)
+            self.live -= nbytes
+            kind = self._kind.pop(key)
+            self.live_by[kind] -= nbytes
+
+
+def kinds_at(case: Case, seq: int, args: argparse.Namespace) -> str:
+    """``--kinds``: one rank's bytes at its step's peak, by kind, at ``seq`` tokens."""
+    stack = _ModuleStack()
+
+    def push(module: torch.nn.Module, inputs: Any) -> None:
+        stack.modules.append(module)
+
+    def pop(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if stack.modules:
+            stack.modules.pop()
+
+    hooks = (torch.nn.modules.module.register_module_forward_pre_hook(push),
+             torch.nn.modules.module.register_module_forward_hook(pop, always_call=True))
+    try:
+        modes = {}
+
+        def mode_for(rank: int) -> KindBytes:
+            modes[rank] = KindBytes(stack, hidden=args.hidden, vocab=args.vocab, intermediate=args.intermediate,
+                                    size=case.size, seq=seq)
+            return modes[rank]
+
+        step = measure(case, seq, args, mode_for=mode_for)
+    finally:
+        for h in hooks:
+            h.remove()
+    mode = modes[0]
+    lines = [f"{case.name} at {seq} tokens, rank 0: held {step.held_bytes / MIB:,.2f} MiB (memory_report: "
+             f"parameters, gradients, optimizer state) + step peak {mode.peak / MIB:,.2f} MiB, of which:"]
+    for kind, nbytes in sorted(mode.at_peak.items(), key=lambda kv: -kv[1]):
+        if nbytes > 0:
+            lines.append(f"  {kind:64s} {nbytes / MIB:8.2f} MiB {nbytes / seq:8,.0f} B/token")
+    return "\n".join(lines)
+
+
 def llama(args: argparse.Namespace) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -137,12 +249,13 @@ def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def measure(case: Case, seq: int, args: argparse.Namespace) -> Step:
+def measure(case: Case, seq: int, args: argparse.Namespace, mode_for: Any = None) -> Step:
     """Two steps on one sequence of ``seq`` tokens; the second measured."""
     ckpt = (zr.ActivationCheckpointing(wrap_policy=WrapPolicy(classes=("LlamaDecoderLayer",)),
                                        partition=case.partition) if case.checkpointing else None)
     spec = engine_spec(functools.partial(llama, args), lm_loss, zr.SGD(lr=1e-3), stage=2, checkpointing=ckpt,
-                       bucket_bytes=4 * MIB, tensor_parallel=zr.TensorParallel(size=case.size))
+                       bucket_bytes=4 * MIB,
+                       tensor_parallel=zr.TensorParallel(size=case.size, sequence_parallel=case.sequence_parallel))
     ids = torch.randint(0, args.vocab, (1, seq), generator=torch.Generator().manual_seed(0))
     build = threading.Lock()
 
@@ -151,7 +264,8 @@ def measure(case: Case, seq: int, args: argparse.Namespace) -> Step:
             engine = OwnerEngine(spec, rank=group.rank, group=group)
         group.barrier()
         engine.step(ids, global_samples=1)
-        mode, kept = RankBytes(), engine.state.saved_inputs.kept_bytes
+        mode = mode_for(group.rank) if mode_for is not None else RankBytes()
+        kept = engine.state.saved_inputs.kept_bytes
         group.barrier()
         start = time.perf_counter()
         with mode:
@@ -229,6 +343,11 @@ def render(out: dict[str, Any]) -> str:
     pa = next(r for r in out["rows"] if r["case"] == "T=4 + P_a")["probe"]
     share = pa["tp_activation_bytes"] / max(1, pa["tp_bytes"] - pa["tp_activation_bytes"])
     lines += ["", f"P_a's all-gathers: {share:.1%} of the TP all-reduces they ride on (paper: under 10%)."]
+    quarter = next(r for r in out["rows"] if r["case"] == "T=1 + checkpointing")["solved_at_quarter_machine"]
+    if quarter:
+        lines += ["", "At a quarter of the machine (solved): " + ", ".join(
+            f"{r['case']} {r['solved_at_quarter_machine'] / quarter:.2f}x" for r in out["rows"] if r["case"].startswith("T=4"))
+            + " T=1 + checkpointing's length (issue 45's goal: T=4 at least 2.5x)."]
     return "\n".join(lines) + "\n"
 
 
@@ -246,9 +365,16 @@ def main() -> None:
     ap.add_argument("--granule", type=int, default=64)
     ap.add_argument("--cases", default=",".join(c.name for c in CASES))
     ap.add_argument("--results-dir", default=str(RESULTS))
+    ap.add_argument("--kinds", type=int, default=0, metavar="SEQ",
+                    help="instead of the table: rank 0's peak bytes by kind at SEQ tokens, per case")
     args = ap.parse_args()
     torch.manual_seed(0)
     wanted = set(args.cases.split(","))
+    if args.kinds:
+        for case in CASES:
+            if case.name in wanted:
+                print(kinds_at(case, args.kinds, args), flush=True)
+        return
     rows = [longest(c, args) for c in CASES if c.name in wanted]
     out = {"config": vars(args) | {"time": time.strftime("%Y-%m-%d %H:%M:%S")},
            "machine": f"{os.cpu_count()} cores, {machine_mib():,} MiB, torch {torch.__version__}", "rows": rows}

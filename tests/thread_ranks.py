@@ -207,8 +207,8 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
 
 def run_tp_ranks(size: int, data_parallel: int, model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any,
                  batches: list[Any], *, plan: Any = None, stage: int = 3, clip: float | None = None,
-                 accum: int = 1, load: str | None = None, save: str | None = None, **options: Any
-                 ) -> tuple[dict[str, torch.Tensor], list[float], list[OwnerEngine], list[list[StepResult]]]:
+                 accum: int = 1, load: str | None = None, save: str | None = None, sequence_parallel: bool = False,
+                 **options: Any) -> tuple[dict[str, torch.Tensor], list[float], list[OwnerEngine], list[list[StepResult]]]:
     """Train on ``size`` x ``data_parallel`` thread ranks with tensor parallelism of ``size``:
     each engine reads its data rank's piece of every batch. Returns the fp32 parameters
     consolidated to their whole shapes (each TP shard's masters from its data-parallel ranks,
@@ -218,7 +218,8 @@ def run_tp_ranks(size: int, data_parallel: int, model_fn: Callable[[], torch.nn.
     as the driver's commit thread does (the owners' Save, then the manifest)."""
     world = size * data_parallel
     spec = engine_spec(model_fn, loss_fn, optimizer, stage=stage, clip=clip, accum=accum,
-                       tensor_parallel=TensorParallel(size=size, plan=plan), **options)
+                       tensor_parallel=TensorParallel(size=size, plan=plan, sequence_parallel=sequence_parallel),
+                       **options)
     engines: list[OwnerEngine | None] = [None] * world
     results: list[list[StepResult]] = [[] for _ in range(world)]
     pending = store.begin(save, len(batches)) if save is not None else None

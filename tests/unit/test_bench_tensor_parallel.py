@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.tensor_parallel import RankBytes, Step, solve
+from benchmarks.tensor_parallel import KindBytes, RankBytes, Step, _ModuleStack, solve
 
 
 def step(seq: int, peak: int) -> Step:
@@ -30,3 +30,19 @@ def test_rank_bytes_counts_live_storages_and_their_peak() -> None:
     assert mode.peak == 8192
     assert mode.live == 1024
     del z
+
+
+def test_kind_bytes_names_what_made_each_storage_and_keeps_the_kinds_at_the_peak() -> None:
+    stack = _ModuleStack()
+    mode = KindBytes(stack, hidden=8, vocab=16, intermediate=12, size=1, seq=4)
+    with mode:
+        stack.modules.append(torch.nn.LayerNorm(8))
+        a = torch.empty(1, 4, 8)  # 128 bytes in a norm's forward
+        stack.modules.pop()
+        b = torch.empty(1, 4, 16)  # 256 bytes over the vocabulary, outside any module
+        del b
+        c = torch.empty(4)  # 16 bytes: below the peak
+    assert mode.peak == 384
+    assert {k: n for k, n in mode.at_peak.items() if n} == {"forward: LayerNorm": 128,
+                                                            "outside modules: vocabulary": 256}
+    del a, c

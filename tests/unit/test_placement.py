@@ -127,6 +127,41 @@ def test_remainders_beyond_one_leave_and_the_fullest_remainder_stays() -> None:
     assert all(p % 2 == r % 2 for p, r in enumerate(one_node.kept))
 
 
+def _keeps_every_copy(grouped: GroupedSurvivors, copies: dict[int, set[int]], world: int) -> bool:
+    return set().union(*(copies[r] for r in grouped.kept)) == set(range(world))
+
+
+def test_a_shrink_keeps_the_only_holders_of_lost_ranks_copies() -> None:
+    # (T, D) = (2, 4), one TP group per node, backups one node on (backup_peers: [2, 3, 4, 5, 6, 7,
+    # 0, 1]); owner 0 lost and the run shrinks to 2 groups. By rank, groups (2, 3) and (4, 5) would
+    # go on, and nobody kept would hold old ranks 6 and 7 (their copies were on 0 and 1).
+    nodes = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    backup = [2, 3, 4, 5, 6, 7, 0, 1]
+    survivors = [1, 2, 3, 4, 5, 6, 7]
+    copies = {r: {r} | {w for w, b in enumerate(backup) if b == r} for r in survivors}
+    by_rank = group_survivors(survivors, nodes, group_size=2, target=4)
+    assert by_rank.kept == (2, 3, 4, 5) and not _keeps_every_copy(by_rank, copies, 8)
+    got = group_survivors(survivors, nodes, group_size=2, target=4, copies=copies)
+    assert got == GroupedSurvivors(kept=(2, 3, 6, 7), leaving=(1, 4, 5))
+    assert _keeps_every_copy(got, copies, 8)
+    assert all(p % 2 == r % 2 for p, r in enumerate(got.kept))  # intact groups keep their TP ranks
+    _check_node_local(got, nodes, 2)
+
+
+def test_the_remainder_kept_is_the_one_holding_a_copy_no_one_else_does() -> None:
+    # (2, 3), a group per node; owners 1 and 4 lost. Group (2, 3) goes on whole; of the remainders
+    # (0 on a, 5 on c), by rank 0 would stay, but only 5 holds old rank 1's copy.
+    nodes = ["a", "a", "b", "b", "c", "c"]
+    copies = {0: {0}, 2: {2, 0, 4}, 3: {3, 5}, 5: {5, 1}}
+    assert group_survivors([0, 2, 3, 5], nodes, group_size=2, target=4).kept == (2, 3, 0)
+    got = group_survivors([0, 2, 3, 5], nodes, group_size=2, target=4, copies=copies)
+    assert got == GroupedSurvivors(kept=(2, 3, 5), leaving=(0,))
+    assert _keeps_every_copy(got, copies, 6)
+    # where the copies do not decide, the order is the one without them
+    own = {r: {r} for r in (0, 2, 3, 5)}
+    assert group_survivors([0, 2, 3, 5], nodes, group_size=2, target=4, copies=own).kept == (2, 3, 0)
+
+
 def test_size_one_keeps_the_lowest_ranks_and_a_target_of_part_groups_is_refused() -> None:
     assert group_survivors([0, 2, 3, 5], ["a", "a", "b", "b", "c", "c"], group_size=1, target=3) == \
         GroupedSurvivors(kept=(0, 2, 3), leaving=(5,))

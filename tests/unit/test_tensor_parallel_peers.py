@@ -137,3 +137,46 @@ def test_the_recovery_rebuilds_tp_groups_on_one_node_each() -> None:
     assert [nodes[kept[p]] for p in range(0, 4, 2)] == [nodes[kept[p + 1]] for p in range(0, 4, 2)]
     for old, position in enumerate(plan.holders):
         assert old in copies[kept[position]]  # each old rank's copy from a survivor kept
+
+
+def test_a_recovery_that_shrinks_keeps_the_holder_of_the_lost_copies() -> None:
+    """(T, D) = (2, 4), a TP group per node; owner 0 lost and the run goes on at 4 owners (two
+    groups). Kept by rank, groups (2, 3) and (4, 5) would hold no copy of old ranks 6 and 7 (their
+    backups were 0, lost, and 1), and the peer restore would give up for the checkpoint; the
+    recovery keeps groups (2, 3) and (6, 7) instead, and takes every old rank's copy from them."""
+    from zero_ray.core.elastic_policy import FailurePolicy, ScalingPolicy
+    from zero_ray.core.restore_plan import SnapshotRecord
+    from zero_ray.core.topology import Topology
+    from zero_ray.driver.recovery import RecoveryController
+
+    size, world = 2, 8
+    nodes = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    backup = backup_peers(nodes, tensor_parallel=size)
+    assert backup == [2, 3, 4, 5, 6, 7, 0, 1]
+    copies = {r: {r} | {w for w, b in enumerate(backup) if b == r} for r in range(world)}
+    calls: list[tuple[str, object]] = []
+
+    class Pool:
+        tensor_parallel = size
+        nodes = [{"node_id": n} for n in ["a", "a", "b", "b", "c", "c", "d", "d"]]
+
+        def snapshot_info(self, ranks: list[int], committed: int) -> dict[int, dict[int, SnapshotRecord]]:
+            return {r: {c: SnapshotRecord(step=3, world_size=world, description=None)  # type: ignore[arg-type]
+                        for c in copies[r]} for r in ranks}
+
+        def kill(self, ranks: list[int]) -> None:
+            calls.append(("kill", list(ranks)))
+
+        def rebuild(self, kept: list[int], world_size: int, *, restore: object) -> None:
+            calls.append(("rebuild", (list(kept), world_size, restore(None))))  # type: ignore[operator]
+
+    rc = RecoveryController(Pool(), failure=FailurePolicy(), scaling=ScalingPolicy(), desired=world,  # type: ignore[arg-type]
+                            peer_redundancy=True, checkpoint_root=lambda: None, topology=Topology())
+    assert rc._restore_from_peers([1, 2, 3, 4, 5, 6, 7], 4, 3) == 4  # peer source: no CheckpointError
+    (kill, rebuilt) = calls
+    assert kill == ("kill", [1, 4, 5])
+    kept, target, plan = rebuilt[1]  # type: ignore[misc]
+    assert (kept, target) == ([2, 3, 6, 7], 4)
+    assert {6, 7} <= set(kept)  # their own copies were their only ones left (backups 0 and 1 lost or leaving)
+    for old, position in enumerate(plan.holders):
+        assert old in copies[kept[position]]  # each old rank's copy from a survivor kept

@@ -20,7 +20,7 @@ Pure: imports neither ray nor grpc nor torch.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from zero_ray.errors import ResourceError
@@ -133,7 +133,7 @@ class GroupedSurvivors:
 
 
 def group_survivors(survivors: Sequence[int], nodes: Sequence[str], *, group_size: int,
-                    target: int) -> GroupedSurvivors:
+                    target: int, copies: Mapping[int, Collection[int]] | None = None) -> GroupedSurvivors:
     """Which ``survivors`` (old ranks; ``nodes[r]``: old rank r's node) go on at ``target`` owners
     (a multiple of ``group_size``), and in which positions, so that every tensor-parallel group
     (``group_size`` consecutive positions) is on one node. The pool rebuilds with the kept
@@ -145,6 +145,12 @@ def group_survivors(survivors: Sequence[int], nodes: Sequence[str], *, group_siz
       (its missing members are the first new owners, which ``place_groups`` pins to its node);
     - every other survivor leaves: kept in order, two old groups' remainders would form a TP
       group straddling nodes.
+
+    ``copies[r]``: the old ranks whose state survivor r holds (its own and its peer snapshots'
+    wards). Where there is a choice (more whole groups than ``target`` takes, or several nodes'
+    remainders), the groups holding copies no group already chosen holds go on first: sending
+    away the only holder of a lost rank's copy would make the peer restore fall back to the
+    checkpoint. Ties (and no ``copies``) go as above, by rank.
 
     ``group_size`` 1: the lowest ``target`` ranks, the rest leave (``ScalingPolicy.leavers``)."""
     ordered = sorted(survivors)
@@ -168,8 +174,22 @@ def group_survivors(survivors: Sequence[int], nodes: Sequence[str], *, group_siz
         if cut < len(others):
             rest.append(others[cut:])
     groups = target // group_size
-    chosen = sorted(whole, key=lambda g: g[0])[:groups]
+    held = {r: frozenset((copies or {}).get(r, ())) for r in ordered}
+    covered: set[int] = set()
+
+    def adds(group: list[int]) -> int:  # old ranks' copies this group alone would keep
+        return len(set().union(*(held[r] for r in group)) - covered)
+
+    chosen: list[list[int]] = []
+    candidates = sorted(whole, key=lambda g: g[0])
+    while candidates and len(chosen) < groups:  # greedy cover; by rank where nothing is added
+        best = min(candidates, key=lambda g: (-adds(g), g[0]))
+        candidates.remove(best)
+        chosen.append(best)
+        covered.update(*(held[r] for r in best))
+    chosen.sort(key=lambda g: g[0])
     if len(chosen) < groups and rest:
-        chosen.append(min(rest, key=lambda g: (-len(g), g[0])))
+        short = len(set().union(*held.values()) - covered)  # copies still to keep
+        chosen.append(min(rest, key=lambda g: (adds(g) < short, -adds(g), -len(g), g[0])))
     kept = tuple(r for g in chosen for r in g)
     return GroupedSurvivors(kept=kept, leaving=tuple(r for r in ordered if r not in set(kept)))

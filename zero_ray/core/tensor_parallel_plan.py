@@ -47,7 +47,8 @@ def _plan(value: object) -> Plan | None:
                               "component (e.g. 'layers.*.self_attn.q_proj')")
         if style not in STYLES:
             raise ConfigError(f"plan[{pattern!r}]={style!r} is not a style zero_ray builds; use one of {STYLES} "
-                              "(sequence parallelism, embedding and loss sharding are not built yet)")
+                              "(sequence parallelism is TensorParallel(sequence_parallel=True); embedding and loss sharding are not "
+                          "built yet)")
         out.append((pattern, str(style)))
     if not out:
         raise ConfigError("plan={} shards nothing; pass None to use the model's own plan")
@@ -65,14 +66,25 @@ class TensorParallel:
     plan: None for the model's own plan (a Hugging Face model's ``config.base_model_tp_plan``),
         or a mapping of module-name patterns to "colwise" / "rowwise" / "replicated" naming
         modules from the root of the model; docs/tensor_parallel.md.
+    sequence_parallel: torch's ``SequenceParallel`` style over the blocks (Megatron's sequence
+        parallelism): between the colwise/rowwise pairs, the norms and residuals hold 1/T of
+        the sequence instead of all of it on every rank; a block's input is split at the first
+        block, each colwise layers' parent gathers the sequence (colwise ``input_layouts=
+        Shard(1)``), a rowwise layer reduce-scatters it (``output_layouts=Shard(1)``) and the
+        output head gathers it again. A checkpointed block's input is then 1/T already (P_a
+        keeps it as it is). Needs a model with input embeddings and an output head (a Hugging
+        Face ``...ForCausalLM``) and a sequence length divisible by T.
     """
 
     size: int = 1
     plan: Mapping[str, str] | Plan | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
             raise ConfigError(f"tensor_parallel size={self.size!r} must be an integer >= 1")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"tensor_parallel sequence_parallel={self.sequence_parallel!r} must be True or False")
         object.__setattr__(self, "plan", _plan(self.plan))
 
     def check_world_size(self, world_size: int) -> None:

@@ -371,8 +371,9 @@ class RecoveryController:
             raise CheckpointError(f"peer snapshots disagree on (step, world size): {sorted(taken)}, or none were taken")
         step, old_world = taken.pop()  # the layout they were taken in (a resize may have been cut short)
         # Fewer owners than survive go on (whole TP or shard groups): the highest leave, or with
-        # TP those that cannot form a group on one node, so the copies must be held by those kept.
-        kept, leaving = self._kept(survivors, target)
+        # TP those that cannot form a group on one node, so the copies must be held by those kept:
+        # with TP the choice prefers the holders of copies no other kept survivor holds.
+        kept, leaving = self._kept(survivors, target, copies={r: set(held[r]) for r in survivors})
         holder: dict[int, int] = {}
         for position, old in enumerate(kept):
             for rank in held[old]:
@@ -390,17 +391,19 @@ class RecoveryController:
         pool.rebuild(kept, target, restore=lambda position: plan)
         return step + 1
 
-    def _kept(self, survivors: list[int], target: int) -> tuple[list[int], list[int]]:
+    def _kept(self, survivors: list[int], target: int,
+              copies: dict[int, set[int]] | None = None) -> tuple[list[int], list[int]]:
         """The survivors that go on at ``target`` owners, in their new positions, and those that
         leave: the highest ranks beyond ``target``; with tensor parallelism, positions that put
         every TP group on one node (core/placement.group_survivors: after a loss, keeping the
-        survivors' order could join two old groups' remainders on two nodes)."""
+        survivors' order could join two old groups' remainders on two nodes), preferring the
+        holders of the old ranks' peer copies (``copies[r]``: those survivor r holds)."""
         pool = self._pool
         if pool.tensor_parallel == 1:
             leaving = self.scaling.leavers(survivors=survivors, target=target)
             return [r for r in survivors if r not in leaving], leaving
         nodes = [n.get("node_id", "") for n in pool.nodes]
-        grouped = group_survivors(survivors, nodes, group_size=pool.tensor_parallel, target=target)
+        grouped = group_survivors(survivors, nodes, group_size=pool.tensor_parallel, target=target, copies=copies)
         return list(grouped.kept), list(grouped.leaving)
 
     def _start_replacements(self, notes: list[str]) -> None:

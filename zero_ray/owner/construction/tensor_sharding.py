@@ -39,6 +39,7 @@ from zero_ray.core.tensor_parallel_plan import (
 )
 from zero_ray.core.reshard_plan import Block
 from zero_ray.owner.construction.group_ops import register_group, tp_all_reduce
+from zero_ray.owner.construction.sequence_parallel import apply_sequence_parallel, reduce_scatter_output
 
 # Attributes some attention modules keep their head counts in (older transformers read
 # ``self.num_heads`` in forward's views); divided by T where a module holds them. Transformers
@@ -123,11 +124,12 @@ class ShardedLinear(nn.Linear):
     group: Collective
     handle: int  # the group's, for the custom op (group_ops): compiled forwards keep it in the graph
     shared: SharedInput | None  # colwise: the f it shares with its siblings (None: its own)
+    sequence_parallel: bool  # its parent gathers the sequence (colwise: no f); rowwise reduce-scatters
 
     def __init__(self, source: nn.Linear, shard: ModuleShard, group: Collective,
-                 shared: SharedInput | None = None) -> None:
+                 shared: SharedInput | None = None, sequence_parallel: bool = False) -> None:
         nn.Module.__init__(self)  # nn.Linear's own __init__ would allocate a whole weight
-        self.shared = shared
+        self.shared, self.sequence_parallel = shared, sequence_parallel
         self.style, self.shard_dim = shard.style, shard.dim
         self.tp_rank, self.tp_size, self.group = group.rank, group.world_size, group
         self.handle = register_group(group)
@@ -145,8 +147,13 @@ class ShardedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style == COLWISE:
+            if self.sequence_parallel:  # the parent's sequence gather sums the input gradient
+                return F.linear(x, self.weight, self.bias)
             copied = self.shared(x) if self.shared is not None else _CopyToGroup.apply(x, self.handle)
             return F.linear(copied, self.weight, self.bias)
+        if self.sequence_parallel:
+            out = reduce_scatter_output(F.linear(x, self.weight), self.group)
+            return out if self.bias is None else out + self.bias
         out = _ReduceFromGroup.apply(F.linear(x, self.weight), self.handle)
         return out if self.bias is None else out + self.bias
 
@@ -202,18 +209,23 @@ def shard_model(model: nn.Module, tp: TensorParallel, group: Collective) -> Tens
         return plan
     modules = dict(model.named_modules())
     colwise = Counter(s.name.rpartition(".")[0] for s in plan.shards if s.style == COLWISE)
+    sp = tp.sequence_parallel
     shared: dict[str, SharedInput] = {}
     for name, count in colwise.items():
-        if count > 1:  # siblings that may read one input: one f between them
+        if count > 1 and not sp:  # siblings that may read one input: one f between them
             shared[name] = SharedInput(group)
             shared[name].attach(modules[name])
     for shard in plan.shards:
         parent_name, _, child = shard.name.rpartition(".")
         parent = modules[parent_name]
-        setattr(parent, child, ShardedLinear(modules[shard.name], shard, group,
+        setattr(parent, child, ShardedLinear(modules[shard.name], shard, group, sequence_parallel=sp,
                                              shared=shared.get(parent_name) if shard.style == COLWISE else None))
     for name in {s.name.rpartition(".")[0] for s in plan.shards}:
         _divide_head_counts(modules[name], tp.size)
+    if sp:
+        sharded = [p for m in model.modules() if isinstance(m, ShardedLinear)
+                   for p in ([m.weight] + ([m.bias] if m.bias is not None and m.style == COLWISE else []))]
+        apply_sequence_parallel(model, group, colwise_parents=[modules[n] for n in colwise], sharded=sharded)
     return plan
 
 

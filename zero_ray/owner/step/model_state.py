@@ -214,7 +214,9 @@ class ModelState:
         ac = spec.activation_checkpointing
         if ac is not None:
             tp = self.fabric.tensor
-            partition = tp if tp is not None and ac.partition is not False else None  # P_a: on by default
+            # P_a: on by default; with sequence parallelism a block's input is 1/T already, not replicated
+            sp = spec.tensor_parallel is not None and spec.tensor_parallel.sequence_parallel
+            partition = tp if tp is not None and ac.partition is not False and not sp else None
             self.checkpointed = apply_activation_checkpointing(
                 module, self._unit_paths(ac.wrap_policy, infos, sites, numels, units, what="activation_checkpointing"),
                 offload=ac.offload, partition=partition, ledger=self.saved_inputs,
