@@ -5,10 +5,10 @@ fault's time lost, every sample and checkpoint accounted for.
 
 Two simulated nodes (benchmarks/harness/simcluster.py: network namespaces, 2 CPUs a node, the
 driver on the head; this process supervises it: the training driver is a child,
-benchmarks/soak_driver.py, which ``driver_sigkill`` SIGKILLs and replaces by one that attaches), four owners at stage 2 with peer redundancy, SGD. The workload is the main
-job's GPT trained by ``fit`` on token files on a local S3 server (tests/s3_server.py, moto, bound
-to the head's address so the far node's owners read it too), checkpoints to the same S3 every
-CHECKPOINT_EVERY steps. After fault-free baselines, the soak fires a seeded schedule of faults
+benchmarks/soak_driver.py, which ``driver_sigkill`` SIGKILLs and replaces by one that attaches),
+four owners at stage 2 with peer redundancy, SGD. The workload is the main job's GPT trained by
+``fit`` on token files on a local S3 server (tests/s3_server.py, moto, bound to the head's address
+so the far node's owners read it too), checkpoints to the same S3 every CHECKPOINT_EVERY steps. After fault-free baselines, the soak fires a seeded schedule of faults
 (benchmarks/harness/soak_faults.py) for ``--minutes``; fit runs in chunks of CHUNK steps
 throughout (the baseline in the same chunks, so both pay the same per-call cost).
 
@@ -85,38 +85,54 @@ def _epochs(order: list[list[int]], samples: int) -> dict[str, Any]:
             "partial_epoch_steps": len(order) % per_epoch, "epochs_reading_a_sample_twice": bad}
 
 
-def _driver(spec_path: str, log: str, attach: str | None = None) -> subprocess.Popen[bytes]:
-    """A training driver (benchmarks/soak_driver.py), in this (the head's) namespace."""
-    argv = [sys.executable, "-m", "benchmarks.soak_driver", spec_path] + (["--attach", attach] if attach else [])
+def _driver(spec_path: str, log: str, attach: str | None = None, standby: bool = False) -> subprocess.Popen[bytes]:
+    """A training driver (benchmarks/soak_driver.py), in this (the head's) namespace; ``standby``:
+    one started ahead, waiting for the run id on its stdin."""
+    argv = [sys.executable, "-m", "benchmarks.soak_driver", spec_path]
+    argv += ["--attach", attach] if attach else ["--standby"] if standby else []
     with open(log, "ab") as out:
-        return subprocess.Popen(argv, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(argv, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.PIPE if standby else None)
 
 
-def _supervise(spec: dict[str, Any], spec_path: str, deadline_s: float) -> tuple[JournalState, list[dict[str, Any]]]:
+def _supervise(spec: dict[str, Any], spec_path: str, deadline_s: float,
+               standby: bool) -> tuple[JournalState, list[dict[str, Any]]]:
     """Run the training driver to the soak's end; SIGKILL it when it asks (``driver_sigkill``)
-    and start one that attaches at once, as a Ray job's retry would. The journal, and each kill:
-    when (soak seconds), the pid, how the process ended and the next driver's pid."""
+    and hand the run at once to a driver that attaches, as a Ray job's retry would: one started
+    then, or with ``standby`` one started ahead (imported and connected to Ray, waiting). The
+    journal, and each kill: when (soak seconds), the pid, how the process ended, the next driver's pid."""
     logs = os.path.join(os.path.dirname(spec_path), "driver-{}.log")
     state, journal, kills = JournalState(), Journal(spec["journal"]), []
     proc = _driver(spec_path, logs.format(0))
+    spare = _driver(spec_path, logs.format("standby-0"), standby=True) if standby else None
     deadline = time.monotonic() + deadline_s
-    while True:
-        for line in journal.read_new():
-            state.add(line)
-        if len(state.kills) > len(kills) and state.kills[len(kills)] == proc.pid:
-            os.kill(proc.pid, signal.SIGKILL)
-            at = time.monotonic()
-            rc = proc.wait(timeout=30)
-            proc = _driver(spec_path, logs.format(len(kills) + 1), attach=state.run_id)
-            kills.append({"t_s": round(at - (state.t0 or at), 3), "pid": state.kills[len(kills)], "returncode": rc,
-                          "next_pid": proc.pid})
-            continue
-        if proc.poll() is not None:
-            break
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"the soak's driver did not finish within {deadline_s:g}s")
-        time.sleep(0.1)  # polling a file other processes append to; bounded by the deadline above
+    try:
+        while True:
+            for line in journal.read_new():
+                state.add(line)
+            if len(state.kills) > len(kills) and state.kills[len(kills)] == proc.pid:
+                os.kill(proc.pid, signal.SIGKILL)
+                at = time.monotonic()
+                rc = proc.wait(timeout=30)
+                if spare is not None and spare.poll() is None and spare.stdin is not None:
+                    spare.stdin.write(f"{state.run_id}\n".encode())
+                    spare.stdin.flush()
+                    proc, spare = spare, _driver(spec_path, logs.format(f"standby-{len(kills) + 1}"), standby=True)
+                else:
+                    proc = _driver(spec_path, logs.format(len(kills) + 1), attach=state.run_id)
+                kills.append({"t_s": round(at - (state.t0 or at), 3), "pid": state.kills[len(kills)],
+                              "returncode": rc, "next_pid": proc.pid, "standby": spare is not None})
+                continue
+            if proc.poll() is not None:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit(f"the soak's driver did not finish within {deadline_s:g}s")
+            time.sleep(0.1)  # polling a file other processes append to; bounded by the deadline above
+    finally:
+        if spare is not None and spare.stdin is not None:
+            spare.stdin.close()  # an empty line: the spare ends
+            spare.wait(timeout=60)
     for line in journal.read_new():
         state.add(line)
     if proc.returncode != 0 or state.end is None:
@@ -134,7 +150,10 @@ def _driver_kills(records: list[FaultRecord], state: JournalState, kills: list[d
     for rec, kill, attached in zip(asked, kills, state.attached):
         first = next((s for s in state.steps if s.t_s > attached.t_s), None)
         rec.fired = kill["returncode"] == -signal.SIGKILL and attached.pid == kill["next_pid"]
-        rec.evidence = (f"SIGKILL at {kill['t_s']:.1f} s (exit {kill['returncode']}); driver pid {attached.pid} "
+        ready = state.ready.get(attached.pid)
+        connected = "" if ready is None or state.t0 is None else f", connected to Ray at {ready - state.t0:.1f} s"
+        rec.evidence = (f"SIGKILL at {kill['t_s']:.1f} s (exit {kill['returncode']}); "
+                        f"{'standby ' if kill.get('standby') else ''}driver pid {attached.pid}{connected}, "
                         f"attached at {attached.t_s:.1f} s at step {attached.step}")
         before = [s.step for s in state.steps if s.t_s <= kill["t_s"]]
         rec.restore_s = round(rec.restore_s + attached.t_s - kill["t_s"], 2)
@@ -178,7 +197,8 @@ def inner(args: argparse.Namespace) -> None:
     spec_path = os.path.join(work, "spec.json")
     Path(spec_path).write_text(json.dumps(spec))
     try:
-        state, kills = _supervise(spec, spec_path, deadline_s=args.minutes * 60 * 3 + 600)
+        state, kills = _supervise(spec, spec_path, deadline_s=args.minutes * 60 * 3 + 600,
+                                  standby=spec["detached"] and args.standby_driver)
     finally:
         listener.close()
     end = state.end
@@ -235,6 +255,12 @@ def _rest(faults: list[dict[str, Any]]) -> float:
     return sum(f["lost_s"] - f["detect_s"] - f["decide_s"] - f["restore_s"] - f["replay_s"] for f in faults)
 
 
+def _drivers_note(r: dict[str, Any]) -> str:
+    if not r.get("detached"):
+        return ""
+    return " (detached run" + (", each new driver started ahead" if r.get("standby_driver") else "") + ")"
+
+
 def markdown(r: dict[str, Any]) -> str:
     """The results' table: faults by kind with time lost, goodput, samples and checkpoints."""
     soak, base = r["soak"], r["baseline"]
@@ -277,7 +303,8 @@ def markdown(r: dict[str, Any]) -> str:
               f"{ck['committed']}, verified {ck['verified']}.",
               f"A refused full-disk save reported committed: {r.get('full_disk_reported_committed') or 'none'}.",
               f"Not injected: {', '.join(r['not_injected']) or 'none'}. Drivers: {len(r.get('drivers', [])) or 1}"
-              f"{' (detached run)' if r.get('detached') else ''}.", "", "Each fault:", ""]
+              f"{_drivers_note(r)}.",
+              "", "Each fault:", ""]
     lines += [f"- {f['at_s']:.0f} s, step {f['at_step']}: {f['kind']} ({f['target']}); {f['evidence']}; "
               f"lost {f['lost_s']:.1f} s over {f['window_steps']} steps"
               + ("" if f.get("invariant_ok") is None else f"; nothing visible: {f['invariant_ok']}")
@@ -308,7 +335,9 @@ def outer(args: argparse.Namespace) -> None:
             argv = [sys.executable, "-m", "benchmarks.soak", "--inner", far.namespace, head_ip, far.ip, disk,
                     "--minutes", f"{args.minutes:g}", "--seed", str(args.seed), "--fault-interval-s",
                     f"{args.fault_interval_s:g}", "--baseline-chunks", str(args.baseline_chunks),
-                    "--health-timeout-s", f"{args.health_timeout_s:g}", "--health-interval-s", f"{args.health_interval_s:g}"]
+                    "--health-timeout-s", f"{args.health_timeout_s:g}",
+                    "--health-interval-s", f"{args.health_interval_s:g}",
+                    "--standby-driver" if args.standby_driver else "--no-standby-driver"]
             argv += ["--kinds", args.kinds] if args.kinds else []
             got = cluster.run_in_head(argv + (["--netem"] if netem else []), timeout_s=args.minutes * 60 * 3 + 900,
                                       cwd=str(REPO), extra_env={"PYTHONPATH": str(REPO)})
@@ -318,7 +347,8 @@ def outer(args: argparse.Namespace) -> None:
     if got.returncode != 0:
         raise SystemExit(f"the soak failed ({got.returncode}):\n{got.stderr[-6000:]}")
     r = json.loads(got.stdout.strip().splitlines()[-1])
-    r.update(health_timeout_s=args.health_timeout_s, health_interval_s=args.health_interval_s)
+    r.update(health_timeout_s=args.health_timeout_s, health_interval_s=args.health_interval_s,
+             standby_driver=args.standby_driver)
     r.update(minutes=args.minutes, seed=args.seed, fault_interval_s=args.fault_interval_s, kinds=args.kinds or "all",
              machine=f"{platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}",
              cluster=f"{NODES} simulated nodes x {CPUS_PER_NODE} CPUs, link {link}; stage 2, 4 owners, peer redundancy")
@@ -339,6 +369,8 @@ def main() -> None:
     ap.add_argument("--health-timeout-s", type=float, default=HEALTH_TIMEOUT_S,
                     help="ZeroConfig.health_timeout_s (a frozen owner or a long cut's far side is lost after it)")
     ap.add_argument("--health-interval-s", type=float, default=HEALTH_INTERVAL_S, help="ZeroConfig.health_interval_s")
+    ap.add_argument("--standby-driver", action=argparse.BooleanOptionalAction, default=True,
+                    help="driver_sigkill: hand the run to a driver started ahead (imported, connected to Ray)")
     ap.add_argument("--json", default=str(RESULTS / "soak.json"), help="where the results go (.md beside it)")
     ap.add_argument("--render", metavar="JSON", help="write the Markdown of a results file again, nothing run")
     ap.add_argument("--inner", nargs=4, metavar=("FAR_NS", "HEAD_IP", "FAR_IP", "DISK"), help=argparse.SUPPRESS)

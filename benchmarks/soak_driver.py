@@ -1,13 +1,16 @@
 """The soak's training driver (benchmarks/soak.py starts it; it is the process ``driver_sigkill``
 SIGKILLs). Not run by hand:
 
-    python -m benchmarks.soak_driver SPEC_JSON [--attach RUN_ID]
+    python -m benchmarks.soak_driver SPEC_JSON [--attach RUN_ID | --standby]
 
 The first driver builds the trainer, warms up, measures the fault-free baselines, then runs
 ``fit`` in chunks under the fault injector (benchmarks/harness/soak_faults.py) until the soak's
 minutes are up. A driver started with ``--attach`` takes a detached run over from the owners
 (``ZeroTrainer.attach``) after its predecessor's SIGKILL, reads from the journal where the soak
-stands (its clock, the faults fired, the size to keep) and goes on to the same end. Every event
+stands (its clock, the faults fired, the size to keep) and goes on to the same end. A driver
+started with ``--standby`` is one started ahead: it imports, connects to Ray, then waits for the
+run id on its standard input (its supervisor writes it when it SIGKILLs the driver before it)
+and attaches; an empty line (or stdin closed) ends it. Every event
 goes to the journal (benchmarks/harness/soak_journal.py), which the supervisor reads; the last
 driver saves the final parameters to a file and shuts the run down.
 """
@@ -104,6 +107,7 @@ def main() -> None:
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     attach = sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "--attach" else None
+    standby = len(sys.argv) > 2 and sys.argv[2] == "--standby"
     journal = Journal(spec["journal"])
 
     class Committed(zr.Callback):
@@ -111,6 +115,13 @@ def main() -> None:
             journal.write("committed", [path, step])
 
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    if standby:
+        attach = sys.stdin.readline().strip()
+        if not attach:  # the soak ended without needing this driver
+            ray.shutdown()
+            return
+    if attach is not None:  # the restore's split: this process' start and Ray's connection, then attach
+        journal.write("ready", {"pid": os.getpid(), "at": time.monotonic()})
     if attach is None:
         trainer, t0 = _first(spec, journal, [Committed()])
         seen = len(trainer.recoveries)  # the baselines' resizes are not the soak's

@@ -8,7 +8,9 @@ seconds a step by size), ``t0`` (the soak's start, ``time.monotonic()``: one clo
 process on this machine), ``step`` (a ``StepAt``), ``recovery`` (a ``Recovered``), ``fault``
 (a fault's record, index and the size the run should be at; the last line of an index wins),
 ``committed`` (a checkpoint's path and step), ``kill`` (the driver asks its supervisor for its
-SIGKILL), ``attached`` (a new driver took the run over), ``end`` (the soak's last figures)."""
+SIGKILL), ``ready`` (a driver that will attach is connected to Ray and has the run id: its pid and
+``time.monotonic()``; for one started ahead, ``--standby``, when it was handed the run),
+``attached`` (a new driver took the run over), ``end`` (the soak's last figures)."""
 
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ class JournalState:
     committed: list[tuple[str, int]] = field(default_factory=list)
     kills: list[int] = field(default_factory=list)  # driver pids that asked for their SIGKILL
     attached: list[Attached] = field(default_factory=list)
+    ready: dict[int, float] = field(default_factory=dict)  # attaching driver's pid -> when it could begin to
     end: dict[str, Any] | None = None
 
     def add(self, line: dict[str, Any]) -> None:
@@ -87,6 +90,8 @@ class JournalState:
             self.committed.append((value[0], value[1]))
         elif key == "kill":
             self.kills.append(value)
+        elif key == "ready":
+            self.ready[value["pid"]] = value["at"]
         elif key == "attached":
             self.attached.append(Attached(**value))
         elif key == "end":

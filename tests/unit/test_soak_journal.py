@@ -32,6 +32,7 @@ def test_every_line_a_killed_driver_wrote_is_read_back(tmp_path: Path) -> None:
     j.write("kill", 10)
     j.write("committed", ["s3://soak/run/step-00000050", 50])
     j.write("run", {"run_id": "ab12", "pid": 11})
+    j.write("ready", {"pid": 11, "at": 1267.0})
     j.write("attached", asdict(Attached(t_s=35.0, step=22, pid=11)))
     rec.settled_s = 4.5
     j.write("fault", {"index": 0, "record": asdict(rec), "size": 3})  # the last line of an index wins
@@ -41,6 +42,7 @@ def test_every_line_a_killed_driver_wrote_is_read_back(tmp_path: Path) -> None:
     assert FaultRecord(**got.faults[0]).settled_s == 4.5 and list(got.faults) == [0]
     assert got.committed == [("s3://soak/run/step-00000050", 50)]
     assert got.attached == [Attached(t_s=35.0, step=22, pid=11)] and got.end is None
+    assert got.ready == {11: 1267.0}
 
 
 def test_a_line_still_being_written_waits_for_its_end(tmp_path: Path) -> None:
