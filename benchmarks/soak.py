@@ -8,7 +8,8 @@ driver on the head; this process supervises it: the training driver is a child,
 benchmarks/soak_driver.py, which ``driver_sigkill`` SIGKILLs and replaces by one that attaches),
 four owners at stage 2 with peer redundancy, SGD. The workload is the main job's GPT trained by
 ``fit`` on token files on a local S3 server (tests/s3_server.py, moto, bound to the head's address
-so the far node's owners read it too), checkpoints to the same S3 every CHECKPOINT_EVERY steps. After fault-free baselines, the soak fires a seeded schedule of faults
+so the far node's owners read it too), checkpoints to the same S3 every CHECKPOINT_EVERY steps.
+After fault-free baselines, the soak fires a seeded schedule of faults
 (benchmarks/harness/soak_faults.py) for ``--minutes``; fit runs in chunks of CHUNK steps
 throughout (the baseline in the same chunks, so both pay the same per-call cost).
 
