@@ -97,11 +97,12 @@ def _driver(spec_path: str, log: str, attach: str | None = None, standby: bool =
 
 
 def _supervise(spec: dict[str, Any], spec_path: str, deadline_s: float,
-               standby: bool) -> tuple[JournalState, list[dict[str, Any]]]:
+               standby: bool, load: list[float]) -> tuple[JournalState, list[dict[str, Any]]]:
     """Run the training driver to the soak's end; SIGKILL it when it asks (``driver_sigkill``)
     and hand the run at once to a driver that attaches, as a Ray job's retry would: one started
     then, or with ``standby`` one started ahead (imported and connected to Ray, waiting). The
-    journal, and each kill: when (soak seconds), the pid, how the process ended, the next driver's pid."""
+    journal, and each kill: when (soak seconds), the pid, how the process ended, the next driver's pid;
+    ``load`` gets the load average as the soak begins."""
     logs = os.path.join(os.path.dirname(spec_path), "driver-{}.log")
     state, journal, kills = JournalState(), Journal(spec["journal"]), []
     proc = _driver(spec_path, logs.format(0))
@@ -111,6 +112,8 @@ def _supervise(spec: dict[str, Any], spec_path: str, deadline_s: float,
         while True:
             for line in journal.read_new():
                 state.add(line)
+            if state.t0 is not None and not load:  # the soak began: the load then (the drivers change)
+                load.extend(round(x, 2) for x in os.getloadavg())
             if len(state.kills) > len(kills) and state.kills[len(kills)] == proc.pid:
                 os.kill(proc.pid, signal.SIGKILL)
                 at = time.monotonic()
@@ -196,10 +199,11 @@ def inner(args: argparse.Namespace) -> None:
             "link_mbit": LINK_MBIT, "disk_leave_bytes": DISK_LEAVE_BYTES, "s3_socket": os.path.join(work, "s3.sock"),
             "s3_authkey": authkey.hex()}
     spec_path = os.path.join(work, "spec.json")
+    load_before: list[float] = []
     Path(spec_path).write_text(json.dumps(spec))
     try:
         state, kills = _supervise(spec, spec_path, deadline_s=args.minutes * 60 * 3 + 600,
-                                  standby=spec["detached"] and args.standby_driver)
+                                  standby=spec["detached"] and args.standby_driver, load=load_before)
     finally:
         listener.close()
     end = state.end
@@ -216,7 +220,7 @@ def inner(args: argparse.Namespace) -> None:
     steps = len(state.steps)
     out["soak"] = {"s": soak_s, "steps": steps, "planned_faults": len(records),
                    "fault_free_s": round(sum(p.fault_free_s for p in parts), 2),
-                   "load_before": end["load_before"], "load_after": end["load_after"],
+                   "load_before": load_before or end["load_before"], "load_after": end["load_after"],
                    "world_size_end": end["world_size_end"], "recoveries": len(state.recoveries)}
     out["by_size"] = [asdict(p) for p in parts]
     out["goodput"] = round(goodput(parts, wall_s=soak_s), 4)
