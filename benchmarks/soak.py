@@ -52,8 +52,10 @@ CORPUS_TOKENS = 200_000  # 6,249 samples, 520 steps an epoch; more than the owne
 # As tests/integration/partition_run.py: a 5 s cut is ridden through when about twice it is under
 # both timeouts (docs/elastic.md, "Partitions"), and the long cut outlasts both (17 s, over the
 # collective timeout: benchmarks/soak_driver.py). Defaults; --health-timeout-s / --health-interval-s.
-HEALTH_TIMEOUT_S = 12.0
-HEALTH_INTERVAL_S = 3.0  # ZeroConfig's default for 12 s: a quarter of the timeout
+# 9 s with a beat every 0.5 s (was 12 s, 3 s): a 5 s cut stalls the streams about 7.4 s, plus up
+# to one interval of silence before it; frozen owners found 3 s sooner (docs/elastic.md, "Soak").
+HEALTH_TIMEOUT_S = 9.0
+HEALTH_INTERVAL_S = 0.5
 S3_PORT, LINK_MBIT, NODES, CPUS_PER_NODE = 9555, 1000.0, 2, 2
 # The full disk: a tmpfs that holds a few checkpoints of this GPT (about 0.5 MB each), filled to
 # all but DISK_LEAVE_BYTES before the save it refuses.
@@ -374,7 +376,7 @@ def main() -> None:
     ap.add_argument("--health-timeout-s", type=float, default=HEALTH_TIMEOUT_S,
                     help="ZeroConfig.health_timeout_s (a frozen owner or a long cut's far side is lost after it)")
     ap.add_argument("--health-interval-s", type=float, default=HEALTH_INTERVAL_S, help="ZeroConfig.health_interval_s")
-    ap.add_argument("--standby-driver", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--standby-driver", action=argparse.BooleanOptionalAction, default=False,
                     help="driver_sigkill: hand the run to a driver started ahead (imported, connected to Ray)")
     ap.add_argument("--json", default=str(RESULTS / "soak.json"), help="where the results go (.md beside it)")
     ap.add_argument("--render", metavar="JSON", help="write the Markdown of a results file again, nothing run")
