@@ -281,7 +281,8 @@ def markdown(r: dict[str, Any]) -> str:
              f"Fault-free ms a step by owners (baselines of the same run): "
              + ", ".join(f"{k}: {v['step_s'] * 1000:.0f} ({v['steps']} steps)" for k, v in base.items())
              + f". Every step at the 4-owner time would say {100 * r.get('goodput_at_4_owner_time', 0):.1f}%. "
-             f"Load average {soak['load_before'][0]:.1f} before, {soak['load_after'][0]:.1f} after.", "",
+             f"Load average {soak['load_before'][0]:.1f} before, {soak['load_after'][0]:.1f} after"
+             f"{' (' + soak['load_note'] + ')' if soak.get('load_note') else ''}.", "",
              "| owners | steps | wall s | fault-free ms a step | fault-free s |", "|---|---|---|---|---|"]
     lines += [f"| {p['size']} | {p['steps']} | {p['s']:.0f} | {p['fault_free_step_s'] * 1000:.0f}"
               f"{'' if p['measured'] else ' (not measured: the fastest size)'} | {p['fault_free_s']:.0f} |"
