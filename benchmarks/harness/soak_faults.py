@@ -4,7 +4,9 @@ what each did. Injection reuses what the tests and harness already have: SIGKILL
 an owner's process (tests/faults.py's signals, by the pid its ``node`` call reports),
 ``simcluster.cut_link`` / ``restore_link`` / ``shape_link``, ``simcluster.kill_node`` and
 ``start_node`` (a node lost whole, then started again), a filled tmpfs (harness/full_disk.py), and
-tests/s3_server.py's injected S3 errors; nothing here is known to the library.
+tests/s3_server.py's injected S3 errors (armed through harness/s3_remote.py: the S3 server lives
+in the supervisor), and for ``driver_sigkill`` the supervisor's SIGKILL of the driver this runs
+in (asked through the journal, harness/soak_journal.py); nothing here is known to the library.
 
 A fault fires only when the one before it has settled (its link restored, the run back at its
 size), so each fault's time lost is its own; the delay is recorded (``held_s``)."""
@@ -25,6 +27,7 @@ from benchmarks.harness.full_disk import fill, visible
 from benchmarks.harness.goodput import StepAt, window_fault_free_s
 from benchmarks.harness.simcluster import (GCS_PORT, cut_link, kill_node, link_shape, reachable, restore_link,
                                            shape_link, start_node)
+from benchmarks.harness.soak_journal import Recovered
 
 OWNER_SIGKILL = "owner_sigkill"
 OWNER_SIGSTOP = "owner_sigstop"
@@ -36,11 +39,12 @@ S3_READ_ERRORS = "s3_read_errors"  # 503 SlowDown on the corpus' GETs: the reade
 S3_SAVE_ERRORS = "s3_save_errors"  # 503 SlowDown on a save's PUTs: the uploads' retries ride them
 NODE_KILLED = "node_killed"  # every process of the far node SIGKILLed; its Ray started again once dead
 FULL_DISK = "full_disk"  # a save to a local disk with no room: refused, never visible, the run goes on
+# The training driver SIGKILLed by the soak's supervisor mid-chunk; a new driver attaches to the
+# detached owners and goes on, as a Ray job's retry would.
+DRIVER_SIGKILL = "driver_sigkill"
 KINDS = (OWNER_SIGKILL, OWNER_SIGSTOP, LINK_CUT_SHORT, LINK_CUT_LONG, DEGRADED_LINK, RESIZE, S3_READ_ERRORS,
-         S3_SAVE_ERRORS, NODE_KILLED, FULL_DISK)
-# Asked for by issue 46 and not injected (docs/elastic.md, "Soak"): the driver's SIGKILL with a
-# supervisor attaching a new driver (the soak's driver is the run that measures).
-NOT_INJECTED = ("driver_sigkill",)
+         S3_SAVE_ERRORS, NODE_KILLED, FULL_DISK, DRIVER_SIGKILL)
+NOT_INJECTED: tuple[str, ...] = ()  # every kind issue 46 asks for is injected
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,8 +134,8 @@ class Injector:
     _unsettled: list[Callable[[], bool]]
     _stack: ExitStack
     _rules: list[tuple[FaultRecord, Any]]  # S3 error rules armed, with the record each fired for
-    _recoveries_seen: int
-    _size: int
+    _size: int  # the size the run should be at: a fault fires only once it is back there
+    kill_requested: bool  # driver_sigkill fired: this driver waits for its supervisor's SIGKILL
 
     def __init__(self, trainer: Any, cluster: Cluster, plan: list[Planned], *, seed: int, sizes: tuple[int, ...],
                  short_cut_s: float, long_cut_s: float, degrade_s: float) -> None:
@@ -139,8 +143,16 @@ class Injector:
         self.short_cut_s, self.long_cut_s, self.degrade_s = short_cut_s, long_cut_s, degrade_s
         self.records, self.pending = [], list(plan)
         self._timers, self._unsettled, self._stack, self._rules = [], [], ExitStack(), []
-        self._recoveries_seen = len(trainer.recoveries)
-        self._size = trainer.world_size
+        self._size, self.kill_requested = trainer.world_size, False
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def resume(self, records: list[FaultRecord], size: int) -> None:
+        """Go on where a SIGKILLed driver's injector stood (its records, from the journal): the
+        faults it fired are not planned again, and the run is kept at its size."""
+        self.records, self.pending, self._size = list(records), self.pending[len(records):], size
 
     # -- called between steps ---------------------------------------------------------------------
     def tick(self, elapsed_s: float, step: int) -> None:
@@ -173,26 +185,6 @@ class Injector:
         self._end_rules()
         restore_link(self.cluster.far_namespace)
         shape_link(self.cluster.far_namespace, mbit=self.cluster.link_mbit, delay_ms=0.0, netem=self.cluster.netem)
-
-    def attribute(self, step_times: list[StepAt], end_s: float, baseline: dict[int, float]) -> None:
-        """Each record's recoveries (those reported after it fired and before the next) and its
-        window's time lost, each step valued at its own size's fault-free time (``baseline``:
-        seconds a step by world size); ``step_times``: every soak step as it was reported."""
-        reports = self.trainer.recoveries[self._recoveries_seen:]
-        for i, rec in enumerate(self.records):
-            until = self.records[i + 1].at_step if i + 1 < len(self.records) else None
-            mine = [r for r in reports if r.failed_step >= rec.at_step and (until is None or r.failed_step < until)]
-            rec.recoveries = [r.summary() for r in mine]
-            rec.detect_s = round(sum(r.detect_s for r in mine), 2)
-            rec.decide_s = round(sum(r.abort_s for r in mine), 2)
-            rec.restore_s = round(sum(r.restore_s for r in mine), 2)
-            rec.replay_s = round(sum(max(r.replay_s, 0.0) for r in mine), 2)
-            rec.steps_lost = sum(r.replayed_steps for r in mine)
-            end = self.records[i + 1].at_s if i + 1 < len(self.records) else end_s
-            steps = [s for s in step_times if rec.at_s < s.t_s <= end]
-            rec.window_s = round(end - rec.at_s, 2)
-            rec.window_steps = len(steps)
-            rec.lost_s = round(rec.window_s - window_fault_free_s(steps, baseline), 2)
 
     # -- the faults ---------------------------------------------------------------------------------
     def _owner(self) -> tuple[int, int]:
@@ -325,6 +317,15 @@ class Injector:
         self._timers.append(thread)
         self._unsettled.append(back.is_set)
 
+    def _driver_sigkill(self, rec: FaultRecord) -> None:
+        """Ask the supervisor (through the journal) to SIGKILL this driver process; fit goes on
+        meanwhile, so the kill lands mid-chunk. The supervisor starts a driver that attaches to
+        the detached owners and reads this record back (``resume``); ``fired`` is set by the
+        supervisor once the process is gone and the new driver attached."""
+        rec.target = f"the training driver (pid {os.getpid()})"
+        rec.evidence = "SIGKILL asked of the supervisor"
+        self.kill_requested = True
+
     def _full_disk(self, rec: FaultRecord) -> None:
         """A save to a local checkpoint root on a disk with no room left (the run's own
         checkpoints go on to S3): refused with a CheckpointError, nothing of it visible (no
@@ -346,6 +347,27 @@ class Injector:
                             f"{len(after.committed)} committed, latest {after.latest}, others {list(after.others)}")
         finally:
             filler.unlink()
+
+
+def attribute(records: list[FaultRecord], reports: list[Recovered], step_times: list[StepAt], end_s: float,
+              baseline: dict[int, float]) -> None:
+    """Each record's recoveries (those whose failed step is at or after its firing and before the
+    next fault's) and its window's time lost, each step valued at its own size's fault-free time
+    (``baseline``: seconds a step by world size); ``step_times``: every soak step as reported."""
+    for i, rec in enumerate(records):
+        until = records[i + 1].at_step if i + 1 < len(records) else None
+        mine = [r for r in reports if r.failed_step >= rec.at_step and (until is None or r.failed_step < until)]
+        rec.recoveries = [r.summary for r in mine]
+        rec.detect_s = round(sum(r.detect_s for r in mine), 2)
+        rec.decide_s = round(sum(r.abort_s for r in mine), 2)
+        rec.restore_s = round(sum(r.restore_s for r in mine), 2)
+        rec.replay_s = round(sum(max(r.replay_s, 0.0) for r in mine), 2)
+        rec.steps_lost = sum(r.replayed_steps for r in mine)
+        end = records[i + 1].at_s if i + 1 < len(records) else end_s
+        steps = [s for s in step_times if rec.at_s < s.t_s <= end]
+        rec.window_s = round(end - rec.at_s, 2)
+        rec.window_steps = len(steps)
+        rec.lost_s = round(rec.window_s - window_fault_free_s(steps, baseline), 2)
 
 
 def _running(pid: int) -> bool:
