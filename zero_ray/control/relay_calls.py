@@ -155,7 +155,9 @@ class PackedCut(RequestCut):
     speed: what every rank runs is converted to its message once a batch, each child's message a
     copy of it (C) with the child's header, spans, counts and indices sliced in. Converting each
     child's record instead (``for_ranks`` / ``rank_args``, then ``to_message``) cost a top relay
-    26 us a child; the messages are equal (tests/control/test_control_relay_wire.py)."""
+    26 us a child; the messages are equal (tests/control/test_control_relay_wire.py). With the
+    replies read straight from their messages (relay_wire), a top relay's server threads went from
+    1.8-2.0 to 1.2-1.3 ms of CPU a step at 1,024 owners; what is left of its ~4 ms is gRPC's."""
 
     _owner_base: Any
     _relay_base: Any
