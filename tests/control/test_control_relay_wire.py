@@ -10,19 +10,49 @@ import random
 
 import pytest
 
-from zero_ray.control._generated import relay_pb2
+from zero_ray.control._generated import common_pb2, relay_pb2
 from zero_ray.control.conversion import to_message, to_record
-from zero_ray.control.handlers import LossTotals, RankSpan, StepResult, SubtreeStep
-from zero_ray.control.relay_wire import from_wire, to_wire, units_from_bytes, units_to_bytes
-from zero_ray.core.reply_combine import CombinedStep, ExactSum, RankFailure, combine_steps
-from zero_ray.errors import FailureDetail, RelayError
+from zero_ray.control.handlers import (
+    EvaluateArgs,
+    LossTotals,
+    Piece,
+    RankSpan,
+    RelayEvaluateArgs,
+    RelayStepArgs,
+    StepArgs,
+    StepResult,
+    SubtreeEvaluation,
+    SubtreeStep,
+)
+from zero_ray.control.relay_calls import EVALUATE, STEP
+from zero_ray.control.relay_wire import (
+    evaluation_from_message,
+    evaluation_from_wire,
+    evaluation_to_wire,
+    from_wire,
+    step_from_message,
+    to_wire,
+    units_from_bytes,
+    units_to_bytes,
+)
+from zero_ray.core.reply_combine import CombinedEvaluation, CombinedStep, ExactSum, RankFailure, combine_steps
+from zero_ray.errors import ConfigError, FailureDetail, RelayError
 
 _FLOATS = (0.1, 1e-300, 5e-324, 1.7976931348623157e308, -2.5, 0.0, -0.0, 3.0)
 
 
 def _through_the_wire(step: CombinedStep) -> CombinedStep:
     data = to_message(to_wire(step), relay_pb2.RelayStepReply).SerializeToString()
-    return from_wire(to_record(relay_pb2.RelayStepReply.FromString(data), SubtreeStep))
+    message = relay_pb2.RelayStepReply.FromString(data)
+    read = from_wire(to_record(message, SubtreeStep))
+    # A hop reads the message itself: the same step as through the record.
+    assert step_from_message(message) == read
+    evaluation = CombinedEvaluation(ranks=step.ranks, totals=step.totals, failure=step.failure)
+    eval_message = relay_pb2.RelayEvaluateReply.FromString(
+        to_message(evaluation_to_wire(evaluation), relay_pb2.RelayEvaluateReply).SerializeToString())
+    assert evaluation_from_message(eval_message) == evaluation_from_wire(
+        to_record(eval_message, SubtreeEvaluation)) == evaluation
+    return read
 
 
 def _result(rng: random.Random, rank: int, *, counted: bool, nonfinite: bool) -> StepResult:
@@ -77,3 +107,52 @@ def test_a_malformed_reply_is_refused_at_the_door() -> None:
         from_wire(overlapping)
     with pytest.raises(RelayError, match="is empty"):
         from_wire(dataclasses.replace(record, ranks=(RankSpan(start=2, stop=2),)))
+
+
+def _packed(rng: random.Random, kind: str) -> RelayStepArgs | RelayEvaluateArgs:
+    spans = []
+    start = rng.randint(0, 5)
+    for _ in range(rng.randint(1, 4)):  # ascending spans with gaps, as a re-parented subtree's
+        stop = start + rng.randint(1, 9)
+        spans.append((start, stop))
+        start = stop + rng.randint(1, 3)
+    ranks = [r for a, b in spans for r in range(a, b)]
+    staged = rng.random() < 0.25
+    piece = Piece(batch_key="k:3") if staged else Piece(dataset="train")
+    counts = [] if staged else [rng.randint(0, 4) for _ in ranks]
+    indices = [rng.randint(0, 2**40) for _ in range(sum(counts))]
+    if kind == "step":
+        step = StepArgs(step=7, piece=piece, global_samples=len(indices), generation=3, samples_seen=99, ahead=True)
+        return RelayStepArgs.of(step, ranks=ranks, counts=counts, indices=indices, timeout_s=30.0, relay=4)
+    evaluate = EvaluateArgs(piece=piece, generation=3)
+    return RelayEvaluateArgs.of(evaluate, ranks=ranks, counts=counts, indices=indices, timeout_s=30.0, relay=4)
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("kind", ["step", "evaluate"])
+def test_a_hops_cut_requests_equal_each_childs_converted_record(seed: int, kind: str) -> None:
+    """PackedCut builds each child's message from the parent's at protobuf speed; each equals
+    the message of the child's own record (for_ranks / rank_args), as the hop built it before."""
+    rng = random.Random(seed)
+    call = STEP if kind == "step" else EVALUATE
+    args = _packed(rng, kind)
+    header = common_pb2.RequestHeader(job_id=f"job-{seed}", protocol_version=3)
+    cut = call.cut(args)
+    ranks = list(args.rank_list)
+    for rank in ranks:
+        method, message = cut.owner_request(rank, header)
+        assert method is call.owner_method
+        assert message == to_message(args.rank_args(rank), call.owner_message, header=header)
+    for _ in range(4):
+        child = sorted(rng.sample(ranks, rng.randint(1, len(ranks))))
+        spans = [(child[0], child[0] + 1)]
+        for r in child[1:]:
+            spans[-1:] = [(spans[-1][0], r + 1)] if r == spans[-1][1] else [spans[-1], (r, r + 1)]
+        message = cut.relay_request(tuple(spans), timeout_s=12.5, relay=9, header=header)
+        assert message == to_message(args.for_ranks(child, timeout_s=12.5, relay=9), call.relay_message,
+                                     header=header)
+    outside = max(ranks) + 1
+    with pytest.raises(ConfigError, match="not all among this call's ranks"):
+        cut.owner_request(outside, header)
+    with pytest.raises(ConfigError, match="not all among this call's ranks"):
+        cut.relay_request(((ranks[0], outside + 1),), timeout_s=1.0, relay=1, header=header)

@@ -233,6 +233,59 @@ def test_the_loss_is_decided_before_the_survivors_abort_is_answered_and_the_reco
     fan.close()
 
 
+class _SlowTree:
+    """The relay tree's abort (``RelayPlane.abort``) on a starved machine: one subtree, rank 0,
+    called unless ``gone()`` holds it (it took this generation's abort already); it returns after
+    ``takes_s`` (its calls' deadline, past one call's time), rank 0 having taken it."""
+
+    def __init__(self, takes_s: float) -> None:
+        self.calls = 0
+        self._takes_s = takes_s
+
+    def abort(self, reason: str, generation: int, *, gone: Callable[[], Any], timeout_s: float) -> set[int]:
+        if 0 in gone():
+            return set()
+        self.calls += 1
+        threading.Event().wait(self._takes_s)  # how long the tree's calls take; nothing to wait for
+        return {0}
+
+
+def test_the_recovery_abort_joins_a_slow_first_abort_and_no_survivor_takes_two(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the recovery's abort gave up on the one check() began after one call's time plus the
+    # direct calls' (here 2.5 s; 15 s on the pool), though that abort can take its tree's deadline
+    # plus the direct calls' (here 1.2 + 2 s), and sent every survivor a second abort while the
+    # first was still out: 2,488 aborts for 1,023 survivors at 1,024 owners under load 226.
+    monkeypatch.setattr(fanout, "_ABORT_CALL_S", 0.5)
+    monkeypatch.setattr(fanout, "_ABORT_WAIT_S", 2.0)
+    old_join_s = 2.5
+    members = Members(generation=6)
+    release = threading.Event()
+    held = _HeldAbort(release)  # rank 2: not under a live subtree, called directly
+    members.clients = [_Client(), _Client(), held]  # type: ignore[list-item]
+    members.health = _Health({1: "relay stream closed"})  # type: ignore[assignment]
+    tree = _SlowTree(takes_s=1.2)
+    members.relays = tree  # type: ignore[assignment]
+    fan = FanOut(world_size=3, members=members)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(OwnerLostError) as info:
+            fan.check("step")
+        recovery = threading.Thread(target=fan.abort, args=("recovery",))
+        recovery.start()
+        assert held.entered.wait(WAIT_S)  # the direct call, after the tree's 1.2 s
+        # Answered past the old join, inside the direct calls' own 2 s: the first abort reached it.
+        release.wait(max(0.0, t0 + old_join_s + 0.3 - time.monotonic()))
+        release.set()
+        recovery.join(WAIT_S)
+        assert not recovery.is_alive()
+    finally:
+        release.set()
+    assert tree.calls == 1  # rank 0 took it through the tree once
+    assert [c.aborts for c in members.clients] == [[], [], [(str(info.value), 6)]]  # type: ignore[attr-defined]
+    fan.close()
+
+
 def test_the_recovery_abort_resends_to_a_survivor_the_first_abort_missed_and_a_new_generation_anew() -> None:
     members = Members(generation=3)
 

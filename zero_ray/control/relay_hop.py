@@ -42,7 +42,7 @@ from zero_ray.control.client import OwnerClient, RelayClient
 from zero_ray.control.client_channel import convert_error, header_of
 from zero_ray.control.handlers import FailureContext, RelayCallArgs, RelayEvaluateArgs, RelayStepArgs
 from zero_ray.control.hop_calls import CallOutcome, CallTarget, HopCalls, UnaryRequest
-from zero_ray.control.relay_calls import EVALUATE, FORWARDED, STEP, Args, C, RelayedCall
+from zero_ray.control.relay_calls import EVALUATE, FORWARDED, STEP, Args, C, RelayedCall, RequestCut
 from zero_ray.core.relay_tree import RelayTree
 from zero_ray.core.reply_combine import CombinedEvaluation, CombinedReplies, CombinedStep, RankFailure, RankSpans
 from zero_ray.errors import (
@@ -93,9 +93,9 @@ class OwnerChild:
         """Where the hop calls the owner: its client's configuration."""
         return CallTarget(config=self.client.config)
 
-    def request(self, call: RelayedCall[Any], args: Args, time_left_s: float, margin_s: float) -> UnaryRequest:
+    def request(self, call: RelayedCall[Any], cut: RequestCut, time_left_s: float, margin_s: float) -> UnaryRequest:
         """The owner's own request; its deadline is the time the hop has left."""
-        method, message = call.owner_request(args, self.rank, header_of(self.client.config))
+        method, message = cut.owner_request(self.rank, header_of(self.client.config))
         return UnaryRequest(method=method, message=message, timeout_s=time_left_s)
 
     def reply(self, call: RelayedCall[C], message: Any) -> C:
@@ -130,7 +130,7 @@ class RelayChild:
         """Where the hop calls the relay: its client's configuration."""
         return CallTarget(config=self.client.config)
 
-    def request(self, call: RelayedCall[Any], args: Args, time_left_s: float, margin_s: float) -> UnaryRequest:
+    def request(self, call: RelayedCall[Any], cut: RequestCut, time_left_s: float, margin_s: float) -> UnaryRequest:
         """The relay's request for its ranks: it has the time left less ``margin_s`` to answer
         in, and the call the time left."""
         below = time_left_s - margin_s
@@ -138,8 +138,8 @@ class RelayChild:
             raise ControlError(f"{call.relay_method.name} to {self.client.address} was not sent: {time_left_s:.3f}s "
                                f"were left, no more than the hop's margin of {margin_s:g}s; give the call more time",
                                code="DEADLINE_EXCEEDED")
-        message = call.relay_request(args, self.ranks, timeout_s=below, relay=self.relay,
-                                     header=header_of(self.client.config))
+        message = cut.relay_request(self.spans.spans, timeout_s=below, relay=self.relay,
+                                    header=header_of(self.client.config))
         return UnaryRequest(method=call.relay_method, message=message, timeout_s=time_left_s)
 
     def reply(self, call: RelayedCall[C], message: Any) -> C:
@@ -236,9 +236,10 @@ class RelayHop:
                              "RelayTree")
         requests: list[UnaryRequest | None] = []
         unsent: dict[int, ZeroRayError] = {}
+        cut = call.cut(args)
         for i, child in enumerate(self._children):
             try:
-                requests.append(child.request(call, args, args.timeout_s - (time.monotonic() - began),
+                requests.append(child.request(call, cut, args.timeout_s - (time.monotonic() - began),
                                               self._margin_s))
             except ZeroRayError as err:  # not sent: its failure, the others go on
                 requests.append(None)

@@ -67,6 +67,16 @@ _WOKEN = -1  # put in a flight's arrivals by the health monitor's loss: look at 
 _ABORT_CALL_S = 5.0  # one owner's Abort call
 _ABORT_WAIT_S = 10.0  # the survivors' aborts, all of them
 
+
+def _abort_join_s() -> float:
+    """How long the recovery's abort waits for the one ``check`` began before sending its own.
+    That abort ends by its own deadlines: the tree's calls (a call's time and the relays'
+    margins, under two calls' time) then the direct ones (``_ABORT_WAIT_S``). A starved machine
+    stretches both, and a resend while it is still out reaches every survivor twice (2,488
+    aborts for 1,023 survivors at load 226, where the join gave up after 15 s of a 27 s abort),
+    so the join allows it four times its nominal time before taking it as stuck."""
+    return 4 * (2 * _ABORT_CALL_S + _ABORT_WAIT_S)
+
 # The only actor methods the driver calls on an owner through Ray (tests/unit/test_control_rule.py
 # checks the sources): the bootstrap before gRPC can be spoken, and the data path, which carries
 # Python objects and object references. Every other operation is a gRPC method.
@@ -275,7 +285,7 @@ class FanOut:
         answered: set[int] = set()
         if aborting is not None and aborting.generation == generation:
             aborting.known = (*aborting.known, *lost)  # not waited for there either
-            if aborting.done.wait(_ABORT_WAIT_S + _ABORT_CALL_S):
+            if aborting.done.wait(_abort_join_s()):
                 answered = set(aborting.answered)
         skip = {*lost, *answered}
         self._abort_all(reason, generation, lambda: skip)
