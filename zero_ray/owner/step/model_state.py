@@ -439,7 +439,8 @@ class ModelState:
         # taken again only then.
         if self._counted_state != self.optimizer.version:
             self._in_step, self._counted_state = self._count(), self.optimizer.version
-        self.fabric.forget()  # hpZ's copies hold the old parameters
+        if self.fabric.secondary is not None:  # hpZ's copies hold the old parameters (none without hpZ)
+            self.fabric.forget()
         for g in self.trainable_groups:
             g.publish(stream)
 
