@@ -62,7 +62,7 @@ class LiveRank:
         self._spec = spec
         self._settings = settings
         self.snapshot_every: int = settings.snapshot_every  # 0: after_step has nothing to do
-        self.engine_or_none: OwnerEngine | None = None  # None until setup(); ``engine`` raises then
+        self._engine: OwnerEngine | None = None
         self._group: Collective | None = None
         self._device_ready = False  # setup_device() has checked the device and made it current
         self.saver = ShardSaver()
@@ -117,13 +117,17 @@ class LiveRank:
 
     def setup(self) -> None:
         """Join the group (all ranks concurrently) and build the model state."""
-        self.engine_or_none = self._new_engine(self._join())
+        self._engine = self._new_engine(self._join())
 
     @property
     def engine(self) -> OwnerEngine:
-        if self.engine_or_none is None:
+        if self._engine is None:
             raise RuntimeError("setup() has not run on this owner")
-        return self.engine_or_none
+        return self._engine
+
+    @property
+    def engine_or_none(self) -> OwnerEngine | None:
+        return self._engine
 
     def abort(self, *, reason: str, generation: int) -> bool:
         """Tear down this owner's group when ``generation`` is its own or a later one (a shrink's
@@ -140,7 +144,7 @@ class LiveRank:
         if generation < self.generation or self._group is None:
             return False
         log.warning("rank %d aborting generation %d: %s", self.rank, generation, reason)
-        busy = self.engine_or_none is not None and self.engine_or_none.phase.value != "idle"
+        busy = self._engine is not None and self._engine.phase.value != "idle"
         # Tearing down may block while this rank's own compute thread waits inside the group;
         # the point is to close its sockets for the peers, so do it without holding the caller.
         self._teardown = threading.Thread(target=self._group.abort, name="zero_ray-abort", daemon=True)
@@ -219,10 +223,10 @@ class LiveRank:
         with self._locked("rebuild", settle=True):
             self.data.drop_staged()
             if isinstance(restore, ReplicaRestore):  # a surviving shard group's live state (core/replica_plan.py)
-                sources = live_state(self.engine_or_none, restore)
+                sources = live_state(self._engine, restore)
             else:
                 sources = ({r: s.state for r, s in self.snapshots.sources().items()} if restore is not None else {})
-            self.engine_or_none = None
+            self._engine = None
             self.rank, self.world_size, self.generation = position, world_size, generation
             group = self._join()
             sent, staged, plan = 0, None, None
@@ -239,7 +243,7 @@ class LiveRank:
                 install(staged, engine.state, plan.table)
                 engine.set_counters(restore.description.counters)
                 engine.state.publish_masters()
-            self.engine_or_none = engine
+            self._engine = engine
             if restore is None:  # fresh state, a checkpoint loaded next: no copies to keep
                 self.snapshots = PeerSnapshots()
             # Else the old layout's copies stay until the driver confirms the new layout's: a
@@ -270,8 +274,8 @@ class LiveRank:
         Returns bytes sent. Afterwards a surplus actor (index >= new_world) holds nothing."""
         with self._locked("reshard"):  # a recovery after a failed transfer waits for it to give up
             self.data.drop_staged()
-            if self.engine_or_none is not None:  # the driver saw every rank finish the last step
-                self.snapshots.commit_upto(self.engine_or_none.position.step - 1)
+            if self._engine is not None:  # the driver saw every rank finish the last step
+                self.snapshots.commit_upto(self._engine.position.step - 1)
             try:
                 return self._reshard(old_world=old_world, new_world=new_world, generation=generation, reshard=plan)
             except BaseException:
@@ -288,7 +292,7 @@ class LiveRank:
         tp = self._spec.tensor_parallel.size
         t, dp_me = me % tp, me // tp
         plan = TransferPlan.of(info, old_world=old_world // tp, new_world=new_world // tp)
-        old = self.engine_or_none
+        old = self._engine
         if self._group is not None:
             self._group.destroy()
             self._group = None
@@ -300,7 +304,7 @@ class LiveRank:
         sent = exchange(plan, me=me, sources=sources, senders=list(range(t, old_world, tp)), staged=staged,
                         group=transfer, timeout_s=self._settings.collective_timeout_s,
                         receivers=list(range(t, new_world, tp)))
-        self.engine_or_none = old = None  # the old state is no longer needed: free it before building the new
+        self._engine = old = None  # the old state is no longer needed: free it before building the new
         self.world_size = new_world
         if new_world != transfer.world_size:
             # A sender's isend completes once its bytes are handed to the socket: a leaving owner
@@ -319,7 +323,7 @@ class LiveRank:
         install(staged, engine.state, plan.table)
         engine.set_counters(info.counters)
         engine.state.publish_masters()
-        self.engine_or_none = engine
+        self._engine = engine
         self._copy_layout(engine, group, reshard.peers)  # the old layout's copies stay until confirmed
         return sent
 
@@ -327,6 +331,6 @@ class LiveRank:
     def release(self) -> None:
         """Leave the collective group and stop the background writer (idempotent)."""
         self.saver.close()
-        if self.engine_or_none is not None and self.world_size > 1:
+        if self._engine is not None and self.world_size > 1:
             destroy_group(self._group_name())
-        self.engine_or_none = None
+        self._engine = None

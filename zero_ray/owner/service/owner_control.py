@@ -106,11 +106,8 @@ class OwnerControl:
                     piece = owner.data.take(args.piece, timeout_s=self._fetch_timeout_s,
                                             generation=args.generation, step=args.step)
                     waited = time.perf_counter() - started
-                    engine = owner.engine_or_none  # an attribute: LiveRank.engine's check, without the call
-                    if engine is None:
-                        raise RuntimeError("setup() has not run on this owner")
-                    result = engine.step(piece, global_samples=args.global_samples,
-                                         position=Position(step=args.step, samples_seen=args.samples_seen))
+                    result = owner.engine.step(piece, global_samples=args.global_samples,
+                                               position=Position(step=args.step, samples_seen=args.samples_seen))
                 finally:  # a step that raised is over here: idle, not "in compute", to a stall diagnosis
                     owner.flight.phase(IDLE)
                 result = dataclasses.replace(result, data_seconds=waited)
