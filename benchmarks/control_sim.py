@@ -108,6 +108,7 @@ class SimHost:
         self.data.register(DATASET, [float(r) for r in range(settings.world_size)], factory=False, collate=None)
         self.step_lock = threading.Lock()
         self.flight = FlightRecorder()
+        self.snapshot_every = 0  # as LiveRank's: no peer snapshots, so steps never call after_step
         self.touches = 0  # every control call and heartbeat served
         self.aborts = 0  # Abort calls taken (each survivor's once, after the loss)
         self.last_beat = 0.0  # when a heartbeat (or Stats) last read engine_or_none

@@ -15,7 +15,7 @@ def _with_old_layout() -> PeerSnapshots:
     snaps.own, snaps.ward = "old own", "old ward"  # type: ignore[assignment]
 
     def take(*args: Any, **kwargs: Any) -> int:  # the exchange itself is the collective tier's
-        snaps._pending = ("new own", "new ward")  # type: ignore[assignment]
+        snaps.pending = ("new own", "new ward")  # type: ignore[assignment]
         return 0
 
     snaps.take = take  # type: ignore[method-assign]

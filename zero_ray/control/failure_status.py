@@ -22,7 +22,7 @@ import logging
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn, TypeVar
+from typing import NoReturn
 
 import grpc
 
@@ -32,8 +32,6 @@ from zero_ray.errors import CollectiveError, FailureDetail, OwnerError, ZeroRayE
 
 _log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-R = TypeVar("R")
 
 FAILURE_TRAILER = "zero-ray-failure-bin"  # gRPC requires the "-bin" suffix for binary values
 MAX_DETAIL_BYTES = 4096  # serialized; about 5.5 KiB base64-encoded, under the default 8 KiB limit
@@ -99,7 +97,7 @@ def failure_detail(exc: BaseException, *, operation: str, context: FailureContex
 
 
 @dataclass(frozen=True)
-class _Failed:
+class Failed:
     """A handler's failure, as sent: plain values only."""
 
     code: grpc.StatusCode
@@ -107,7 +105,7 @@ class _Failed:
     detail: common_pb2.FailureDetail
 
 
-def _failed(method: str, exc: BaseException, failure: FailureContext) -> _Failed:
+def _failed(method: str, exc: BaseException, failure: FailureContext) -> Failed:
     """``exc`` (being handled) as its status code, a short message and its FailureDetail."""
     code = status_code(exc)
     if code is grpc.StatusCode.INTERNAL:
@@ -115,10 +113,10 @@ def _failed(method: str, exc: BaseException, failure: FailureContext) -> _Failed
     else:
         _log.info("%s: handler raised %s: %s", method, type(exc).__name__, _cut(str(exc), _MAX_STATUS_CHARS))
     detail = failure_detail(exc, operation=method, context=failure)
-    return _Failed(code, _cut(f"{method}: {type(exc).__name__}: {exc}", _MAX_STATUS_CHARS), detail)
+    return Failed(code, _cut(f"{method}: {type(exc).__name__}: {exc}", _MAX_STATUS_CHARS), detail)
 
 
-def _abort(context: grpc.ServicerContext, failed: _Failed) -> NoReturn:
+def abort_call(context: grpc.ServicerContext, failed: Failed) -> NoReturn:
     # Called after the except clause: the exception, its traceback and the frames it holds (a
     # half-built model after a MemoryError) are freed before the detail is serialized.
     try:
@@ -129,21 +127,19 @@ def _abort(context: grpc.ServicerContext, failed: _Failed) -> NoReturn:
     raise AssertionError("unreachable: context.abort raises")
 
 
-def serve(context: grpc.ServicerContext, method: str, call: Callable[[], R], build: Callable[[R], T],
-          failure: Callable[[], FailureContext]) -> T:
-    """Run a handler method and build its reply; an exception in either ends the call with a
-    status and FailureDetail (``failure()`` gives the rank and phase, asked after the failure)."""
-    try:
-        result = call()
-    except Exception as exc:  # a handler's failure is the caller's answer, not the server's crash
-        failed = _failed(method, exc, _context(failure))
-    else:
-        try:
-            return build(result)
-        except Exception as exc:  # e.g. a negative count for a uint64 field: the handler's bug
-            _log.error("%s: the handler returned a value that does not fit the reply: %r", method, result)
-            failed = _failed(method, exc, _context(failure))
-    _abort(context, failed)
+def handler_failed(method: str, exc: BaseException, failure: Callable[[], FailureContext]) -> Failed:
+    """A handler's ``exc`` (being handled) as it is to be sent (``failure()`` gives the rank and
+    phase, asked now, after the failure). The servicer runs the call itself and asks this only
+    on a failure, then ends the call with ``abort_call`` outside its except clause."""
+    return _failed(method, exc, _context(failure))
+
+
+def reply_failed(method: str, exc: BaseException, result: object,
+                 failure: Callable[[], FailureContext]) -> Failed:
+    """The handler's ``result`` did not fit its reply message (e.g. a negative count for a
+    uint64 field: the handler's bug): ``exc`` as it is to be sent."""
+    _log.error("%s: the handler returned a value that does not fit the reply: %r", method, result)
+    return _failed(method, exc, _context(failure))
 
 
 def _context(failure: Callable[[], FailureContext]) -> FailureContext:

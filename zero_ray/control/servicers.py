@@ -36,7 +36,7 @@ from zero_ray.control.handlers import (
     StepArgs,
 )
 from zero_ray.control.conversion import to_message, to_record
-from zero_ray.control.failure_status import serve
+from zero_ray.control.failure_status import abort_call, handler_failed, reply_failed
 from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.relay_watch import WatchFeed
 from zero_ray.control.relay_wire import evaluation_to_wire, replies_to_wire, to_wire
@@ -80,7 +80,19 @@ class _Serving:
 
     def _serve(self, context: grpc.ServicerContext, method: str, call: Callable[[], Any],
                build: Callable[[Any], T]) -> T:
-        return serve(context, f"{self._SERVICE}.{method}", call, build, self._failure_context)
+        """Run a handler method and build its reply; an exception in either ends the call with a
+        status and FailureDetail, built by control/failure_status.py only when there is one."""
+        try:
+            result = call()
+        except Exception as exc:  # a handler's failure is the caller's answer, not the server's crash
+            failed = handler_failed(f"{self._SERVICE}.{method}", exc, self._failure_context)
+        else:
+            try:
+                return build(result)
+            except Exception as exc:  # e.g. a negative count for a uint64 field: the handler's bug
+                failed = reply_failed(f"{self._SERVICE}.{method}", exc, result, self._failure_context)
+        # After the except clause: the exception and the frames it holds are freed first.
+        abort_call(context, failed)
 
 
 class OwnerServicer(_Serving, owner_pb2_grpc.PartitionOwnerServicer):

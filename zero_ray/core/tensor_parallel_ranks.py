@@ -20,7 +20,7 @@ Pure: imports neither ray nor grpc nor torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zero_ray.errors import ConfigError
 
@@ -31,6 +31,8 @@ class TensorParallelRanks:
 
     world_size: int
     size: int
+    # D: the data-parallel ranks (each a TP group of T owners); a field, as every step reads it
+    data_parallel: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("world_size", "size"):
@@ -41,11 +43,7 @@ class TensorParallelRanks:
             low = self.world_size - self.world_size % self.size
             raise ConfigError(f"world_size={self.world_size} is not divisible by tensor_parallel size={self.size}; "
                               f"use a multiple of {self.size} (e.g. {low or self.size} or {low + self.size})")
-
-    @property
-    def data_parallel(self) -> int:
-        """D: the data-parallel ranks (each a TP group of T owners)."""
-        return self.world_size // self.size
+        object.__setattr__(self, "data_parallel", self.world_size // self.size)  # frozen: set once here
 
     def _check(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

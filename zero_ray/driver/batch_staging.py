@@ -18,6 +18,7 @@ ranks, and every owner of a TP group (ranks ``d T .. d T + T - 1``) gets data-pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -30,6 +31,13 @@ from zero_ray.core.tensor_parallel_ranks import TensorParallelRanks
 from zero_ray.errors import ConfigError
 
 V = TypeVar("V")
+
+
+@functools.lru_cache(maxsize=16)
+def rank_table(world_size: int, tensor_parallel: int) -> TensorParallelRanks:
+    """The TP rank table of a membership, built (and checked) once per (world size, T) rather
+    than every step; an invalid pair raises every time (lru_cache keeps no exception)."""
+    return TensorParallelRanks(world_size=world_size, size=tensor_parallel)
 
 
 def data_rank_sizes(samples: int, ranks: TensorParallelRanks) -> list[int]:
@@ -128,7 +136,7 @@ class StagedBatch:
     def split(self, *, world_size: int, key: str, tensor_parallel: int = 1) -> Outgoing:
         """Every data-parallel rank's piece put in the object store once, to be staged under
         ``key`` on each of its ``tensor_parallel`` owners."""
-        ranks = TensorParallelRanks(world_size=world_size, size=tensor_parallel)
+        ranks = rank_table(world_size, tensor_parallel)
         pieces = [ray.put(p) for p in split_batch(self.batch, data_rank_sizes(self.samples, ranks))]
         refs = per_owner(pieces, ranks)
         return Outgoing(key=key, world_size=world_size, piece=Piece(batch_key=key), objects=refs)
@@ -148,7 +156,7 @@ class IndexedBatch:
     def split(self, *, world_size: int, key: str, tensor_parallel: int = 1) -> Outgoing:
         """Every owner's indices, packed: its data-parallel rank's (the same for the
         ``tensor_parallel`` owners of one); nothing to stage (each owner holds the dataset)."""
-        ranks = TensorParallelRanks(world_size=world_size, size=tensor_parallel)
+        ranks = rank_table(world_size, tensor_parallel)
         sizes = data_rank_sizes(self.samples, ranks)
         counts = per_owner(sizes, ranks)
         indices = self.indices

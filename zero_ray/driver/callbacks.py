@@ -11,6 +11,7 @@ observing training never stops it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,16 +56,37 @@ class EventLog(Callback):
 
 
 class Callbacks:
-    """The registered callbacks, called in order."""
+    """The registered callbacks, called in order; each event only to those that override its
+    method (the base methods do nothing, and a step would otherwise call every one of them)."""
+
+    _METHODS = ("on_state", "on_step", "on_checkpoint", "on_event")
 
     def __init__(self, callbacks: Sequence[Callback] = ()) -> None:
+        self._lock = threading.Lock()  # add / remove may come from a gRPC thread (a Metrics stream)
         self._callbacks: list[Callback] = list(callbacks)
+        # method -> the callbacks overriding it; a new tuple on every change, so a caller
+        # iterating the old one on another thread is never disturbed
+        self._by_method: dict[str, tuple[Callback, ...]] = self._index()
+
+    def _index(self) -> dict[str, tuple[Callback, ...]]:
+        return {m: tuple(cb for cb in self._callbacks
+                         if getattr(getattr(cb, m), "__func__", None) is not getattr(Callback, m))
+                for m in self._METHODS}
 
     def add(self, callback: Callback) -> None:
-        self._callbacks.append(callback)
+        with self._lock:
+            self._callbacks.append(callback)
+            self._by_method = self._index()
+
+    def remove(self, callback: Callback) -> None:
+        """Stop telling ``callback`` (a no-op when it is not registered)."""
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+                self._by_method = self._index()
 
     def _each(self, method: str, *args: Any) -> None:
-        for cb in self._callbacks:
+        for cb in self._by_method[method]:
             try:
                 getattr(cb, method)(*args)
             except Exception:  # an observer's failure never fails the run

@@ -2,8 +2,9 @@
 
 It is handed what each call needs (the run's status snapshot, its stop request, its checkpoint
 and resize) as functions, and never drives training itself: ``stop`` only raises a flag the
-training loop observes. It watches the run as a ``Callback``: each step's metrics go to every
-open Metrics stream.
+training loop observes. It watches the run as a ``Callback`` while a Metrics stream is open (it
+adds itself to the run's ``Callbacks`` with the first and removes itself with the last, so a
+step with no one watching does not call it): each step's metrics go to every open stream.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 from zero_ray.control import handlers as h
 from zero_ray.core.reply_combine import CombinedStep
-from zero_ray.driver.callbacks import Callback
+from zero_ray.driver.callbacks import Callback, Callbacks
 from zero_ray.driver.reports import ResizeReport, StepMetrics
 
 
@@ -22,10 +23,13 @@ class Coordinator(Callback):
     """Implements ``zero_ray.control.handlers.CoordinatorHandler`` over the run's calls:
     ``status(flight)`` (a snapshot, thread-safe), ``stop(reason)`` (the state afterwards),
     ``checkpoint(path or None)`` (directory and step of a save after the step in flight) and
-    ``resize(world_size)``."""
+    ``resize(world_size)``; ``watchers``: the run's callbacks, which it joins while a Metrics
+    stream is open."""
 
     def __init__(self, *, status: Callable[[bool], h.JobStatus], stop: Callable[[str], str],
-                 checkpoint: Callable[[str | None], tuple[str, int]], resize: Callable[[int], ResizeReport]) -> None:
+                 checkpoint: Callable[[str | None], tuple[str, int]], resize: Callable[[int], ResizeReport],
+                 watchers: Callbacks) -> None:
+        self._watchers = watchers
         self._status = status
         self._stop = stop
         self._checkpoint = checkpoint
@@ -66,6 +70,8 @@ class Coordinator(Callback):
         q: queue.Queue[h.MetricsEvent] = queue.Queue(maxsize=1024)
         with self._lock:
             self._subscribers.append(q)
+            if len(self._subscribers) == 1:  # the first stream: be told of steps from now on
+                self._watchers.add(self)
         try:
             while not cancelled.is_set():
                 try:
@@ -75,3 +81,5 @@ class Coordinator(Callback):
         finally:
             with self._lock:
                 self._subscribers.remove(q)
+                if not self._subscribers:
+                    self._watchers.remove(self)

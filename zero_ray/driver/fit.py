@@ -186,10 +186,10 @@ def fit(run: FitRun, dataset: Any, *, global_batch_size: int, steps: int, seed: 
             # between them: an evaluation, a checkpoint, the end (the controller may decline too).
             ahead = IndexedBatch(TRAIN, order.indices(k + 1)) if plan.pipelines(k + 1) else None
             metrics = stepper.step(work, ahead=ahead)
-            items += metrics["items"]
+            items += metrics.item_count
             done = k = k + 1  # (not step_count: a call in the callback may have counted the step sent ahead)
             work = ahead if ahead is not None else IndexedBatch(TRAIN, order.indices(k))
-            result.update(step=done, loss=metrics["loss"], epoch=order.position(done - 1)[0],
+            result.update(step=done, loss=metrics.loss, epoch=order.position(done - 1)[0],
                           items_per_second=items / max(time.perf_counter() - start, 1e-9))
             if plan.eval_every is not None and (done % plan.eval_every == 0 or done == plan.steps):
                 result["eval_loss"] = evaluate_dataset(stepper, eval_length, plan.global_batch_size)["loss"]

@@ -158,8 +158,8 @@ class ZeroTrainer:
                                 callbacks=self._callbacks,
                                 grow=lambda target: self._resize(target, desired=self._recovery.desired))
         self._coordinator = Coordinator(status=lambda flight: self.job_status(flight=flight),
-                                        stop=self._life.request_stop, checkpoint=self.checkpoint_now, resize=self.resize)
-        self._callbacks.add(self._coordinator)  # each step's metrics to the operators' Metrics streams
+                                        stop=self._life.request_stop, checkpoint=self.checkpoint_now, resize=self.resize,
+                                        watchers=self._callbacks)  # steps' metrics, while a Metrics stream is open
         host = "127.0.0.1" if cluster_is_local() else ray.util.get_node_ip_address()
         self._server = serve_coordinator(self._coordinator, ServerConfig(host=host, credentials=self._credentials,
                                                                                **pool.server_tls()))

@@ -96,7 +96,9 @@ class PeerSnapshots:
     def __init__(self) -> None:
         self.own: Snapshot | None = None
         self.ward: Snapshot | None = None
-        self._pending: tuple[Snapshot, Snapshot | None] | None = None
+        # A snapshot taken but not yet known finished everywhere; public so that a step asks
+        # commit_upto only when there is one.
+        self.pending: tuple[Snapshot, Snapshot | None] | None = None
         # Copies of a layout a resize or restore just installed, with the peers they went to:
         # they replace the old layout's only when the driver confirms that every rank has them
         # (``confirm_layout``), so a loss before that still finds every old partition twice.
@@ -143,20 +145,20 @@ class PeerSnapshots:
             for snapshot in (own, theirs):
                 for t in _tensors(snapshot.state) if snapshot is not None else ():
                     files.evict(t)
-        self._pending = (own, theirs)
+        self.pending = (own, theirs)
         return sent
 
     def take_layout(self, engine: OwnerEngine, group: Collective, *, step: int, backup: int, ward: int,
                     timeout_s: float) -> int:
         """Copies of the layout just installed (after driver step ``step``), kept beside the old
         layout's until ``confirm_layout``. Returns bytes sent."""
-        kept = self._pending
+        kept = self.pending
         try:
             sent = self.take(engine, group, step=step, backup=backup, ward=ward, timeout_s=timeout_s)
-            own, theirs = self._pending  # type: ignore[misc]
+            own, theirs = self.pending  # type: ignore[misc]
             self._layout = (own, theirs, backup, ward)
         finally:
-            self._pending = kept
+            self.pending = kept
         return sent
 
     def confirm_layout(self, backup: int, ward: int) -> bool:
@@ -168,7 +170,7 @@ class PeerSnapshots:
         if layout is None or layout[2:] != (backup, ward):
             return False
         self.own, self.ward = layout[0], layout[1]
-        self._pending = None
+        self.pending = None
         self._from_layout = True
         return True
 
@@ -186,23 +188,23 @@ class PeerSnapshots:
         if not complete:
             return None
         if layout is not None:
-            self.own, self.ward, self._pending = layout[0], layout[1], None
+            self.own, self.ward, self.pending = layout[0], layout[1], None
             self._from_layout = True
             return layout[2], layout[3]
         if not self._from_layout:
             self.own = self.ward = None
-            self._pending = None
+            self.pending = None
         return None
 
     def commit_upto(self, step: int) -> None:
         """Every rank finished driver step ``step``: a pending snapshot of it (or earlier) counts."""
-        if self._pending is not None and self._pending[0].step <= step:
-            self.own, self.ward = self._pending
-            self._pending = None
+        if self.pending is not None and self.pending[0].step <= step:
+            self.own, self.ward = self.pending
+            self.pending = None
             self._from_layout = False
 
     def drop_pending(self) -> None:
-        self._pending = None
+        self.pending = None
 
     def sources(self) -> dict[int, Snapshot]:
         """The committed snapshots held, by the rank they belong to."""
@@ -223,7 +225,7 @@ class PeerSnapshots:
         return sum(t.numel() * t.element_size() for s in self._held() for t in _tensors(s.state) if files.holds(t))
 
     def _held(self) -> list[Snapshot]:
-        held = [self.own, self.ward, *(self._pending or ()), *(self._layout or ())[:2]]
+        held = [self.own, self.ward, *(self.pending or ()), *(self._layout or ())[:2]]
         return [s for s in held if s is not None]
 
 

@@ -61,6 +61,7 @@ class LiveRank:
         self.generation = 0
         self._spec = spec
         self._settings = settings
+        self.snapshot_every: int = settings.snapshot_every  # 0: after_step has nothing to do
         self._engine: OwnerEngine | None = None
         self._group: Collective | None = None
         self._device_ready = False  # setup_device() has checked the device and made it current
@@ -175,7 +176,7 @@ class LiveRank:
         """End of driver step ``step`` on the compute thread: take a peer snapshot when due. The
         step counts as updating until it is done, so an interrupted snapshot is restored, never
         retried on top of the update."""
-        every = self._settings.snapshot_every
+        every = self.snapshot_every
         if every and (step + 1) % every == 0 and self._group is not None:
             engine = self.engine
             with engine.updating():

@@ -96,7 +96,8 @@ class OwnerControl:
         with self._lock:
             self._check_generation(args.generation, "step")
             # The driver saw every rank finish the step before (two before, for one sent ahead).
-            owner.snapshots.commit_upto(args.step - (2 if args.ahead else 1))
+            if owner.snapshots.pending is not None:
+                owner.snapshots.commit_upto(args.step - (2 if args.ahead else 1))
             completed = False
             try:
                 started = time.perf_counter()
@@ -111,7 +112,8 @@ class OwnerControl:
                     owner.flight.phase(IDLE)
                 result = dataclasses.replace(result, data_seconds=waited)
                 if not result.refused:  # a refused step changed nothing: no snapshot is due
-                    owner.after_step(args.step)
+                    if owner.snapshot_every:  # peer redundancy on: a snapshot may be due
+                        owner.after_step(args.step)
                     completed = True
             finally:
                 self._order.ended(generation=args.generation, step=args.step, completed=completed)

@@ -140,6 +140,9 @@ class OwnerEngine:
         self.device = torch.device(spec.device)
         # nodes: the node of every rank (the actor asks Ray; None: one node), for the Topology
         self.fabric = Fabric(spec.topology, group, nodes, tensor_parallel=spec.tensor_parallel)
+        # Known at setup, so the step reads them rather than asking the plan and the fabric again.
+        self._whole: bool = spec.plan.updates_whole_buffer  # this rank updates every element it holds
+        self._speaks_for_tp: bool = self.fabric.ranks.tp_rank(rank) == 0  # see _reported
         # The data rank: every TP rank of a data-parallel rank reads that rank's samples.
         self.data_rank, self.data_world_size = self.fabric.data_rank, self.fabric.data_world_size
         self.state = ModelState(spec, rank=rank, group=group, device=self.device, fabric=self.fabric)
@@ -261,7 +264,7 @@ class OwnerEngine:
         """What this rank reports of its piece's loss: the T ranks of a TP group read the same
         samples, so TP rank 0 speaks for them and the others report none; summed over every
         rank's reply (the driver's, a relay's) the totals are then the data-parallel ranks' own."""
-        if self.fabric.ranks.tp_rank(self.rank) == 0:
+        if self._speaks_for_tp:
             return totals
         return LossTotals(loss_sum=0.0, samples=0, count=0.0, counted=False, items=0.0)
 
@@ -289,11 +292,11 @@ class OwnerEngine:
             sharded, replicated = self.state.tp_squares(grads)
             sq = sharded + replicated
             squares: float | None = ranks.squares_share(self.rank, sharded=sharded, replicated=replicated,
-                                                        whole=spec.plan.updates_whole_buffer)
+                                                        whole=self._whole)
             count = None if count is None else ranks.count_share(self.rank, count)
         else:
             sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
-            squares = None if spec.plan.updates_whole_buffer else sq
+            squares = None if self._whole else sq
         share = UpdateShare(rank=self.rank, world_size=self.world_size, squares=squares, count=count,
                             marks=tuple(self.state.used_marks()), loss_nonfinite=not loss_finite,
                             grad_nonfinite=not math.isfinite(sq))
@@ -318,7 +321,8 @@ class OwnerEngine:
         # losses are what fp16 loss scaling expects now and then: the scaler backs off and skips.
         if loss_ranks or (not grads_finite and not self.scaler.enabled):
             return norm, True, _NonFinite(loss_ranks, grad_ranks)
-        if self.scaler.update(found_inf=not grads_finite):
+        # Without fp16 there is no scale to move (update() would only say so): asked only when enabled.
+        if self.scaler.enabled and self.scaler.update(found_inf=not grads_finite):
             return norm, True, None
         if spec.max_grad_norm is not None:
             coef = min(1.0, spec.max_grad_norm / (norm + 1e-6))
@@ -343,6 +347,7 @@ class OwnerEngine:
         self.group = group
         self.state.rebind(group)
         self.fabric = self.state.fabric
+        self._speaks_for_tp = self.fabric.ranks.tp_rank(self.rank) == 0
 
     def counters(self) -> RunCounters:
         """What a moved or restored model state continues from besides its tensors (equal on

@@ -93,6 +93,7 @@ class ModelState:
         self.layout: FlatLayout
         self.module: nn.Module
         self.groups: list[ParamGroup] = []
+        self.trainable_groups: list[ParamGroup] = []  # of groups: those with gradients
         self.units: list[Unit] = []
         self.pools: list[BufferPool] = []
         self.trainable: list[bool] = []  # by layout parameter index
@@ -182,6 +183,8 @@ class ModelState:
                                   staging=staging_of.get(g.index), reduce_dtype=self.reduce_dtype,
                                   state_files=files if offload.optimizer_on_nvme else None,
                                   param_files=files if offload.params_on_nvme else None) for g in specs]
+        # The groups a step reduces and updates, fixed with the groups (read many times a step).
+        self.trainable_groups = [g for g in self.groups if g.policy.trainable]
         self.fabric.allocate(self.groups)
         self.optimizer = ShardOptimizer(plan, self.groups, layout=layout, rank=self.shard_rank,
                                         update_whole=spec.plan.updates_whole_buffer, scheduler=spec.lr_scheduler,
@@ -379,10 +382,6 @@ class ModelState:
             return self.stream.run(lambda: primary.all_reduce_values(values))
         return self.stream.all_reduce_values(values)
 
-    @property
-    def trainable_groups(self) -> list[ParamGroup]:
-        return [g for g in self.groups if g.policy.trainable]
-
     def begin_micro_batch(self) -> None:
         self.reducer.begin_micro_batch()
         if self.scheduler is not None:
@@ -442,7 +441,8 @@ class ModelState:
         # taken again only then.
         if self._counted_state != self.optimizer.version:
             self._in_step, self._counted_state = self._count(), self.optimizer.version
-        self.fabric.forget()  # hpZ's copies hold the old parameters
+        if self.fabric.secondary is not None:  # hpZ's copies hold the old parameters (none without hpZ)
+            self.fabric.forget()
         for g in self.trainable_groups:
             g.publish(stream)
 

@@ -62,6 +62,7 @@ class ParamGroup:
                  state_files: StateFiles | None = None, param_files: StateFiles | None = None) -> None:
         self.spec = spec
         self.policy = spec.policy
+        self.trainable: bool = spec.policy.trainable  # asked by every step's acquire_grads
         self.bucket: Bucket = layout.buckets[spec.index]
         self.rank = rank
         self.dtype = dtype
@@ -212,7 +213,7 @@ class ParamGroup:
         """Allocate this step's zeroed gradient buffers (a no-op while held): the full flat buffer
         (ACCUMULATE; the parameters' ``.grad`` are views of it where the dtypes agree) or this
         rank's slice."""
-        if self.grads_held or not self.policy.trainable:
+        if self.grads_held or not self.trainable:
             return
         if self.policy.grads is GradFlow.ACCUMULATE:
             assert self.full is not None

@@ -60,6 +60,7 @@ class Fabric:
         self.world = world
         self.tensor_parallel = tensor_parallel or TensorParallel()
         self.mesh: Mesh = plan_mesh(topology, list(nodes) if nodes is not None else [LOCAL_NODE] * world.world_size)
+        self.replicas: int = self.mesh.replicas  # R: fixed for this arrangement, read by every step
         block = topology.quant_block
         self.primary: Collective = (world if topology.flat else
                                     MeshGroup(world, self.mesh, grad_codec=codec(topology.grad_comm, block=block)))
@@ -83,10 +84,6 @@ class Fabric:
         self.weight_codec: Codec | None = codec(topology.weight_comm, block=block)
         self._copies: dict[int, torch.Tensor] = {}  # hpZ: group index -> this rank's secondary slice
         self._kept: set[int] = set()  # groups whose copy holds this step's parameters
-
-    @property
-    def replicas(self) -> int:
-        return self.mesh.replicas
 
     @property
     def data_rank(self) -> int:
