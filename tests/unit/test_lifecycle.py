@@ -46,3 +46,14 @@ def test_a_stop_lands_after_the_step_in_flight() -> None:
     with pytest.raises(StopRequested, match="operator"):
         life.require_ready()
     assert Lifecycle().request_stop("now") == "stopping"  # between steps: at once
+
+
+def test_the_history_keeps_the_latest_states_only() -> None:
+    from zero_ray.driver.lifecycle import HISTORY_KEPT
+
+    life = Lifecycle()
+    for step in range(HISTORY_KEPT):  # two states a step, as every step of a run adds
+        life.move(TrainerState.STEPPING, cause=f"step {step}")
+        life.move(TrainerState.READY, cause=f"step {step} done")
+    assert len(life.history) == HISTORY_KEPT
+    assert life.history[-1].cause == f"step {HISTORY_KEPT - 1} done"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ class TrainerState(enum.Enum):
 
 
 _S = TrainerState
+HISTORY_KEPT = 1024  # states kept in Lifecycle.history
 FINAL = frozenset({_S.FAILED, _S.SHUT_DOWN})
 #: from -> the states it may move to
 TRANSITIONS: dict[TrainerState, frozenset[TrainerState]] = {
@@ -90,7 +92,9 @@ class Lifecycle:
         self._lock = threading.Lock()
         self._state = RunState(type=_S.READY, cause="started")
         self.stop_reason: str | None = None
-        self.history: list[RunState] = [self._state]  # every state entered, oldest first
+        # The latest states entered, oldest first: bounded, since every step adds two (STEPPING,
+        # READY) and a long run would otherwise grow it without end.
+        self.history: deque[RunState] = deque([self._state], maxlen=HISTORY_KEPT)
         self._listeners: list[Listener] = []
 
     @property
