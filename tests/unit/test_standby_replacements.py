@@ -5,6 +5,7 @@ themselves. The pure parts, in milliseconds: no Ray cluster."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -85,3 +86,71 @@ def test_ready_ends_stale_replacements_instead_of_reporting_them(killed: list[ob
                                  since=time.monotonic() - 5.0, keep_s=4.0)
     assert not stale.ready() and killed == ["c1"] and stale.started is None
     assert not stale.expired(0.0)  # nothing left to time out
+
+
+class _Handle:
+    """An owner actor's handle: its ``node`` call's reference is its name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.node = SimpleNamespace(remote=lambda: name)
+
+
+@pytest.fixture
+def cluster(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """attach's Ray and gRPC reads over a table of owners: name -> Status, or None (not answering)."""
+    from zero_ray.driver import attach
+
+    state: dict[str, object] = {"owners": {}, "ended": []}
+    owners: dict[str, OwnerStatus | None] = state["owners"]  # type: ignore[assignment]
+
+    def statuses(names: list[str], *, timeout_s: float) -> tuple[list[tuple[object, OwnerStatus]], None]:
+        assert all(owners[n] is not None for n in names), "asked an owner that does not answer"
+        return [(_Handle(n), owners[n]) for n in names], None  # type: ignore[misc]
+
+    monkeypatch.setattr(attach, "_statuses", statuses)
+    monkeypatch.setattr(attach, "_handles", lambda names: {n: _Handle(n) for n in names if n in owners})
+    monkeypatch.setattr(attach, "_answered", lambda ref: True)
+
+    class FakeRay:
+        @staticmethod
+        def wait(refs: list[str], *, num_returns: int, timeout: float) -> tuple[list[str], list[str]]:
+            return [r for r in refs if owners[r] is not None], [r for r in refs if owners[r] is None]
+
+        @staticmethod
+        def kill(handle: _Handle, no_restart: bool) -> None:
+            state["ended"].append(handle.name)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(attach, "ray", FakeRay)
+    return state
+
+
+def _named(rank: int, start: int = 0) -> str:
+    return owner_name("ab12", rank, 1, start=start)
+
+
+def test_attach_ends_standby_owners_beside_a_whole_pool_without_asking_them(cluster: dict[str, object]) -> None:
+    from zero_ray.driver.attach import _members
+
+    cluster["owners"].update({_named(0): _status(0, 2), _named(1): _status(1, 2),  # type: ignore[attr-defined]
+                              _named(2, start=1): None})  # still starting (or waiting for room)
+    owners, _ = _members(sorted(cluster["owners"]), timeout_s=1.0, end_others=True)  # type: ignore[arg-type]
+    assert sorted(s.rank for _, s in owners) == [0, 1]
+    assert cluster["ended"] == [_named(2, start=1)]
+
+
+def test_attach_keeps_taken_in_replacements_and_ends_the_rest(cluster: dict[str, object]) -> None:
+    from zero_ray.driver.attach import _members
+
+    cluster["owners"].update({  # type: ignore[attr-defined]
+        _named(0): _status(0, 3), _named(1): _status(1, 3),
+        _named(2, start=1): _status(2, 3),  # a grow took it in
+        _named(3, start=2): _status(3, 4, standby=True),  # started after a later loss, never taken in
+        _named(4, start=2): None,  # not answering
+    })
+    owners, _ = _members(sorted(cluster["owners"]), timeout_s=1.0, end_others=True)  # type: ignore[arg-type]
+    assert sorted(s.rank for _, s in owners) == [0, 1, 2]
+    assert sorted(cluster["ended"]) == [_named(3, start=2), _named(4, start=2)]  # type: ignore[arg-type]
+    cluster["ended"].clear()  # type: ignore[attr-defined]
+    listed, _ = _members(sorted(cluster["owners"]), timeout_s=1.0, end_others=False)  # type: ignore[arg-type]
+    assert len(listed) == 3 and cluster["ended"] == []  # `zero-ray status` lists, ends nothing
