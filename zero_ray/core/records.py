@@ -240,6 +240,9 @@ class OwnerStatus:
     control_address: str = ""
     # Unset before the owner has model state.
     layout: ModelLayout | None = None
+    # Started ahead of a grow (driver/replacements.py) and not yet taken into the pool by one:
+    # an attaching driver ends it rather than count it a member.
+    standby: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,12 @@ ZeroConfig, TLS settings included, and the optimizer factories: Python objects).
 else (each owner's rank, generation, steps, phase and layout) it asks over gRPC (``Status``),
 checks that they form one complete pool of one layout, and continues from their memory: no
 storage is read.
+
+Owners started ahead of a grow (named ``...-s<n>``, ``driver/replacements.py``) are members only
+once a grow took them in; until then their Status says ``standby``. They are asked only when the
+other owners do not form a complete pool by themselves; those that are standby, or do not answer
+within the bound (still starting, or waiting for room), are not members, and a driver attaching
+ends them (their slots go back to the cluster).
 """
 
 from __future__ import annotations
@@ -28,7 +34,20 @@ from zero_ray.errors import ConfigError, ControlError, ModelError, OwnerLostErro
 if TYPE_CHECKING:  # run_spec imports torch, which `zero-ray status` does without until a run answers
     from zero_ray.owner.step.run_spec import RunSpec
 
-_NAME = re.compile(r"^zero_ray-(?P<run>[0-9a-f]+)-rank(?P<rank>\d+)-g(?P<gen>\d+)(-s\d+)?$")
+_NAME = re.compile(r"^zero_ray-(?P<run>[0-9a-f]+)-rank(?P<rank>\d+)-g(?P<gen>\d+)(?P<ahead>-s\d+)?$")
+
+
+def started_ahead(name: str) -> bool:
+    """Whether an owner's actor name is that of a replacement started ahead of a grow (a
+    member only if the grow took it in: its Status says)."""
+    match = _NAME.match(name)
+    return bool(match and match["ahead"])
+
+
+def complete(statuses: list[OwnerStatus]) -> bool:
+    """Whether these owners form a whole pool by themselves: ranks 0..n-1, each of n owners."""
+    return (bool(statuses) and sorted(s.rank for s in statuses) == list(range(len(statuses)))
+            and {s.world_size for s in statuses} == {len(statuses)})
 
 
 def _owner_names() -> dict[str, list[str]]:
@@ -70,6 +89,52 @@ def _statuses(names: list[str], *, timeout_s: float) -> tuple[list[tuple[Any, Ow
     return list(zip(handles, statuses)), run
 
 
+def _members(names: list[str], *, timeout_s: float,
+             end_others: bool) -> tuple[list[tuple[Any, OwnerStatus]], RunSpec | None]:
+    """The pool members among a run's named owners, with the run spec: every owner started with
+    the pool, and those started ahead that a grow took in. Replacements not taken in (standby,
+    or not answering ``node`` within ``timeout_s``) are left out, and ended with ``end_others``."""
+    plain, ahead = [n for n in names if not started_ahead(n)], [n for n in names if started_ahead(n)]
+    owners, spec = _statuses(plain, timeout_s=timeout_s) if plain else ([], None)
+    others: list[Any] = []
+    if ahead and complete([s for _, s in owners]):  # no rank left that a taken-in one could hold
+        others = list(_handles(ahead).values())
+    elif ahead and (handles := _handles(ahead)):
+        answers = {n: h.node.remote() for n, h in handles.items()}
+        done, _ = ray.wait(list(answers.values()), num_returns=len(answers), timeout=timeout_s)
+        answered = [n for n, a in answers.items() if a in done and _answered(a)]
+        others = [handles[n] for n in handles if n not in answered]
+        if answered:
+            asked, asked_spec = _statuses(answered, timeout_s=timeout_s)
+            spec = spec if spec is not None else asked_spec
+            owners += [(h, st) for h, st in asked if not st.standby]
+            others += [h for h, st in asked if st.standby]
+    if end_others:
+        for handle in others:
+            ray.kill(handle, no_restart=True)
+    return owners, spec
+
+
+def _handles(names: list[str]) -> dict[str, Any]:
+    """Actor handles of the named owners that Ray still has (an ended one's name is freed)."""
+    handles = {}
+    for name in names:
+        try:
+            handles[name] = ray.get_actor(name, namespace=NAMESPACE)
+        except (ValueError, AssertionError):  # AssertionError: one being torn down (see _statuses)
+            continue
+    return handles
+
+
+def _answered(ref: ray.ObjectRef) -> bool:
+    """Whether a finished ``node`` call returned (not the error of an actor that died)."""
+    try:
+        ray.get(ref, timeout=0)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+    return True
+
+
 def detached_runs(*, timeout_s: float = 10.0) -> dict[str, list[OwnerStatus]]:
     """Every run whose owners are alive and detached, by run id: each owner's status (rank,
     node, generation, position (``step``, ``samples_seen``), phase), in rank order. Needs
@@ -77,7 +142,7 @@ def detached_runs(*, timeout_s: float = 10.0) -> dict[str, list[OwnerStatus]]:
     out: dict[str, list[OwnerStatus]] = {}
     for run, names in _owner_names().items():
         try:
-            statuses = [s for _, s in _statuses(names, timeout_s=timeout_s)[0]]
+            statuses = [s for _, s in _members(names, timeout_s=timeout_s, end_others=False)[0]]
         except OwnerLostError:
             continue  # a run whose owners are ending: not attachable
         if any(s.detached for s in statuses):
@@ -132,7 +197,7 @@ def find_run(run_id: str, *, timeout_s: float) -> FoundRun:
         raise ConfigError(f"no owners of run {run_id!r} are alive in namespace {NAMESPACE!r} (runs with live owners: "
                           f"{known}); a run's owners outlive its driver only with ElasticConfig(detached=True), for "
                           "orphan_timeout_s")
-    owners, spec = _statuses(names, timeout_s=timeout_s)
+    owners, spec = _members(names, timeout_s=timeout_s, end_others=True)
     found = sorted(owners, key=lambda hs: hs[1].rank)
     statuses = [s for _, s in found]
     sizes = {s.world_size for s in statuses}

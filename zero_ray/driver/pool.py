@@ -118,8 +118,10 @@ class OwnerPool:
 
     def _launch(self, ranks: range, world_size: int, *, start: int = 0) -> list[Any]:
         """Create owner actors for ``ranks`` of a ``world_size``-owner pool (each asking Ray for
-        its own slot); returns at once."""
+        its own slot); returns at once. ``start`` > 0: replacements started ahead of a grow,
+        standby owners until it takes them in (``driver/replacements.py``)."""
         spec = self.spec
+        options = dataclasses.replace(self._options, standby=True) if start else self._options
         new = []
         for rank, target in zip(ranks, self._targets(ranks)):
             strategy: Any = "DEFAULT"
@@ -132,7 +134,7 @@ class OwnerPool:
                 max_concurrency=4,  # reports, re-forming and consolidation beside a step
                 name=owner_name(self.run_id, rank, self.generation, start), namespace=NAMESPACE,
                 lifetime="detached" if spec.detached else None,
-            ).remote(rank=rank, world_size=world_size, spec=self._engine, options=self._options))
+            ).remote(rank=rank, world_size=world_size, spec=self._engine, options=options))
         return new
 
     def _start_owners(self, ranks: range, *, world_size: int, wait_for_room: bool = False) -> None:
@@ -167,14 +169,16 @@ class OwnerPool:
 
     def start_replacements(self, world_size: int) -> None:
         """Start owners that a grow to ``world_size`` will take in, without waiting for them
-        (``driver/replacements.py``). Not for a detached run: its owners outlive this driver,
-        and owners it never took in would be left in its pool's name."""
-        if self.spec.detached or world_size <= self.world_size:
+        (``driver/replacements.py``). In a detached run they are detached standby owners: an
+        attaching driver ends them, and untaken they end themselves after ``orphan_timeout_s``,
+        so this driver takes them only within half that."""
+        if world_size <= self.world_size:
             return
         self._replacement_starts += 1
         start = self._replacement_starts
         self.replacements.start(range(self.world_size, world_size), world_size,
-                                lambda ranks, size: self._launch(ranks, size, start=start))
+                                lambda ranks, size: self._launch(ranks, size, start=start),
+                                keep_s=self.spec.orphan_timeout_s / 2 if self.spec.detached else None)
 
     def _connect(self, actors: list[Any], nodes: list[dict[str, Any]] | None = None) -> None:
         spec = self.spec

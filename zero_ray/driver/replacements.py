@@ -9,6 +9,13 @@ rebuild adding owners from the same rank takes as many as it adds (ending the re
 change ends them, and so do a shutdown and a start that has not answered within the start-up
 timeout. Their slots therefore count as room for that change (``slots``): a resize or restore
 while they start sees the room the cluster will have, not the room they hold.
+
+In a detached run they are detached too (once taken in they are members, which outlive the
+driver), but started as standby owners (``OwnerOptions.standby``): until a grow's membership
+operation reaches them their Status says so, and a driver attaching after this one's loss ends
+them instead of counting them members (``driver/attach.py``). No driver speaks to them before
+that, so each ends itself ``orphan_timeout_s`` after its start unless taken in; the driver
+therefore takes them only within ``keep_s`` of their start (half that bound), ending them after.
 """
 
 from __future__ import annotations
@@ -30,6 +37,11 @@ class Started:
     actors: list[Any]
     answers: list[ray.ObjectRef]  # each actor's ``node`` call: ready once it has started
     since: float
+    keep_s: float | None = None  # taken only this long after ``since`` (they end themselves later)
+
+    def stale(self, now: float) -> bool:
+        """Too old to take in: they may end themselves before the grow reaches them."""
+        return self.keep_s is not None and now - self.since > self.keep_s
 
 
 class Replacements:
@@ -38,17 +50,23 @@ class Replacements:
     def __init__(self) -> None:
         self.started: Started | None = None
 
-    def start(self, ranks: range, world_size: int, launch: Callable[[range, int], list[Any]]) -> None:
+    def start(self, ranks: range, world_size: int, launch: Callable[[range, int], list[Any]], *,
+              keep_s: float | None = None) -> None:
         """Start owners for ``ranks`` of a ``world_size``-owner pool with ``launch`` (which only
-        creates the actors); returns at once."""
+        creates the actors); returns at once. With ``keep_s`` (a detached run's standby owners)
+        they are ended rather than taken in once that long has passed since their start."""
         self.discard()
         actors = launch(ranks, world_size)
         self.started = Started(ranks=ranks, world_size=world_size, actors=actors,
-                               answers=[a.node.remote() for a in actors], since=time.monotonic())
+                               answers=[a.node.remote() for a in actors], since=time.monotonic(), keep_s=keep_s)
 
     def ready(self) -> bool:
-        """Whether every started owner has answered (without waiting)."""
+        """Whether every started owner has answered (without waiting). Stale ones (``keep_s``)
+        are ended here: a later grow starts owners afresh."""
         if self.started is None:
+            return False
+        if self.started.stale(time.monotonic()):
+            self.discard()
             return False
         done, _ = ray.wait(self.started.answers, num_returns=len(self.started.answers), timeout=0)
         return len(done) == len(self.started.answers)
@@ -72,6 +90,8 @@ class Replacements:
         if started is None:
             return []
         keep = min(len(started.ranks), len(ranks)) if started.ranks.start == ranks.start else 0
+        if started.stale(time.monotonic()):
+            keep = 0
         for actor in started.actors[keep:]:
             ray.kill(actor, no_restart=True)
         return started.actors[:keep]

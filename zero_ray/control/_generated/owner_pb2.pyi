@@ -365,7 +365,7 @@ class OwnerStatusRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
 
 class OwnerStatusReply(_message.Message):
-    __slots__ = ("rank", "world_size", "generation", "step", "phase", "samples_seen", "busy", "detached", "node_id", "host", "ip", "pid", "control_address", "layout")
+    __slots__ = ("rank", "world_size", "generation", "step", "phase", "samples_seen", "busy", "detached", "node_id", "host", "ip", "pid", "control_address", "layout", "standby")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +380,7 @@ class OwnerStatusReply(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     generation: int
@@ -394,7 +395,8 @@ class OwnerStatusReply(_message.Message):
     pid: int
     control_address: str
     layout: ModelLayout
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[str] = ..., samples_seen: _Optional[int] = ..., busy: _Optional[bool] = ..., detached: _Optional[bool] = ..., node_id: _Optional[str] = ..., host: _Optional[str] = ..., ip: _Optional[str] = ..., pid: _Optional[int] = ..., control_address: _Optional[str] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ...) -> None: ...
+    standby: bool
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., phase: _Optional[str] = ..., samples_seen: _Optional[int] = ..., busy: _Optional[bool] = ..., detached: _Optional[bool] = ..., node_id: _Optional[str] = ..., host: _Optional[str] = ..., ip: _Optional[str] = ..., pid: _Optional[int] = ..., control_address: _Optional[str] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., standby: _Optional[bool] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("header",)

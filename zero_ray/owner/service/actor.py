@@ -13,6 +13,9 @@ collectives (and the explicit consolidation ``master_fragments``).
 
 A detached run's owners (``ElasticConfig(detached=True)``) outlive the driver; each ends itself
 when no driver has been in touch for ``orphan_timeout_s`` (``ZeroTrainer.attach`` reattaches).
+So does an owner started ahead of a grow (``OwnerOptions.standby``): no driver speaks to it
+before the grow takes it in, so one its driver never takes in ends ``orphan_timeout_s`` after its
+start.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class OwnerOptions:
     detached: bool = False  # the owners outlive the driver (ElasticConfig.detached)
     orphan_timeout_s: float = 300.0  # a detached owner no driver has reached for this long ends itself
     run: RunSpec | None = None  # what a driver attaching to a detached run rebuilds itself from
+    # Started ahead of a grow (driver/replacements.py): not a member until a membership operation
+    # takes it in; its Status says so, and an attaching driver ends it instead of adopting it.
+    standby: bool = False
 
 class PartitionOwner:
     """One rank's Ray actor: its control server around its LiveRank."""
@@ -76,7 +82,7 @@ class PartitionOwner:
                                                      collective_timeout_s=options.collective_timeout_s,
                                                      settle_timeout_s=options.settle_timeout_s,
                                                      snapshot_every=options.snapshot_every))
-        self._contact = DriverContact()  # of a driver: any control call, a heartbeat served
+        self._contact = DriverContact(standby=options.standby)  # of a driver: any control call, a heartbeat served
         torch.set_num_threads(max(1, options.threads))
         host = options.control_host or ("127.0.0.1" if options.local_cluster else ray.util.get_node_ip_address())
         # Every control operation is served here, the long ones (a step, a reshard or rebuild

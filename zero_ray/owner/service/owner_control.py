@@ -43,13 +43,21 @@ class OwnerPlace:
 
 class DriverContact:
     """When a driver was last in touch with this owner: any control call, a heartbeat served (a
-    detached owner that no driver reaches for ``orphan_timeout_s`` ends itself)."""
+    detached owner that no driver reaches for ``orphan_timeout_s`` ends itself); and whether one
+    has taken it into its pool yet (``standby``: an owner started ahead of a grow is not a member
+    until the grow's first membership operation reaches it, so an attaching driver ends it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, standby: bool = False) -> None:
         self.last = time.monotonic()
+        self.standby = standby
 
     def touch(self) -> None:
         self.last = time.monotonic()
+
+    def take_in(self) -> None:
+        """A membership operation (Setup, Reshard, Rebuild) made this owner a member of a pool."""
+        self.standby = False
+        self.touch()
 
 
 def layout_of(engine: OwnerEngine) -> h.ModelLayout:
@@ -204,7 +212,7 @@ class OwnerControl:
     # -- membership: the actor's own operations, served here ------------------------------------------
     def setup(self) -> h.SetupResult:
         owner = self._owner
-        self._contact.touch()
+        self._contact.take_in()
         owner.setup()
         return h.SetupResult(rank=owner.rank, layout=layout_of(owner.engine))
 
@@ -226,12 +234,12 @@ class OwnerControl:
         return self._owner.resize_info().to_data()
 
     def reshard(self, *, old_world: int, new_world: int, generation: int, description: h.Plain) -> int:
-        self._contact.touch()
+        self._contact.take_in()
         return self._owner.reshard(old_world=old_world, new_world=new_world, generation=generation,
                                    plan=reshard_from_data(description))
 
     def rebuild(self, *, position: int, world_size: int, generation: int, restore: h.Plain | None) -> int:
-        self._contact.touch()
+        self._contact.take_in()
         return self._owner.rebuild(position=position, world_size=world_size, generation=generation,
                                    restore=restore_from_data(restore))
 
@@ -261,7 +269,7 @@ class OwnerControl:
                              phase=engine.phase.value if engine else "starting", busy=owner.step_lock.locked(),
                              detached=self._detached, node_id=place.node_id, host=place.host, ip=place.ip,
                              pid=place.pid, control_address=self._server.address,
-                             layout=layout_of(engine) if engine else None)
+                             layout=layout_of(engine) if engine else None, standby=self._contact.standby)
 
     def close(self) -> None:
         self._owner.release()
