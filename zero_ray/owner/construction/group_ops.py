@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -84,10 +85,32 @@ def reduce_scatter_sequence(group: Collective, full: torch.Tensor) -> torch.Tens
     return out.view(buf.shape[1:]).clone()  # a copy: a view would keep all T chunks alive
 
 
+def _all_reduce(tensor: torch.Tensor, handle: int) -> torch.Tensor:
+    return all_reduce_sum(_group(handle), tensor)
+
+
+def _gather(local: torch.Tensor, handle: int) -> torch.Tensor:
+    return gather_sequence(_group(handle), local.contiguous())
+
+
+def _reduce_scatter(full: torch.Tensor, handle: int) -> torch.Tensor:
+    return reduce_scatter_sequence(_group(handle), full)
+
+
+# Each op's eager body by its name: a TorchDispatchMode sees a custom op as one call and not the
+# tensors it allocates inside, so a mode that counts allocations (benchmarks.tensor_parallel's
+# RankBytes) runs the body itself, under the mode.
+BODIES: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+    "zero_ray::tp_all_reduce": _all_reduce,
+    "zero_ray::tp_gather_sequence": _gather,
+    "zero_ray::tp_reduce_scatter_sequence": _reduce_scatter,
+}
+
+
 @torch.library.custom_op("zero_ray::tp_all_reduce", mutates_args=())
 def tp_all_reduce(tensor: torch.Tensor, handle: int) -> torch.Tensor:
     """``tensor`` summed over the group registered as ``handle``."""
-    return all_reduce_sum(_group(handle), tensor)
+    return _all_reduce(tensor, handle)
 
 
 @tp_all_reduce.register_fake
@@ -98,7 +121,7 @@ def _tp_all_reduce_fake(tensor: torch.Tensor, handle: int) -> torch.Tensor:
 @torch.library.custom_op("zero_ray::tp_gather_sequence", mutates_args=())
 def tp_gather_sequence(local: torch.Tensor, handle: int) -> torch.Tensor:
     """Every rank's ``local`` (B, S/T, ...) joined along the sequence over the group ``handle``."""
-    return gather_sequence(_group(handle), local.contiguous())
+    return _gather(local, handle)
 
 
 @tp_gather_sequence.register_fake
@@ -110,7 +133,7 @@ def _tp_gather_sequence_fake(local: torch.Tensor, handle: int) -> torch.Tensor:
 @torch.library.custom_op("zero_ray::tp_reduce_scatter_sequence", mutates_args=())
 def tp_reduce_scatter_sequence(full: torch.Tensor, handle: int) -> torch.Tensor:
     """This rank's chunk along the sequence of ``full`` (B, S, ...) summed over the group ``handle``."""
-    return reduce_scatter_sequence(_group(handle), full)
+    return _reduce_scatter(full, handle)
 
 
 @tp_reduce_scatter_sequence.register_fake
