@@ -54,6 +54,7 @@ from torch.utils._pytree import tree_flatten
 import zero_ray as zr
 from zero_ray.compat.torch_private import in_backward
 from zero_ray.core.stage3_units import WrapPolicy
+from zero_ray.owner.construction.group_ops import BODIES
 from zero_ray.owner.step.engine import OwnerEngine
 
 # The in-memory thread group lives with the tests (the library has none); the benchmark borrows it.
@@ -100,31 +101,52 @@ class Step:
 
 
 class RankBytes(TorchDispatchMode):
-    """Live and peak bytes of the CPU storages the ops under it (on this thread) allocate."""
+    """Live and peak bytes of the CPU storages the ops under it (on this thread) allocate.
+
+    A storage an op's output shares with one of its inputs is not new (a view, an in-place op):
+    counted, a parameter first seen through ``weight.t()`` in ``F.linear`` was a step allocation.
+    zero_ray's TP collectives are custom ops, one call to a mode: their eager bodies run under
+    the mode instead (``group_ops.BODIES``), so their buffers are counted as when they were plain
+    calls."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = self.peak = 0
         self._seen: set[int] = set()
         self._lock = threading.Lock()  # a storage can be freed on another rank's thread
+        self.collective: str | None = None  # the TP collective whose body is running, if one is
 
     def _free(self, key: int, nbytes: int) -> None:
         with self._lock:
             self._seen.discard(key)
             self.live -= nbytes
 
+    def _add(self, key: int, nbytes: int, t: torch.Tensor) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        body = BODIES.get(func.name()) if func.namespace == "zero_ray" else None
+        if body is None:
+            out = func(*args, **(kwargs or {}))
+        else:
+            self.collective = func.name().partition("::")[2]
+            try:
+                with self:  # the mode is off inside its own dispatch; the body's ops come back to it
+                    out = body(*args, **(kwargs or {}))
+            finally:
+                self.collective = None
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 storage = t.untyped_storage()
                 key, nbytes = storage.data_ptr(), storage.nbytes()
                 with self._lock:
-                    if not nbytes or key in self._seen:
+                    if not nbytes or key in self._seen or key in inputs:
                         continue
                     self._seen.add(key)
-                    self.live += nbytes
-                    self.peak = max(self.peak, self.live)
+                    self._add(key, nbytes, t)
                 weakref.finalize(storage, self._free, key, nbytes)
         return out
 
@@ -138,12 +160,14 @@ class _ModuleStack(threading.local):
 
 class KindBytes(RankBytes):
     """RankBytes, each new storage counted under a kind (what made it: the module running, the
-    phase, the last dimension's meaning), and every kind's live bytes kept at the peak."""
+    phase, the last dimension's meaning), and every kind's live bytes kept at the peak.
+    ``partition``: P_a is on (checkpointing, T > 1, no sequence parallelism), so a flat slice of
+    a block's input is P_a's; without it such a tensor is something else's (SP's collectives')."""
 
     def __init__(self, stack: _ModuleStack, *, hidden: int, vocab: int, intermediate: int, size: int,
-                 seq: int) -> None:
+                 seq: int, partition: bool = True) -> None:
         super().__init__()
-        self.stack, self.size, self.seq = stack, size, seq
+        self.stack, self.size, self.seq, self.partition = stack, size, seq, partition
         self.hidden, self.vocab = hidden, vocab
         # the whole sizes last, so that at T = 1 they name the dimension
         self.dims = {vocab // size: "vocabulary / T", intermediate // size: "intermediate / T", hidden: "hidden",
@@ -154,10 +178,13 @@ class KindBytes(RankBytes):
 
     def kind(self, t: torch.Tensor) -> str:
         backward = in_backward()
+        phase = "recomputation: " if backward and self.stack.modules else "gradients: " if backward else "forward: "
+        if self.collective is not None and t.dim() == 1:
+            return f"{phase}{self.collective}'s flat buffers"
         slice_numel = -(-self.seq * self.hidden // self.size)
-        if t.dim() == 1 and self.size > 1 and t.numel() == slice_numel and not backward:
+        if self.partition and t.dim() == 1 and self.size > 1 and t.numel() == slice_numel and not backward:
             return "P_a: kept slices of the blocks' inputs"
-        if t.dim() == 1 and self.size > 1 and t.numel() == self.size * slice_numel and backward:
+        if self.partition and t.dim() == 1 and self.size > 1 and t.numel() == self.size * slice_numel and backward:
             return "P_a: a block's input gathered for its recomputation"
         if self.stack.modules:
             module = self.stack.modules[-1]
@@ -170,28 +197,17 @@ class KindBytes(RankBytes):
                 name = "block outputs: residuals (the next block's checkpointed input)"
             elif isinstance(module, torch.nn.Linear) and len(self.stack.modules) > 1:
                 name = f"{type(self.stack.modules[-2]).__name__}'s linear outputs"
-            return ("recomputation: " if backward else "forward: ") + name
+            return phase + name
         if t.dim() <= 1:
             return "flat buffers (gradients, staging) and scalars: fixed"
         return ("gradients: " if backward else "outside modules: ") + self.dims.get(t.shape[-1], "other")
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key, nbytes = storage.data_ptr(), storage.nbytes()
-                with self._lock:
-                    if not nbytes or key in self._seen:
-                        continue
-                    self._seen.add(key)
-                    kind = self._kind[key] = self.kind(t)
-                    self.live += nbytes
-                    self.live_by[kind] = self.live_by.get(kind, 0) + nbytes
-                    if self.live > self.peak:
-                        self.peak, self.at_peak = self.live, dict(self.live_by)
-                weakref.finalize(storage, self._free, key, nbytes)
-        return out
+    def _add(self, key: int, nbytes: int, t: torch.Tensor) -> None:
+        kind = self._kind[key] = self.kind(t)
+        self.live += nbytes
+        self.live_by[kind] = self.live_by.get(kind, 0) + nbytes
+        if self.live > self.peak:
+            self.peak, self.at_peak = self.live, dict(self.live_by)
 
     def _free(self, key: int, nbytes: int) -> None:
         with self._lock:
@@ -219,7 +235,8 @@ def kinds_at(case: Case, seq: int, args: argparse.Namespace) -> str:
 
         def mode_for(rank: int) -> KindBytes:
             modes[rank] = KindBytes(stack, hidden=args.hidden, vocab=args.vocab, intermediate=args.intermediate,
-                                    size=case.size, seq=seq)
+                                    size=case.size, seq=seq,
+                                    partition=case.checkpointing and case.partition and not case.sequence_parallel)
             return modes[rank]
 
         step = measure(case, seq, args, mode_for=mode_for)

@@ -6,7 +6,8 @@ stage 3 AdamW and (2, 2) stage 2 SGD, the latter resized D 2 -> 3 -> 2 at T = 2 
 still within 1e-6 of the uninterrupted run; every TP rank of a data-parallel rank reads its samples
 (one staged object each; fit's indices alike: a fit over token files continues the (2, 2) run
 within 1e-5 of one process reading the documented block order), the step's loss counts each
-sample once, and what is not built on Ray yet is refused by name. The (2, 2) run keeps peer
+sample once, and what is not built on Ray yet is refused by name. The (2, 1) cell runs with
+``sequence_parallel=True`` (the norms and residuals on half the sequence), to the same bounds. The (2, 2) run keeps peer
 snapshots: TP rank 1 of data-parallel rank 1 is SIGKILLed in its second step's backward, and its
 shard comes back from its data-parallel peer's copy (the surviving whole TP group goes on, the
 step replayed) still within 1e-6 of the uninterrupted run. It then saves a checkpoint (each owner
@@ -65,8 +66,11 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
     # With D > 1: peer snapshots, and TP rank 1 of data-parallel rank 1 (owner 3) SIGKILLed as its
     # second step's backward runs (mid-step: the other owners are inside that step's collectives).
     kill = Fault(point="backward", rank=3, after=1, dir=str(tmp_path)) if data_parallel > 1 else None
+    # The (2, 1) cell runs with sequence parallelism (its parity bound holds with it: thread ranks,
+    # test_tensor_parallel_sequence_threads); no cell of its own, CI's Ray time is tight.
+    sequence_parallel = data_parallel == 1
     cfg = zr.ZeroConfig(stage=stage, world_size=size * data_parallel, max_grad_norm=CLIP,
-                        tensor_parallel=zr.TensorParallel(size=size),
+                        tensor_parallel=zr.TensorParallel(size=size, sequence_parallel=sequence_parallel),
                         elastic=zr.ElasticConfig(redundancy="peer" if kill else "none"),
                         checkpoint=zr.CheckpointConfig(dir=str(tmp_path / "ckpt")))
     model_fn = faulty(llama, kill) if kill else llama
@@ -151,7 +155,9 @@ def test_llama_gqa_matches_single_process_on_ray(size: int, data_parallel: int, 
         assert m["params"] + m["padding_params"] == want.params
         assert m["optimizer"] + m["padding_optimizer"] == want.optimizer
     for c in comm:
-        assert c["tp_all_reduce"] > 0  # the layers' sums, counted apart from ZeRO's
+        assert c["tp_all_reduce"] > 0  # the layers' sums (with SP the norms' gradients), apart from ZeRO's
+        # SP's gathers and reduce-scatters replace the layers' sums: only in the SP cell
+        assert (c.get("tp_sequence", 0) > 0) == sequence_parallel
         assert c["tensor_parallel"] == sum(v for k, v in c.items() if k.startswith("tp_"))
         assert c["data_parallel"] == c["total"] - c["tensor_parallel"]
         # ZeRO's reduce-scatter only with D > 1 (at D = 1 the DP part is the step's scalars alone)

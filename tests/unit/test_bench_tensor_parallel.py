@@ -46,3 +46,36 @@ def test_kind_bytes_names_what_made_each_storage_and_keeps_the_kinds_at_the_peak
     assert {k: n for k, n in mode.at_peak.items() if n} == {"forward: LayerNorm": 128,
                                                             "outside modules: vocabulary": 256}
     del a, c
+
+
+def test_rank_bytes_counts_no_storage_that_existed_before_the_op() -> None:
+    # a parameter first seen through a view (F.linear's weight.t()) is held state, not a step's
+    # allocation: counted, it was labelled "forward: LlamaAttention's linear outputs"
+    weight, x = torch.ones(32, 16), torch.ones(4, 16)
+    mode = RankBytes()
+    with mode:
+        view = weight.t()
+        weight.mul_(2)
+        y = torch.nn.functional.linear(x, weight)  # 4 x 32 x 4 bytes: new
+    assert mode.peak == mode.live == 512
+    del view, y
+
+
+def test_kind_bytes_names_p_a_only_where_it_is_on_and_counts_inside_the_tp_collectives() -> None:
+    from zero_ray.collective.collective_api import SoloGroup
+    from zero_ray.owner.construction.group_ops import register_group, tp_all_reduce
+
+    stack, kept = _ModuleStack(), {}
+    group = SoloGroup()
+    handle = register_group(group)
+    for partition in (True, False):
+        mode = KindBytes(stack, hidden=8, vocab=16, intermediate=12, size=2, seq=4, partition=partition)
+        with mode:
+            a = torch.zeros(16)  # a 1-D slice of a block's input: seq x hidden / T elements
+            b = tp_all_reduce(torch.ones(3, 8), handle)  # its body's padded flat buffer, seen by the mode
+        kept[partition] = {k: n for k, n in mode.at_peak.items() if n}
+        del a, b
+    assert kept[True]["P_a: kept slices of the blocks' inputs"] == 64
+    assert "P_a: kept slices of the blocks' inputs" not in kept[False]
+    assert kept[False]["flat buffers (gradients, staging) and scalars: fixed"] == 64
+    assert kept[True]["forward: tp_all_reduce's flat buffers"] == 3 * 8 * 4

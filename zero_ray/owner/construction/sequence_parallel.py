@@ -18,6 +18,11 @@ A replicated parameter inside that region (a norm's weight, a rowwise bias) then
 rank's tokens, so its gradient is summed over the TP group (a tensor hook, before accumulation)
 and is again the same on every rank, as ZeRO and the global clipping expect.
 
+The gathers and reduce-scatters are group_ops' custom ops (``zero_ray::tp_gather_sequence``,
+``tp_reduce_scatter_sequence``), so a compiled block keeps them in its graph: as plain
+``Collective`` calls dynamo broke the graph at each, and the first compiled step failed with
+``TypeError: expected an instance of Token`` inside ``LlamaAttention`` as the all-reduce once did.
+
 Bytes go under ``tp_sequence`` (all-gathers and reduce-scatters) beside the rowwise layers'
 and the norms' ``tp_all_reduce``.
 """
@@ -32,9 +37,15 @@ from torch import nn
 
 from zero_ray.collective.collective_api import Collective
 from zero_ray.errors import ConfigError
-from zero_ray.owner.construction.group_ops import all_reduce_sum
+from zero_ray.owner.construction.group_ops import (
+    SEQUENCE_OP,
+    all_reduce_sum,
+    register_group,
+    tp_gather_sequence,
+    tp_reduce_scatter_sequence,
+)
 
-OP = "sequence"  # counted as tp_sequence by the TP group
+OP = SEQUENCE_OP  # counted as tp_sequence by the TP group
 
 
 def _check(x: torch.Tensor, size: int) -> None:
@@ -44,99 +55,89 @@ def _check(x: torch.Tensor, size: int) -> None:
                           "or set TensorParallel(sequence_parallel=False)")
 
 
-def gather_sequence(group: Collective, local: torch.Tensor) -> torch.Tensor:
-    """Every rank's chunk ``local`` (B, S/T, ...) joined along dimension 1 in rank order."""
-    size = group.world_size
-    buf = torch.empty((size, *local.shape), dtype=local.dtype, device=local.device)
-    buf[group.rank].copy_(local)
-    group.all_gather_(buf.view(-1), op=OP)
-    return buf.transpose(0, 1).reshape(local.shape[0], size * local.shape[1], *local.shape[2:])
-
-
-def reduce_scatter_sequence(group: Collective, full: torch.Tensor) -> torch.Tensor:
-    """This rank's chunk along dimension 1 of ``full`` (B, S, ...) summed over the group."""
-    size = group.world_size
-    _check(full, size)
-    b, s = full.shape[0], full.shape[1]
-    buf = full.reshape(b, size, s // size, *full.shape[2:]).transpose(0, 1).contiguous()
-    out = group.reduce_scatter_(buf.view(-1), op=OP)
-    return out.view(buf.shape[1:]).clone()  # a copy: a view would keep all T chunks alive
-
-
-def chunk_sequence(group: Collective, full: torch.Tensor) -> torch.Tensor:
-    """This rank's chunk along dimension 1 (a copy, so the whole tensor can be freed: with one
+def chunk_sequence(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s chunk along dimension 1 (a copy, so the whole tensor can be freed: with one
     sequence in the batch the chunk is contiguous already, and a view would keep all of it)."""
-    _check(full, group.world_size)
-    return full.chunk(group.world_size, dim=1)[group.rank].clone(memory_format=torch.contiguous_format)
+    _check(full, size)
+    return full.chunk(size, dim=1)[rank].clone(memory_format=torch.contiguous_format)
 
+
+# The autograd functions take the group as its handle and plain integers, never the Collective:
+# inside a compiled block (the attention's and MLP's gathers, the rowwise reduce-scatters) dynamo
+# traces them, and the collectives are group_ops' custom ops, one graph node each.
 
 class _Split(torch.autograd.Function):
     """Region start: keep this rank's chunk; backward all-gathers the chunks' gradients."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Collective) -> torch.Tensor:
-        ctx.group = group
-        return chunk_sequence(group, x)
+    def forward(ctx: Any, x: torch.Tensor, handle: int, rank: int, size: int) -> torch.Tensor:
+        ctx.handle = handle
+        return chunk_sequence(x, rank, size)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return gather_sequence(ctx.group, grad.contiguous()), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return tp_gather_sequence(grad.contiguous(), ctx.handle), None, None, None
 
 
 class _Gather(torch.autograd.Function):
     """A colwise parent's input: all-gather; backward reduce-scatters the partial gradients."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Collective) -> torch.Tensor:
-        ctx.group = group
-        return gather_sequence(group, x)
+    def forward(ctx: Any, x: torch.Tensor, handle: int, rank: int, size: int) -> torch.Tensor:
+        ctx.handle = handle
+        return tp_gather_sequence(x.contiguous(), handle)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return reduce_scatter_sequence(ctx.group, grad), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return tp_reduce_scatter_sequence(grad.contiguous(), ctx.handle), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     """A rowwise layer's partial outputs: reduce-scatter; backward all-gathers."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Collective) -> torch.Tensor:
-        ctx.group = group
-        return reduce_scatter_sequence(group, x)
+    def forward(ctx: Any, x: torch.Tensor, handle: int, rank: int, size: int) -> torch.Tensor:
+        ctx.handle = handle
+        _check(x, size)
+        return tp_reduce_scatter_sequence(x.contiguous(), handle)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return gather_sequence(ctx.group, grad.contiguous()), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return tp_gather_sequence(grad.contiguous(), ctx.handle), None, None, None
 
 
 class _GatherReplicated(torch.autograd.Function):
     """Region end (the head's input): all-gather; the gradient, the same on every rank, is cut."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Collective) -> torch.Tensor:
-        ctx.group = group
-        return gather_sequence(group, x)
+    def forward(ctx: Any, x: torch.Tensor, handle: int, rank: int, size: int) -> torch.Tensor:
+        ctx.rank, ctx.size = rank, size
+        return tp_gather_sequence(x.contiguous(), handle)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return chunk_sequence(ctx.group, grad), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return chunk_sequence(grad, ctx.rank, ctx.size), None, None, None
 
 
-def reduce_scatter_output(x: torch.Tensor, group: Collective) -> torch.Tensor:
-    """A rowwise layer's output under sequence parallelism (``ShardedLinear``)."""
-    return _ReduceScatter.apply(x, group)
+def reduce_scatter_output(x: torch.Tensor, handle: int, rank: int, size: int) -> torch.Tensor:
+    """A rowwise layer's output under sequence parallelism (``ShardedLinear``; ``handle`` its group's)."""
+    return _ReduceScatter.apply(x, handle, rank, size)
 
 
-def _first_input(apply: Any, group: Collective) -> Any:
+def _first_input(function: type[torch.autograd.Function], group: Collective) -> Any:
     """A forward pre-hook (with kwargs) replacing the hidden state, the first positional
-    argument or ``hidden_states`` / ``x``, by ``apply(it, group)``."""
+    argument or ``hidden_states`` / ``x``, by ``function`` applied to it over ``group``."""
+    handle, rank, size = register_group(group), group.rank, group.world_size
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        return function.apply(x, handle, rank, size)
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if args and isinstance(args[0], torch.Tensor):
-            return (apply(args[0], group), *args[1:]), kwargs
+            return (apply(args[0]), *args[1:]), kwargs
         for key in ("hidden_states", "x"):
             if isinstance(kwargs.get(key), torch.Tensor):
-                return args, {**kwargs, key: apply(kwargs[key], group)}
+                return args, {**kwargs, key: apply(kwargs[key])}
         raise ConfigError(f"sequence_parallel found no hidden state in {type(module).__name__}'s inputs (the first "
                           "positional argument or hidden_states=); set TensorParallel(sequence_parallel=False)")
 
@@ -161,10 +162,10 @@ def apply_sequence_parallel(model: nn.Module, group: Collective, *, colwise_pare
                           f"one ModuleList (a Hugging Face ...ForCausalLM); {type(model).__name__} has "
                           f"{'no output head' if head is None else 'no input embeddings' if embed is None else 'none'}"
                           "; set TensorParallel(sequence_parallel=False)")
-    blocks[0].register_forward_pre_hook(_first_input(_Split.apply, group), with_kwargs=True)
+    blocks[0].register_forward_pre_hook(_first_input(_Split, group), with_kwargs=True)
     for parent in parents:
-        parent.register_forward_pre_hook(_first_input(_Gather.apply, group), with_kwargs=True)
-    head.register_forward_pre_hook(_first_input(_GatherReplicated.apply, group), with_kwargs=True)
+        parent.register_forward_pre_hook(_first_input(_Gather, group), with_kwargs=True)
+    head.register_forward_pre_hook(_first_input(_GatherReplicated, group), with_kwargs=True)
     outside = {id(p) for m in (embed, head) for p in m.parameters()} | {id(p) for p in sharded}
     for p in model.parameters():
         if p.requires_grad and id(p) not in outside:

@@ -152,7 +152,7 @@ class ShardedLinear(nn.Linear):
             copied = self.shared(x) if self.shared is not None else _CopyToGroup.apply(x, self.handle)
             return F.linear(copied, self.weight, self.bias)
         if self.sequence_parallel:
-            out = reduce_scatter_output(F.linear(x, self.weight), self.group)
+            out = reduce_scatter_output(F.linear(x, self.weight), self.handle, self.tp_rank, self.tp_size)
             return out if self.bias is None else out + self.bias
         out = _ReduceFromGroup.apply(F.linear(x, self.weight), self.handle)
         return out if self.bias is None else out + self.bias
