@@ -95,38 +95,51 @@ def test_losing_every_copy_of_a_shard_is_found_in_the_plan() -> None:
         restore(2, 2, {1, 3}, 2)  # shard 1's two owners hold each other's copy: the checkpoint restores
 
 
+class _PeerPool:
+    """The pool a RecoveryController drives, as far as a peer restore asks: each rank's peer
+    snapshots (its own and those it backs up, from ``backup``), and the kills and rebuild it orders,
+    recorded in ``calls``."""
+
+    def __init__(self, size: int, nodes: list[str], backup: list[int], calls: list[tuple[str, object]]) -> None:
+        self.tensor_parallel = size
+        self.nodes = [{"node_id": n} for n in nodes]
+        self.world = len(nodes)
+        self.copies = {r: {r} | {w for w, b in enumerate(backup) if b == r} for r in range(self.world)}
+        self.calls = calls
+
+    def snapshot_info(self, ranks: list[int], committed: int) -> dict[int, dict[int, object]]:
+        from zero_ray.core.restore_plan import SnapshotRecord
+
+        return {r: {c: SnapshotRecord(step=3, world_size=self.world, description=None)  # type: ignore[arg-type]
+                    for c in self.copies[r]} for r in ranks}
+
+    def kill(self, ranks: list[int]) -> None:
+        self.calls.append(("kill", list(ranks)))
+
+    def rebuild(self, kept: list[int], world_size: int, *, restore: object) -> None:
+        self.calls.append(("rebuild", (list(kept), world_size, restore(None))))  # type: ignore[operator]
+
+
+def _recovery_over(pool: _PeerPool, world: int) -> object:
+    from zero_ray.core.elastic_policy import FailurePolicy, ScalingPolicy
+    from zero_ray.core.topology import Topology
+    from zero_ray.driver.recovery import RecoveryController
+
+    return RecoveryController(pool, failure=FailurePolicy(), scaling=ScalingPolicy(), desired=world,  # type: ignore[arg-type]
+                              peer_redundancy=True, checkpoint_root=lambda: None, topology=Topology())
+
+
 def test_the_recovery_rebuilds_tp_groups_on_one_node_each() -> None:
     """The driver's re-plan after a loss at (T, D) = (2, 3), one TP group per node: owner 1 (node
     a) lost, the 4 owners that go on are the two intact groups in their old TP positions
     (core/placement.group_survivors), not owners 0 and 2 of nodes a and b as one group; and the
     peer restore takes every old rank's copy from the survivors kept."""
-    from zero_ray.core.elastic_policy import FailurePolicy, ScalingPolicy
-    from zero_ray.core.restore_plan import SnapshotRecord
-    from zero_ray.core.topology import Topology
-    from zero_ray.driver.recovery import RecoveryController
-
     size, world = 2, 6
     nodes = ["a", "a", "b", "b", "c", "c"]
     backup = backup_peers(nodes, tensor_parallel=size)
-    copies = {r: {r} | {w for w, b in enumerate(backup) if b == r} for r in range(world)}
     calls: list[tuple[str, object]] = []
-
-    class Pool:
-        tensor_parallel = size
-        nodes = [{"node_id": n} for n in ["a", "a", "b", "b", "c", "c"]]
-
-        def snapshot_info(self, ranks: list[int], committed: int) -> dict[int, dict[int, SnapshotRecord]]:
-            return {r: {c: SnapshotRecord(step=3, world_size=world, description=None)  # type: ignore[arg-type]
-                        for c in copies[r]} for r in ranks}
-
-        def kill(self, ranks: list[int]) -> None:
-            calls.append(("kill", list(ranks)))
-
-        def rebuild(self, kept: list[int], world_size: int, *, restore: object) -> None:
-            calls.append(("rebuild", (list(kept), world_size, restore(None))))  # type: ignore[operator]
-
-    rc = RecoveryController(Pool(), failure=FailurePolicy(), scaling=ScalingPolicy(), desired=world,  # type: ignore[arg-type]
-                            peer_redundancy=True, checkpoint_root=lambda: None, topology=Topology())
+    pool = _PeerPool(size, nodes, backup, calls)
+    rc = _recovery_over(pool, world)
     survivors = [0, 2, 3, 4, 5]
     assert backup[1] == 3  # the lost owner's copy is on another node's owner, which is kept
     assert rc._restore_from_peers(survivors, 4, 3) == 4
@@ -136,7 +149,7 @@ def test_the_recovery_rebuilds_tp_groups_on_one_node_each() -> None:
     assert (kept, target) == ([2, 3, 4, 5], 4)
     assert [nodes[kept[p]] for p in range(0, 4, 2)] == [nodes[kept[p + 1]] for p in range(0, 4, 2)]
     for old, position in enumerate(plan.holders):
-        assert old in copies[kept[position]]  # each old rank's copy from a survivor kept
+        assert old in pool.copies[kept[position]]  # each old rank's copy from a survivor kept
 
 
 def test_a_recovery_that_shrinks_keeps_the_holder_of_the_lost_copies() -> None:
@@ -144,34 +157,13 @@ def test_a_recovery_that_shrinks_keeps_the_holder_of_the_lost_copies() -> None:
     groups). Kept by rank, groups (2, 3) and (4, 5) would hold no copy of old ranks 6 and 7 (their
     backups were 0, lost, and 1), and the peer restore would give up for the checkpoint; the
     recovery keeps groups (2, 3) and (6, 7) instead, and takes every old rank's copy from them."""
-    from zero_ray.core.elastic_policy import FailurePolicy, ScalingPolicy
-    from zero_ray.core.restore_plan import SnapshotRecord
-    from zero_ray.core.topology import Topology
-    from zero_ray.driver.recovery import RecoveryController
-
     size, world = 2, 8
     nodes = ["a", "a", "b", "b", "c", "c", "d", "d"]
     backup = backup_peers(nodes, tensor_parallel=size)
     assert backup == [2, 3, 4, 5, 6, 7, 0, 1]
-    copies = {r: {r} | {w for w, b in enumerate(backup) if b == r} for r in range(world)}
     calls: list[tuple[str, object]] = []
-
-    class Pool:
-        tensor_parallel = size
-        nodes = [{"node_id": n} for n in ["a", "a", "b", "b", "c", "c", "d", "d"]]
-
-        def snapshot_info(self, ranks: list[int], committed: int) -> dict[int, dict[int, SnapshotRecord]]:
-            return {r: {c: SnapshotRecord(step=3, world_size=world, description=None)  # type: ignore[arg-type]
-                        for c in copies[r]} for r in ranks}
-
-        def kill(self, ranks: list[int]) -> None:
-            calls.append(("kill", list(ranks)))
-
-        def rebuild(self, kept: list[int], world_size: int, *, restore: object) -> None:
-            calls.append(("rebuild", (list(kept), world_size, restore(None))))  # type: ignore[operator]
-
-    rc = RecoveryController(Pool(), failure=FailurePolicy(), scaling=ScalingPolicy(), desired=world,  # type: ignore[arg-type]
-                            peer_redundancy=True, checkpoint_root=lambda: None, topology=Topology())
+    pool = _PeerPool(size, nodes, backup, calls)
+    rc = _recovery_over(pool, world)
     assert rc._restore_from_peers([1, 2, 3, 4, 5, 6, 7], 4, 3) == 4  # peer source: no CheckpointError
     (kill, rebuilt) = calls
     assert kill == ("kill", [1, 4, 5])
@@ -179,4 +171,4 @@ def test_a_recovery_that_shrinks_keeps_the_holder_of_the_lost_copies() -> None:
     assert (kept, target) == ([2, 3, 6, 7], 4)
     assert {6, 7} <= set(kept)  # their own copies were their only ones left (backups 0 and 1 lost or leaving)
     for old, position in enumerate(plan.holders):
-        assert old in copies[kept[position]]  # each old rank's copy from a survivor kept
+        assert old in pool.copies[kept[position]]  # each old rank's copy from a survivor kept
