@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,11 +33,13 @@ from zero_ray.owner.step.run_spec import EngineSpec
 
 
 class ThreadWorld:
-    """Shared slots and a barrier: what the ranks exchange."""
+    """Shared slots and a barrier: what the ranks exchange. ``wait_s`` bounds each wait on a peer
+    (a peer compiling a frame meanwhile holds it up: minutes on a loaded machine)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, *, wait_s: float = 60.0) -> None:
         self.n = n
-        self.barrier = threading.Barrier(n, timeout=60)
+        self.wait_s = wait_s
+        self.barrier = threading.Barrier(n, timeout=wait_s)
         self.slots: list[Any] = [None] * n
         # point-to-point messages, by (sender, receiver), in the order they were sent
         self.mail: dict[tuple[int, int], queue.Queue[torch.Tensor]] = {
@@ -94,7 +97,7 @@ class ThreadGroup:
             self.world.mail[(self.rank, peer)].put(t.detach().clone())
             self.counters.add(op, t.numel() * t.element_size(), peer=peer)
         for t, peer in recvs:
-            t.copy_(self.world.mail[(peer, self.rank)].get(timeout=60))
+            t.copy_(self.world.mail[(peer, self.rank)].get(timeout=self.world.wait_s))
 
     def barrier(self) -> None:
         self._exchange(None)
@@ -106,10 +109,13 @@ class ThreadGroup:
         return None
 
 
-def on_threads(world_size: int, fn: Callable[[ThreadGroup], Any], *, timeout_s: float = 120.0) -> list[Any]:
+def on_threads(world_size: int, fn: Callable[[ThreadGroup], Any], *, timeout_s: float = 120.0,
+               wait_s: float = 60.0) -> list[Any]:
     """``fn(group)`` on ``world_size`` thread ranks of one in-memory group; each rank's result.
-    The first failure is raised (the others are released from the group's barrier)."""
-    world = ThreadWorld(world_size)
+    The first failure is raised (the others are released from the group's barrier); ranks still
+    running after ``timeout_s`` raise TimeoutError, never a half-done result (callers read the
+    engines next). ``wait_s`` bounds each wait on a peer."""
+    world = ThreadWorld(world_size, wait_s=wait_s)
     out: list[Any] = [None] * world_size
     errors: list[BaseException] = []
 
@@ -120,13 +126,19 @@ def on_threads(world_size: int, fn: Callable[[ThreadGroup], Any], *, timeout_s: 
             errors.append(err)
             world.barrier.abort()
 
-    threads = [threading.Thread(target=main, args=(r,)) for r in range(world_size)]
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=timeout_s)
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
     if errors:
         raise errors[0]
+    running = [r for r, t in enumerate(threads) if t.is_alive()]
+    if running:
+        world.barrier.abort()  # release them from the group: they end with BrokenBarrierError
+        raise TimeoutError(f"thread ranks {running} of {world_size} still running after {timeout_s:g}s; "
+                           f"pass a larger timeout_s where the ranks compile or the machine is loaded")
     return out
 
 
@@ -159,10 +171,12 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
               reduce_dtype: str | None = None, optimizer_kinds: Any = None, bucket_bytes: int = 2048,
               on_nonfinite: str = "raise", results: list[list[StepResult]] | None = None,
               topology: Topology | None = None, nodes: list[str] | None = None, compile: Compile | None = None,
-              offload: Offload | None = None, **stage3: Any) -> tuple[dict[str, torch.Tensor], list[OwnerEngine], list[list[dict[str, int]]]]:
+              offload: Offload | None = None, timeout_s: float = 120.0,
+              **stage3: Any) -> tuple[dict[str, torch.Tensor], list[OwnerEngine], list[list[dict[str, int]]]]:
     """Train on ``world_size`` thread ranks; the consolidated fp32 parameters, the engines and
     each step's bytes sent per rank. ``results``: filled with each rank's StepResults;
-    ``nodes``: the node each rank is on, for ``topology``."""
+    ``nodes``: the node each rank is on, for ``topology``; ``timeout_s``: the whole run's bound
+    (each wait on a peer gets half)."""
     spec = engine_spec(model_fn, loss_fn, optimizer, accum=accum, clip=clip, dtype=dtype, stage=stage,
                        checkpointing=checkpointing, lr_scheduler=lr_scheduler, reduce_dtype=reduce_dtype,
                        optimizer_kinds=optimizer_kinds, bucket_bytes=bucket_bytes, on_nonfinite=on_nonfinite,
@@ -192,7 +206,7 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
                 results[rank].append(result)
             sent[rank].append(dict(engine.last_bytes))
 
-    on_threads(world_size, rank_main)
+    on_threads(world_size, rank_main, timeout_s=timeout_s, wait_s=timeout_s / 2)
     full: dict[str, torch.Tensor] = {}
     ready = [e for e in engines if e is not None]
     for engine in ready:
@@ -208,6 +222,7 @@ def run_ranks(world_size: int, model_fn: Callable[[], torch.nn.Module], loss_fn:
 def run_tp_ranks(size: int, data_parallel: int, model_fn: Callable[[], torch.nn.Module], loss_fn: Any, optimizer: Any,
                  batches: list[Any], *, plan: Any = None, stage: int = 3, clip: float | None = None,
                  accum: int = 1, load: str | None = None, save: str | None = None, sequence_parallel: bool = False,
+                 timeout_s: float = 120.0,
                  **options: Any) -> tuple[dict[str, torch.Tensor], list[float], list[OwnerEngine], list[list[StepResult]]]:
     """Train on ``size`` x ``data_parallel`` thread ranks with tensor parallelism of ``size``:
     each engine reads its data rank's piece of every batch. Returns the fp32 parameters
@@ -215,7 +230,8 @@ def run_tp_ranks(size: int, data_parallel: int, model_fn: Callable[[], torch.nn.
     then the shards joined), the per-step global mean losses, the engines and each rank's
     StepResults. ``load``: every rank first restores the checkpoint there (the owners' Load);
     ``save``: after the steps every rank saves under that root and the checkpoint is committed
-    as the driver's commit thread does (the owners' Save, then the manifest)."""
+    as the driver's commit thread does (the owners' Save, then the manifest). ``timeout_s``: the
+    whole run's bound (each wait on a peer gets half)."""
     world = size * data_parallel
     spec = engine_spec(model_fn, loss_fn, optimizer, stage=stage, clip=clip, accum=accum,
                        tensor_parallel=TensorParallel(size=size, plan=plan, sequence_parallel=sequence_parallel),
@@ -247,7 +263,7 @@ def run_tp_ranks(size: int, data_parallel: int, model_fn: Callable[[], torch.nn.
             saved[group.rank] = saver.wait(pending.tmp, timeout_s=60)
             saver.close()
 
-    on_threads(world, rank_main)
+    on_threads(world, rank_main, timeout_s=timeout_s, wait_s=timeout_s / 2)
     ready = [e for e in engines if e is not None]
     if pending is not None:
         e = ready[0]
