@@ -25,7 +25,9 @@ MLP_FN = functools.partial(mlp, 16, 3)
 
 
 def _config(**topology: object) -> zr.ZeroConfig:
-    return zr.ZeroConfig(stage=3, world_size=4, bucket_bytes=4096, health_interval_s=0.2, health_timeout_s=5.0,
+    # Every fault here is a SIGKILL, found when the owner's stream breaks, not by the timeout; 15 s
+    # only keeps a slow setup on a loaded machine from reading as a loss (5 s did, twice in 9 runs).
+    return zr.ZeroConfig(stage=3, world_size=4, bucket_bytes=4096, health_interval_s=0.2, health_timeout_s=15.0,
                          collective_timeout_s=600, topology=zr.Topology(**topology),  # type: ignore[arg-type]
                          stage3=zr.Stage3Config(wrap_policy=zr.WrapPolicy(min_numel=0)))
 
