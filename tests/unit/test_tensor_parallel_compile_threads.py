@@ -8,6 +8,7 @@ graph break around the all-reduces."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -37,42 +38,73 @@ def _max_dev(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize(("stage", "data_parallel"), [(3, 2)])  # stage 3: hooks around the region
-def test_compiled_tp_run_equals_the_uncompiled_run_and_one_process(stage: int, data_parallel: int) -> None:
-    size, opt = 2, OPTIMIZERS["adamw"]
-    units = {"wrap_policy": (BLOCK,)} if stage == 3 else {}
+@dataclasses.dataclass(kw_only=True)
+class _Runs:
+    """One compiled T = 2 run, the same run eager, one-process torch, and one process with the
+    blocks compiled by hand; ``frames``: what the TP run compiled, ``one_process``: what one process
+    compiles."""
+
+    got: dict[str, torch.Tensor]
+    losses: list[float]
+    engines: list
+    eager: dict[str, torch.Tensor]
+    eager_losses: list[float]
+    eager_engines: list
+    ref: dict[str, torch.Tensor]
+    ref_losses: list[float]
+    by_hand: dict[str, torch.Tensor]
+    frames: int
+    one_process: int
+
+    def assert_follow(self) -> None:
+        """The project's bounds: compiled against compiled single-process 1e-6 (test_compile_threads),
+        TP against torch 1e-5 (test_tensor_parallel_engine_threads)."""
+        assert _max_dev(self.got, self.by_hand) <= 1e-6
+        assert _max_dev(self.got, self.ref) <= 1e-5 and _max_dev(self.got, self.eager) <= 1e-5
+        assert max(abs(a - b) for a, b in zip(self.losses, self.ref_losses)) <= 1e-5
+        assert max(abs(a - b) for a, b in zip(self.losses, self.eager_losses)) <= 1e-5
+
+
+def _compiled_eager_and_references(size: int, data_parallel: int, stage: int, **options: object) -> _Runs:
+    opt = OPTIMIZERS["adamw"]
     torch.compiler.reset()  # frames counted from scratch: earlier tests compiled other blocks
     before = compiled_frames()
     got, losses, engines, _ = run_tp_ranks(size, data_parallel, llama, lm_loss, opt, batches(STEPS), stage=stage,
-                                           clip=CLIP, compile=zr.Compile(), **units)
+                                           clip=CLIP, compile=zr.Compile(), **options)
     frames = compiled_frames() - before
     eager, eager_losses, eager_engines, _ = run_tp_ranks(size, data_parallel, llama, lm_loss, opt, batches(STEPS),
-                                                         stage=stage, clip=CLIP, **units)
+                                                         stage=stage, clip=CLIP, **options)
     ref, ref_losses = reference("adamw", data_parallel, STEPS)
     torch.compiler.reset()
     before = compiled_frames()
     by_hand, _ = single_process(compiled_by_hand(llama, BLOCK), lm_loss, opt, batches(STEPS), max_grad_norm=CLIP,
                                 pieces=(data_parallel, 1))
-    one_process = compiled_frames() - before
+    return _Runs(got=got, losses=losses, engines=engines, eager=eager, eager_losses=eager_losses,
+                 eager_engines=eager_engines, ref=ref, ref_losses=ref_losses, by_hand=by_hand, frames=frames,
+                 one_process=compiled_frames() - before)
+
+
+@pytest.mark.parametrize(("stage", "data_parallel"), [(3, 2)])  # stage 3: hooks around the region
+def test_compiled_tp_run_equals_the_uncompiled_run_and_one_process(stage: int, data_parallel: int) -> None:
+    size = 2
+    units = {"wrap_policy": (BLOCK,)} if stage == 3 else {}
+    runs = _compiled_eager_and_references(size, data_parallel, stage, **units)
+    engines = runs.engines
     blocks = [n for n, m in engines[0].module.named_modules() if type(m).__name__ == BLOCK]
     assert engines[0].state.compiled == blocks and len(blocks) == 2
-    # the project's bounds: compiled against compiled single-process 1e-6 (test_compile_threads),
-    # TP against torch 1e-5 (test_tensor_parallel_engine_threads)
-    assert _max_dev(got, by_hand) <= 1e-6
-    assert _max_dev(got, ref) <= 1e-5 and _max_dev(got, eager) <= 1e-5
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
-    assert max(abs(a - b) for a, b in zip(losses, eager_losses)) <= 1e-5
+    runs.assert_follow()
     # per step: 2 blocks x (o, down in forward; q/k/v's and gate/up's shared f in backward), each
     # a ring all-reduce of the piece's hidden states, compiled or not
     piece = BATCH // data_parallel * SEQ * HIDDEN * 4
     per_reduce = 2 * (size - 1) * piece // size
-    for e, plain in zip(engines, eager_engines):
+    for e, plain in zip(engines, runs.eager_engines):
         assert e.last_bytes["tp_all_reduce"] == plain.last_bytes["tp_all_reduce"] == 8 * per_reduce
     # no graph break: each rank compiles the frames one process compiles (2: the model's KV cache
     # is guarded empty at the first block), none added by a break at the collectives (a break
     # compiles the rest of the forward as a frame of its own). Each rank's group is a constant of
     # its graph, so each thread rank compiles its own; on Ray an owner is a process.
-    assert one_process >= 1 and frames == size * data_parallel * one_process, (frames, one_process)
+    assert runs.one_process >= 1 and runs.frames == size * data_parallel * runs.one_process, (runs.frames,
+                                                                                            runs.one_process)
 
 
 def test_a_compiled_checkpointed_block_recomputes_whole_with_p_a() -> None:
@@ -115,34 +147,17 @@ def test_compiled_sequence_parallel_blocks_follow_torch_without_a_graph_break() 
     calls dynamo broke the graph at each, as it once did at the all-reduce: docs/tensor_parallel.md).
     The run follows compiled and plain single-process torch and the eager SP run, sending the same
     sequence bytes, and each rank compiles exactly the frames one process compiles."""
-    size, data_parallel, opt = 2, 2, OPTIMIZERS["adamw"]
-    units = {"wrap_policy": (BLOCK,)}
-    torch.compiler.reset()
-    before = compiled_frames()
-    got, losses, engines, _ = run_tp_ranks(size, data_parallel, llama, lm_loss, opt, batches(STEPS), stage=3,
-                                           clip=CLIP, compile=zr.Compile(), sequence_parallel=True, **units)
-    frames = compiled_frames() - before
-    eager, eager_losses, eager_engines, _ = run_tp_ranks(size, data_parallel, llama, lm_loss, opt, batches(STEPS),
-                                                         stage=3, clip=CLIP, sequence_parallel=True, **units)
-    ref, ref_losses = reference("adamw", data_parallel, STEPS)
-    torch.compiler.reset()
-    before = compiled_frames()
-    by_hand, _ = single_process(compiled_by_hand(llama, BLOCK), lm_loss, opt, batches(STEPS), max_grad_norm=CLIP,
-                                pieces=(data_parallel, 1))
-    one_process = compiled_frames() - before
-    print("sp compiled deviations: by_hand", _max_dev(got, by_hand), "ref", _max_dev(got, ref), "eager",
-          _max_dev(got, eager), "losses", max(abs(a - b) for a, b in zip(losses, ref_losses)), "frames", frames,
-          one_process)
+    size, data_parallel = 2, 2
+    runs = _compiled_eager_and_references(size, data_parallel, 3, sequence_parallel=True, wrap_policy=(BLOCK,))
+    engines = runs.engines
     assert engines[0].state.compiled == [n for n, m in engines[0].module.named_modules() if type(m).__name__ == BLOCK]
-    assert _max_dev(got, by_hand) <= 1e-6  # the compile tests' bound (measured 1.6e-7)
-    assert _max_dev(got, ref) <= 1e-5 and _max_dev(got, eager) <= 1e-5
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
-    assert max(abs(a - b) for a, b in zip(losses, eager_losses)) <= 1e-5
+    runs.assert_follow()  # by hand measured 1.6e-7
     # per block and step: 2 gathers and 2 reduce-scatters forward, the same backward, each
     # (T - 1) / T of the piece's hidden states over the ring; the first block's split and the
     # head's gather add 2 more gathers (eager's count: test_tensor_parallel_sequence_threads)
     piece = BATCH // data_parallel * SEQ * HIDDEN * 4
     per_collective = (size - 1) * piece // size
-    for e, plain in zip(engines, eager_engines):
+    for e, plain in zip(engines, runs.eager_engines):
         assert e.last_bytes["tp_sequence"] == plain.last_bytes["tp_sequence"] == (2 * 8 + 2) * per_collective
-    assert one_process >= 1 and frames == size * data_parallel * one_process, (frames, one_process)
+    assert runs.one_process >= 1 and runs.frames == size * data_parallel * runs.one_process, (runs.frames,
+                                                                                            runs.one_process)
