@@ -184,7 +184,7 @@ class ModelState:
                                   state_files=files if offload.optimizer_on_nvme else None,
                                   param_files=files if offload.params_on_nvme else None) for g in specs]
         # The groups a step reduces and updates, fixed with the groups (read many times a step).
-        self.trainable_groups = [g for g in self.groups if g.policy.trainable]
+        self.trainable_groups = [g for g in self.groups if g.trainable]
         self.fabric.allocate(self.groups)
         self.optimizer = ShardOptimizer(plan, self.groups, layout=layout, rank=self.shard_rank,
                                         update_whole=spec.plan.updates_whole_buffer, scheduler=spec.lr_scheduler,
@@ -199,7 +199,8 @@ class ModelState:
         self.module = module
         staging = [p for p in self.pools if p.name.endswith(("staging", "reduce"))]
         self.stream = CommStream(self.fabric.primary, sync=self.sync, name=f"zero_ray-grads-{self.rank}")
-        self.reducer = GradReducer(self.groups, self.stream, micro_batches=spec.grad_accum_steps, staging=staging)
+        self.reducer = GradReducer(self.trainable_groups, self.stream, micro_batches=spec.grad_accum_steps,
+                                   staging=staging)
         if units is not None:
             self.units = [Unit(spec=u, module=module.get_submodule(u.path), pool=gather_of[u.index],
                                groups=sorted((g for g in self.groups if g.spec.unit == u.index),

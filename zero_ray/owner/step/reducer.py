@@ -34,11 +34,12 @@ from zero_ray.owner.step.param_group import ParamGroup
 
 
 class GradReducer:
-    """The gradient reduction of one rank's trainable groups."""
+    """The gradient reduction of one rank's trainable groups (``ModelState.trainable_groups``)."""
 
     def __init__(self, groups: Sequence[ParamGroup], stream: CommStream, *, micro_batches: int | None,
                  staging: Sequence[BufferPool] = ()) -> None:
-        self.groups = [g for g in groups if g.policy.trainable]
+        assert all(g.trainable for g in groups), "the reducer takes the trainable groups only"
+        self.groups = list(groups)
         self.stream = stream  # the rank's comm thread (the model state's), where reductions are issued
         self._staging = list(staging)
         per_use = any(g.policy.params is ParamResidency.PER_USE for g in self.groups)
