@@ -25,8 +25,10 @@ class SlowTeardown:
     def __init__(self, order: list[str]) -> None:
         self.release = threading.Event()
         self._order = order
+        self.calls = 0  # teardowns begun
 
     def abort(self) -> None:
+        self.calls += 1
         self.release.wait(10.0)
         self._order.append("torn down")
 
@@ -66,3 +68,21 @@ def test_a_teardown_that_does_not_end_refuses_the_formation(monkeypatch: pytest.
         assert order == []  # nothing formed beside the teardown
     finally:
         old.release.set()
+
+
+def test_a_second_abort_of_the_same_group_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under starvation a rank takes two aborts of one generation (the tree's call to its subtree
+    outlived its deadline, then the driver's direct one: RelayPlane.abort): the second starts no
+    second teardown, so the formation still waits for the first."""
+    order: list[str] = []
+    rank, old = _rank(monkeypatch, order)
+    rank.generation = 0  # the second abort arrives before any re-forming
+    first = rank._teardown
+    assert rank.abort(reason="the direct abort", generation=0) is False
+    assert rank._teardown is first
+    rank.generation = 1
+    formed = threading.Thread(target=rank._join)
+    formed.start()
+    old.release.set()
+    formed.join(10.0)
+    assert (old.calls, order) == (1, ["torn down", "formed"])

@@ -74,6 +74,8 @@ class LiveRank:
         self._aborted = -1  # the newest generation an abort was asked for
         self._forming: threading.Event | None = None  # set to abort the group formation in progress
         self._teardown: threading.Thread | None = None  # an abort's teardown of the last group, on its own thread
+        self._torn: Collective | None = None  # the group that teardown is of
+        self._abort_lock = threading.Lock()
 
     def _group_name(self) -> str:
         return f"{self._settings.group_prefix}-g{self.generation}"
@@ -92,7 +94,7 @@ class LiveRank:
                 raise CollectiveError(f"rank {self.rank}: the last group's teardown did not end within "
                                       f"settle_timeout_s={o.settle_timeout_s:g}s; generation {self.generation} "
                                       "cannot form beside it")
-            self._teardown = None
+            self._teardown = self._torn = None
         if not self._device_ready:  # before any group: NCCL forms on the current device
             setup_device(device=self._spec.device, backend=o.backend, rank=self.rank)
             self._device_ready = True
@@ -141,14 +143,22 @@ class LiveRank:
             log.warning("rank %d aborting the formation of generation %d: %s", self.rank, self.generation, reason)
             forming.set()
             return True
-        if generation < self.generation or self._group is None:
+        group = self._group
+        if generation < self.generation or group is None:
             return False
-        log.warning("rank %d aborting generation %d: %s", self.rank, generation, reason)
         busy = self._engine is not None and self._engine.phase.value != "idle"
-        # Tearing down may block while this rank's own compute thread waits inside the group;
-        # the point is to close its sockets for the peers, so do it without holding the caller.
-        self._teardown = threading.Thread(target=self._group.abort, name="zero_ray-abort", daemon=True)
-        self._teardown.start()
+        with self._abort_lock:  # two aborts may arrive at once, on two gRPC threads
+            if self._torn is group:
+                # Its teardown is under way or done: a second abort (the driver's direct one after
+                # the tree's call to this rank's subtree outlived its deadline) changes nothing, and
+                # a second teardown thread would replace the one the next formation waits for.
+                return busy
+            self._torn = group
+            # Tearing down may block while this rank's own compute thread waits inside the group;
+            # the point is to close its sockets for the peers, so do it without holding the caller.
+            teardown = self._teardown = threading.Thread(target=group.abort, name="zero_ray-abort", daemon=True)
+        log.warning("rank %d aborting generation %d: %s", self.rank, generation, reason)
+        teardown.start()
         return busy
 
     def reform(self, generation: int) -> bool:
