@@ -48,6 +48,7 @@ from zero_ray.control.auth import Credentials
 from zero_ray.control.client import RelayClient
 from zero_ray.control.client_channel import ClientConfig
 from zero_ray.control.conversion import to_message
+from zero_ray.control.heap_freeze import freeze_heap
 from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.relay_wire import to_wire
 from zero_ray.control.server import ControlServer, ServerConfig
@@ -173,6 +174,7 @@ def stub_main(conn: Any, subtrees: dict[int, tuple[int, ...]], compute_s: float,
               below: dict[int, tuple[int, ...]] | None = None) -> None:
     """A stand-in process: serve ``subtrees`` (relay id -> its ranks) on loopback, send the
     address, then answer "usage", "hold", "entered", "aborted", "release", "stop"."""
+    freeze_heap()  # at its start, as the owners' processes it stands in for do (PartitionOwner)
     servicer = StandInSubtrees(subtrees, compute_s=compute_s, below=below)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=STUB_THREADS))
     relay_pb2_grpc.add_RelayServicer_to_server(servicer, server)
@@ -250,6 +252,7 @@ class TopRelayHost(RelayHost):
 def top_main(conn: Any, rank: int, keep: frozenset[int], stand_in: str, job_id: str, token: str) -> None:
     """A top relay's process: the real relay server (``ControlServer`` + :class:`TopRelayHost`),
     until "stop"; "usage" answers its CPU seconds."""
+    freeze_heap()  # at its start, as an owner's process hosting a top relay does (PartitionOwner)
     credentials = Credentials(job_id=job_id, token=token)
     template = ClientConfig(address="127.0.0.1:1", credentials=credentials, timeout_s=60.0)
     host = TopRelayHost(rank=rank, template=template, keep=keep, stand_in=stand_in)

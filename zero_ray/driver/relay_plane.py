@@ -34,6 +34,7 @@ from typing import Any, cast
 from zero_ray.control.client import ClientConfig, RelayClient
 from zero_ray.control.client_channel import Pending
 from zero_ray.control.handlers import HostRelaysArgs
+from zero_ray.control.heap_freeze import freeze_heap
 from zero_ray.control.relay_hop import DEFAULT_MARGIN_S, HopChild, RelayHop, close_relays, hop_children
 from zero_ray.control.client_channel import header_of
 from zero_ray.control.handlers import OwnerStats
@@ -117,6 +118,7 @@ class RelayPlane:
         self._hosts = {r: c for r, c in hosts.items() if told[r].relays}
         close_relays([], [c for r, c in hosts.items() if not told[r].relays])
         if tree is not None:
+            freeze_heap()  # a full collection of the driver's heap would hold a step's dispatch
             tops = {c.id: self._hosts[c.host] for c in tree.driver_children}
             self._top = RelayHop(host=None, children=hop_children(tree, None, owners={}, relays=tops),
                                  margin_s=self._margin_s)

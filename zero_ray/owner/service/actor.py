@@ -33,6 +33,7 @@ import torch
 
 from zero_ray.control.auth import Credentials
 from zero_ray.control.client_channel import ClientConfig
+from zero_ray.control.heap_freeze import freeze_heap
 from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.server import ControlServer, ServerConfig, format_address
 from zero_ray.checkpoint.location import register_filesystem
@@ -76,6 +77,8 @@ class PartitionOwner:
     """One rank's Ray actor: its control server around its LiveRank."""
 
     def __init__(self, *, rank: int, world_size: int, spec: EngineSpec, options: OwnerOptions) -> None:
+        # Before any group forms: a full collection of this heap would hold the relays it may host.
+        freeze_heap()
         self._options = options
         self._rank = LiveRank(rank=rank, world_size=world_size, spec=spec,
                               settings=GroupSettings(backend=options.backend, group_prefix=options.group_prefix,
