@@ -36,6 +36,7 @@ from zero_ray.errors import OwnerLostError, ZeroRayError
 
 START_TIMEOUT_S = 300.0  # workers import torch (OwnerControl's module does): slow on a busy machine
 STEP_TIMEOUT_S = 60.0
+LATE_MS = 1.0  # a pipelined step that began later than this after the one before ended was late
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +93,11 @@ class ScaleRow:
     # fit's path: each step sent while the one before runs; wall per step less the compute time
     pipelined_added_ms_per_step: float = float("nan")
     pipelined_cpu_cores: float = float("nan")
+    # Stand-in rows: the pipelined steps that began on a subtree more than LATE_MS after the step
+    # before ended there (their command arrived late), and the time they lost together (-1, NaN:
+    # not known, the simulated owners say nothing of it)
+    pipelined_late_steps: int = -1
+    pipelined_late_ms: float = float("nan")
     # the relay tree (0: steps went to every owner directly; dispatch / compute / collect are then NaN)
     relay_fan_out: int = 0
     relay_depth: int = 0
@@ -270,17 +276,18 @@ class Driver:
         self.threads_seen = max(self.threads_seen, threading.active_count())
         return wall, cpu, [(t0, results)]
 
-    def pipelined(self, first: int, count: int) -> tuple[float, float]:
+    def pipelined(self, first: int, count: int) -> tuple[float, float, list[Any]]:
         """``count`` steps as ``fit`` runs them (``Controller.execute``): each sent while the one
-        before runs (``StepArgs.ahead``), then the one before collected; (wall s, driver CPU s)."""
+        before runs (``StepArgs.ahead``), then the one before collected; (wall s, driver CPU s,
+        each step's results)."""
         t0, c0 = time.monotonic(), time.process_time()
-
+        replies = []
         flight = self._start(_step_args(first, self.owners))
         for k in range(first, first + count):
             following = self._start(_step_args(k + 1, self.owners, ahead=True)) if k + 1 < first + count else None
-            self._collect(flight)
+            replies.append(self._collect(flight))
             flight = following
-        return time.monotonic() - t0, time.process_time() - c0
+        return time.monotonic() - t0, time.process_time() - c0, replies
 
     def stats_fanout_s(self, repeats: int) -> float:
         walls = []
@@ -298,6 +305,14 @@ class Driver:
         self.fan.close()
         for c in self.clients:
             c.close()
+
+
+def late_ms(replies: Sequence[Any], compute_s: float) -> list[float]:
+    """Per pipelined step after the first, how long after the step before it ended it began on
+    its last subtree (the stand-ins' reply says when: a step that arrived in time begins exactly
+    as the one before ends, so 0): the time pipelining did not hide."""
+    began = [reply.data_seconds for [reply] in replies]
+    return [max(0.0, (b - a - compute_s) * 1e3) for a, b in zip(began, began[1:])]
 
 
 def _median(values: Sequence[float]) -> float:
@@ -394,7 +409,8 @@ def measure(owners: int, settings: ScaleSettings, log: Callable[[str], None] = p
                   else float("nan"))
         step_threads = {g: round(v * 1e3 / settings.steps, 3) for g, v in cpu_by_group(th0, thread_cpu()).items()}
         log(f"  steps: median wall {_median(walls) * 1e3:.1f} ms, CPU {_median(cpus) * 1e3:.1f} ms")
-        piped_wall, piped_cpu = driver.pipelined(k, settings.steps)
+        piped_wall, piped_cpu, piped = driver.pipelined(k, settings.steps)
+        late = late_ms(piped, settings.compute_s) if stand_in else []
         k += settings.steps
         log(f"  pipelined: {piped_wall / settings.steps * 1e3:.1f} ms a step, CPU {piped_cpu / piped_wall:.2f} cores")
         owner_gap = cluster.usage()["max_beat_gap"]
@@ -415,6 +431,8 @@ def measure(owners: int, settings: ScaleSettings, log: Callable[[str], None] = p
             false_losses=len(false_losses), false_loss_reason=false_losses[0] if false_losses else "",
             pipelined_added_ms_per_step=(piped_wall / settings.steps - settings.compute_s) * 1e3,
             pipelined_cpu_cores=piped_cpu / piped_wall, relay_fan_out=settings.relay_fan_out,
+            pipelined_late_steps=sum(x > LATE_MS for x in late) if late else -1,
+            pipelined_late_ms=sum(late) if late else float("nan"),
             relay_depth=driver.relays.tree.depth if driver.relays is not None and driver.relays.tree else 0,
             owners_per_node=settings.owners_per_node if settings.relay_fan_out else 0,
             below_driver="stand-in subtrees" if stand_in else "simulated owners",

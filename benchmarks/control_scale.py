@@ -55,7 +55,7 @@ BUSY_CORES = 0.9  # a Python driver this busy is bound by its one GIL
 COLUMNS = ("owners", "path", "added ms/step", "fit (pipelined): added ms/step, CPU cores", "driver CPU cores", "CPU ms/step", "µs CPU/owner", "dispatch ms",
            "collect ms", "oldest beat s (driver / owner)", "heartbeat cores", "≤ 1%/100 owners", "beats/s",
            "loss → decision s", "monitor s", "decision → survivors aborted s", "below the driver",
-           "load (1 min) start → end", "top relays CPU ms/step")
+           "load (1 min) start → end", "top relays CPU ms/step", "fit: steps begun late, ms lost")
 
 
 def _cells(r: ScaleRow) -> list[str]:
@@ -71,7 +71,8 @@ def _cells(r: ScaleRow) -> list[str]:
             f"{r.loss_to_decision_s:.3f}", f"{r.health_detect_s:.3f}",
             f"{r.abort_survivors_s:.3f}" + (f" ({r.aborted_ranks} took it)" if r.aborted_ranks >= 0 else ""),
             r.below_driver + (f", {r.top_relays} top relays" if r.top_relays else ""),
-            f"{r.loadavg[0]:.1f} → {r.loadavg[1]:.1f}", f"{r.top_relays_cpu_ms_per_step:.1f}"]
+            f"{r.loadavg[0]:.1f} → {r.loadavg[1]:.1f}", f"{r.top_relays_cpu_ms_per_step:.1f}",
+            f"{r.pipelined_late_steps}, {r.pipelined_late_ms:.1f}" if r.pipelined_late_steps >= 0 else "n/a"]
 
 
 def table(rows: Sequence[ScaleRow]) -> str:

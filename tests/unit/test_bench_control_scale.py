@@ -91,6 +91,8 @@ def test_stand_in_subtrees_put_real_top_relays_over_stand_ins(tmp_path: Path) ->
     assert math.isnan(row["stats_fanout_ms"]) and len(row["loadavg"]) == 2
     # the stand-ins' own window: they compute the 20 ms, the rest is before and after it
     assert 15.0 <= row["compute_ms"] <= row["step_wall_ms"] and row["dispatch_ms"] > 0 and row["collect_ms"] > 0
+    # fit's steps after the first: each one begun late on a subtree counted, with the time lost
+    assert 0 <= row["pipelined_late_steps"] <= 2 and row["pipelined_late_ms"] >= 0.0
     assert "stand-in subtrees, 2 top relays" in (tmp_path / "control_scale_tree.md").read_text()
 
 
@@ -104,7 +106,8 @@ def _row(owners: int, *, added: float, cpu: float, beats: float, piped: float = 
                     owners_max_beat_gap_s=1.1,
                     false_losses=0, false_loss_reason="", heartbeat_cpu_by_thread={},
                     step_cpu_by_thread={"zero_ray-rpc": 300.0}, pipelined_added_ms_per_step=piped,
-                    pipelined_cpu_cores=0.9, top_relays_cpu_ms_per_step=0.0, loadavg=(1.0, 2.0))
+                    pipelined_cpu_cores=0.9, top_relays_cpu_ms_per_step=0.0, loadavg=(1.0, 2.0),
+                    pipelined_late_steps=2, pipelined_late_ms=31.5)
 
 
 def test_notes_name_the_misses_at_1024_owners_and_the_heartbeat_budget() -> None:
@@ -156,6 +159,7 @@ def test_render_recomputes_the_notes_from_the_rows(tmp_path: Path) -> None:
     assert ScaleRow.from_json(json.loads((out / "control_scale.json").read_text())["rows"][0]) == slow
     text = (out / "control_scale.md").read_text()
     assert "| 1024 | direct | 400.0 | 3.0, 0.90 | 1.20 |" in text and "2048 owners: no row" in text and "zero_ray-rpc 300" in text
+    assert "| 2, 31.5 |\n" in text  # fit's steps begun late, and the time they lost
     assert "Other runs" not in text
     # the spread: other runs' rows rendered after the notes, each under its label
     data = json.loads(source.read_text())
