@@ -46,13 +46,13 @@ from zero_ray.driver.checkpoint_api import CheckpointAPI
 from zero_ray.driver.checkpointer import RunRecord
 from zero_ray.driver.controller import AfterRecovery, Call, Controller
 from zero_ray.driver.coordinator import Coordinator
-from zero_ray.driver.batch_staging import StagedBatch
+from zero_ray.driver.batch_staging import Replay, StagedBatch
 from zero_ray.driver.fit import FitRun, RunExtras, fit
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.metrics import RunMetrics
 from zero_ray.driver.pool import Adopted, OwnerPool
 from zero_ray.driver.pool_spec import cluster_is_local
-from zero_ray.driver.recovery import RecoveryController, RecoveryReport, Replay
+from zero_ray.driver.recovery import RecoveryController, RecoveryReport
 from zero_ray.driver.replica_restore import resize_groups
 from zero_ray.driver.reports import ResizeReport, StepMetrics
 from zero_ray.driver import resume
