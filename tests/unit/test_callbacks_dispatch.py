@@ -83,3 +83,14 @@ def test_the_coordinator_hears_steps_only_while_a_metrics_stream_is_open() -> No
     coordinator.publish = lambda event: got.append(-1)  # type: ignore[method-assign]
     callbacks.on_step(_metrics(300), None)  # type: ignore[arg-type]
     assert -1 not in got
+
+
+def test_steps_are_watched_only_while_a_callback_overrides_on_step() -> None:
+    # the stepper reads this and calls on_step only when it is set (the default run watches none)
+    callbacks = Callbacks([_States()])
+    assert callbacks.steps_watched is False
+    steps = _Steps()
+    callbacks.add(steps)
+    assert callbacks.steps_watched is True
+    callbacks.remove(steps)
+    assert callbacks.steps_watched is False

@@ -2,9 +2,9 @@
 
 The controller calls every registered callback after each state change, each completed step,
 each committed checkpoint and each event (a membership change, a recovery, a resize). The run's
-own observers are callbacks too: Ray metrics (``driver/metrics.RunMetrics``), the operators'
-Metrics stream (the Coordinator) and the event log ``zero-ray status`` shows; a user passes more
-with ``ZeroTrainer(callbacks=[...])``. A callback that raises is logged and the run goes on:
+own observers are callbacks too: the operators' Metrics stream (the Coordinator) and the event
+log ``zero-ray status`` shows; a user passes more with ``ZeroTrainer(callbacks=[...])``. (Ray
+metrics, ``driver/metrics.RunMetrics``, record the steps on a timer of their own instead.) A callback that raises is logged and the run goes on:
 observing training never stops it.
 """
 
@@ -66,24 +66,30 @@ class Callbacks:
         self._callbacks: list[Callback] = list(callbacks)
         # method -> the callbacks overriding it; a new tuple on every change, so a caller
         # iterating the old one on another thread is never disturbed
-        self._by_method: dict[str, tuple[Callback, ...]] = self._index()
+        self._by_method: dict[str, tuple[Callback, ...]] = {}
+        self.steps_watched = False  # some callback overrides on_step: the stepper skips on_step otherwise
+        self._changed()
 
     def _index(self) -> dict[str, tuple[Callback, ...]]:
         return {m: tuple(cb for cb in self._callbacks
                          if getattr(getattr(cb, m), "__func__", None) is not getattr(Callback, m))
                 for m in self._METHODS}
 
+    def _changed(self) -> None:
+        self._by_method = self._index()
+        self.steps_watched = bool(self._by_method["on_step"])
+
     def add(self, callback: Callback) -> None:
         with self._lock:
             self._callbacks.append(callback)
-            self._by_method = self._index()
+            self._changed()
 
     def remove(self, callback: Callback) -> None:
         """Stop telling ``callback`` (a no-op when it is not registered)."""
         with self._lock:
             if callback in self._callbacks:
                 self._callbacks.remove(callback)
-                self._by_method = self._index()
+                self._changed()
 
     def _each(self, method: str, *args: Any) -> None:
         for cb in self._by_method[method]:
