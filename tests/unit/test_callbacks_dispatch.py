@@ -94,3 +94,23 @@ def test_steps_are_watched_only_while_a_callback_overrides_on_step() -> None:
     assert callbacks.steps_watched is True
     callbacks.remove(steps)
     assert callbacks.steps_watched is False
+
+
+def test_the_lifecycle_tells_the_callbacks_of_moves_only_while_one_watches_them() -> None:
+    # Before: every move (two a step) called Callbacks.on_state, which told no one in a default run.
+    from zero_ray.driver.lifecycle import Lifecycle
+
+    life = Lifecycle()
+    callbacks = Callbacks([_Steps()], states=life)
+    assert life._listeners == ()
+    states = _States()
+    callbacks.add(states)
+    callbacks.add(_Steps())  # a change that leaves the watchers of moves as they are
+    with life.during(TrainerState.STEPPING, cause="step 1"):
+        pass
+    assert states.seen == ["ready->stepping", "stepping->ready"]
+    callbacks.remove(states)
+    assert life._listeners == ()
+    with life.during(TrainerState.STEPPING, cause="step 2"):
+        pass
+    assert states.seen == ["ready->stepping", "stepping->ready"]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zero_ray.core.reply_combine import CombinedStep
-from zero_ray.driver.lifecycle import RunState
+from zero_ray.driver.lifecycle import Lifecycle, RunState
 from zero_ray.driver.reports import StepMetrics
 from zero_ray.errors import ConfigError
 
@@ -57,11 +57,14 @@ class EventLog(Callback):
 
 class Callbacks:
     """The registered callbacks, called in order; each event only to those that override its
-    method (the base methods do nothing, and a step would otherwise call every one of them)."""
+    method (the base methods do nothing, and a step would otherwise call every one of them).
+    While none overrides ``on_state`` (``on_step``) the lifecycle (the stepper) does not call
+    here at all: a step's two moves and its completion cost a default run nothing."""
 
     _METHODS = ("on_state", "on_step", "on_checkpoint", "on_event")
 
-    def __init__(self, callbacks: Sequence[Callback] = ()) -> None:
+    def __init__(self, callbacks: Sequence[Callback] = (), *, states: Lifecycle | None = None) -> None:
+        self._states = states  # the run's lifecycle: on_state is subscribed to it while a callback watches moves
         self._lock = threading.Lock()  # add / remove may come from a gRPC thread (a Metrics stream)
         self._callbacks: list[Callback] = list(callbacks)
         # method -> the callbacks overriding it; a new tuple on every change, so a caller
@@ -78,6 +81,8 @@ class Callbacks:
     def _changed(self) -> None:
         self._by_method = self._index()
         self.steps_watched = bool(self._by_method["on_step"])
+        if self._states is not None:  # no watcher (the default run): a step's two moves call nothing here
+            (self._states.subscribe if self._by_method["on_state"] else self._states.unsubscribe)(self.on_state)
 
     def add(self, callback: Callback) -> None:
         with self._lock:

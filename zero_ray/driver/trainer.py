@@ -133,8 +133,7 @@ class ZeroTrainer:
         self._life = Lifecycle()
         self._event_log = EventLog()
         self.events = self._event_log.events  # membership changes and failure decisions, for operators
-        self._callbacks = Callbacks([self._event_log, *observers])
-        self._life.subscribe(self._callbacks.on_state)
+        self._callbacks = Callbacks([self._event_log, *observers], states=self._life)
         self._extras = RunExtras()  # what checkpoints record beside the state: fit()'s data order
         adopt = None
         if _found is not None:
