@@ -483,7 +483,8 @@ def test_a_wait_asks_the_monitor_nothing_until_it_rings_and_a_new_monitor_starts
     done: Future[int] = Future()
     done.set_result(3)
     for _ in range(3):
-        assert fan.collect(FanOut.start(members.clients, "step", lambda c, i: done)) == [3, 3]  # type: ignore[arg-type,return-value]
+        flight = FanOut.start(members.clients, "step", lambda c, i: done)  # type: ignore[arg-type,return-value]
+        assert fan.collect(flight) == [3, 3]
         fan.check("step")
     assert health.asked == asked_at_set == 1
     health.lose(1, "stream closed")

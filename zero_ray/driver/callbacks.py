@@ -4,8 +4,8 @@ The controller calls every registered callback after each state change, each com
 each committed checkpoint and each event (a membership change, a recovery, a resize). The run's
 own observers are callbacks too: the operators' Metrics stream (the Coordinator) and the event
 log ``zero-ray status`` shows; a user passes more with ``ZeroTrainer(callbacks=[...])``. (Ray
-metrics, ``driver/metrics.RunMetrics``, record the steps on a timer of their own instead.) A callback that raises is logged and the run goes on:
-observing training never stops it.
+metrics, ``driver/metrics.RunMetrics``, record the steps on a timer of their own instead.) A
+callback that raises is logged and the run goes on: observing training never stops it.
 """
 
 from __future__ import annotations

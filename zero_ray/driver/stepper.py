@@ -4,8 +4,9 @@ A step, an evaluation and a dataset given to every owner each run through the co
 loop; the stepper holds the controller's mutex over a step or an evaluation, so that an
 operator's checkpoint or resize (a gRPC thread) lands between two of them, never inside one.
 A completed step goes to Ray metrics (``RunMetrics.completed``, recorded on their own timer) and
-to the callbacks watching steps (the operators' Metrics stream while one is open, the user's), and a grow back that is due runs through ``grow``. ``ZeroTrainer``
-builds it over its controller and pool and holds it; ``fit`` steps through it.
+to the callbacks watching steps (the operators' Metrics stream while one is open, the user's),
+and a grow back that is due runs through ``grow``. ``ZeroTrainer`` builds it over its
+controller and pool and holds it; ``fit`` steps through it.
 """
 
 from __future__ import annotations
