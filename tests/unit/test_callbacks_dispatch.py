@@ -83,3 +83,34 @@ def test_the_coordinator_hears_steps_only_while_a_metrics_stream_is_open() -> No
     coordinator.publish = lambda event: got.append(-1)  # type: ignore[method-assign]
     callbacks.on_step(_metrics(300), None)  # type: ignore[arg-type]
     assert -1 not in got
+
+
+def test_steps_are_watched_only_while_a_callback_overrides_on_step() -> None:
+    # the stepper reads this and calls on_step only when it is set (the default run watches none)
+    callbacks = Callbacks([_States()])
+    assert callbacks.steps_watched is False
+    steps = _Steps()
+    callbacks.add(steps)
+    assert callbacks.steps_watched is True
+    callbacks.remove(steps)
+    assert callbacks.steps_watched is False
+
+
+def test_the_lifecycle_tells_the_callbacks_of_moves_only_while_one_watches_them() -> None:
+    # Before: every move (two a step) called Callbacks.on_state, which told no one in a default run.
+    from zero_ray.driver.lifecycle import Lifecycle
+
+    life = Lifecycle()
+    callbacks = Callbacks([_Steps()], states=life)
+    assert life._listeners == ()
+    states = _States()
+    callbacks.add(states)
+    callbacks.add(_Steps())  # a change that leaves the watchers of moves as they are
+    with life.during(TrainerState.STEPPING, cause="step 1"):
+        pass
+    assert states.seen == ["ready->stepping", "stepping->ready"]
+    callbacks.remove(states)
+    assert life._listeners == ()
+    with life.during(TrainerState.STEPPING, cause="step 2"):
+        pass
+    assert states.seen == ["ready->stepping", "stepping->ready"]

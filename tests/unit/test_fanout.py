@@ -456,5 +456,42 @@ def test_a_wait_stops_listening_when_it_returns_and_a_listener_failure_stops_nob
     done.set_result(5)
     flight = FanOut.start(members.clients, "step", lambda c, i: done)  # type: ignore[arg-type,return-value]
     assert fan.collect(flight) == [5]
-    assert health._listeners._wakes == []  # nothing left to wake: no wait holds on
+    assert members._waits == ()  # nothing left to wake: no wait holds on
+    assert health._listeners._wakes == [members._ring]  # the members listen once, not once per wait
+    fan.close()
+
+
+class _CountedHealth(_Health):
+    def __init__(self) -> None:
+        super().__init__({})
+        self.asked = 0
+
+    def lost(self) -> dict[int, str]:
+        self.asked += 1
+        return super().lost()
+
+
+def test_a_wait_asks_the_monitor_nothing_until_it_rings_and_a_new_monitor_starts_quiet() -> None:
+    # Before: every wait listened, unlistened and asked lost() (driver/health.py and
+    # control/rank_watch.py on every step's path); now a loss's ring is what makes a wait ask.
+    health = _CountedHealth()
+    members = Members(generation=2)
+    members.clients = [_Client(), _Client()]  # type: ignore[list-item]
+    members.health = health  # type: ignore[assignment]
+    asked_at_set = health.asked  # once: a loss before the members listened
+    fan = FanOut(world_size=2, members=members)
+    done: Future[int] = Future()
+    done.set_result(3)
+    for _ in range(3):
+        flight = FanOut.start(members.clients, "step", lambda c, i: done)  # type: ignore[arg-type,return-value]
+        assert fan.collect(flight) == [3, 3]
+        fan.check("step")
+    assert health.asked == asked_at_set == 1
+    health.lose(1, "stream closed")
+    with pytest.raises(OwnerLostError, match="rank 1 stopped answering during step: stream closed"):
+        fan.check("step")
+    fan.abort("recovery")
+    members.health = _Health({})  # type: ignore[assignment]  # the next membership's monitor
+    fan.check("step")  # the old monitor's loss is not the new one's
+    assert health._listeners._wakes == []  # the old monitor no longer wakes anyone here
     fan.close()

@@ -24,6 +24,22 @@ def test_states_carry_their_cause_and_listeners_see_every_move() -> None:
     assert seen[2][1].error is err and [s.cause for s in life.history][-1] == "restored from peer"
 
 
+def test_a_listener_subscribed_twice_is_told_once_and_an_unsubscribed_one_no_more() -> None:
+    life = Lifecycle()
+    seen: list[str] = []
+
+    def listener(old: RunState, new: RunState) -> None:
+        seen.append(new.cause)
+
+    life.subscribe(listener)
+    life.subscribe(listener)
+    life.move(S.STEPPING, cause="step 1")
+    life.unsubscribe(listener)
+    life.unsubscribe(listener)  # a second time changes nothing
+    life.move(S.READY, cause="done")
+    assert seen == ["step 1"]
+
+
 def test_the_table_is_enforced() -> None:
     life = Lifecycle()
     life.move(S.FAILED, cause="unrecoverable")

@@ -9,6 +9,8 @@ ObjectRef, so nothing is pinned.
 ``IndexedBatch`` (``fit``): each owner holds the dataset; the request carries that owner's
 indices and the owner builds its piece. The driver keeps no batches, only indices.
 
+``Replay`` keeps the last steps' global batches by step index, for a restore to send again.
+
 With tensor parallelism of size T the batch is cut for the D = world_size / T data-parallel
 ranks, and every owner of a TP group (ranks ``d T .. d T + T - 1``) gets data-parallel rank
 ``d``'s piece: one object staged to all T of them, or the same indices
@@ -171,3 +173,27 @@ class IndexedBatch:
 
 
 GlobalBatch = StagedBatch | IndexedBatch
+
+
+class Replay:
+    """The global batches of the last ``keep`` steps, by step index: what a restore sends
+    again (the controller keeps each step's batch here as it sends it; the recovery checks that
+    they cover the steps to replay)."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._batches: dict[int, GlobalBatch] = {}
+
+    def add(self, index: int, work: GlobalBatch) -> None:
+        self._batches[index] = work
+        while len(self._batches) > self._keep:
+            del self._batches[min(self._batches)]
+
+    def __getitem__(self, index: int) -> GlobalBatch:
+        return self._batches[index]
+
+    def missing(self, start: int, end: int) -> list[int]:
+        return [i for i in range(start, end) if i not in self._batches]
+
+    def samples(self, start: int, end: int) -> int:
+        return sum(self._batches[i].samples for i in range(start, end))

@@ -22,7 +22,8 @@ work for a step overlaps their compute. The step sent ahead is collected by the 
 call naming the same batch; any other call first collects it (``_land``) and counts it, keeping
 its reply for that ``step`` call. A recovery drops it: the step before it failed somewhere, so
 it cannot complete anywhere. It is not sent when the step before takes a peer snapshot (its
-commit would wait a step longer) or a grow may be due (``RecoveryController.may_grow``).
+commit would wait a step longer) or a grow may be due (``RecoveryController.may_grow``, asked once
+per membership).
 
 Paths that reach the owners outside ``run`` (each one a deliberate exception; the pool's own
 fan-out aborts the survivors of a loss on all of them alike):
@@ -70,11 +71,11 @@ from zero_ray.control.handlers import StepArgs
 from zero_ray.core.reply_combine import CombinedStep
 from zero_ray.core.run_position import Position
 from zero_ray.driver.callbacks import Callbacks
-from zero_ray.driver.batch_staging import GlobalBatch, IndexedBatch, Outgoing, StepCommand
+from zero_ray.driver.batch_staging import GlobalBatch, IndexedBatch, Outgoing, Replay, StepCommand
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.fanout import StepFlight
 from zero_ray.driver.pool import OwnerPool
-from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport, Replay, failed_error
+from zero_ray.driver.recovery import Outcome, RecoveryController, RecoveryReport, failed_error
 from zero_ray.errors import NonFiniteError, ResizeInterrupted, ResourceError, ZeroRayError
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,7 @@ class Controller:
         self._ahead: Ahead | None = None  # the step in flight behind the current one
         self._landed: Landed | None = None
         self.last_sent_ahead = False  # the last step executed had been sent while the one before ran
+        self._grow_asked: tuple[tuple[int, int], bool] | None = None  # (generation, desired) -> may_grow
         # Held for a whole call, so that an operator's checkpoint (a gRPC thread) lands between
         # steps on every rank alike.
         self.mutex = threading.RLock()
@@ -240,7 +242,15 @@ class Controller:
         (nothing staged), no peer snapshot after this step, no grow due."""
         every = self._snapshot_every
         return (isinstance(ahead, IndexedBatch) and not (every and (index + 1) % every == 0)
-                and not self.recovery.may_grow())
+                and not self._may_grow())
+
+    def _may_grow(self) -> bool:
+        """``RecoveryController.may_grow``, asked once per membership (a new world size is a new
+        generation) and desired size, not every step: only a resize or a recovery changes it."""
+        key = (self._pool.generation, self.recovery.desired)
+        if self._grow_asked is None or self._grow_asked[0] != key:
+            self._grow_asked = (key, self.recovery.may_grow())
+        return self._grow_asked[1]
 
     def _land(self) -> None:
         """Collect the step sent ahead before another call uses the owners, and count it."""
@@ -326,6 +336,8 @@ class Controller:
         replacements started after a loss are up, or the cluster has room again)."""
         if self._ahead is not None:  # the owners are busy with the next step: at a later boundary
             return
+        if not self._may_grow() and self._pool.replacements.started is None:
+            return  # at the desired size with no replacements to end: grow_now would do nothing
         target = self.recovery.grow_now()
         if target is None:
             return

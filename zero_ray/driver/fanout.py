@@ -2,7 +2,8 @@
 and the bootstrap only, through Ray).
 
 Every wait is bounded. While waiting, the health monitor is watched: when it reports an owner
-lost (it wakes the wait: ``RankHealthWatch.listen``), ``OwnerLostError`` is raised at once and
+lost (it wakes the wait: the pool's ``Members`` listen to each monitor once, from when it is set,
+so a wait with no loss asks the monitor nothing), ``OwnerLostError`` is raised at once and
 the survivors' collectives of the current generation are aborted meanwhile on a thread of its
 own (so that none of them waits out ``collective_timeout_s`` on the dead one, whatever the
 operation: a step, a resize transfer, a rebuild, a peer snapshot). The decision does not wait
@@ -60,8 +61,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # How often a wait looks at the health monitor and the staging calls when nothing wakes it: a
-# loss wakes collect and grpc at once (RankHealthWatch.listen), so this bounds only the staging
-# calls' failures, a monitor that loses a rank before the wait listens, and Ray's waits.
+# loss wakes collect and grpc at once (Members.waiting), so this bounds only the staging calls'
+# failures and Ray's waits.
 POLL_S = 0.2
 _WOKEN = -1  # put in a flight's arrivals by the health monitor's loss: look at it now
 _ABORT_CALL_S = 5.0  # one owner's Abort call
@@ -181,13 +182,51 @@ class Members:
     def __init__(self, *, generation: int = 0) -> None:
         self.clients: list[OwnerClient] = []
         self.nodes: list[dict[str, Any]] = []
-        self.health: RankHealthWatch | None = None
         self.relays: SubtreeAbort | None = None  # while steps take the relay tree
         self.generation = generation
+        # The monitor is listened to once, from when it is set: a loss sets ``losing`` and wakes
+        # the waits in ``_waits``, so that a wait neither registers with the monitor nor asks it
+        # anything while no rank is lost (every step waits; losses are rare).
+        self._health: RankHealthWatch | None = None
+        self.losing = False  # the current monitor has lost a rank: FanOut.check asks it which
+        self._waits_lock = threading.Lock()
+        self._waits: tuple[Callable[[], None], ...] = ()
+
+    @property
+    def health(self) -> RankHealthWatch | None:
+        return self._health
+
+    @health.setter
+    def health(self, monitor: RankHealthWatch | None) -> None:
+        old, self._health = self._health, monitor
+        if old is not None:
+            old.unlisten(self._ring)
+        self.losing = False
+        if monitor is not None:
+            monitor.listen(self._ring)
+            if monitor.lost():  # lost before it was listened to: no ring will say so
+                self.losing = True
+
+    def _ring(self) -> None:
+        """The monitor lost a rank (on its reader thread): every wait looks now."""
+        self.losing = True
+        for wake in self._waits:
+            wake()
+
+    @contextmanager
+    def waiting(self, wake: Callable[[], None]) -> Iterator[None]:
+        """``wake`` called the moment the monitor loses a rank, while the block runs."""
+        with self._waits_lock:
+            self._waits = (*self._waits, wake)
+        try:
+            yield
+        finally:
+            with self._waits_lock:
+                self._waits = tuple(w for w in self._waits if w is not wake)
 
     def lost(self) -> dict[int, str]:
         """The ranks the health monitor has lost, with why."""
-        return self.health.lost() if self.health is not None else {}
+        return self._health.lost() if self._health is not None else {}
 
     def where(self, rank: int) -> str:
         """``rank`` and where it runs, for messages."""
@@ -244,6 +283,8 @@ class FanOut:
         """Raise ``OwnerLostError`` when the health monitor has lost an owner, the survivors'
         abort sent meanwhile (:meth:`abort_soon`): the decision does not wait for one call per
         survivor (seconds at 8,192 owners); :meth:`abort` joins it before anything re-forms."""
+        if not self._members.losing:  # the monitor has lost no rank: nothing to ask it
+            return
         lost = self._members.lost()
         if lost:
             rank = min(lost)
@@ -320,18 +361,6 @@ class FanOut:
                 answered.add(rank)
         return answered
 
-    @contextmanager
-    def _woken_by_loss(self, wake: Callable[[], None]) -> Iterator[None]:
-        """``wake`` called the moment the health monitor loses a rank, while the block runs."""
-        health = self._members.health
-        if health is not None:
-            health.listen(wake)
-        try:
-            yield
-        finally:
-            if health is not None:
-                health.unlisten(wake)
-
     def _check_staged(self, staged: dict[int, Any]) -> None:
         """Raise the error of a staging call that failed; forget those that succeeded."""
         if not staged:
@@ -396,7 +425,7 @@ class FanOut:
             if not woken.done():
                 woken.set_exception(InterruptedError("the health monitor lost a rank"))
 
-        with self._woken_by_loss(wake):
+        with self._members.waiting(wake):
             while pending:
                 # Once woken, no longer waited on: a loss check() does not raise for (watch=False)
                 # would otherwise make every wait return at once.
@@ -433,7 +462,7 @@ class FanOut:
         what, calls, staging = flight.what, flight.calls, flight.staged
         results: dict[int, T] = {}
         checked = time.monotonic()
-        with self._woken_by_loss(lambda: flight.arrived.put(_WOKEN)):
+        with self._members.waiting(lambda: flight.arrived.put(_WOKEN)):
             while len(results) < len(calls):
                 try:
                     i = flight.arrived.get(timeout=POLL_S)

@@ -95,7 +95,7 @@ class Lifecycle:
         # The latest states entered, oldest first: bounded, since every step adds two (STEPPING,
         # READY) and a long run would otherwise grow it without end.
         self.history: deque[RunState] = deque([self._state], maxlen=HISTORY_KEPT)
-        self._listeners: list[Listener] = []
+        self._listeners: tuple[Listener, ...] = ()  # replaced, never changed: move() reads it unlocked
 
     @property
     def state(self) -> TrainerState:
@@ -106,8 +106,16 @@ class Lifecycle:
         return self._state
 
     def subscribe(self, listener: Listener) -> None:
-        """Call ``listener(old, new)`` after every move (on the mover's thread, outside the lock)."""
-        self._listeners.append(listener)
+        """Call ``listener(old, new)`` after every move (on the mover's thread, outside the lock);
+        once, however often it is subscribed."""
+        with self._lock:
+            if listener not in self._listeners:
+                self._listeners = (*self._listeners, listener)
+
+    def unsubscribe(self, listener: Listener) -> None:
+        """Stop calling ``listener`` (nothing when it is not subscribed)."""
+        with self._lock:
+            self._listeners = tuple(x for x in self._listeners if x != listener)
 
     def require_ready(self) -> None:
         """Raise unless a new step or operation may start."""

@@ -9,18 +9,24 @@ recorder's next export, every ``metrics_report_interval_ms`` (10 s by default), 
 
 Everything the driver records is tagged ``run_id`` (the trainer's control-plane job id), so runs
 that share a cluster, or a Prometheus, stay apart.
+
+Steps are recorded on a thread of their own every ``PUBLISH_S``, as Ray Train reports on its own
+schedule rather than from the training loop: the stepper only appends each step's metrics to
+``RunMetrics.completed``, so no step waits on Ray's metric calls (six per step). Every step is
+still recorded (the counter and the histogram count each one; the gauges end at the last), at
+most ``PUBLISH_S`` later, which is well inside Ray's own export interval.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 
 import ray
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from zero_ray.core.reply_combine import CombinedStep
-from zero_ray.driver.callbacks import Callback
 from zero_ray.driver.reports import StepMetrics
 
 log = logging.getLogger(__name__)
@@ -45,22 +51,32 @@ BYTES_SENT = PREFIX + "bytes_sent"
 STEP_BYTES_SENT = PREFIX + "step_bytes_sent"
 MODEL_STATE_BYTES = PREFIX + "model_state_bytes"
 
+# How often completed steps are recorded: a tenth of Ray's default export interval (10 s), so the
+# endpoint shows a step at most one export late, as when each step was recorded at once.
+PUBLISH_S = 1.0
+
 
 def prometheus_name(name: str, *, counter: bool = False) -> str:
     """The name under which Ray's metrics endpoint serves a metric recorded as ``name``."""
     return "ray_" + name + ("_total" if counter else "")
 
 
-class RunMetrics(Callback):
-    """The driver's metrics for one training run.
+class RunMetrics:
+    """The driver's metrics for one training run: the steps in ``completed`` recorded every
+    ``publish_s`` on a thread of its own from ``start`` on, and what remains at ``close``.
 
     Recording never raises: a metrics pipeline that is missing or misbehaving must not fail a
     training step, so errors are logged (once) and the step carries on.
     """
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, *, publish_s: float = PUBLISH_S) -> None:
         self.run_id = run_id
         self._warned = False
+        # Appended by the stepper (a deque's append and popleft are thread-safe), drained here.
+        self.completed: deque[StepMetrics] = deque()
+        self._publish_s = publish_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._publish, name="zero_ray-metrics", daemon=True)
         tags = {"run_id": run_id}
         self._steps = Counter(STEPS, description="Optimizer steps completed by the run.",
                               tag_keys=("run_id",)).set_default_tags(tags)
@@ -85,21 +101,37 @@ class RunMetrics(Callback):
                                   description="Model-state bytes a rank holds, by category (measured from tensors).",
                                   tag_keys=("run_id", "rank", "category")).set_default_tags(tags)
 
-    def on_step(self, metrics: StepMetrics, reply: CombinedStep) -> None:
-        """Record one finished step: ``metrics`` as ``ZeroTrainer.step`` returns them. Nothing
-        per rank: recording a gauge per owner per step would cost the driver O(owners) a step,
-        which the relay tree exists to avoid (``record_comm`` records them on request)."""
-        try:
-            seconds = float(metrics.step_seconds)
-            self._steps.inc(1)
-            self._step_seconds.observe(seconds)
-            self._loss.set(float(metrics.loss))
-            if seconds > 0:
-                self._samples_per_second.set(float(metrics.samples) / seconds)
-                self._items_per_second.set(float(metrics.item_count) / seconds)
-            self._step_bytes_sent.set(float(metrics.bytes_sent))
-        except Exception:
-            self._warn("step")
+    def start(self) -> None:
+        """Record completed steps from now on (the run is up)."""
+        self._thread.start()
+
+    def close(self) -> None:
+        """Record the steps still in ``completed`` and stop."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10.0)
+
+    def _publish(self) -> None:
+        """Every ``publish_s`` until closed, then once more: each completed step recorded as it
+        was when each was recorded at once. Nothing per rank: a gauge per owner per step would
+        cost the driver O(owners) a step, which the relay tree exists to avoid (``record_comm``
+        records them on request)."""
+        stopping = False
+        while not stopping:
+            stopping = self._stop.wait(self._publish_s)
+            while self.completed:  # in order, as when each step was recorded at once
+                metrics = self.completed.popleft()
+                try:
+                    seconds = float(metrics.step_seconds)
+                    self._steps.inc(1)
+                    self._step_seconds.observe(seconds)
+                    self._loss.set(float(metrics.loss))
+                    if seconds > 0:
+                        self._samples_per_second.set(float(metrics.samples) / seconds)
+                        self._items_per_second.set(float(metrics.item_count) / seconds)
+                    self._step_bytes_sent.set(float(metrics.bytes_sent))
+                except Exception:
+                    self._warn("step")
 
     def record_comm(self, reports: Sequence[Mapping[str, int]]) -> None:
         """Record ``trainer.comm_report()``: per rank, the bytes it sent in the last step."""

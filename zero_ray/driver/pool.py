@@ -81,6 +81,7 @@ class OwnerPool:
         # Steps go down the relay tree from RelayConfig.min_owners owners on (re-planned on every membership change).
         self.relays = RelayPlane(config=spec.relays, members=self.members, fan=self.fan,
                                  client_config=lambda address: spec.client_config(address, credentials))
+        self._relayed = False  # steps take the relay tree (set on every membership change)
         self._staging: dict[str, list[ray.ObjectRef]] = {}  # the staging calls of the batch in flight, by key
         # Every rank's transfer of a resize or restore ended but SetPeers has not confirmed the new
         # layout's peer copies on every owner yet: a recovery then counts them (owner/resilience/redundancy.py).
@@ -206,9 +207,11 @@ class OwnerPool:
         try:
             self.relays.replan()
         finally:  # a failed re-plan (a host lost mid-HostRelays) leaves no tree: watch every owner
+            # Whether steps take the tree is known here, once per membership, not asked per step.
+            self._relayed = self.relays.active
             self.members.health = (
                 SubtreeHealthMonitor(self.relays.top_children, interval_s=interval, timeout_s=timeout)
-                if self.relays.active else HealthMonitor(self.clients, interval_s=interval, timeout_s=timeout))
+                if self._relayed else HealthMonitor(self.clients, interval_s=interval, timeout_s=timeout))
 
     def _lost(self) -> dict[int, str]:
         return self.members.lost()
@@ -256,7 +259,7 @@ class OwnerPool:
         it; a failed staging call of its pieces fails it at once): down the relay tree when the
         pool has one (``driver/relay_plane.py``), else to each owner directly."""
         staged = self._staged(command.step.piece.batch_key)
-        if self.relays.active:
+        if self._relayed:
             return StepFlight(calls=self.relays.start_step(command, timeout_s=timeout_s, staged=staged), relayed=True)
         args = command.per_rank()
         return StepFlight(calls=self.fan.start(self.clients, "step", lambda c, r: c.step_async(
@@ -272,7 +275,7 @@ class OwnerPool:
         """A forward-only pass on every owner (all take part: stage 3 gathers), their loss totals
         combined: down the relay tree when the pool has one, else to each owner directly."""
         staged = self._staged(command.evaluate.piece.batch_key)
-        if self.relays.active:
+        if self._relayed:
             return self.relays.evaluate(command, timeout_s=timeout_s, staged=staged).totals
         args = command.per_rank()
         return sum((CombinedTotals.of(r.totals, rank=r.rank) for r in self.fan.grpc(
@@ -358,7 +361,7 @@ class OwnerPool:
         return out
 
     def _all_stats(self, timeout_s: float) -> list[OwnerStats]:  # through the relay tree when the pool has one
-        if self.relays.active:
+        if self._relayed:
             return self.relays.stats(timeout_s=timeout_s)
         return self.fan.grpc(self.clients, "stats", lambda c, r: c.stats(timeout_s=timeout_s), watch=False)
 
@@ -587,4 +590,5 @@ class OwnerPool:
             client.close()
         self.members.clients = []
         self.relays.close()
+        self._relayed = False
         self.fan.close()

@@ -10,7 +10,8 @@ step, else from the last committed checkpoint), reporting the step to replay fro
 lost or stuck while that restore runs is ended too and the restore tried again from what is
 left, without replacements (the run grows back later), as long as ``max_failures`` allows.
 
-``Replay`` keeps the recent global batches (indices only, for ``fit``) by step, for the replay.
+The recent global batches it checks the replay against are kept by ``batch_staging.Replay``
+(indices only, for ``fit``), where the controller puts each step's batch as it sends it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from zero_ray.core.elastic_policy import Action, Decision, FailurePolicy, Scalin
 from zero_ray.core.placement import group_survivors
 from zero_ray.core.restore_plan import PeerRestore
 from zero_ray.core.topology import Topology
-from zero_ray.driver.batch_staging import GlobalBatch
+from zero_ray.driver.batch_staging import Replay
 from zero_ray.driver.pool import OwnerPool
 from zero_ray.driver.replica_restore import replica_mesh, restore_from_replica
 from zero_ray.errors import (
@@ -117,28 +118,6 @@ class RecoveryReport:
                   f"steps; detect {self.detect_s:.2f}s, abort {self.abort_s:.2f}s, restore {self.restore_s:.2f}s"
                 + (f", replay {self.replay_s:.2f}s" if self.replay_s >= 0 else ", replaying")
                 + (f"; stalled: {self.stall.splitlines()[0]}" if self.stall else ""))
-
-
-class Replay:
-    """The global batches of the last ``keep`` steps, by step index."""
-
-    def __init__(self, keep: int) -> None:
-        self._keep = keep
-        self._batches: dict[int, GlobalBatch] = {}
-
-    def add(self, index: int, work: GlobalBatch) -> None:
-        self._batches[index] = work
-        while len(self._batches) > self._keep:
-            del self._batches[min(self._batches)]
-
-    def __getitem__(self, index: int) -> GlobalBatch:
-        return self._batches[index]
-
-    def missing(self, start: int, end: int) -> list[int]:
-        return [i for i in range(start, end) if i not in self._batches]
-
-    def samples(self, start: int, end: int) -> int:
-        return sum(self._batches[i].samples for i in range(start, end))
 
 
 def failed_error(err: ZeroRayError, report: RecoveryReport) -> ZeroRayError | None:

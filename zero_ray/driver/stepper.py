@@ -3,9 +3,10 @@
 A step, an evaluation and a dataset given to every owner each run through the controller's
 loop; the stepper holds the controller's mutex over a step or an evaluation, so that an
 operator's checkpoint or resize (a gRPC thread) lands between two of them, never inside one.
-A completed step is told to the run's callbacks (the event log, Ray metrics, the operators'
-Metrics stream, the user's), and a grow back that is due runs through ``grow``. ``ZeroTrainer``
-builds it over its controller and pool and holds it; ``fit`` steps through it.
+A completed step goes to Ray metrics (``RunMetrics.completed``, recorded on their own timer) and
+to the callbacks watching steps (the operators' Metrics stream while one is open, the user's),
+and a grow back that is due runs through ``grow``. ``ZeroTrainer`` builds it over its
+controller and pool and holds it; ``fit`` steps through it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +38,7 @@ class Stepper:
     """Steps, evaluations and dataset registrations on the owners, each under ``mutex``."""
 
     def __init__(self, *, controller: Controller, pool: OwnerPool, life: Lifecycle, config: ZeroConfig,
-                 callbacks: Callbacks, grow: Grow) -> None:
+                 callbacks: Callbacks, completed: deque[StepMetrics], grow: Grow) -> None:
         self.mutex: threading.RLock = controller.mutex
         self.last_metrics: StepMetrics | None = None  # of the last step completed
         self._controller = controller
@@ -44,6 +46,7 @@ class Stepper:
         self._life = life
         self._config = config
         self._callbacks = callbacks
+        self._completed = completed  # each step's metrics, for Ray metrics to record on their own timer
         self._grow = grow
         self._evaluations = 0  # names each evaluation's staging key
 
@@ -83,7 +86,9 @@ class Stepper:
                 log.warning(text)
                 self._callbacks.on_event(text)
             self.last_metrics = metrics
-            self._callbacks.on_step(metrics, reply)
+            self._completed.append(metrics)
+            if self._callbacks.steps_watched:  # no observer of steps (the default): nothing to tell
+                self._callbacks.on_step(metrics, reply)
             self._controller.grow(self._grow)
             return metrics
 

@@ -46,13 +46,13 @@ from zero_ray.driver.checkpoint_api import CheckpointAPI
 from zero_ray.driver.checkpointer import RunRecord
 from zero_ray.driver.controller import AfterRecovery, Call, Controller
 from zero_ray.driver.coordinator import Coordinator
-from zero_ray.driver.batch_staging import StagedBatch
+from zero_ray.driver.batch_staging import Replay, StagedBatch
 from zero_ray.driver.fit import FitRun, RunExtras, fit
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
 from zero_ray.driver.metrics import RunMetrics
 from zero_ray.driver.pool import Adopted, OwnerPool
 from zero_ray.driver.pool_spec import cluster_is_local
-from zero_ray.driver.recovery import RecoveryController, RecoveryReport, Replay
+from zero_ray.driver.recovery import RecoveryController, RecoveryReport
 from zero_ray.driver.replica_restore import resize_groups
 from zero_ray.driver.reports import ResizeReport, StepMetrics
 from zero_ray.driver import resume
@@ -133,8 +133,7 @@ class ZeroTrainer:
         self._life = Lifecycle()
         self._event_log = EventLog()
         self.events = self._event_log.events  # membership changes and failure decisions, for operators
-        self._callbacks = Callbacks([self._event_log, self._run_metrics, *observers])
-        self._life.subscribe(self._callbacks.on_state)
+        self._callbacks = Callbacks([self._event_log, *observers], states=self._life)
         self._extras = RunExtras()  # what checkpoints record beside the state: fit()'s data order
         adopt = None
         if _found is not None:
@@ -155,7 +154,7 @@ class ZeroTrainer:
                                       max_replay_steps=elastic.max_replay_steps, snapshot_every=pool.snapshot_every,
                                       load_checkpoint=lambda: self._checkpoints.load_latest().step)
         self._stepper = Stepper(controller=self._controller, pool=self._pool, life=self._life, config=cfg,
-                                callbacks=self._callbacks,
+                                callbacks=self._callbacks, completed=self._run_metrics.completed,
                                 grow=lambda target: self._resize(target, desired=self._recovery.desired))
         self._coordinator = Coordinator(status=lambda flight: self.job_status(flight=flight),
                                         stop=self._life.request_stop, checkpoint=self.checkpoint_now, resize=self.resize,
@@ -174,6 +173,7 @@ class ZeroTrainer:
             resume.take_over(_found, controller=self._controller, pool=self._pool, callbacks=self._callbacks)
         log.info("zero_ray: stage %d, %d owners on %s/%s, %d parameters", cfg.stage, self.world_size, self.device,
                  backend, self.num_params)
+        self._run_metrics.start()
         try:  # model-state bytes are on the metrics endpoint from the start; best effort
             self.memory_report()
         except ZeroRayError as err:
@@ -553,6 +553,7 @@ class ZeroTrainer:
             log.error("shutting down with a checkpoint still being written: %s", err)
         self._server.stop(grace_s=0.5)
         self._pool.shutdown()
+        self._run_metrics.close()  # the steps not yet recorded are
         self._life.move(TrainerState.SHUT_DOWN)
         try:
             os.unlink(self.control_token_file)
