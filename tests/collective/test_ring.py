@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import ray
@@ -90,44 +91,47 @@ def _stop(ranks: list) -> None:
         ray.kill(a)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_reduce_scatter_all_gather_all_reduce_are_exact_and_send_n_minus_1_over_n(n: int) -> None:
-    ranks = _group(n)
-    try:
-        numel = 12 * 1024
-        inputs = []
-        for r in range(n):
-            torch.manual_seed(r)
-            inputs.append(torch.randn(numel))
-        total = torch.stack(inputs).sum(0)
-        chunk = numel // n
-        for r, (out, sent) in enumerate(ray.get([a.run.remote("reduce_scatter", numel, "float32") for a in ranks])):
-            torch.testing.assert_close(out, total.chunk(n)[r], rtol=1e-6, atol=1e-6)
-            assert sent == {"reduce_scatter": (n - 1) * chunk * 4}
-        for out, sent in ray.get([a.run.remote("all_gather", numel, "float32") for a in ranks]):
-            assert [float(c[0]) for c in out.chunk(n)] == [float(r + 1) for r in range(n)]
-            assert sent == {"all_gather": (n - 1) * chunk * 4}
-        results = ray.get([a.run.remote("all_reduce", numel, "float32") for a in ranks])
-        for out, sent in results:
-            assert torch.equal(out, results[0][0])  # identical bits on every rank
-            torch.testing.assert_close(out, total, rtol=1e-5, atol=1e-5)
-            assert sent == {"all_reduce": 2 * (n - 1) * chunk * 4}
-        # bf16 moves half the bytes
-        for _, sent in ray.get([a.run.remote("reduce_scatter", numel, "bfloat16") for a in ranks]):
-            assert sent == {"reduce_scatter": (n - 1) * chunk * 2}
-        assert ray.get([a.values.remote([1.0, float(i)]) for i, a in enumerate(ranks)])[0] == [n, sum(range(n))]
-    finally:
-        _stop(ranks)
+@pytest.fixture(scope="module")
+def group(request: pytest.FixtureRequest) -> Iterator[list]:
+    """A formed group of ``request.param`` ranks, shared by the tests of that size (pytest runs
+    them one after the other and stops the group before forming the next): starting the
+    actors (each imports torch) is most of a test's time, and their collectives leave it usable."""
+    ranks = _group(request.param)
+    yield ranks
+    _stop(ranks)
 
 
-@pytest.mark.parametrize("n", [3, 4])
-def test_small_buffers_sent_to_every_peer_at_once_give_the_rings_bits(n: int) -> None:
-    ranks = _group(n)
-    try:
-        for equal in ray.get([a.ring_and_direct.remote(12 * 1024) for a in ranks]):
-            assert equal == [True, True, True]  # reduce-scatter, all-reduce, all-gather
-    finally:
-        _stop(ranks)
+@pytest.mark.parametrize("group", [2, 3, 4], indirect=True)
+def test_reduce_scatter_all_gather_all_reduce_are_exact_and_send_n_minus_1_over_n(group: list) -> None:
+    ranks, n = group, len(group)
+    numel = 12 * 1024
+    inputs = []
+    for r in range(n):
+        torch.manual_seed(r)
+        inputs.append(torch.randn(numel))
+    total = torch.stack(inputs).sum(0)
+    chunk = numel // n
+    for r, (out, sent) in enumerate(ray.get([a.run.remote("reduce_scatter", numel, "float32") for a in ranks])):
+        torch.testing.assert_close(out, total.chunk(n)[r], rtol=1e-6, atol=1e-6)
+        assert sent == {"reduce_scatter": (n - 1) * chunk * 4}
+    for out, sent in ray.get([a.run.remote("all_gather", numel, "float32") for a in ranks]):
+        assert [float(c[0]) for c in out.chunk(n)] == [float(r + 1) for r in range(n)]
+        assert sent == {"all_gather": (n - 1) * chunk * 4}
+    results = ray.get([a.run.remote("all_reduce", numel, "float32") for a in ranks])
+    for out, sent in results:
+        assert torch.equal(out, results[0][0])  # identical bits on every rank
+        torch.testing.assert_close(out, total, rtol=1e-5, atol=1e-5)
+        assert sent == {"all_reduce": 2 * (n - 1) * chunk * 4}
+    # bf16 moves half the bytes
+    for _, sent in ray.get([a.run.remote("reduce_scatter", numel, "bfloat16") for a in ranks]):
+        assert sent == {"reduce_scatter": (n - 1) * chunk * 2}
+    assert ray.get([a.values.remote([1.0, float(i)]) for i, a in enumerate(ranks)])[0] == [n, sum(range(n))]
+
+
+@pytest.mark.parametrize("group", [3, 4], indirect=True)
+def test_small_buffers_sent_to_every_peer_at_once_give_the_rings_bits(group: list) -> None:
+    for equal in ray.get([a.ring_and_direct.remote(12 * 1024) for a in group], timeout=120):
+        assert equal == [True, True, True]  # reduce-scatter, all-reduce, all-gather
 
 
 def test_a_collective_whose_peer_never_comes_times_out_with_a_domain_error() -> None:

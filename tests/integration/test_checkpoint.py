@@ -290,12 +290,15 @@ def test_main_job_writes_checkpoints_and_resumes(tmp_path: Path, capsys: pytest.
     restarted job continues from the latest checkpoint instead of starting over."""
     from zero_ray import demo
 
+    # --eval-every past --steps: each run evaluates once, at its end (the job's default, a quarter
+    # of --steps, evaluated after every step here: 51 calls each, ~60% of the test's time).
     args = ["--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path), "--no-progress",
             "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "4",
-            "--corpus-bytes", "65536"]
+            "--corpus-bytes", "65536", "--eval-every", "6"]
     assert demo.main(args) == 0
     assert json.loads((tmp_path / (tmp_path / "latest").read_text() / "manifest.json").read_text())["step"] == 4
     assert demo.main([*args[:1], "6", *args[2:]]) == 0
     out = capsys.readouterr().out
     assert f"resumed from {tmp_path} at step 4" in out
+    assert out.count("validation loss") == 2  # each run's last step evaluated
     assert json.loads((tmp_path / (tmp_path / "latest").read_text() / "manifest.json").read_text())["step"] == 6

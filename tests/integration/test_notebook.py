@@ -48,4 +48,5 @@ def test_the_notebook_trains_and_the_loss_falls() -> None:
     assert [s for s, _ in steps] == list(range(1, 31)), text
     first, last = steps[0][1], steps[-1][1]
     assert last < first - 0.5, f"loss {first} -> {last}"
+    assert text.count("validation loss") == 3, text  # the held-out windows, every 10 steps
     assert "Model-state memory per actor" in text
