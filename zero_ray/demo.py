@@ -306,7 +306,12 @@ def run(args: argparse.Namespace) -> int:
         if "eval_loss" in result:
             print(f"validation loss {result['eval_loss']:.4f} over {windows['val']} held-out windows")
         if args.checkpoint_dir and ran:
-            print(f"checkpoint: {trainer.save_checkpoint(args.checkpoint_dir, wait=True)}")
+            # fit saved the last step already when it fell on --checkpoint-every: wait for that
+            # one to commit rather than write the same step again beside it (step-N-1).
+            saved_last = args.checkpoint_every and result["step"] % args.checkpoint_every == 0
+            path = (trainer.wait_for_checkpoint() if saved_last else None) or \
+                trainer.save_checkpoint(args.checkpoint_dir, wait=True)
+            print(f"checkpoint: {path}")
         elif done == trainer.step_count and args.checkpoint_dir:
             print("nothing to train: the checkpoint is already at --steps")
         print(memory_table(trainer.memory_report(), stage=args.stage, dtype=args.dtype))

@@ -302,3 +302,5 @@ def test_main_job_writes_checkpoints_and_resumes(tmp_path: Path, capsys: pytest.
     assert f"resumed from {tmp_path} at step 4" in out
     assert out.count("validation loss") == 2  # each run's last step evaluated
     assert json.loads((tmp_path / (tmp_path / "latest").read_text() / "manifest.json").read_text())["step"] == 6
+    # fit's own save of the last step is the job's final checkpoint, not written twice (step-N-1)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{n:08d}" for n in (2, 4, 6)]
