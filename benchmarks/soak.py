@@ -172,7 +172,7 @@ def _driver_kills(records: list[FaultRecord], state: JournalState, kills: list[d
 def inner(args: argparse.Namespace) -> None:
     """In the head's namespace, the supervisor: the S3 server, the training drivers (one after
     another when ``driver_sigkill`` kills one), the accounting and the checks; prints one JSON line."""
-    from benchmarks.harness.goodput import DEFINITION, goodput, shares
+    from benchmarks.harness.goodput import DEFINITION, goodput, pace_s, shares
     from benchmarks.harness.s3_remote import serve
     import torch
 
@@ -225,6 +225,8 @@ def inner(args: argparse.Namespace) -> None:
                    "load_before": load_before or end["load_before"], "load_after": end["load_after"],
                    "world_size_end": end["world_size_end"], "recoveries": len(state.recoveries)}
     out["by_size"] = [asdict(p) for p in parts]
+    # The soak's own median pace at each size beside the baseline's: the load's drift under the faults.
+    out["pace_ms"] = {str(p.size): round(1000 * v, 1) for p in parts if (v := pace_s(state.steps, p.size)) is not None}
     out["goodput"] = round(goodput(parts, wall_s=soak_s), 4)
     out["goodput_definition"] = DEFINITION
     # The first soak's measure, kept to show what it overstated: every step at the 4-owner time.
@@ -285,7 +287,11 @@ def markdown(r: dict[str, Any]) -> str:
              + ", ".join(f"{k}: {v['step_s'] * 1000:.0f} ({v['steps']} steps)" for k, v in base.items())
              + f". Every step at the 4-owner time would say {100 * r.get('goodput_at_4_owner_time', 0):.1f}%. "
              f"Load average {soak['load_before'][0]:.1f} before, {soak['load_after'][0]:.1f} after"
-             f"{' (' + soak['load_note'] + ')' if soak.get('load_note') else ''}.", "",
+             f"{' (' + soak['load_note'] + ')' if soak.get('load_note') else ''}."
+             + (" The soak's own median ms a step (steps under 1 s apart at one size, checkpoints' steps among "
+                "them): " + ", ".join(f"{k}: {v:.0f}" for k, v in r["pace_ms"].items())
+                + " (against the baselines above: the load's drift, in every fault's slower steps)."
+                if r.get("pace_ms") else ""), "",
              "| owners | steps | wall s | fault-free ms a step | fault-free s |", "|---|---|---|---|---|"]
     lines += [f"| {p['size']} | {p['steps']} | {p['s']:.0f} | {p['fault_free_step_s'] * 1000:.0f}"
               f"{'' if p['measured'] else ' (not measured: the fastest size)'} | {p['fault_free_s']:.0f} |"

@@ -133,3 +133,16 @@ def window_parts(steps: list[StepAt], *, start_s: float, end_s: float, size: int
         last, last_size = s.t_s, s.size
     return WindowParts(stall_s=round(parts["stall"], 2), grow_s=round(parts["grow"], 2),
                        smaller_s=round(parts["smaller"], 2), slow_s=round(parts["slow"], 2), stalls=tuple(stalls))
+
+
+def pace_s(steps: list[StepAt], size: int) -> float | None:
+    """The soak's own median seconds a step at ``size``: gaps between consecutive steps both at
+    ``size`` and under STALL_S (no stall, no resize). Set beside the baseline measured before the
+    soak, it shows how far the load moved the pace under every fault's window (the 30-minute soak
+    of 2026-12-07 lost 3.5-22 s a minute with no fault at all)."""
+    gaps = sorted(b.t_s - a.t_s for a, b in zip(steps, steps[1:])
+                  if a.size == b.size == size and b.t_s - a.t_s <= STALL_S)
+    if not gaps:
+        return None
+    mid = len(gaps) // 2
+    return gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2

@@ -66,3 +66,13 @@ def test_a_windows_time_lost_splits_into_stall_grow_fewer_owners_and_slower_step
     assert abs(got.smaller_s - 0.1) < 1e-9 and abs(got.grow_s - 1.9) < 1e-9 and abs(got.slow_s - 0.1) < 1e-9
     lost = (15.5 - 10.0) - window_fault_free_s(steps, base)
     assert abs(got.stall_s + got.smaller_s + got.grow_s + got.slow_s - lost) < 1e-9  # the parts are the whole
+
+
+def test_the_soaks_own_pace_leaves_out_stalls_and_size_changes() -> None:
+    from benchmarks.harness.goodput import StepAt, pace_s
+
+    steps = [StepAt(t_s=t, step=i, size=n) for i, (t, n) in
+             enumerate([(0.0, 4), (0.1, 4), (0.3, 4), (5.0, 4), (5.1, 3), (5.15, 3), (5.25, 3)])]
+    assert abs(pace_s(steps, 4) - 0.15) < 1e-9  # 0.1 and 0.2; the 4.7 s stall left out
+    assert abs(pace_s(steps, 3) - 0.075) < 1e-9  # 0.05 and 0.1; the resize's gap (4 -> 3) left out
+    assert pace_s(steps, 2) is None
