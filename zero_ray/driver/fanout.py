@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -390,7 +390,7 @@ class FanOut:
         staging = dict(staged or {})
         results: dict[int, T] = {}
         pending = set(futures)
-        woken: Future[None] = Future()  # failed on a loss, so that the FIRST_EXCEPTION wait returns
+        woken: Future[None] = Future()  # failed on a loss, so that the wait returns
 
         def wake() -> None:  # only ever on the monitor's one reader thread
             if not woken.done():
@@ -401,7 +401,9 @@ class FanOut:
                 # Once woken, no longer waited on: a loss check() does not raise for (watch=False)
                 # would otherwise make every wait return at once.
                 waiting = pending if woken.done() else {*pending, woken}
-                done, pending = wait(waiting, timeout=POLL_S, return_when=FIRST_EXCEPTION)
+                # FIRST_COMPLETED, not FIRST_EXCEPTION: ``woken`` never completes without a loss, so
+                # "all completed" never came and every fan-out took a whole POLL_S (issue 46's soak).
+                done, pending = wait(waiting, timeout=POLL_S, return_when=FIRST_COMPLETED)
                 pending.discard(woken)
                 for fut in done - {woken}:
                     i = futures[fut]
