@@ -152,7 +152,7 @@ def _driver_kills(records: list[FaultRecord], state: JournalState, kills: list[d
     SIGKILL and a new driver attached; restore = the kill to attach's return (a Python process,
     Ray's connection, attach: find, Status, settle), replay = from there to its first step
     (fit's dataset registration again, and any replay)."""
-    asked = [r for r in records if r.kind == DRIVER_SIGKILL]
+    asked = [r for r in records if r.kind == DRIVER_SIGKILL and not r.missed]
     for rec, kill, attached in zip(asked, kills, state.attached):
         first = next((s for s in state.steps if s.t_s > attached.t_s), None)
         rec.fired = kill["returncode"] == -signal.SIGKILL and attached.pid == kill["next_pid"]
@@ -172,7 +172,7 @@ def _driver_kills(records: list[FaultRecord], state: JournalState, kills: list[d
 def inner(args: argparse.Namespace) -> None:
     """In the head's namespace, the supervisor: the S3 server, the training drivers (one after
     another when ``driver_sigkill`` kills one), the accounting and the checks; prints one JSON line."""
-    from benchmarks.harness.goodput import DEFINITION, goodput, shares
+    from benchmarks.harness.goodput import DEFINITION, goodput, pace_s, shares
     from benchmarks.harness.s3_remote import serve
     import torch
 
@@ -225,11 +225,16 @@ def inner(args: argparse.Namespace) -> None:
                    "load_before": load_before or end["load_before"], "load_after": end["load_after"],
                    "world_size_end": end["world_size_end"], "recoveries": len(state.recoveries)}
     out["by_size"] = [asdict(p) for p in parts]
+    # The soak's own median pace at each size beside the baseline's: the load's drift under the faults.
+    out["pace_ms"] = {str(p.size): round(1000 * v, 1) for p in parts if (v := pace_s(state.steps, p.size)) is not None}
     out["goodput"] = round(goodput(parts, wall_s=soak_s), 4)
     out["goodput_definition"] = DEFINITION
     # The first soak's measure, kept to show what it overstated: every step at the 4-owner time.
     out["goodput_at_4_owner_time"] = round(steps * baseline[NODES * CPUS_PER_NODE] / soak_s, 4)
     out["faults"] = [asdict(r) for r in records]
+    # Faults the run never settled for (soak_faults.Injector.overdue_s): the schedule stalled there.
+    out["events"] = state.events
+    out["missed_faults"] = [f"{r.kind} planned at {r.planned_s:g} s" for r in records if r.missed]
     out["samples_seen"] = end["samples_seen"]
     total = out["steps"] = end["steps_total"]
     got = torch.load(end["state"])
@@ -282,7 +287,11 @@ def markdown(r: dict[str, Any]) -> str:
              + ", ".join(f"{k}: {v['step_s'] * 1000:.0f} ({v['steps']} steps)" for k, v in base.items())
              + f". Every step at the 4-owner time would say {100 * r.get('goodput_at_4_owner_time', 0):.1f}%. "
              f"Load average {soak['load_before'][0]:.1f} before, {soak['load_after'][0]:.1f} after"
-             f"{' (' + soak['load_note'] + ')' if soak.get('load_note') else ''}.", "",
+             f"{' (' + soak['load_note'] + ')' if soak.get('load_note') else ''}."
+             + (" The soak's own median ms a step (steps under 1 s apart at one size, checkpoints' steps among "
+                "them): " + ", ".join(f"{k}: {v:.0f}" for k, v in r["pace_ms"].items())
+                + " (against the baselines above: the load's drift, in every fault's slower steps)."
+                if r.get("pace_ms") else ""), "",
              "| owners | steps | wall s | fault-free ms a step | fault-free s |", "|---|---|---|---|---|"]
     lines += [f"| {p['size']} | {p['steps']} | {p['s']:.0f} | {p['fault_free_step_s'] * 1000:.0f}"
               f"{'' if p['measured'] else ' (not measured: the fastest size)'} | {p['fault_free_s']:.0f} |"
@@ -290,9 +299,13 @@ def markdown(r: dict[str, Any]) -> str:
     lines += [
              "", "Time lost is each fault's window less the fault-free time of its steps; `rest` is what the "
              "recoveries' phases do not cover (steps on fewer owners, the grow back's transfer, a slow link, "
-             "the load's drift).", "",
-             "| kind | fired | held s | detect s | decide s | restore s | replay s | steps lost | time lost s | rest s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "the load's drift). The last four columns split the time lost by the window's step times "
+             "(harness/goodput.window_parts): gaps over 1 s with no step, the pause before the first step at a "
+             "larger size, steps on fewer owners than the window began with, and the other steps' excess (the "
+             "fault's own slowness and the load's drift).", "",
+             "| kind | fired | held s | detect s | decide s | restore s | replay s | steps lost | time lost s | rest s "
+             "| stall s | grow back s | fewer owners s | slower steps s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     kinds: dict[str, list[dict[str, Any]]] = {}
     for f in r["faults"]:
         kinds.setdefault(f["kind"], []).append(f)
@@ -301,7 +314,9 @@ def markdown(r: dict[str, Any]) -> str:
             return f"{sum(f[key] for f in fs):.1f}"
         lines.append(f"| {kind} | {sum(f['fired'] for f in fs)}/{len(fs)} | {tot('held_s')} | {tot('detect_s')} | "
                      f"{tot('decide_s')} | {tot('restore_s')} | {tot('replay_s')} | "
-                     f"{sum(f['steps_lost'] for f in fs)} | {tot('lost_s')} | {_rest(fs):.1f} |")
+                     f"{sum(f['steps_lost'] for f in fs)} | {tot('lost_s')} | {_rest(fs):.1f} | "
+                     + " | ".join(tot(k) if all(k in f for f in fs) else "-"
+                                  for k in ("stall_s", "grow_s", "smaller_s", "slow_s")) + " |")
     ep, ck = r["epochs"], r["checkpoints"]
     lines += ["", f"Final weights vs one process on the documented order: max |diff| {r['dev']:.2e} "
               f"({'within' if r['dev'] <= 1e-6 else 'OVER'} 1e-6). Samples read {r['samples_seen']} = "
@@ -310,6 +325,8 @@ def markdown(r: dict[str, Any]) -> str:
               f"sample twice: {ep['epochs_reading_a_sample_twice'] or 'none'}. Checkpoints committed "
               f"{ck['committed']}, verified {ck['verified']}.",
               f"A refused full-disk save reported committed: {r.get('full_disk_reported_committed') or 'none'}.",
+              f"**Missed faults** (held past 3 intervals, never fired): {'; '.join(r['missed_faults'])}."
+              if r.get("missed_faults") else "Missed faults: none (every planned fault fired in time).",
               f"Not injected: {', '.join(r['not_injected']) or 'none'}. Drivers: {len(r.get('drivers', [])) or 1}"
               f"{_drivers_note(r)}.",
               "", "Each fault:", ""]
@@ -355,6 +372,8 @@ def outer(args: argparse.Namespace) -> None:
     if got.returncode != 0:
         raise SystemExit(f"the soak failed ({got.returncode}):\n{got.stderr[-6000:]}")
     r = json.loads(got.stdout.strip().splitlines()[-1])
+    if r.get("missed_faults"):
+        print(f"SOAK SCHEDULE STALLED: {len(r['missed_faults'])} faults missed: {r['missed_faults']}", file=sys.stderr)
     r.update(health_timeout_s=args.health_timeout_s, health_interval_s=args.health_interval_s,
              standby_driver=args.standby_driver)
     r.update(minutes=args.minutes, seed=args.seed, fault_interval_s=args.fault_interval_s, kinds=args.kinds or "all",

@@ -33,6 +33,7 @@ SEQ, BATCH, SEED, WINDOW, BLOCK_TOKENS = 32, 12, 46, 4, 512
 CHUNK, CHECKPOINT_EVERY, WARM_STEPS = 100, 50, 20
 COLLECTIVE_TIMEOUT_S = 15.0
 SHORT_CUT_S, LONG_CUT_S, DEGRADE_S = 5.0, 17.0, 20.0
+OVERDUE_INTERVALS = 3  # a fault held longer than this many intervals is recorded as missed
 BASELINE_SIZES = (4, 3, 2)  # every size the soak passes through: its resizes (4 <-> 3), a node's loss (2)
 # A detached run's owners end themselves after this long without a driver: well above a new
 # driver's start (a Python process, Ray's connection, attach) on a loaded machine.
@@ -110,9 +111,16 @@ def main() -> None:
     standby = len(sys.argv) > 2 and sys.argv[2] == "--standby"
     journal = Journal(spec["journal"])
 
+    clock: list[float] = []  # the soak's t0, once known: events before it are the set-up's
+
     class Committed(zr.Callback):
         def on_checkpoint(self, path: str, step: int) -> None:
             journal.write("committed", [path, step])
+
+        def on_event(self, text: str) -> None:
+            # resizes (a grow back's seconds among them), recoveries, attaches: where a fault's time went
+            if clock:
+                journal.write("event", {"t_s": round(time.monotonic() - clock[0], 3), "text": text})
 
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     if standby:
@@ -133,6 +141,7 @@ def main() -> None:
         journal.write("run", {"run_id": trainer.run_id, "pid": os.getpid()})
         journal.write("attached", asdict(Attached(t_s=round(time.monotonic() - t0, 3), step=trainer.step_count,
                                                   pid=os.getpid())))
+    clock.append(t0)
     duration_s = spec["minutes"] * 60
     kinds = spec["kinds"]
     plan = [] if kinds == "none" else schedule(seed=spec["seed"], duration_s=duration_s,
@@ -144,7 +153,7 @@ def main() -> None:
                       link_mbit=spec["link_mbit"], netem=spec["netem"], far_ip=spec["far_ip"],
                       cpus_per_node=spec["cpus_per_node"], disk=spec["disk"], disk_leave_bytes=spec["disk_leave_bytes"])
     injector = Injector(trainer, cluster, plan, seed=spec["seed"], sizes=(4, 3), short_cut_s=SHORT_CUT_S,
-                        long_cut_s=LONG_CUT_S, degrade_s=DEGRADE_S)
+                        long_cut_s=LONG_CUT_S, degrade_s=DEGRADE_S, overdue_s=OVERDUE_INTERVALS * spec["fault_interval_s"])
     if attach is not None:
         got = read(spec["journal"])
         injector.resume([FaultRecord(**got.faults[i]) for i in sorted(got.faults)], got.size)

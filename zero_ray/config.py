@@ -201,7 +201,7 @@ class ElasticConfig:
     """Surviving lost owners and changing the pool's size.
 
     The run has a desired size: ``ZeroConfig.world_size``, or what the last ``resize`` asked
-    for. It grows beyond it only by ``resize()``. After a loss it continues with the survivors
+    for (a detached run's survives its driver: a driver attaching keeps it). It grows beyond it only by ``resize()``. After a loss it continues with the survivors
     plus as many replacements as the cluster has room for (the lost owners' slots are freed at
     once), up to the desired size, and grows back to it when room appears (``grow_back``);
     never beyond it, whatever ``max_world_size`` allows. By default the survivors go on alone

@@ -88,3 +88,61 @@ def goodput(parts: list[SizeShare], *, wall_s: float) -> float:
 def window_fault_free_s(steps: list[StepAt], baseline: dict[int, float]) -> float:
     """What ``steps`` (a fault's window) take fault-free, each at its own size."""
     return sum(fault_free_step_s(s.size, baseline)[0] for s in steps)
+
+
+# A gap between two steps longer than this is a stall (no step), not a slow step: over ten
+# fault-free steps at any size the soak measures (46-93 ms).
+STALL_S = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowParts:
+    """Where a fault's window's time lost went, each part the steps' excess over their own size's
+    fault-free time: ``stall_s`` (gaps over STALL_S: no step), ``grow_s`` (the gap before the first
+    step at a larger size: a grow back's pause), ``smaller_s`` (steps below the size the window
+    began at), ``slow_s`` (the other steps: at the window's size, slower than fault-free: the
+    fault's own slowness, e.g. a degraded link, and the load's drift, which a fault-free stretch of
+    the same soak measures too)."""
+
+    stall_s: float
+    grow_s: float
+    smaller_s: float
+    slow_s: float
+    stalls: tuple[float, ...]  # each stall's gap, seconds
+
+
+def window_parts(steps: list[StepAt], *, start_s: float, end_s: float, size: int, before_s: float,
+                 baseline: dict[int, float]) -> WindowParts:
+    """``steps``: those in (start_s, end_s], in order; ``size``: the run's size at ``start_s``;
+    ``before_s``: when the step before the window was reported (its first gap starts there)."""
+    parts = {"stall": 0.0, "grow": 0.0, "smaller": 0.0, "slow": 0.0}
+    stalls = []
+    last, last_size = before_s, size
+    for s in steps:
+        gap = s.t_s - last
+        excess = gap - fault_free_step_s(s.size, baseline)[0]
+        if s.size > last_size:
+            parts["grow"] += excess
+        elif gap > STALL_S:
+            parts["stall"] += excess
+            stalls.append(round(gap, 2))
+        elif s.size < size:
+            parts["smaller"] += excess
+        else:
+            parts["slow"] += excess
+        last, last_size = s.t_s, s.size
+    return WindowParts(stall_s=round(parts["stall"], 2), grow_s=round(parts["grow"], 2),
+                       smaller_s=round(parts["smaller"], 2), slow_s=round(parts["slow"], 2), stalls=tuple(stalls))
+
+
+def pace_s(steps: list[StepAt], size: int) -> float | None:
+    """The soak's own median seconds a step at ``size``: gaps between consecutive steps both at
+    ``size`` and under STALL_S (no stall, no resize). Set beside the baseline measured before the
+    soak, it shows how far the load moved the pace under every fault's window (the 30-minute soak
+    of 2026-12-07 lost 3.5-22 s a minute with no fault at all)."""
+    gaps = sorted(b.t_s - a.t_s for a, b in zip(steps, steps[1:])
+                  if a.size == b.size == size and b.t_s - a.t_s <= STALL_S)
+    if not gaps:
+        return None
+    mid = len(gaps) // 2
+    return gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2

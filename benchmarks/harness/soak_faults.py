@@ -9,7 +9,10 @@ in the supervisor), and for ``driver_sigkill`` the supervisor's SIGKILL of the d
 in (asked through the journal, harness/soak_journal.py); nothing here is known to the library.
 
 A fault fires only when the one before it has settled (its link restored, the run back at its
-size), so each fault's time lost is its own; the delay is recorded (``held_s``)."""
+size), so each fault's time lost is its own; the delay is recorded (``held_s``). One held past
+``overdue_s`` is recorded as missed (``fired`` False, ``missed`` True, the evidence saying what had not
+settled) and the schedule goes on: a stalled schedule shows in the results, never as silence
+(the 30-minute soak of 2026-12-07 fired nothing for its last 17 minutes and said so nowhere)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.harness.full_disk import fill, visible
-from benchmarks.harness.goodput import StepAt, window_fault_free_s
+from benchmarks.harness.goodput import StepAt, window_fault_free_s, window_parts
 from benchmarks.harness.simcluster import (GCS_PORT, cut_link, kill_node, link_shape, reachable, restore_link,
                                            shape_link, start_node)
 from benchmarks.harness.soak_journal import Recovered
@@ -97,6 +100,13 @@ class FaultRecord:
     window_steps: int = 0
     lost_s: float = 0.0
     settled_s: float | None = None  # from firing until the run was back at its size and links
+    missed: bool = False  # held past the injector's overdue_s: never fired
+    # lost_s split by the window's step times (goodput.window_parts): no step, a grow back's pause,
+    # steps on fewer owners, slower steps at the window's size
+    stall_s: float = 0.0
+    grow_s: float = 0.0
+    smaller_s: float = 0.0
+    slow_s: float = 0.0
     invariant_ok: bool | None = None  # full_disk: the refused save left nothing visible
 
 
@@ -135,11 +145,13 @@ class Injector:
     _stack: ExitStack
     _rules: list[tuple[FaultRecord, Any]]  # S3 error rules armed, with the record each fired for
     _size: int  # the size the run should be at: a fault fires only once it is back there
+    overdue_s: float  # a fault held this long past its planned time is recorded as missed
     kill_requested: bool  # driver_sigkill fired: this driver waits for its supervisor's SIGKILL
 
     def __init__(self, trainer: Any, cluster: Cluster, plan: list[Planned], *, seed: int, sizes: tuple[int, ...],
-                 short_cut_s: float, long_cut_s: float, degrade_s: float) -> None:
+                 short_cut_s: float, long_cut_s: float, degrade_s: float, overdue_s: float) -> None:
         self.trainer, self.cluster, self.rng, self.sizes = trainer, cluster, random.Random(seed + 1), sizes
+        self.overdue_s = overdue_s
         self.short_cut_s, self.long_cut_s, self.degrade_s = short_cut_s, long_cut_s, degrade_s
         self.records, self.pending = [], list(plan)
         self._timers, self._unsettled, self._stack, self._rules = [], [], ExitStack(), []
@@ -159,7 +171,11 @@ class Injector:
         """Fire the next fault if it is due and the last one has settled."""
         if self.records and self.records[-1].settled_s is None and self._settled():
             self.records[-1].settled_s = round(elapsed_s - self.records[-1].at_s, 2)
-        if not self.pending or elapsed_s < self.pending[0].at_s or not self._settled():
+        if not self.pending or elapsed_s < self.pending[0].at_s:
+            return
+        if not self._settled():
+            if elapsed_s - self.pending[0].at_s > self.overdue_s:
+                self.records.append(self._missed(self.pending.pop(0), elapsed_s, step))
             return
         planned = self.pending.pop(0)
         rec = FaultRecord(kind=planned.kind, planned_s=planned.at_s, at_s=round(elapsed_s, 2),
@@ -168,6 +184,14 @@ class Injector:
         self._stack = ExitStack()
         getattr(self, f"_{planned.kind}")(rec)
         self.records.append(rec)
+
+    def _missed(self, planned: Planned, elapsed_s: float, step: int) -> FaultRecord:
+        """The record of a fault the run never settled for: what was still unsettled."""
+        return FaultRecord(kind=planned.kind, planned_s=planned.at_s, at_s=round(elapsed_s, 2),
+                           held_s=round(elapsed_s - planned.at_s, 2), at_step=step, missed=True,
+                           evidence=f"missed: held over {self.overdue_s:g} s, the run at {self.trainer.world_size} "
+                                    f"owners (the injector keeps {self._size}), {len(self._unsettled)} unsettled "
+                                    "checks (a link, a process, a node)")
 
     def _end_rules(self) -> None:
         for rec, rule in self._rules:
@@ -368,6 +392,12 @@ def attribute(records: list[FaultRecord], reports: list[Recovered], step_times: 
         rec.window_s = round(end - rec.at_s, 2)
         rec.window_steps = len(steps)
         rec.lost_s = round(rec.window_s - window_fault_free_s(steps, baseline), 2)
+        before = [s for s in step_times if s.t_s <= rec.at_s]
+        start = before[-1] if before else (steps[0] if steps else None)
+        if start is not None:
+            parts = window_parts(steps, start_s=rec.at_s, end_s=end, size=start.size,
+                                 before_s=before[-1].t_s if before else rec.at_s, baseline=baseline)
+            rec.stall_s, rec.grow_s, rec.smaller_s, rec.slow_s = parts.stall_s, parts.grow_s, parts.smaller_s, parts.slow_s
 
 
 def _running(pid: int) -> bool:

@@ -10,7 +10,9 @@ process on this machine), ``step`` (a ``StepAt``), ``recovery`` (a ``Recovered``
 ``committed`` (a checkpoint's path and step), ``kill`` (the driver asks its supervisor for its
 SIGKILL), ``ready`` (a driver that will attach is connected to Ray and has the run id: its pid and
 ``time.monotonic()``; for one started ahead, ``--standby``, when it was handed the run),
-``attached`` (a new driver took the run over), ``end`` (the soak's last figures)."""
+``attached`` (a new driver took the run over), ``event`` (one of the trainer's events during the
+soak: resizes with their seconds, recoveries, attaches; soak seconds and text), ``end`` (the soak's
+last figures)."""
 
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ class JournalState:
     kills: list[int] = field(default_factory=list)  # driver pids that asked for their SIGKILL
     attached: list[Attached] = field(default_factory=list)
     ready: dict[int, float] = field(default_factory=dict)  # attaching driver's pid -> when it could begin to
+    events: list[tuple[float, str]] = field(default_factory=list)  # soak seconds, the trainer's event text
     end: dict[str, Any] | None = None
 
     def add(self, line: dict[str, Any]) -> None:
@@ -94,6 +97,8 @@ class JournalState:
             self.ready[value["pid"]] = value["at"]
         elif key == "attached":
             self.attached.append(Attached(**value))
+        elif key == "event":
+            self.events.append((value["t_s"], value["text"]))
         elif key == "end":
             self.end = value
         else:

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 import zero_ray as zr
 from zero_ray.models import mlp
 
-STEPS, STEPS_BEFORE = 8, 3  # 3 batches an epoch: the second driver attaches mid-epoch
+STEPS, STEPS_BEFORE = 8, 3
+RESIZED = 2  # from the config's 3 before the first step  # 3 batches an epoch: the second driver attaches mid-epoch
 SEQ, BATCH, SEED, WINDOW, BLOCK_TOKENS = 8, 12, 4, 2, 32
 
 
@@ -47,11 +48,13 @@ def token_mse(module: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 def first(out: str, orphan_s: float) -> None:
     # The optimizer state on disk: the owners keep it in their files while no driver is attached.
-    config = zr.ZeroConfig(stage=2, world_size=2, health_interval_s=0.2, health_timeout_s=5.0,
+    config = zr.ZeroConfig(stage=2, world_size=3, health_interval_s=0.2, health_timeout_s=5.0,
                            offload=zr.Offload(optimizer="nvme", path=os.path.join(out, "nvme")),
                            elastic=zr.ElasticConfig(detached=True, orphan_timeout_s=orphan_s, redundancy="peer"))
     corpus_tokens().tofile(os.path.join(out, "corpus.bin"))
     trainer = zr.ZeroTrainer(model, token_mse, optimizer=zr.SGD(lr=0.1, momentum=0.9), config=config)
+    # The run's desired size is now 2, not the config's 3: the second driver must keep it (issue 46).
+    trainer.resize(RESIZED)
     trainer.fit(source(out), global_batch_size=BATCH, steps=STEPS_BEFORE, seed=SEED, progress=False)
     tmp = os.path.join(out, "run.json.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -79,6 +82,7 @@ def second(out: str, run_id: str) -> None:
         torch.save(trainer.full_state_dict(), os.path.join(out, "final.pt"))
         summary = {"resumed": resumed, "resumed_samples": resumed_samples, "samples_seen": trainer.samples_seen,
                    "step": trainer.step_count, "world_size": trainer.world_size,
+                   "desired_world_size": trainer.desired_world_size,
                    "nvme": [r["nvme"] for r in trainer.memory_report()],
                    "events": list(trainer.events), "recoveries": [r.summary() for r in trainer.recoveries]}
     finally:

@@ -76,7 +76,7 @@ def test_a_second_driver_attaches_and_finishes_the_run(tmp_path: Path) -> None:
                                     window=run.WINDOW)
     batches = [token_windows(tokens, run.SEQ, idx) for idx in order]
     ref, _ = single_process(run.model, run.token_mse, zr.SGD(lr=0.1, momentum=0.9), batches)
-    with ray_head(num_cpus=4) as head:  # CPUs for both runs' owners (2 each) at once
+    with ray_head(num_cpus=8) as head:  # CPUs for both runs' owners (3 each until resized) at once, and a grow
         # Run a (attached again below) and run b (no driver reattaches: its owners end themselves
         # after orphan_timeout_s) share the head and overlap: each driver start is mostly waits.
         procs = [_launch_first(head, tmp_path / "a", orphan_s=120.0),
@@ -116,6 +116,8 @@ def test_a_second_driver_attaches_and_finishes_the_run(tmp_path: Path) -> None:
         print(json.dumps(summary, indent=1))
         got = torch.load(tmp_path / "a" / "final.pt")
         assert summary["step"] == run.STEPS and summary["resumed"] >= run.STEPS_BEFORE
+        # The resize before the loss holds: room for the config's size is free, and no grow took it.
+        assert (summary["world_size"], summary["desired_world_size"]) == (run.RESIZED, run.RESIZED), summary
         # The position comes back from the owners: samples too, not only steps.
         assert summary["resumed_samples"] == 12 * summary["resumed"] and summary["samples_seen"] == 12 * run.STEPS
         assert max(float((got[n] - ref[n]).abs().max()) for n in ref) <= 1e-6

@@ -28,3 +28,25 @@ def test_every_kind_has_its_injector_and_the_new_kinds_are_drawn() -> None:
 
     assert {NODE_KILLED, FULL_DISK} <= set(KINDS) and not set(KINDS) & set(NOT_INJECTED)
     assert all(callable(getattr(Injector, f"_{kind}", None)) for kind in KINDS)
+
+
+class _Trainer:
+    world_size = 4
+
+
+def test_a_fault_held_past_overdue_s_is_recorded_as_missed_not_silence() -> None:
+    """The 30-minute soak's stall: the run at 4 owners, the injector keeping 3, nothing fired for
+    17 minutes and nothing said so. Now each planned fault held past ``overdue_s`` is a record."""
+    from benchmarks.harness.soak_faults import Injector, Planned
+
+    plan = [Planned(at_s=10.0, kind="resize"), Planned(at_s=20.0, kind="owner_sigkill")]
+    inj = Injector(_Trainer(), cluster=None, plan=plan, seed=1, sizes=(4, 3), short_cut_s=5, long_cut_s=17,
+                   degrade_s=20, overdue_s=30.0)
+    inj._size = 3  # as resume() left it after the driver's loss
+    inj.tick(35.0, step=100)  # due, unsettled, not yet overdue: held
+    assert inj.records == [] and len(inj.pending) == 2
+    inj.tick(41.0, step=160)  # the first 31 s past its time: missed; the second 21 s: still held
+    assert [(r.kind, r.missed, r.fired, r.held_s) for r in inj.records] == [("resize", True, False, 31.0)]
+    assert "the run at 4 owners (the injector keeps 3)" in inj.records[0].evidence
+    inj.tick(51.0, step=250)
+    assert [r.kind for r in inj.records if r.missed] == ["resize", "owner_sigkill"] and inj.pending == []

@@ -51,3 +51,28 @@ def test_bad_inputs_are_refused() -> None:
         shares([StepAt(t_s=2.0, step=1, size=4), StepAt(t_s=1.0, step=2, size=4)], end_s=3.0, baseline={4: 0.3})
     with pytest.raises(ValueError, match="wall time"):
         goodput([], wall_s=0.0)
+
+
+def test_a_windows_time_lost_splits_into_stall_grow_fewer_owners_and_slower_steps() -> None:
+    from benchmarks.harness.goodput import StepAt, window_fault_free_s, window_parts
+
+    base = {4: 0.1, 2: 0.05}
+    # the fault at 10.0 s (the step before it at 10.0): a 3 s stall, two steps at 2 owners 0.1 s
+    # apart, a grow back's 2 s pause, then steps at 4 owners 0.15 s apart
+    steps = [StepAt(t_s=13.0, step=2, size=2), StepAt(t_s=13.1, step=3, size=2), StepAt(t_s=13.2, step=4, size=2),
+             StepAt(t_s=15.2, step=5, size=4), StepAt(t_s=15.35, step=6, size=4), StepAt(t_s=15.5, step=7, size=4)]
+    got = window_parts(steps, start_s=10.0, end_s=15.5, size=4, before_s=10.0, baseline=base)
+    assert got.stalls == (3.0,) and abs(got.stall_s - 2.95) < 1e-9
+    assert abs(got.smaller_s - 0.1) < 1e-9 and abs(got.grow_s - 1.9) < 1e-9 and abs(got.slow_s - 0.1) < 1e-9
+    lost = (15.5 - 10.0) - window_fault_free_s(steps, base)
+    assert abs(got.stall_s + got.smaller_s + got.grow_s + got.slow_s - lost) < 1e-9  # the parts are the whole
+
+
+def test_the_soaks_own_pace_leaves_out_stalls_and_size_changes() -> None:
+    from benchmarks.harness.goodput import StepAt, pace_s
+
+    steps = [StepAt(t_s=t, step=i, size=n) for i, (t, n) in
+             enumerate([(0.0, 4), (0.1, 4), (0.3, 4), (5.0, 4), (5.1, 3), (5.15, 3), (5.25, 3)])]
+    assert abs(pace_s(steps, 4) - 0.15) < 1e-9  # 0.1 and 0.2; the 4.7 s stall left out
+    assert abs(pace_s(steps, 3) - 0.075) < 1e-9  # 0.05 and 0.1; the resize's gap (4 -> 3) left out
+    assert pace_s(steps, 2) is None

@@ -402,8 +402,10 @@ class RecoveryController:
     def grow_now(self) -> int | None:
         """The size to grow back to at this step boundary (``grow_back``), or None: the started
         replacements' once every one answers (None while they start; ended when they have not
-        started within the start-up timeout), else a larger size the cluster has room for now
-        (asked at most every ``grow_check_s``, and not right after a recovery)."""
+        started within the start-up timeout); else, when the cluster has room for a larger size
+        now (asked at most every ``grow_check_s``, and not right after a recovery), replacements
+        are started for it (``continue_on_survivors``) and taken at a later boundary, or without
+        it that size is grown to at once."""
         started = self._pool.replacements
         if not self._grow_back or self._pool.world_size >= self.desired:
             started.discard()  # a resize met the desired size first
@@ -419,7 +421,16 @@ class RecoveryController:
         if now - self._last_grow_check < self._grow_check_s:
             return None
         self._last_grow_check = now
-        return self.grow_target(self._pool.world_size)
+        target = self.grow_target(self._pool.world_size)
+        if target is not None and self.scaling.continue_on_survivors:
+            # Room came back after the loss (the lost owners' slots freed late: a cut-off node):
+            # start replacements and go on, as after a loss, rather than a grow that waits for
+            # their start (a process and torch: 9-11 s on the soak's loaded 2 cores, every step
+            # stalled meanwhile). They join at the first boundary at which they answer.
+            self._pool.start_replacements(target)
+            if self._pool.replacements.started is not None:
+                return None
+        return target
 
     def grow_target(self, current: int) -> int | None:
         """A larger size to grow back to when the cluster has room again (never beyond the size

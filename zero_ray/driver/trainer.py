@@ -46,6 +46,7 @@ from zero_ray.driver.checkpoint_api import CheckpointAPI
 from zero_ray.driver.checkpointer import RunRecord
 from zero_ray.driver.controller import AfterRecovery, Call, Controller
 from zero_ray.driver.coordinator import Coordinator
+from zero_ray.driver import desired_size
 from zero_ray.driver.batch_staging import Replay, StagedBatch
 from zero_ray.driver.fit import FitRun, RunExtras, fit
 from zero_ray.driver.lifecycle import Lifecycle, TrainerState
@@ -145,7 +146,10 @@ class ZeroTrainer:
             self._pool, failure=FailurePolicy(max_failures=cfg.max_failures, backoff_s=elastic.backoff_s),
             scaling=ScalingPolicy(min_world_size=elastic.min_world_size, max_world_size=elastic.max_world_size,
                                   continue_on_survivors=elastic.continue_on_survivors and elastic.grow_back),
-            desired=cfg.world_size, peer_redundancy=elastic.redundancy == "peer",
+            # attached: the last resize's size, which the owners' config does not hold
+            desired=cfg.world_size if _found is None else desired_size.on_attach(
+                desired_size.recorded(_found.run_id), configured=cfg.world_size),
+            peer_redundancy=elastic.redundancy == "peer",
             grow_back=elastic.grow_back, grow_check_s=elastic.grow_check_s,
             checkpoint_root=self._checkpoints.recovery_root, topology=cfg.topology)
         self._controller = Controller(pool=self._pool, life=self._life, recovery=self._recovery,
@@ -389,6 +393,8 @@ class ZeroTrainer:
 
         report = self._controller.run(Call(name=f"resizing to {world_size} owners", attempt=attempt, collective=True,
                                            after_recovery=AfterRecovery.INTERRUPTED))
+        if self.config.elastic.detached and desired != self._recovery.desired:  # a driver attaching reads it
+            desired_size.record(self.run_id, desired)
         self._recovery.desired = desired
         if report.previous_world_size != world_size:
             self._callbacks.on_event(f"step {self.step_count}: resized {report.previous_world_size} -> "
@@ -554,6 +560,8 @@ class ZeroTrainer:
         self._server.stop(grace_s=0.5)
         self._pool.shutdown()
         self._run_metrics.close()  # the steps not yet recorded are
+        if self.config.elastic.detached:
+            desired_size.forget(self.run_id)
         self._life.move(TrainerState.SHUT_DOWN)
         try:
             os.unlink(self.control_token_file)
