@@ -235,7 +235,7 @@ class Driver:
             SubtreeHealthMonitor(self.relays.top_children, interval_s=s.health_interval_s, timeout_s=s.health_timeout_s)
             if self.relays is not None else
             HealthMonitor(self.clients, interval_s=s.health_interval_s, timeout_s=s.health_timeout_s))
-        self.members.health = monitor
+        self.members.watch(monitor)
         _wait_until(lambda: all(r.last_beat > 0 for r in monitor.snapshot()), START_TIMEOUT_S, 0.05,
                     "every heartbeat stream's first beat")
 

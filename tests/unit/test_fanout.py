@@ -170,7 +170,7 @@ def test_a_loss_seen_while_waiting_aborts_the_survivors_of_the_members_generatio
         release.wait(WAIT_S)  # blocked as a step whose peer died is
         return rank
 
-    members.health = _Health({1: "stream closed"})  # type: ignore[assignment]
+    members.watch(_Health({1: "stream closed"}))  # type: ignore[arg-type]
     try:
         with pytest.raises(OwnerLostError, match=r"rank 1 on node 10.0.0.1 \(pid 101\) stopped answering during "
                                                  r"step: stream closed") as info:
@@ -209,7 +209,7 @@ def test_the_loss_is_decided_before_the_survivors_abort_is_answered_and_the_reco
     members = Members(generation=7)
     held = _HeldAbort(release)
     members.clients = [_Client(), _Client(), held]  # type: ignore[list-item]
-    members.health = _Health({1: "relay stream closed"})  # type: ignore[assignment]
+    members.watch(_Health({1: "relay stream closed"}))  # type: ignore[arg-type]
     fan = FanOut(world_size=3, members=members)
     try:
         t0 = time.monotonic()
@@ -263,7 +263,7 @@ def test_the_recovery_abort_joins_a_slow_first_abort_and_no_survivor_takes_two(
     release = threading.Event()
     held = _HeldAbort(release)  # rank 2: not under a live subtree, called directly
     members.clients = [_Client(), _Client(), held]  # type: ignore[list-item]
-    members.health = _Health({1: "relay stream closed"})  # type: ignore[assignment]
+    members.watch(_Health({1: "relay stream closed"}))  # type: ignore[arg-type]
     tree = _SlowTree(takes_s=1.2)
     members.relays = tree  # type: ignore[assignment]
     fan = FanOut(world_size=3, members=members)
@@ -302,13 +302,13 @@ def test_the_recovery_abort_resends_to_a_survivor_the_first_abort_missed_and_a_n
 
     refuses = _Refuses()
     members.clients = [_Client(), refuses, _Client()]  # type: ignore[list-item]
-    members.health = _Health({2: "gone"})  # type: ignore[assignment]
+    members.watch(_Health({2: "gone"}))  # type: ignore[arg-type]
     fan = FanOut(world_size=3, members=members)
     with pytest.raises(OwnerLostError) as info:
         fan.check("step")
     fan.abort("recovery")
     members.generation = 4  # re-formed: an abort of the new generation goes to everyone again
-    members.health = _Health({})  # type: ignore[assignment]
+    members.watch(_Health({}))  # type: ignore[arg-type]
     fan.abort("later")
     assert [c.aborts for c in members.clients] == [  # type: ignore[attr-defined]
         [(str(info.value), 3), ("later", 4)], [("recovery", 3), ("later", 4)], [("later", 4)]]
@@ -342,7 +342,7 @@ def test_an_abort_does_not_wait_for_a_rank_lost_while_it_is_out() -> None:
     members = Members(generation=2)
     far = _HeldAbort(release, arrives=False)
     members.clients = [_Client(), _Client(), _Client(), far]  # type: ignore[list-item]
-    members.health = _LosesWhenEntered(1, 3, far.entered)  # type: ignore[assignment]
+    members.watch(_LosesWhenEntered(1, 3, far.entered))  # type: ignore[arg-type]
     fan = FanOut(world_size=4, members=members)
     try:
         t0 = time.monotonic()
@@ -403,7 +403,7 @@ def test_a_loss_wakes_the_wait_at_once_not_at_its_next_look(path: str,
     members = Members(generation=3)
     members.clients = [_Client() for _ in range(2)]  # type: ignore[list-item]
     health = _Health({})
-    members.health = health  # type: ignore[assignment]
+    members.watch(health)  # type: ignore[arg-type]
     fan = FanOut(world_size=2, members=members)
     release, lost_at = threading.Event(), []  # type: ignore[var-annotated]
     never: Future[int] = Future()  # a reply that never comes while the test runs
@@ -449,7 +449,7 @@ def test_a_wait_stops_listening_when_it_returns_and_a_listener_failure_stops_nob
     health = _Health({})
     members = Members()
     members.clients = [_Client()]  # type: ignore[list-item]
-    members.health = health  # type: ignore[assignment]
+    members.watch(health)  # type: ignore[arg-type]
     fan = FanOut(world_size=1, members=members)
     assert fan.grpc(members.clients, "status", lambda c, i: i * 7 + 1) == [1]  # type: ignore[arg-type]
     done: Future[int] = Future()
@@ -477,7 +477,7 @@ def test_a_wait_asks_the_monitor_nothing_until_it_rings_and_a_new_monitor_starts
     health = _CountedHealth()
     members = Members(generation=2)
     members.clients = [_Client(), _Client()]  # type: ignore[list-item]
-    members.health = health  # type: ignore[assignment]
+    members.watch(health)  # type: ignore[arg-type]
     asked_at_set = health.asked  # once: a loss before the members listened
     fan = FanOut(world_size=2, members=members)
     done: Future[int] = Future()
@@ -491,7 +491,7 @@ def test_a_wait_asks_the_monitor_nothing_until_it_rings_and_a_new_monitor_starts
     with pytest.raises(OwnerLostError, match="rank 1 stopped answering during step: stream closed"):
         fan.check("step")
     fan.abort("recovery")
-    members.health = _Health({})  # type: ignore[assignment]  # the next membership's monitor
+    members.watch(_Health({}))  # type: ignore[arg-type]  # the next membership's monitor
     fan.check("step")  # the old monitor's loss is not the new one's
     assert health._listeners._wakes == []  # the old monitor no longer wakes anyone here
     fan.close()

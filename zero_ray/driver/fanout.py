@@ -2,7 +2,7 @@
 and the bootstrap only, through Ray).
 
 Every wait is bounded. While waiting, the health monitor is watched: when it reports an owner
-lost (it wakes the wait: the pool's ``Members`` listen to each monitor once, from when it is set,
+lost (it wakes the wait: the pool's ``Members`` listen to each monitor once, from ``Members.watch``,
 so a wait with no loss asks the monitor nothing), ``OwnerLostError`` is raised at once and
 the survivors' collectives of the current generation are aborted meanwhile on a thread of its
 own (so that none of them waits out ``collective_timeout_s`` on the dead one, whatever the
@@ -184,8 +184,8 @@ class Members:
         self.nodes: list[dict[str, Any]] = []
         self.relays: SubtreeAbort | None = None  # while steps take the relay tree
         self.generation = generation
-        # The monitor is listened to once, from when it is set: a loss sets ``losing`` and wakes
-        # the waits in ``_waits``, so that a wait neither registers with the monitor nor asks it
+        # The monitor is listened to once, from ``watch``: a loss sets ``losing`` and wakes the
+        # waits in ``_waits``, so that a wait neither registers with the monitor nor asks it
         # anything while no rank is lost (every step waits; losses are rare).
         self._health: RankHealthWatch | None = None
         self.losing = False  # the current monitor has lost a rank: FanOut.check asks it which
@@ -194,10 +194,12 @@ class Members:
 
     @property
     def health(self) -> RankHealthWatch | None:
+        """The health monitor now (set by ``watch``)."""
         return self._health
 
-    @health.setter
-    def health(self, monitor: RankHealthWatch | None) -> None:
+    def watch(self, monitor: RankHealthWatch | None) -> None:
+        """Listen to ``monitor`` (None: to none) instead of the one before, which is no longer
+        listened to (closing it stays its owner's); ``losing`` says whether it has lost a rank."""
         old, self._health = self._health, monitor
         if old is not None:
             old.unlisten(self._ring)

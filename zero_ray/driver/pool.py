@@ -202,14 +202,14 @@ class OwnerPool:
         host rank's), else every owner's Health stream."""
         if self.health is not None:
             self.health.close()
-            self.members.health = None
+            self.members.watch(None)
         interval, timeout = self.spec.health_interval_s, self.spec.health_timeout_s
         try:
             self.relays.replan()
         finally:  # a failed re-plan (a host lost mid-HostRelays) leaves no tree: watch every owner
             # Whether steps take the tree is known here, once per membership, not asked per step.
             self._relayed = self.relays.active
-            self.members.health = (
+            self.members.watch(
                 SubtreeHealthMonitor(self.relays.top_children, interval_s=interval, timeout_s=timeout)
                 if self._relayed else HealthMonitor(self.clients, interval_s=interval, timeout_s=timeout))
 
