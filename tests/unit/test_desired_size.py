@@ -1,7 +1,7 @@
 """A detached run's desired size kept for the driver that attaches after a loss
 (zero_ray/driver/desired_size.py): per run, the last one recorded wins, dropped at shutdown, and
-an attaching driver takes it over the config's world_size. Ray's key-value store is replaced by a
-dict (the module reaches it only through compat/ray_private)."""
+none for a run never resized (an attaching driver then takes the config's world_size). Ray's
+key-value store is replaced by a dict (the module reaches it only through compat/ray_private)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,11 @@ def test_the_last_resize_survives_for_the_next_driver(store: dict[tuple[str, byt
     desired_size.record("run-a", 2)  # a second resize replaces the first
     desired_size.record("run-b", 5)  # another run's is its own
     assert desired_size.recorded("run-a") == 2 and desired_size.recorded("run-b") == 5
-    assert desired_size.on_attach(desired_size.recorded("run-a"), configured=4) == 2
     desired_size.forget("run-a")
     assert desired_size.recorded("run-a") is None and desired_size.recorded("run-b") == 5
 
 
-def test_a_run_never_resized_attaches_at_its_configured_size(store: dict[tuple[str, bytes], bytes]) -> None:
-    assert desired_size.on_attach(desired_size.recorded("run-c"), configured=4) == 4
+def test_a_run_never_resized_has_none_recorded(store: dict[tuple[str, bytes], bytes]) -> None:
+    # An attaching driver takes the configured world_size then (ZeroTrainer.__init__).
+    desired_size.record("run-b", 5)
+    assert desired_size.recorded("run-c") is None

@@ -32,10 +32,3 @@ def recorded(run_id: str) -> int | None:
 def forget(run_id: str) -> None:
     """Drop the record (the run is shut down)."""
     ray_private.kv_delete(_key(run_id), namespace=NAMESPACE)
-
-
-def on_attach(recorded_size: int | None, *, configured: int) -> int:
-    """The desired size a driver attaching takes: the one recorded by the drivers before it
-    (the last resize's), else the run's configured ``world_size`` (a run never resized, or one
-    started by a release that recorded none)."""
-    return configured if recorded_size is None else recorded_size

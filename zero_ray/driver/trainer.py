@@ -142,13 +142,14 @@ class ZeroTrainer:
             adopt = Adopted(actors=_found.actors, generation=_found.generation, layout=_found.layout)
         self._pool = OwnerPool(pool, self._engine, credentials=self._credentials, adopt=adopt)
         self._checkpoints = CheckpointAPI(self._pool, cfg.checkpoint)
+        # attached: the last resize's size, which the owners' config does not hold (None: never
+        # resized, or started by a release that recorded none)
+        resized = desired_size.recorded(_found.run_id) if _found is not None else None
         self._recovery = RecoveryController(
             self._pool, failure=FailurePolicy(max_failures=cfg.max_failures, backoff_s=elastic.backoff_s),
             scaling=ScalingPolicy(min_world_size=elastic.min_world_size, max_world_size=elastic.max_world_size,
                                   continue_on_survivors=elastic.continue_on_survivors and elastic.grow_back),
-            # attached: the last resize's size, which the owners' config does not hold
-            desired=cfg.world_size if _found is None else desired_size.on_attach(
-                desired_size.recorded(_found.run_id), configured=cfg.world_size),
+            desired=cfg.world_size if resized is None else resized,
             peer_redundancy=elastic.redundancy == "peer",
             grow_back=elastic.grow_back, grow_check_s=elastic.grow_check_s,
             checkpoint_root=self._checkpoints.recovery_root, topology=cfg.topology)
