@@ -63,7 +63,6 @@ def learnable_batches(*, steps: int, batch: int, length: int, vocab: int, seed: 
 # -- one configuration, run as a driver inside the head node's namespace ---------------------------
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     import ray
-    import torch
 
     import zero_ray as zr
     from benchmarks.harness.simcluster import cross_node_bytes
