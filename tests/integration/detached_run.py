@@ -3,6 +3,7 @@
     detached_run.py first OUT [ORPHAN_S]   start a detached run, write OUT/run.json after STEPS_BEFORE
                                            steps, then keep training slowly until killed
     detached_run.py second OUT RUN_ID      attach to the run, finish to STEPS and write OUT/final.pt
+    detached_run.py recorded RUN_ID...     print each run's desired size kept in Ray (JSON; null: none)
 
 The owners keep their optimizer state on disk (``Offload(optimizer="nvme")``) throughout. Both
 fit over the same token file (zero_ray.data.TokenFiles, whose order is a function of the
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import zero_ray as zr
+from zero_ray.driver import desired_size
 from zero_ray.models import mlp
 
 STEPS, STEPS_BEFORE = 8, 3
@@ -60,8 +62,8 @@ def first(out: str, orphan_s: float) -> None:
     with open(tmp, "w", encoding="utf-8") as fh:
         # The owners' pids: the test waits on them to end rather than polling `zero-ray status`.
         owner_pids = [ray.get(a.node.remote(), timeout=60)["pid"] for a in trainer.actors]
-        json.dump({"run_id": trainer.run_id, "step": trainer.step_count, "pid": os.getpid(), "owner_pids": owner_pids},
-                  fh)
+        json.dump({"run_id": trainer.run_id, "step": trainer.step_count, "pid": os.getpid(), "owner_pids": owner_pids,
+                   "recorded": desired_size.recorded(trainer.run_id)}, fh)
     os.replace(tmp, os.path.join(out, "run.json"))
     # The test SIGKILLs this process meanwhile; it never shuts the run down.
     trainer.fit(source(out), global_batch_size=BATCH, steps=STEPS - 1, seed=SEED, progress=False)
@@ -94,5 +96,7 @@ if __name__ == "__main__":
     ray.init(log_to_driver=False)
     if sys.argv[1] == "first":
         first(sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 120.0)
+    elif sys.argv[1] == "recorded":
+        print(json.dumps({run_id: desired_size.recorded(run_id) for run_id in sys.argv[2:]}))
     else:
         second(sys.argv[2], sys.argv[3])

@@ -1,7 +1,8 @@
 """A driver SIGKILLed mid-run on a `ray start` cluster, with no checkpoint directory: its detached
 owners keep the run, `zero-ray status` lists it, a second driver process attaches and finishes
 the fit over the same token files (mid-epoch), and the parameters equal the uninterrupted run's. Owners no driver reattaches end themselves
-after orphan_timeout_s. Uses a Ray head of its own (not the session's)."""
+after orphan_timeout_s, dropping the desired size their resize kept in Ray (as the second driver's
+shutdown drops its run's). Uses a Ray head of its own (not the session's)."""
 
 from __future__ import annotations
 
@@ -125,5 +126,12 @@ def test_a_second_driver_attaches_and_finishes_the_run(tmp_path: Path) -> None:
         listing = _status(head)
         assert info["run_id"] not in listing  # the second driver shut the run down
         assert orphan_info["run_id"] not in listing  # its owners ended
+        # Both runs recorded their resize; neither record outlives its run: the second driver's
+        # shutdown drops run a's, the orphaned owners drop run b's as they end.
+        assert info["recorded"] == orphan_info["recorded"] == run.RESIZED
+        kept = subprocess.run([sys.executable, SCRIPT, "recorded", info["run_id"], orphan_info["run_id"]],
+                              env=_env(head), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        assert kept.returncode == 0, kept.stderr[-3000:]
+        assert json.loads(kept.stdout.splitlines()[-1]) == {info["run_id"]: None, orphan_info["run_id"]: None}
         print(f"orphaned owners gone {gone:.1f}s after their driver was killed "
               f"(orphan_timeout_s={ORPHAN_S:g})")

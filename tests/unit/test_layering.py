@@ -16,7 +16,8 @@ from tests_paths import REPO_ROOT
 PACKAGE = os.path.join(REPO_ROOT, "zero_ray")
 PURE = ("core.flat_layout", "core.reshard_plan", "core.memory_formulas", "core.elastic_policy", "core.stage3_units", "core.stages", "core.group_policy",
         "core.updated_params", "core.whole_tensor_assignees", "core.optim_state", "checkpoint.format", "core.topology", "core.restore_plan",
-        "core.stall_diagnosis", "core.run_position", "core.relay_tree", "core.reply_combine", "core.tensor_parallel_plan")
+        "core.stall_diagnosis", "core.run_position", "core.relay_tree", "core.reply_combine", "core.tensor_parallel_plan",
+        "core.ray_names")
 # package -> packages it must never import (directly or lazily)
 FORBIDDEN = {
     "core": ("driver", "owner", "collective", "control", "checkpoint", "testing", "cli", "config", "compat"),

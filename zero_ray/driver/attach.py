@@ -26,9 +26,9 @@ import ray
 
 from zero_ray.control.client import ClientConfig, OwnerClient
 from zero_ray.control.handlers import ModelLayout, OwnerStatus
+from zero_ray.core.ray_names import NAMESPACE
 from zero_ray.core.run_position import Position
 from zero_ray.driver.model_view import ModelView
-from zero_ray.driver.owner_names import NAMESPACE
 from zero_ray.errors import ConfigError, ControlError, ModelError, OwnerLostError
 
 if TYPE_CHECKING:  # run_spec imports torch, which `zero-ray status` does without until a run answers

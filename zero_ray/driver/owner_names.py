@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ray
 
-NAMESPACE = "zero_ray"  # owners are named actors here, so that a new driver can find a detached run
+from zero_ray.core.ray_names import NAMESPACE
 
 
 def owner_name(run_id: str, rank: int, generation: int, start: int = 0) -> str:

@@ -35,6 +35,7 @@ from zero_ray.control.handlers import (
     SaveResult,
 )
 from zero_ray.core.placement import NodeRoom, Target, place_groups
+from zero_ray.core.ray_names import NAMESPACE
 from zero_ray.core.reply_combine import CombinedStep, CombinedTotals, combine_steps
 from zero_ray.core.reshard_plan import backup_peers
 from zero_ray.core.restore_plan import (
@@ -49,7 +50,7 @@ from zero_ray.driver.batch_staging import EvaluateCommand, Outgoing, StepCommand
 from zero_ray.driver.fanout import FanOut, Members, StepFlight
 from zero_ray.driver.health import HealthMonitor
 from zero_ray.driver.model_view import Adopted, ModelView
-from zero_ray.driver.owner_names import NAMESPACE, actor_alive, owner_name
+from zero_ray.driver.owner_names import actor_alive, owner_name
 from zero_ray.driver.relay_plane import RelayPlane
 from zero_ray.driver.pool_spec import PoolSpec, await_room, check_resources, cluster_is_local
 from zero_ray.driver.replacements import Replacements

@@ -37,6 +37,8 @@ from zero_ray.control.heap_freeze import freeze_heap
 from zero_ray.control.relay_host import RelayHost
 from zero_ray.control.server import ControlServer, ServerConfig, format_address
 from zero_ray.checkpoint.location import register_filesystem
+from zero_ray.compat import ray_private
+from zero_ray.core.ray_names import NAMESPACE, desired_size_key
 from zero_ray.owner.service.live_rank import GroupSettings, LiveRank
 from zero_ray.owner.service.owner_control import DriverContact, OwnerControl, OwnerPlace
 from zero_ray.owner.step.engine import OwnerEngine
@@ -152,16 +154,37 @@ class PartitionOwner:
         return self._options.run
 
     def _watch_for_driver(self) -> None:
-        """A detached owner that no driver has reached for ``orphan_timeout_s`` ends itself."""
+        """A detached owner that no driver has reached for ``orphan_timeout_s`` ends itself; a
+        member also drops its run's desired size (a standby no grow took in does not: its run
+        may go on)."""
         limit = self._options.orphan_timeout_s
         stop = threading.Event()
         while not stop.wait(min(1.0, limit / 10)):
             if time.monotonic() - self._contact.last > limit:
                 log.warning("rank %d: no driver for %.0fs (orphan_timeout_s); ending", self._rank.rank, limit)
                 try:
+                    if not self._contact.standby:
+                        self._drop_desired_size(timeout_s=5.0)
                     self.close()
                 finally:
                     os._exit(0)
+
+    def _drop_desired_size(self, *, timeout_s: float) -> None:
+        """Delete the run's desired size from Ray's key-value store (driver/desired_size.py): a
+        driver shutting the run down would have; with every member ending no driver can attach
+        to read it. Every member deletes it (whichever ends first; deleting twice is harmless),
+        waiting at most ``timeout_s``: the owner ends either way."""
+        key = desired_size_key(self._options.credentials.job_id)  # the job id is the run's id
+
+        def delete() -> None:
+            try:
+                ray_private.kv_delete(key, namespace=NAMESPACE)
+            except Exception as err:  # Ray's GCS unreachable: the key outlives the run, as before
+                log.warning("rank %d: the run's desired size was not deleted: %s", self._rank.rank, err)
+
+        deleting = threading.Thread(target=delete, name="zero_ray-orphan-kv", daemon=True)
+        deleting.start()
+        deleting.join(timeout_s)
 
     def close(self) -> None:
         """Stop serving and leave the collective group so the process can exit cleanly."""
