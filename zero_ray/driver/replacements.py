@@ -1,8 +1,10 @@
 """Replacement owners started ahead of the grow that takes them in.
 
 After a loss the run continues on the survivors at once (``ElasticConfig.continue_on_survivors``)
-while replacements start: an owner's start (a Ray worker process, then importing torch) takes
-seconds (measured 3.8-4.2 s on a 2-core machine), which the next step then does not wait for.
+while replacements start: an owner's start (a Ray worker process, then importing torch, and
+torch.optim's lazy imports, which the grow would otherwise wait for: ``actor.prepare_process``)
+takes seconds (measured 3.8-4.2 s on a 2-core machine; 3.7-5.9 s at load 7-12 with those
+imports), which the next step then does not wait for.
 They join at the first step boundary at which every one of them answers, as a grow
 (``OwnerPool.resize``). The next membership change takes them in or ends them: a grow or a
 rebuild adding owners from the same rank takes as many as it adds (ending the rest), any other
