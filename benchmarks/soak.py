@@ -15,8 +15,11 @@ throughout (the baseline in the same chunks, so both pay the same per-call cost)
 
 Measured: each fault's detect / decide / restore / replay seconds and steps lost (the run's
 RecoveryReports), its time lost; goodput = the sum over world sizes of (soak steps taken at that
-size x its fault-free seconds a step, from baselines at 4, 3 and 2 owners before the soak) / the
-soak's wall time (benchmarks/harness/goodput.py). Checked at the end: the final
+size x its fault-free seconds a step) / the soak's wall time (benchmarks/harness/goodput.py). The
+fault-free seconds a step pool baselines at 4, 3 and 2 owners before the soak with calibrations:
+a fault-free chunk every ``--calibrate-every-s`` soak seconds, run whenever no fault is in flight
+with the soak's clock stopped, so that the reference sees the machine's load as the faults do
+(a fault-free soak measured 79.8% against the baselines before it alone). Checked at the end: the final
 parameters against one process trained on the documented order (tests/fit_order.py: SGD, 1e-6),
 every epoch's samples read once each, every committed checkpoint verified (every block checksum
 and file hash) with its step and samples. Writes the JSON (with ``goodput``) and a Markdown table
@@ -55,6 +58,10 @@ CORPUS_TOKENS = 200_000  # 6,249 samples, 520 steps an epoch; more than the owne
 # 9 s with a beat every 0.5 s (was 12 s, 3 s): a 5 s cut stalls the streams about 7.4 s, plus up
 # to one interval of silence before it; frozen owners found 3 s sooner (docs/elastic.md, "Soak").
 HEALTH_TIMEOUT_S = 9.0
+# A fault-free chunk at the run's size every this many soak seconds, whenever no fault is in
+# flight, with the soak's clock stopped: goodput's reference in the soak's own stretch of load
+# (harness/goodput.Calibration). About 13 chunks in 30 minutes, 1,300 steps beside the 600 before.
+CALIBRATE_EVERY_S = 120.0
 HEALTH_INTERVAL_S = 0.5
 S3_PORT, LINK_MBIT, NODES, CPUS_PER_NODE = 9555, 1000.0, 2, 2
 # The full disk: a tmpfs that holds a few checkpoints of this GPT (about 0.5 MB each), filled to
@@ -126,7 +133,7 @@ def _supervise(spec: dict[str, Any], spec_path: str, deadline_s: float,
                     proc, spare = spare, _driver(spec_path, logs.format(f"standby-{len(kills) + 1}"), standby=True)
                 else:
                     proc = _driver(spec_path, logs.format(len(kills) + 1), attach=state.run_id)
-                kills.append({"t_s": round(at - (state.t0 or at), 3), "pid": state.kills[len(kills)],
+                kills.append({"t_s": round(state.soak_s(at), 3), "pid": state.kills[len(kills)],
                               "returncode": rc, "next_pid": proc.pid, "standby": spare is not None})
                 continue
             if proc.poll() is not None:
@@ -157,7 +164,7 @@ def _driver_kills(records: list[FaultRecord], state: JournalState, kills: list[d
         first = next((s for s in state.steps if s.t_s > attached.t_s), None)
         rec.fired = kill["returncode"] == -signal.SIGKILL and attached.pid == kill["next_pid"]
         ready = state.ready.get(attached.pid)
-        connected = "" if ready is None or state.t0 is None else f", connected to Ray at {ready - state.t0:.1f} s"
+        connected = "" if ready is None or state.t0 is None else f", connected to Ray at {state.soak_s(ready):.1f} s"
         rec.evidence = (f"SIGKILL at {kill['t_s']:.1f} s (exit {kill['returncode']}); "
                         f"{'standby ' if kill.get('standby') else ''}driver pid {attached.pid}{connected}, "
                         f"attached at {attached.t_s:.1f} s at step {attached.step}")
@@ -172,7 +179,7 @@ def _driver_kills(records: list[FaultRecord], state: JournalState, kills: list[d
 def inner(args: argparse.Namespace) -> None:
     """In the head's namespace, the supervisor: the S3 server, the training drivers (one after
     another when ``driver_sigkill`` kills one), the accounting and the checks; prints one JSON line."""
-    from benchmarks.harness.goodput import DEFINITION, goodput, pace_s, shares
+    from benchmarks.harness.goodput import DEFINITION, goodput, pace_s, reference_step_s, shares
     from benchmarks.harness.s3_remote import serve
     import torch
 
@@ -199,7 +206,7 @@ def inner(args: argparse.Namespace) -> None:
             "fault_interval_s": args.fault_interval_s, "kinds": args.kinds, "far_ns": args.far_ns,
             "head_ip": args.head_ip, "far_ip": args.far_ip, "disk": args.disk, "netem": args.netem,
             "link_mbit": LINK_MBIT, "disk_leave_bytes": DISK_LEAVE_BYTES, "s3_socket": os.path.join(work, "s3.sock"),
-            "s3_authkey": authkey.hex()}
+            "s3_authkey": authkey.hex(), "calibrate_every_s": args.calibrate_every_s}
     spec_path = os.path.join(work, "spec.json")
     load_before: list[float] = []
     Path(spec_path).write_text(json.dumps(spec))
@@ -213,7 +220,10 @@ def inner(args: argparse.Namespace) -> None:
     out: dict[str, Any] = {"not_injected": list(NOT_INJECTED), "baseline": state.baseline,
                            "baseline_recoveries": state.baseline_recoveries, "detached": spec["detached"],
                            "drivers": state.pids, "driver_kills": kills}
-    baseline = {int(k): v["step_s"] for k, v in state.baseline.items()}
+    before = {int(k): v["step_s"] for k, v in state.baseline.items()}
+    # The reference: the baselines pooled with the calibrations interleaved with the soak.
+    baseline = reference_step_s({int(k): (v["steps"], v["s"]) for k, v in state.baseline.items()},
+                                state.calibrations)
     records = [FaultRecord(**state.faults[i]) for i in sorted(state.faults)]
     soak_s = end["soak_s"]
     attribute(records, state.recoveries, state.steps, soak_s, baseline)
@@ -229,8 +239,14 @@ def inner(args: argparse.Namespace) -> None:
     out["pace_ms"] = {str(p.size): round(1000 * v, 1) for p in parts if (v := pace_s(state.steps, p.size)) is not None}
     out["goodput"] = round(goodput(parts, wall_s=soak_s), 4)
     out["goodput_definition"] = DEFINITION
+    out["reference_ms"] = {str(k): round(1000 * v, 1) for k, v in baseline.items()}
+    out["calibrations"] = [asdict(c) for c in state.calibrations]
+    out["calibration_paused_s"] = round(state.paused_s, 2)
+    # What the baselines before the soak alone would say (the first soaks' measure): the load's drift
+    # over the soak charged to the faults.
+    out["goodput_before_only"] = round(goodput(shares(state.steps, end_s=soak_s, baseline=before), wall_s=soak_s), 4)
     # The first soak's measure, kept to show what it overstated: every step at the 4-owner time.
-    out["goodput_at_4_owner_time"] = round(steps * baseline[NODES * CPUS_PER_NODE] / soak_s, 4)
+    out["goodput_at_4_owner_time"] = round(steps * before[NODES * CPUS_PER_NODE] / soak_s, 4)
     out["faults"] = [asdict(r) for r in records]
     # Faults the run never settled for (soak_faults.Injector.overdue_s): the schedule stalled there.
     out["events"] = state.events
@@ -267,6 +283,22 @@ def _rest(faults: list[dict[str, Any]]) -> float:
     return sum(f["lost_s"] - f["detect_s"] - f["decide_s"] - f["restore_s"] - f["replay_s"] for f in faults)
 
 
+def _calibrations_note(r: dict[str, Any]) -> str:
+    """The reference beside the baselines: the calibrations interleaved with the soak, pooled."""
+    cals = r.get("calibrations")
+    if not cals:
+        return ""
+    valid = [c for c in cals if c["valid"]]
+    by = {}
+    for c in valid:
+        by.setdefault(c["size"], []).append(1000 * c["s"] / c["steps"])
+    return (f"; {len(valid)} fault-free calibration chunks interleaved with the soak ({len(cals) - len(valid)} "
+            f"not used: a recovery or resize landed in them), ms a step by owners (range): "
+            + ", ".join(f"{n}: {min(v):.0f}-{max(v):.0f} ({len(v)})" for n, v in sorted(by.items(), reverse=True))
+            + "; the reference, both pooled: " + ", ".join(f"{k}: {v:.0f}" for k, v in r["reference_ms"].items())
+            + f". Against the baselines before the soak alone, goodput {100 * r['goodput_before_only']:.1f}%")
+
+
 def _drivers_note(r: dict[str, Any]) -> str:
     if not r.get("detached"):
         return ""
@@ -283,9 +315,12 @@ def markdown(r: dict[str, Any]) -> str:
              f" (before it: {r.get('baseline_recoveries', 0)}).", "",
              f"**Goodput {100 * r['goodput']:.1f}%** ({r.get('goodput_definition', '')}): {soak['steps']} steps in "
              f"{soak['s']:.0f} s; fault-free at the sizes they were taken at they take {soak['fault_free_s']:.0f} s. "
-             f"Fault-free ms a step by owners (baselines of the same run): "
-             + ", ".join(f"{k}: {v['step_s'] * 1000:.0f} ({v['steps']} steps)" for k, v in base.items())
-             + f". Every step at the 4-owner time would say {100 * r.get('goodput_at_4_owner_time', 0):.1f}%. "
+             f"Fault-free ms a step by owners (baselines of the same run, before the soak): "
+             + ", ".join(f"{k}: {v['step_s'] * 1000:.0f} ({v['steps']} steps)"
+                        for k, v in sorted(base.items(), key=lambda kv: -int(kv[0])))
+             + _calibrations_note(r)
+             + f". Every step at the 4-owner time of the baselines would say "
+             f"{100 * r.get('goodput_at_4_owner_time', 0):.1f}%. "
              f"Load average {soak['load_before'][0]:.1f} before, {soak['load_after'][0]:.1f} after"
              f"{' (' + soak['load_note'] + ')' if soak.get('load_note') else ''}."
              + (" The soak's own median ms a step (steps under 1 s apart at one size, checkpoints' steps among "
@@ -362,6 +397,7 @@ def outer(args: argparse.Namespace) -> None:
                     f"{args.fault_interval_s:g}", "--baseline-chunks", str(args.baseline_chunks),
                     "--health-timeout-s", f"{args.health_timeout_s:g}",
                     "--health-interval-s", f"{args.health_interval_s:g}",
+                    "--calibrate-every-s", f"{args.calibrate_every_s:g}",
                     "--standby-driver" if args.standby_driver else "--no-standby-driver"]
             argv += ["--kinds", args.kinds] if args.kinds else []
             got = cluster.run_in_head(argv + (["--netem"] if netem else []), timeout_s=args.minutes * 60 * 3 + 900,
@@ -391,6 +427,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=46)
     ap.add_argument("--fault-interval-s", type=float, default=60.0)
     ap.add_argument("--baseline-chunks", type=int, default=2, help=f"fault-free chunks of {CHUNK} steps")
+    ap.add_argument("--calibrate-every-s", type=float, default=CALIBRATE_EVERY_S,
+                    help=f"soak seconds between fault-free calibration chunks of {CHUNK} steps (0: none)")
     ap.add_argument("--kinds", default="", help="comma-separated fault kinds to draw from (default: all; "
                     "benchmarks/harness/soak_faults.py KINDS)")
     ap.add_argument("--health-timeout-s", type=float, default=HEALTH_TIMEOUT_S,

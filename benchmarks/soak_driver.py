@@ -34,10 +34,49 @@ CHUNK, CHECKPOINT_EVERY, WARM_STEPS = 100, 50, 20
 COLLECTIVE_TIMEOUT_S = 15.0
 SHORT_CUT_S, LONG_CUT_S, DEGRADE_S = 5.0, 17.0, 20.0
 OVERDUE_INTERVALS = 3  # a fault held longer than this many intervals is recorded as missed
-BASELINE_SIZES = (4, 3, 2)  # every size the soak passes through: its resizes (4 <-> 3), a node's loss (2)
+# Every size the soak passes through: its resizes (4 <-> 3), a node's loss (2). The soak's own size
+# last, so that its baseline is taken on the processes the soak starts with (owners started for
+# the resizes back up among them), right before it.
+BASELINE_SIZES = (3, 2, 4)
 # A detached run's owners end themselves after this long without a driver: well above a new
 # driver's start (a Python process, Ray's connection, attach) on a loaded machine.
 ORPHAN_TIMEOUT_S = 120.0
+
+
+class SoakClock:
+    """Soak seconds: since ``t0``, less the time the calibrations took (fault-free chunks the soak
+    neither counts nor schedules faults in; harness/goodput.Calibration). One clock for every
+    driver: one that attaches starts from the journal's t0 and its calibrations."""
+
+    t0: float
+    paused_s: float
+
+    def __init__(self, t0: float, paused_s: float = 0.0) -> None:
+        self.t0, self.paused_s = t0, paused_s
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0 - self.paused_s
+
+
+def _calibrate(trainer: Any, source: Any, clock: SoakClock, journal: Any) -> None:
+    """One fault-free chunk at the run's size with the soak's clock stopped; valid (and the clock
+    stays stopped over it) only when no recovery or resize landed during it."""
+    from benchmarks.harness.goodput import Calibration, StepAt
+    from benchmarks.harness.soak_journal import Journal
+
+    size, recoveries, at = trainer.world_size, len(trainer.recoveries), clock.now()
+    # Each step written down as the soak's are (to a file beside the journal, which its steps are
+    # not), so that the reference pays the soak's per-step cost in this driver too.
+    aside = Journal(journal.path + ".calibration")
+    t = time.monotonic()
+    _fit(trainer, source, trainer.step_count + CHUNK,
+         lambda m: aside.step(StepAt(t_s=round(clock.now(), 3), step=m["step"], size=trainer.world_size)))
+    took = time.monotonic() - t
+    valid = trainer.world_size == size and len(trainer.recoveries) == recoveries
+    journal.write("calibration", asdict(Calibration(at_s=round(at, 3), size=size, steps=CHUNK, s=round(took, 3),
+                                                    valid=valid)))
+    if valid:
+        clock.paused_s += round(took, 3)  # as the journal has it: an attaching driver sums the same
 
 
 def gpt() -> Any:
@@ -83,7 +122,8 @@ def _first(spec: dict[str, Any], journal: Any, callbacks: list[Any]) -> tuple[An
         steps = spec["baseline_chunks"] * CHUNK
         baseline[str(size)] = {"steps": steps, "s": round(base_s, 2), "step_s": round(base_s / steps, 4)}
     journal.write("baseline", {"sizes": baseline, "recoveries": len(trainer.recoveries)})
-    trainer.resize(world)
+    if trainer.world_size != world:
+        trainer.resize(world)
     t0 = time.monotonic()
     journal.write("t0", t0)
     return trainer, t0
@@ -111,7 +151,7 @@ def main() -> None:
     standby = len(sys.argv) > 2 and sys.argv[2] == "--standby"
     journal = Journal(spec["journal"])
 
-    clock: list[float] = []  # the soak's t0, once known: events before it are the set-up's
+    clock: list[SoakClock] = []  # the soak's, once known: events before it are the set-up's
 
     class Committed(zr.Callback):
         def on_checkpoint(self, path: str, step: int) -> None:
@@ -120,7 +160,7 @@ def main() -> None:
         def on_event(self, text: str) -> None:
             # resizes (a grow back's seconds among them), recoveries, attaches: where a fault's time went
             if clock:
-                journal.write("event", {"t_s": round(time.monotonic() - clock[0], 3), "text": text})
+                journal.write("event", {"t_s": round(clock[0].now(), 3), "text": text})
 
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     if standby:
@@ -133,15 +173,18 @@ def main() -> None:
     if attach is None:
         trainer, t0 = _first(spec, journal, [Committed()])
         seen = len(trainer.recoveries)  # the baselines' resizes are not the soak's
+        soak_clock, last_calibration = SoakClock(t0), 0.0
     else:
         trainer = zr.ZeroTrainer.attach(attach, gpt(), lm_loss, callbacks=[Committed()])
         before = read(spec["journal"])
         assert before.t0 is not None, "a driver attaches only once the soak has started"
-        t0, seen = before.t0, 0  # the attach's own recovery (owners left mid-step) is the fault's
+        seen = 0  # the attach's own recovery (owners left mid-step) is the fault's
+        soak_clock = SoakClock(before.t0, before.paused_s)
+        last_calibration = max((c.at_s for c in before.calibrations), default=0.0)
         journal.write("run", {"run_id": trainer.run_id, "pid": os.getpid()})
-        journal.write("attached", asdict(Attached(t_s=round(time.monotonic() - t0, 3), step=trainer.step_count,
+        journal.write("attached", asdict(Attached(t_s=round(soak_clock.now(), 3), step=trainer.step_count,
                                                   pid=os.getpid())))
-    clock.append(t0)
+    clock.append(soak_clock)
     duration_s = spec["minutes"] * 60
     kinds = spec["kinds"]
     plan = [] if kinds == "none" else schedule(seed=spec["seed"], duration_s=duration_s,
@@ -171,7 +214,7 @@ def main() -> None:
                 written[i] = now
 
     def tick(metrics: Any) -> None:
-        elapsed = time.monotonic() - t0
+        elapsed = soak_clock.now()
         journal.step(StepAt(t_s=round(elapsed, 3), step=metrics["step"], size=trainer.world_size))
         if not injector.kill_requested:
             injector.tick(elapsed, metrics["step"])
@@ -182,12 +225,17 @@ def main() -> None:
 
     source = _source(spec)
     load_before = os.getloadavg()
+    every_s = spec["calibrate_every_s"]
     try:
-        while time.monotonic() - t0 < duration_s:
+        while soak_clock.now() < duration_s:
+            if every_s and soak_clock.now() - last_calibration >= every_s and injector.quiet():
+                last_calibration = soak_clock.now()
+                _calibrate(trainer, source, soak_clock, journal)
+                continue
             _fit(trainer, source, trainer.step_count + CHUNK, tick)
     finally:
         injector.close()
-    soak_s = time.monotonic() - t0
+    soak_s = soak_clock.now()
     report()
     state_path = os.path.join(os.path.dirname(spec["journal"]), "final.pt")
     import torch

@@ -8,14 +8,45 @@ on the same cluster, workload and batch right before the soak, and
     goodput = sum over sizes n of (steps taken at n x fault-free seconds a step at n) / soak wall time
 
 i.e. the time a fault-free run at the same sizes would have needed for the same steps, over the
-time the soak took. Pure: no Ray, no torch (tests/unit/test_soak_goodput.py)."""
+time the soak took. The fault-free seconds a step pool the baselines with the soak's calibrations:
+fault-free chunks interleaved with the soak (``Calibration``), so the reference sees the same
+stretches of the machine's load as the faults do. Pure: no Ray, no torch (tests/unit/test_soak_goodput.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 DEFINITION = ("sum over world sizes n of (soak steps taken at n x fault-free seconds a step at n, measured on "
-              "the same cluster and workload before the soak) / soak wall seconds")
+              "the same cluster and workload before the soak and in fault-free chunks interleaved with it) / "
+              "soak wall seconds")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """A fault-free chunk the soak ran between its own chunks, with no fault in flight and its clock
+    stopped (the soak does not count its steps or time): the fault-free pace at ``size`` in the
+    soak's own stretch of the machine's load. A fault-free soak measured its steps 14-25% slower
+    than the baselines taken before it (4 minutes, no fault: goodput 79.8%), so a reference taken
+    only before the soak charges the load's drift to the faults. ``valid`` False: a recovery or a
+    resize landed during it (its time is then the soak's, and it is no reference)."""
+
+    at_s: float  # soak seconds when it began
+    size: int
+    steps: int
+    s: float
+    valid: bool
+
+
+def reference_step_s(baseline: dict[int, tuple[int, float]], calibrations: list[Calibration]) -> dict[int, float]:
+    """Fault-free seconds a step at each size: the baseline's (``size -> (steps, seconds)``)
+    pooled with every valid calibration's at that size (total seconds over total steps)."""
+    steps = {n: b[0] for n, b in baseline.items()}
+    secs = {n: b[1] for n, b in baseline.items()}
+    for c in calibrations:
+        if c.valid:
+            steps[c.size] = steps.get(c.size, 0) + c.steps
+            secs[c.size] = secs.get(c.size, 0.0) + c.s
+    return {n: secs[n] / steps[n] for n in sorted(steps) if steps[n] > 0}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,6 +48,7 @@ DRIVER_SIGKILL = "driver_sigkill"
 KINDS = (OWNER_SIGKILL, OWNER_SIGSTOP, LINK_CUT_SHORT, LINK_CUT_LONG, DEGRADED_LINK, RESIZE, S3_READ_ERRORS,
          S3_SAVE_ERRORS, NODE_KILLED, FULL_DISK, DRIVER_SIGKILL)
 NOT_INJECTED: tuple[str, ...] = ()  # every kind issue 46 asks for is injected
+S3_ERRORS = 3  # each S3 error fault answers this many requests with 503 SlowDown
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,6 +194,13 @@ class Injector:
                                     f"owners (the injector keeps {self._size}), {len(self._unsettled)} unsettled "
                                     "checks (a link, a process, a node)")
 
+    def quiet(self) -> bool:
+        """Nothing of a fault is still in flight: no kill asked, no timer running (a cut or a
+        degraded link still to restore, a node still to start again), every S3 error rule spent,
+        the run back at its size with every check settled. The soak's calibrations run only then."""
+        return (not self.kill_requested and not any(t.is_alive() for t in self._timers)
+                and all(rule.hits >= S3_ERRORS for _, rule in self._rules) and self._settled())
+
     def _end_rules(self) -> None:
         for rec, rule in self._rules:
             rec.fired, rec.evidence = rule.hits > 0, rec.evidence + f"; {rule.hits} errors answered"
@@ -289,8 +297,8 @@ class Injector:
         rec.fired, rec.evidence = self._size == size, f"world size {self._size} after the resize"
 
     def _s3_errors(self, rec: FaultRecord, pattern: str, methods: tuple[str, ...], what: str) -> Any:
-        rule = self._stack.enter_context(self.cluster.s3.failing(pattern, count=3, methods=methods))
-        rec.target = f"3 x 503 SlowDown on {what}"
+        rule = self._stack.enter_context(self.cluster.s3.failing(pattern, count=S3_ERRORS, methods=methods))
+        rec.target = f"{S3_ERRORS} x 503 SlowDown on {what}"
         self._rules.append((rec, rule))
         return rule
 

@@ -10,7 +10,8 @@ process on this machine), ``step`` (a ``StepAt``), ``recovery`` (a ``Recovered``
 ``committed`` (a checkpoint's path and step), ``kill`` (the driver asks its supervisor for its
 SIGKILL), ``ready`` (a driver that will attach is connected to Ray and has the run id: its pid and
 ``time.monotonic()``; for one started ahead, ``--standby``, when it was handed the run),
-``attached`` (a new driver took the run over), ``event`` (one of the trainer's events during the
+``attached`` (a new driver took the run over), ``calibration`` (a fault-free chunk run with the
+soak's clock stopped: goodput's reference, harness/goodput.Calibration), ``event`` (one of the trainer's events during the
 soak: resizes with their seconds, recoveries, attaches; soak seconds and text), ``end`` (the soak's
 last figures)."""
 
@@ -21,7 +22,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from benchmarks.harness.goodput import StepAt
+from benchmarks.harness.goodput import Calibration, StepAt
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +72,22 @@ class JournalState:
     attached: list[Attached] = field(default_factory=list)
     ready: dict[int, float] = field(default_factory=dict)  # attaching driver's pid -> when it could begin to
     events: list[tuple[float, str]] = field(default_factory=list)  # soak seconds, the trainer's event text
+    calibrations: list[Calibration] = field(default_factory=list)
     end: dict[str, Any] | None = None
+
+    @property
+    def paused_s(self) -> float:
+        """Seconds the soak's clock stood still: its valid calibrations'."""
+        return sum(c.s for c in self.calibrations if c.valid)
+
+    def soak_s(self, at: float) -> float:
+        """A ``time.monotonic()`` reading in soak seconds: since t0, less the calibrations begun before it."""
+        assert self.t0 is not None, "soak seconds exist only once the soak has begun"
+        paused = 0.0
+        for c in self.calibrations:
+            if c.valid and self.t0 + c.at_s + paused < at:
+                paused += c.s
+        return at - self.t0 - paused
 
     def add(self, line: dict[str, Any]) -> None:
         (key, value), = line.items()
@@ -99,6 +115,8 @@ class JournalState:
             self.attached.append(Attached(**value))
         elif key == "event":
             self.events.append((value["t_s"], value["text"]))
+        elif key == "calibration":
+            self.calibrations.append(Calibration(**value))
         elif key == "end":
             self.end = value
         else:

@@ -50,3 +50,39 @@ def test_a_fault_held_past_overdue_s_is_recorded_as_missed_not_silence() -> None
     assert "the run at 4 owners (the injector keeps 3)" in inj.records[0].evidence
     inj.tick(51.0, step=250)
     assert [r.kind for r in inj.records if r.missed] == ["resize", "owner_sigkill"] and inj.pending == []
+
+
+class _Rule:
+    def __init__(self, hits: int) -> None:
+        self.hits = hits
+
+
+def test_calibrations_wait_until_no_fault_is_in_flight() -> None:
+    """A calibration is the reference for fault-free steps: never one with a timer still to undo a
+    cut, an S3 error rule not yet spent, a check unsettled or the driver's kill asked."""
+    import threading
+
+    from benchmarks.harness.soak_faults import S3_ERRORS, Injector
+
+    inj = Injector(_Trainer(), cluster=None, plan=[], seed=1, sizes=(4, 3), short_cut_s=5, long_cut_s=17,
+                   degrade_s=20, overdue_s=30.0)
+    assert inj.quiet()
+    release = threading.Event()
+    timer = threading.Thread(target=release.wait, args=(30,))
+    timer.start()
+    inj._timers.append(timer)
+    assert not inj.quiet()
+    release.set()
+    timer.join(timeout=30)
+    assert inj.quiet()
+    inj._rules.append((None, _Rule(hits=S3_ERRORS - 1)))
+    assert not inj.quiet()
+    inj._rules[-1] = (None, _Rule(hits=S3_ERRORS))
+    assert inj.quiet()
+    inj._unsettled.append(lambda: False)
+    assert not inj.quiet()
+    inj._unsettled.clear()
+    inj._size = 3  # the injector keeps 3, the run is at 4
+    assert not inj.quiet()
+    inj._size, inj.kill_requested = 4, True
+    assert not inj.quiet()

@@ -76,3 +76,16 @@ def test_the_soaks_own_pace_leaves_out_stalls_and_size_changes() -> None:
     assert abs(pace_s(steps, 4) - 0.15) < 1e-9  # 0.1 and 0.2; the 4.7 s stall left out
     assert abs(pace_s(steps, 3) - 0.075) < 1e-9  # 0.05 and 0.1; the resize's gap (4 -> 3) left out
     assert pace_s(steps, 2) is None
+
+
+def test_the_reference_pools_the_baseline_with_the_valid_calibrations_only() -> None:
+    from benchmarks.harness.goodput import Calibration, reference_step_s
+
+    base = {4: (200, 18.0), 3: (200, 12.0)}  # 90 and 60 ms a step before the soak
+    cals = [Calibration(at_s=120.0, size=4, steps=100, s=11.0, valid=True),
+            Calibration(at_s=240.0, size=4, steps=100, s=11.0, valid=True),
+            Calibration(at_s=360.0, size=4, steps=100, s=50.0, valid=False),  # a recovery in it: not fault-free
+            Calibration(at_s=480.0, size=2, steps=100, s=4.0, valid=True)]  # a size the baselines lack
+    ref = reference_step_s(base, cals)
+    assert ref == pytest.approx({4: 40.0 / 400, 3: 0.06, 2: 0.04})
+    assert reference_step_s(base, []) == pytest.approx({4: 0.09, 3: 0.06})

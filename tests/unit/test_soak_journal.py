@@ -78,3 +78,17 @@ def test_the_driver_sigkill_is_a_kind_of_the_seeded_schedule() -> None:
     assert DRIVER_SIGKILL in KINDS and not NOT_INJECTED
     plan = schedule(seed=46, duration_s=120, interval_s=30, kinds=(DRIVER_SIGKILL, "owner_sigkill"))
     assert [p.kind for p in plan] == ["owner_sigkill", DRIVER_SIGKILL, DRIVER_SIGKILL]
+
+
+def test_soak_seconds_leave_out_the_calibrations_begun_before() -> None:
+    from benchmarks.harness.goodput import Calibration
+
+    state = JournalState(t0=1000.0)
+    for c in (Calibration(at_s=100.0, size=4, steps=100, s=10.0, valid=True),  # monotonic 1100-1110
+              Calibration(at_s=200.0, size=4, steps=100, s=30.0, valid=False),  # the soak's own time
+              Calibration(at_s=300.0, size=3, steps=100, s=8.0, valid=True)):  # monotonic 1340-1348
+        state.add({"calibration": asdict(c)})
+    assert state.paused_s == pytest.approx(18.0)
+    assert state.soak_s(1050.0) == pytest.approx(50.0)
+    assert state.soak_s(1200.0) == pytest.approx(190.0)
+    assert state.soak_s(1400.0) == pytest.approx(382.0)
