@@ -194,12 +194,22 @@ class Injector:
                                     f"owners (the injector keeps {self._size}), {len(self._unsettled)} unsettled "
                                     "checks (a link, a process, a node)")
 
-    def quiet(self) -> bool:
-        """Nothing of a fault is still in flight: no kill asked, no timer running (a cut or a
-        degraded link still to restore, a node still to start again), every S3 error rule spent,
-        the run back at its size with every check settled. The soak's calibrations run only then."""
-        return (not self.kill_requested and not any(t.is_alive() for t in self._timers)
-                and all(rule.hits >= S3_ERRORS for _, rule in self._rules) and self._settled())
+    def quiet(self, elapsed_s: float, *, for_s: float = 0.0) -> bool:
+        """Nothing of a fault is still in flight, and has not been for ``for_s`` soak seconds: no
+        kill asked, no timer running (a cut or a degraded link still to restore, a node still to
+        start again), every S3 error rule spent, the run back at its size with every check settled
+        at least ``for_s`` before ``elapsed_s``. The soak's calibrations run only then: what
+        follows a fault's settling (a replacement's first steps, the survivors' catching up) is
+        the fault's time, not the fault-free reference."""
+        if (self.kill_requested or any(t.is_alive() for t in self._timers)
+                or not all(rule.hits >= S3_ERRORS for _, rule in self._rules) or not self._settled()):
+            return False
+        if not self.records:
+            return True
+        last = self.records[-1]
+        if last.settled_s is None:  # settled since the last tick: from now
+            last.settled_s = round(elapsed_s - last.at_s, 2)
+        return elapsed_s - (last.at_s + last.settled_s) >= for_s
 
     def _end_rules(self) -> None:
         for rec, rule in self._rules:

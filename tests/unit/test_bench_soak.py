@@ -66,23 +66,35 @@ def test_calibrations_wait_until_no_fault_is_in_flight() -> None:
 
     inj = Injector(_Trainer(), cluster=None, plan=[], seed=1, sizes=(4, 3), short_cut_s=5, long_cut_s=17,
                    degrade_s=20, overdue_s=30.0)
-    assert inj.quiet()
+    assert inj.quiet(100.0)
     release = threading.Event()
     timer = threading.Thread(target=release.wait, args=(30,))
     timer.start()
     inj._timers.append(timer)
-    assert not inj.quiet()
+    assert not inj.quiet(100.0)
     release.set()
     timer.join(timeout=30)
-    assert inj.quiet()
+    assert inj.quiet(100.0)
     inj._rules.append((None, _Rule(hits=S3_ERRORS - 1)))
-    assert not inj.quiet()
+    assert not inj.quiet(100.0)
     inj._rules[-1] = (None, _Rule(hits=S3_ERRORS))
-    assert inj.quiet()
+    assert inj.quiet(100.0)
     inj._unsettled.append(lambda: False)
-    assert not inj.quiet()
+    assert not inj.quiet(100.0)
     inj._unsettled.clear()
     inj._size = 3  # the injector keeps 3, the run is at 4
-    assert not inj.quiet()
+    assert not inj.quiet(100.0)
     inj._size, inj.kill_requested = 4, True
-    assert not inj.quiet()
+    assert not inj.quiet(100.0)
+
+
+def test_a_calibration_waits_for_the_last_fault_to_have_settled_long_enough() -> None:
+    from benchmarks.harness.soak_faults import FaultRecord, Injector
+
+    inj = Injector(_Trainer(), cluster=None, plan=[], seed=1, sizes=(4, 3), short_cut_s=5, long_cut_s=17,
+                   degrade_s=20, overdue_s=30.0)
+    inj.records.append(FaultRecord(kind="owner_sigkill", planned_s=60.0, at_s=60.0, at_step=600))
+    assert not inj.quiet(70.0, for_s=20.0)  # settled now (no tick saw it): 20 s from here
+    assert inj.records[-1].settled_s == 10.0
+    assert not inj.quiet(89.0, for_s=20.0)
+    assert inj.quiet(90.0, for_s=20.0)
