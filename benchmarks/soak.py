@@ -58,9 +58,10 @@ CORPUS_TOKENS = 200_000  # 6,249 samples, 520 steps an epoch; more than the owne
 # 9 s with a beat every 0.5 s (was 12 s, 3 s): a 5 s cut stalls the streams about 7.4 s, plus up
 # to one interval of silence before it; frozen owners found 3 s sooner (docs/elastic.md, "Soak").
 HEALTH_TIMEOUT_S = 9.0
-# A fault-free chunk at the run's size every this many soak seconds, whenever no fault is in
-# flight, with the soak's clock stopped: goodput's reference in the soak's own stretch of load
-# (harness/goodput.Calibration). About 13 chunks in 30 minutes, 1,300 steps beside the 600 before.
+# A round of fault-free chunks every this many soak seconds, once no fault has been in flight for
+# 20 s, with the soak's clock stopped: one at the run's size and one at another size in turn (a
+# resize there and back inside the round), goodput's reference in the soak's own stretch of load
+# (harness/goodput.Calibration). About 13 rounds in 30 minutes, 2,600 steps beside the 600 before.
 CALIBRATE_EVERY_S = 120.0
 HEALTH_INTERVAL_S = 0.5
 S3_PORT, LINK_MBIT, NODES, CPUS_PER_NODE = 9555, 1000.0, 2, 2

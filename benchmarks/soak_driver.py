@@ -65,25 +65,38 @@ class SoakClock:
         return time.monotonic() - self.t0 - self.paused_s
 
 
-def _calibrate(trainer: Any, source: Any, clock: SoakClock, journal: Any) -> None:
-    """One fault-free chunk at the run's size with the soak's clock stopped; valid (and the clock
-    stays stopped over it) only when no recovery or resize landed during it."""
+def _calibrate(trainer: Any, source: Any, clock: SoakClock, journal: Any, other: int | None) -> None:
+    """A round of fault-free chunks with the soak's clock stopped: one at the run's size, then,
+    with ``other``, a resize there, WARM_STEPS and one at that size, and back (a resize and
+    WARM_STEPS), so that sizes the run only passes through after faults (2 owners) get a reference
+    from the soak's own stretch too. Valid (the clock stays stopped over the whole round) only when
+    no recovery landed in it and the run ends it at its size."""
     from benchmarks.harness.goodput import Calibration, StepAt
     from benchmarks.harness.soak_journal import Journal
 
-    size, recoveries, at = trainer.world_size, len(trainer.recoveries), clock.now()
+    home, recoveries, at = trainer.world_size, len(trainer.recoveries), clock.now()
     # Each step written down as the soak's are (to a file beside the journal, which its steps are
     # not), so that the reference pays the soak's per-step cost in this driver too.
     aside = Journal(journal.path + ".calibration")
-    t = time.monotonic()
-    _fit(trainer, source, trainer.step_count + CHUNK,
-         lambda m: aside.step(StepAt(t_s=round(clock.now(), 3), step=m["step"], size=trainer.world_size)))
-    took = time.monotonic() - t
-    valid = trainer.world_size == size and len(trainer.recoveries) == recoveries
-    journal.write("calibration", asdict(Calibration(at_s=round(at, 3), size=size, steps=CHUNK, s=round(took, 3),
-                                                    valid=valid)))
+    start, timed = time.monotonic(), []
+    for size in (home,) if other is None else (home, other):
+        if trainer.world_size != size:
+            trainer.resize(size)
+            _fit(trainer, source, trainer.step_count + WARM_STEPS)
+        t = time.monotonic()
+        _fit(trainer, source, trainer.step_count + CHUNK,
+             lambda m: aside.step(StepAt(t_s=round(clock.now(), 3), step=m["step"], size=trainer.world_size)))
+        timed.append((size, time.monotonic() - t))
+    if trainer.world_size != home:  # back, even after a loss: the injector keeps the run at home
+        trainer.resize(home)
+        _fit(trainer, source, trainer.step_count + WARM_STEPS)
+    took = round(time.monotonic() - start, 3)
+    valid = trainer.world_size == home and len(trainer.recoveries) == recoveries
+    for i, (size, s) in enumerate(timed):
+        journal.write("calibration", asdict(Calibration(at_s=round(at, 3), size=size, steps=CHUNK, s=round(s, 3),
+                                                        valid=valid, paused_s=took if i == 0 else 0.0)))
     if valid:
-        clock.paused_s += round(took, 3)  # as the journal has it: an attaching driver sums the same
+        clock.paused_s += took  # as the journal has it: an attaching driver sums the same
 
 
 def gpt() -> Any:
@@ -238,7 +251,10 @@ def main() -> None:
             if (every_s and soak_clock.now() - last_calibration >= every_s
                     and injector.quiet(soak_clock.now(), for_s=CALIBRATION_AFTER_S)):
                 last_calibration = soak_clock.now()
-                _calibrate(trainer, source, soak_clock, journal)
+                others = [n for n in BASELINE_SIZES if n != trainer.world_size]
+                # One other size a round, in turn (a round's cost stays about two chunks).
+                other = others[int(last_calibration // every_s) % len(others)] if others else None
+                _calibrate(trainer, source, soak_clock, journal, other)
                 continue
             _fit(trainer, source, trainer.step_count + CHUNK, tick)
     finally:

@@ -28,13 +28,17 @@ class Calibration:
     soak's own stretch of the machine's load. A fault-free soak measured its steps 14-25% slower
     than the baselines taken before it (4 minutes, no fault: goodput 79.8%), so a reference taken
     only before the soak charges the load's drift to the faults. ``valid`` False: a recovery or a
-    resize landed during it (its time is then the soak's, and it is no reference)."""
+    resize landed during it (its time is then the soak's, and it is no reference). A round
+    calibrates the run's size and, in turn, one other (a resize there and back inside the round)."""
 
-    at_s: float  # soak seconds when it began
+    at_s: float  # soak seconds when its round began
     size: int
     steps: int
-    s: float
+    s: float  # its CHUNK's seconds
     valid: bool
+    # the soak clock's stop for its round (resizes to other sizes and back, warm-up, every chunk),
+    # on the round's first calibration; 0 on the others
+    paused_s: float = 0.0
 
 
 def reference_step_s(baseline: dict[int, tuple[int, float]], calibrations: list[Calibration]) -> dict[int, float]:

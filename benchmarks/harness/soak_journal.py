@@ -78,7 +78,7 @@ class JournalState:
     @property
     def paused_s(self) -> float:
         """Seconds the soak's clock stood still: its valid calibrations'."""
-        return sum(c.s for c in self.calibrations if c.valid)
+        return sum(c.paused_s for c in self.calibrations if c.valid)
 
     def soak_s(self, at: float) -> float:
         """A ``time.monotonic()`` reading in soak seconds: since t0, less the calibrations begun before it."""
@@ -86,7 +86,7 @@ class JournalState:
         paused = 0.0
         for c in self.calibrations:
             if c.valid and self.t0 + c.at_s + paused < at:
-                paused += c.s
+                paused += c.paused_s
         return at - self.t0 - paused
 
     def add(self, line: dict[str, Any]) -> None:

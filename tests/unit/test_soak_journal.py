@@ -84,9 +84,11 @@ def test_soak_seconds_leave_out_the_calibrations_begun_before() -> None:
     from benchmarks.harness.goodput import Calibration
 
     state = JournalState(t0=1000.0)
-    for c in (Calibration(at_s=100.0, size=4, steps=100, s=10.0, valid=True),  # monotonic 1100-1110
-              Calibration(at_s=200.0, size=4, steps=100, s=30.0, valid=False),  # the soak's own time
-              Calibration(at_s=300.0, size=3, steps=100, s=8.0, valid=True)):  # monotonic 1340-1348
+    for c in (Calibration(at_s=100.0, size=4, steps=100, s=10.0, valid=True, paused_s=10.0),  # monotonic 1100-1110
+              Calibration(at_s=200.0, size=4, steps=100, s=30.0, valid=False, paused_s=30.0),  # the soak's own time
+              # a round at 3 and at 2 (a resize there, warm steps, and back): monotonic 1340-1348
+              Calibration(at_s=300.0, size=3, steps=100, s=5.0, valid=True, paused_s=8.0),
+              Calibration(at_s=300.0, size=2, steps=100, s=2.0, valid=True)):
         state.add({"calibration": asdict(c)})
     assert state.paused_s == pytest.approx(18.0)
     assert state.soak_s(1050.0) == pytest.approx(50.0)
