@@ -223,13 +223,13 @@ def inner(args: argparse.Namespace) -> None:
                            "drivers": state.pids, "driver_kills": kills}
     before = {int(k): v["step_s"] for k, v in state.baseline.items()}
     # The reference: the baselines pooled with the calibrations interleaved with the soak.
-    baseline = reference_step_s({int(k): (v["steps"], v["s"]) for k, v in state.baseline.items()},
-                                state.calibrations)
+    reference = reference_step_s({int(k): (v["steps"], v["s"]) for k, v in state.baseline.items()},
+                                 state.calibrations)
     records = [FaultRecord(**state.faults[i]) for i in sorted(state.faults)]
     soak_s = end["soak_s"]
-    attribute(records, state.recoveries, state.steps, soak_s, baseline)
+    attribute(records, state.recoveries, state.steps, soak_s, reference)
     _driver_kills(records, state, kills)
-    parts = shares(state.steps, end_s=soak_s, baseline=baseline)
+    parts = shares(state.steps, end_s=soak_s, baseline=reference)
     steps = len(state.steps)
     out["soak"] = {"s": soak_s, "steps": steps, "planned_faults": len(records),
                    "fault_free_s": round(sum(p.fault_free_s for p in parts), 2),
@@ -240,7 +240,7 @@ def inner(args: argparse.Namespace) -> None:
     out["pace_ms"] = {str(p.size): round(1000 * v, 1) for p in parts if (v := pace_s(state.steps, p.size)) is not None}
     out["goodput"] = round(goodput(parts, wall_s=soak_s), 4)
     out["goodput_definition"] = DEFINITION
-    out["reference_ms"] = {str(k): round(1000 * v, 1) for k, v in baseline.items()}
+    out["reference_ms"] = {str(k): round(1000 * v, 1) for k, v in reference.items()}
     out["calibrations"] = [asdict(c) for c in state.calibrations]
     out["calibration_paused_s"] = round(state.paused_s, 2)
     # What the baselines before the soak alone would say (the first soaks' measure): the load's drift
@@ -294,7 +294,7 @@ def _calibrations_note(r: dict[str, Any]) -> str:
     for c in valid:
         by.setdefault(c["size"], []).append(1000 * c["s"] / c["steps"])
     return (f"; {len(valid)} fault-free calibration chunks interleaved with the soak ({len(cals) - len(valid)} "
-            f"not used: a recovery or resize landed in them), ms a step by owners (range): "
+            f"not used: a recovery landed in their round), ms a step by owners (range): "
             + ", ".join(f"{n}: {min(v):.0f}-{max(v):.0f} ({len(v)})" for n, v in sorted(by.items(), reverse=True))
             + "; the reference, both pooled: " + ", ".join(f"{k}: {v:.0f}" for k, v in r["reference_ms"].items())
             + f". Against the baselines before the soak alone, goodput {100 * r['goodput_before_only']:.1f}%")

@@ -27,9 +27,10 @@ class Calibration:
     stopped (the soak does not count its steps or time): the fault-free pace at ``size`` in the
     soak's own stretch of the machine's load. A fault-free soak measured its steps 14-25% slower
     than the baselines taken before it (4 minutes, no fault: goodput 79.8%), so a reference taken
-    only before the soak charges the load's drift to the faults. ``valid`` False: a recovery or a
-    resize landed during it (its time is then the soak's, and it is no reference). A round
-    calibrates the run's size and, in turn, one other (a resize there and back inside the round)."""
+    only before the soak charges the load's drift to the faults. A round calibrates the run's size
+    and, in turn, one other (a resize there and back inside the round). ``valid`` False: a recovery
+    landed in its round, or the round did not end at the run's size (its time is then the soak's,
+    and it is no reference)."""
 
     at_s: float  # soak seconds when its round began
     size: int

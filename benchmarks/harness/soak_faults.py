@@ -170,8 +170,7 @@ class Injector:
     # -- called between steps ---------------------------------------------------------------------
     def tick(self, elapsed_s: float, step: int) -> None:
         """Fire the next fault if it is due and the last one has settled."""
-        if self.records and self.records[-1].settled_s is None and self._settled():
-            self.records[-1].settled_s = round(elapsed_s - self.records[-1].at_s, 2)
+        self._note_settled(elapsed_s)
         if not self.pending or elapsed_s < self.pending[0].at_s:
             return
         if not self._settled():
@@ -204,12 +203,17 @@ class Injector:
         if (self.kill_requested or any(t.is_alive() for t in self._timers)
                 or not all(rule.hits >= S3_ERRORS for _, rule in self._rules) or not self._settled()):
             return False
+        self._note_settled(elapsed_s)  # settled since the last tick: from now
         if not self.records:
             return True
         last = self.records[-1]
-        if last.settled_s is None:  # settled since the last tick: from now
-            last.settled_s = round(elapsed_s - last.at_s, 2)
+        assert last.settled_s is not None
         return elapsed_s - (last.at_s + last.settled_s) >= for_s
+
+    def _note_settled(self, elapsed_s: float) -> None:
+        """The last fault's ``settled_s``, the first time it is seen settled."""
+        if self.records and self.records[-1].settled_s is None and self._settled():
+            self.records[-1].settled_s = round(elapsed_s - self.records[-1].at_s, 2)
 
     def _end_rules(self) -> None:
         for rec, rule in self._rules:
