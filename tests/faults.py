@@ -104,7 +104,10 @@ class _Hooks:
                 continue
             os.write(fd, repr(time.time()).encode())
             os.close(fd)
-            os.kill(os.getpid(), getattr(signal, f.sig))
+            # To this thread, not the process: a process-directed signal goes to the main thread,
+            # and until the scheduler runs it this thread (a Ray call's) carries on past the point
+            # (CI saw a frozen registration reply, then the owner stop in the next step).
+            signal.pthread_kill(threading.get_ident(), getattr(signal, f.sig))
 
 
 # exchange's callers: a peer restore's (redundancy, for LiveRank.rebuild) and a resize's
