@@ -170,10 +170,11 @@ class Injector:
     # -- called between steps ---------------------------------------------------------------------
     def tick(self, elapsed_s: float, step: int) -> None:
         """Fire the next fault if it is due and the last one has settled."""
-        self._note_settled(elapsed_s)
+        settled = self._settled()
+        self._note_settled(elapsed_s, settled)
         if not self.pending or elapsed_s < self.pending[0].at_s:
             return
-        if not self._settled():
+        if not settled:
             if elapsed_s - self.pending[0].at_s > self.overdue_s:
                 self.records.append(self._missed(self.pending.pop(0), elapsed_s, step))
             return
@@ -203,16 +204,16 @@ class Injector:
         if (self.kill_requested or any(t.is_alive() for t in self._timers)
                 or not all(rule.hits >= S3_ERRORS for _, rule in self._rules) or not self._settled()):
             return False
-        self._note_settled(elapsed_s)  # settled since the last tick: from now
+        self._note_settled(elapsed_s, True)  # settled since the last tick: from now
         if not self.records:
             return True
         last = self.records[-1]
         assert last.settled_s is not None
         return elapsed_s - (last.at_s + last.settled_s) >= for_s
 
-    def _note_settled(self, elapsed_s: float) -> None:
-        """The last fault's ``settled_s``, the first time it is seen settled."""
-        if self.records and self.records[-1].settled_s is None and self._settled():
+    def _note_settled(self, elapsed_s: float, settled: bool) -> None:
+        """The last fault's ``settled_s``, the first time it is seen ``settled``."""
+        if settled and self.records and self.records[-1].settled_s is None:
             self.records[-1].settled_s = round(elapsed_s - self.records[-1].at_s, 2)
 
     def _end_rules(self) -> None:
