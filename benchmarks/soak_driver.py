@@ -7,14 +7,16 @@ The first driver builds the trainer, warms up, measures the fault-free baselines
 ``fit`` in chunks under the fault injector (benchmarks/harness/soak_faults.py) until the soak's
 minutes are up, with a round of fault-free calibration chunks every ``calibrate_every_s`` soak
 seconds once no fault has been in flight for CALIBRATION_AFTER_S (the soak's clock stopped over
-it: goodput's reference in the soak's own stretch of the machine's load). A driver started with ``--attach`` takes a detached run over from the owners
+it: goodput's reference in the soak's own stretch of the machine's load).
+
+A driver started with ``--attach`` takes a detached run over from the owners
 (``ZeroTrainer.attach``) after its predecessor's SIGKILL, reads from the journal where the soak
 stands (its clock, the faults fired, the size to keep) and goes on to the same end. A driver
 started with ``--standby`` is one started ahead: it imports, connects to Ray, then waits for the
 run id on its standard input (its supervisor writes it when it SIGKILLs the driver before it)
-and attaches; an empty line (or stdin closed) ends it. Every event
-goes to the journal (benchmarks/harness/soak_journal.py), which the supervisor reads; the last
-driver saves the final parameters to a file and shuts the run down.
+and attaches; an empty line (or stdin closed) ends it. Every event goes to the journal
+(benchmarks/harness/soak_journal.py), which the supervisor reads; the last driver saves the
+final parameters to a file and shuts the run down.
 """
 
 from __future__ import annotations
